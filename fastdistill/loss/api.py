@@ -1,0 +1,262 @@
+"""Public loss API: :func:`sparse_jsd_loss`, input validation and backend dispatch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .chunked import LossConfig, sparse_jsd_rows
+from .support import _check_beta, canonical_mask
+
+BACKENDS = ("auto", "torch", "reference")
+TAIL_MODES = ("exact", "trl")
+
+
+@dataclass
+class SparseJSDOutput:
+    """Result of :func:`sparse_jsd_loss`. All fields are tensors on the input device.
+
+    Attributes:
+        loss: 0-dim, differentiable: Σ over scored positions of the per-position divergence (nats). Divide by
+            the window's token count yourself (see :mod:`fastdistill.loss.normalization`).
+        jsd_sum: 0-dim, the same sum, detached.
+        entropy_sum: 0-dim, Σ of the student's full-vocabulary entropy at the temperature (nats), detached.
+        teacher_entropy_sum: 0-dim, Σ of the teacher's entropy over support + tail (nats), detached.
+        num_tokens: 0-dim int64, number of scored positions (those with at least one valid slot).
+        per_teacher: ``(num_teachers, 3)``: per teacher index, (scored positions, jsd sum, teacher-entropy sum).
+    """
+
+    loss: torch.Tensor
+    jsd_sum: torch.Tensor
+    entropy_sum: torch.Tensor
+    teacher_entropy_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    per_teacher: torch.Tensor
+
+
+def sparse_jsd_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    lps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    beta: float = 0.0,
+    temperature: float = 1.0,
+    add_tail_bucket: bool = True,
+    tail_mode: str = "exact",
+    teacher_index: torch.Tensor | None = None,
+    num_teachers: int = 1,
+    backend: str = "auto",
+) -> SparseJSDOutput:
+    """Sparse generalized JSD between the student (lm_head over ``hidden``) and a sparse teacher.
+
+    Student logits ``z = softcap(logit_scale · (hidden @ weight.T + bias)) / temperature`` over the full
+    vocabulary, never materialised beyond a bounded tile. Support per position: the valid slots of ``ids``
+    (see :func:`fastdistill.narrow_support`) plus, with ``add_tail_bucket``, one bucket for the leftover mass.
+
+    Args:
+        hidden: ``(N, D)`` student hidden states of the trained positions.
+        weight: ``(V, D)`` lm_head weight. bias: ``(V,)`` or None.
+        ids: ``(N, S)`` integer candidate ids, -1 = empty slot. A repeated id counts once.
+        lps: ``(N, S)`` teacher log-probs (nats) of the candidates.
+        mask: ``(N, S)`` bool, slots to use. Positions with no usable slot are not scored.
+        logit_scale, softcap: logit post-processing read from the model config (softcap(x) = c·tanh(x/c)).
+        beta: 0 = forward KL(teacher‖student), 1 = reverse KL, otherwise β·KL(q‖m) + (1−β)·KL(p‖m),
+            m = (1−β)·p + β·q.
+        temperature: divides the student logits (the teacher is scored at the same temperature).
+        add_tail_bucket: append the leftover mass log(1 − Σ p) on each side; otherwise renormalise both sides
+            over the support.
+        tail_mode: ``"exact"`` (student tail = log-sum-exp over the non-candidate vocabulary − full log-sum-exp)
+            or ``"trl"`` (TRL's subtraction with clamp). The teacher tail is always the clamped subtraction.
+        teacher_index: ``(N,)`` integer teacher index per position for per-teacher statistics, or None.
+        num_teachers: number of teachers (rows of ``per_teacher``).
+        backend: ``"auto"`` (the torch path; the Triton kernels plug in here on CUDA), ``"torch"``
+            (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises N×V).
+
+    Returns:
+        :class:`SparseJSDOutput`.
+    """
+    _validate(hidden, weight, bias, ids, lps, mask, logit_scale, softcap, beta, temperature, add_tail_bucket,
+              tail_mode, teacher_index, num_teachers, backend)
+    cfg = LossConfig(logit_scale=logit_scale, softcap=softcap, beta=beta, temperature=temperature,
+                     add_tail_bucket=add_tail_bucket, tail_mode=tail_mode)
+    if backend == "reference":
+        from .reference import reference_sparse_jsd
+
+        return reference_sparse_jsd(hidden, weight, ids, lps, mask, bias=bias, cfg=cfg,
+                                    teacher_index=teacher_index, num_teachers=num_teachers)
+    return torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers)
+
+
+def torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None, num_teachers=1,
+                     chunk_rows: int | None = None) -> SparseJSDOutput:
+    """The memory-bounded torch path on validated inputs (``chunk_rows`` overrides the tile height)."""
+    valid = canonical_mask(ids, lps, mask)
+    scored = valid.any(dim=1)
+    idx = scored.nonzero().squeeze(1)
+    all_scored = idx.numel() == scored.numel()
+    h = hidden if all_scored else hidden.index_select(0, idx)
+    if not all_scored:
+        ids, lps, valid = ids[idx], lps[idx], valid[idx]
+    loss, div, ent, tent = _SparseJSD.apply(h, weight, bias, ids, lps, valid, cfg, chunk_rows)
+    tidx = None if teacher_index is None else (teacher_index if all_scored else teacher_index[idx])
+    return summarize(loss, div, ent, tent, tidx, num_teachers)
+
+
+def summarize(loss, div, ent, tent, teacher_index, num_teachers) -> SparseJSDOutput:
+    """Pack per-row statistics of the scored rows into a :class:`SparseJSDOutput`."""
+    with torch.no_grad():
+        per_row = torch.stack([torch.ones_like(div), div, tent], dim=1)
+        if teacher_index is None:
+            per_teacher = torch.zeros(num_teachers, 3, dtype=div.dtype, device=div.device)
+            per_teacher[0] = per_row.sum(dim=0)
+        else:
+            per_teacher = torch.zeros(num_teachers, 3, dtype=div.dtype, device=div.device)
+            per_teacher.index_add_(0, teacher_index.long(), per_row)
+        return SparseJSDOutput(
+            loss=loss,
+            jsd_sum=div.sum(),
+            entropy_sum=ent.sum(),
+            teacher_entropy_sum=tent.sum(),
+            num_tokens=torch.tensor(div.numel(), dtype=torch.int64, device=div.device),
+            per_teacher=per_teacher,
+        )
+
+
+class _SparseJSD(torch.autograd.Function):
+    """Loss and gradients in one pass over row chunks; backward only scales the saved gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, lps, valid, cfg, chunk_rows):
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        div, ent, tent, dh, dw, db = sparse_jsd_rows(
+            hidden, weight, bias, ids, lps, valid, cfg,
+            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows,
+        )
+        ctx.save_for_backward(
+            *(g if g is not None else torch.empty(0) for g in (dh, dw, db))
+        )
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.has = (dh is not None, dw is not None, db is not None)
+        ctx.mark_non_differentiable(div, ent, tent)
+        return div.sum(), div, ent, tent
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        grads = []
+        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes):
+            if not has:
+                grads.append(None)
+                continue
+            g = saved if _is_one(g_loss) else saved * g_loss.to(saved.dtype)
+            grads.append(g.to(dtype))
+        return (*grads, None, None, None, None, None)
+
+
+def _is_one(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.numel() == 1 and float(t) == 1.0
+
+
+def _validate(hidden, weight, bias, ids, lps, mask, logit_scale, softcap, beta, temperature, add_tail_bucket,
+              tail_mode, teacher_index, num_teachers, backend):
+    def need_tensor(name, x):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+    for name, x in (("hidden", hidden), ("weight", weight), ("ids", ids), ("lps", lps), ("mask", mask)):
+        need_tensor(name, x)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D (N, D), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be 2-D (V, D) with D = {hidden.shape[1]}, got shape {tuple(weight.shape)}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point tensor, got {weight.dtype}")
+    V = weight.shape[0]
+    if V == 0:
+        raise ValueError("weight must have at least one vocabulary row (V = 0)")
+    if bias is not None:
+        need_tensor("bias", bias)
+        if bias.shape != (V,):
+            raise ValueError(f"bias must have shape ({V},), got {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise ValueError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    N = hidden.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != N:
+        raise ValueError(f"ids must be 2-D (N, S) with N = {N}, got shape {tuple(ids.shape)}")
+    if ids.shape[1] == 0:
+        raise ValueError("ids must have at least one candidate slot (S = 0)")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    if lps.shape != ids.shape:
+        raise ValueError(f"lps must have the shape of ids {tuple(ids.shape)}, got {tuple(lps.shape)}")
+    if not lps.is_floating_point():
+        raise ValueError(f"lps must be a floating-point tensor, got {lps.dtype}")
+    if mask.shape != ids.shape:
+        raise ValueError(f"mask must have the shape of ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
+    tensors = {"weight": weight, "ids": ids, "lps": lps, "mask": mask}
+    if bias is not None:
+        tensors["bias"] = bias
+    if teacher_index is not None:
+        need_tensor("teacher_index", teacher_index)
+        tensors["teacher_index"] = teacher_index
+    for name, x in tensors.items():
+        if x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}; put all inputs on one device")
+
+    _check_beta(beta)
+    if not _is_number(temperature) or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not _is_number(logit_scale) or not (math.isfinite(logit_scale) and logit_scale > 0):
+        raise ValueError(f"logit_scale must be a finite number > 0, got {logit_scale!r}")
+    if softcap is not None and (not _is_number(softcap) or not (math.isfinite(softcap) and softcap > 0)):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if not isinstance(add_tail_bucket, bool):
+        raise ValueError(f"add_tail_bucket must be a bool, got {add_tail_bucket!r}")
+    if tail_mode not in TAIL_MODES:
+        raise ValueError(f"tail_mode must be one of {TAIL_MODES}, got {tail_mode!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(num_teachers, int) or isinstance(num_teachers, bool) or num_teachers < 1:
+        raise ValueError(f"num_teachers must be an int >= 1, got {num_teachers!r}")
+    if not add_tail_bucket and ids.shape[1] == 1:
+        raise ValueError(
+            "add_tail_bucket=False with a single support slot (e.g. beta=1) renormalises both sides to a point "
+            "mass, so the loss would be identically zero; keep add_tail_bucket=True"
+        )
+
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= V:
+            raise ValueError(f"ids must lie in [-1, V) = [-1, {V}) (-1 = empty slot), got values in [{lo}, {hi}]")
+        used = mask & (ids >= 0)
+        bad = used & (torch.isnan(lps) | (lps == float("inf")))
+        if bool(bad.any()):
+            raise ValueError(
+                f"lps has {int(bad.sum())} NaN or +inf teacher log-probs on used slots (mask set, id >= 0); "
+                "drop those candidates (set their mask to False) before calling"
+            )
+    if teacher_index is not None:
+        if teacher_index.shape != (N,):
+            raise ValueError(f"teacher_index must have shape ({N},), got {tuple(teacher_index.shape)}")
+        if teacher_index.is_floating_point() or teacher_index.dtype == torch.bool:
+            raise ValueError(f"teacher_index must be an integer tensor, got {teacher_index.dtype}")
+        if N and (int(teacher_index.min()) < 0 or int(teacher_index.max()) >= num_teachers):
+            raise ValueError(
+                f"teacher_index values must lie in [0, num_teachers) = [0, {num_teachers}), got values in "
+                f"[{int(teacher_index.min())}, {int(teacher_index.max())}]"
+            )
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

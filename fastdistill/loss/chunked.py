@@ -1,0 +1,188 @@
+"""Memory-bounded torch path: row chunks, exact tail, gradients computed in the same pass as the loss.
+
+For each chunk of ``c`` scored rows it materialises one ``(c, V)`` logits tile (plus one work tile of the
+same size), reduces it to ``z_cand``, ``lse`` and ``lse_nc``, evaluates the bucket divergence and its
+gradient with respect to those few numbers, and turns that into ``dL/dz`` for the tile, which two GEMMs fold
+into ``dh`` and ``dW``. Nothing is recomputed in backward (TRL checkpoints and redoes the whole chunk), so the
+work is the three unavoidable matmuls; extra memory is two tiles plus O(N·S), independent of N.
+
+Gradient of the loss with respect to a student logit ``z_v`` (``p_v = exp(z_v − lse)``, C = candidate ids):
+
+    dL/dz_v = g_lse · p_v + g_nc · exp(z_v − lse_nc)   for v ∉ C
+    dL/dz_v = g_lse · p_v + g_cand[k]                  for v = C[k]
+
+Non-candidate entries are written as ``exp(z_v − m_nc) · coef`` with ``m_nc`` the non-candidate max, so
+nothing overflows; candidate entries are written separately and exactly (no dense-minus-correction form,
+which cancels catastrophically when the tail is tiny).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import bucket_divergence
+
+DEFAULT_TILE_BYTES = 64 * 2**20  # budget for the two (rows × V) work tiles
+
+
+class LossConfig:
+    """Static loss settings shared by the torch paths (plain attributes; validated by the public API)."""
+
+    __slots__ = ("logit_scale", "softcap", "beta", "temperature", "add_tail_bucket", "tail_mode")
+
+    def __init__(self, *, logit_scale, softcap, beta, temperature, add_tail_bucket, tail_mode):
+        self.logit_scale = float(logit_scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.beta = float(beta)
+        self.temperature = float(temperature)
+        self.add_tail_bucket = bool(add_tail_bucket)
+        self.tail_mode = tail_mode
+
+
+def default_chunk_rows(vocab_size: int, dtype: torch.dtype, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
+    """Rows per chunk so that the two ``(rows, V)`` work tiles fit in ``tile_bytes``."""
+    elem = torch.finfo(dtype).bits // 8
+    return max(1, min(4096, tile_bytes // (2 * vocab_size * elem)))
+
+
+def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor):
+    """Final student logits ``softcap(scale·(h Wᵀ + b)) / T`` into ``out`` ``(c, V)``."""
+    if cfg.softcap is None:
+        alpha = cfg.logit_scale / cfg.temperature  # fold the scalars into the (c, D) operand, not the (c, V) tile
+        if b is None:
+            torch.mm(h * alpha, w.t(), out=out)
+        else:
+            torch.addmm(b * alpha, h * alpha, w.t(), out=out)
+        return out
+    if b is None:
+        torch.mm(h, w.t(), out=out)
+    else:
+        torch.addmm(b, h, w.t(), out=out)
+    c = cfg.softcap
+    out.mul_(cfg.logit_scale / c).tanh_().mul_(c / cfg.temperature)
+    return out
+
+
+def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, work: torch.Tensor):
+    """Reduce one logits tile. Overwrites ``z`` with ``z − m_nc`` (0 at candidates) and ``work`` with
+    ``exp(z − m_nc)`` (0 at candidates). Returns ``(z_cand, m_nc, s_nc, lse_nc, lse, entropy)``, all per row."""
+    neg_inf = float("-inf")
+    z_cand = z.gather(1, ids_safe)
+    z.scatter_(1, ids_safe, neg_inf)  # invalid slots point at a valid id of the same row: same value written
+    m_nc = z.amax(dim=1)
+    m_nc = torch.where(torch.isfinite(m_nc), m_nc, torch.zeros_like(m_nc))  # a row whose candidates are all of V
+    z.sub_(m_nc.unsqueeze(1))
+    torch.exp(z, out=work)
+    z.scatter_(1, ids_safe, 0.0)  # so that work·z has no 0·(−inf)
+    s_nc = work.sum(dim=1)
+    sum_rz = torch.einsum("cv,cv->c", work, z)  # Σ_v exp(y_v)·y_v over non-candidates, y = z − m_nc
+    lse_nc = m_nc + torch.log(s_nc)
+    z_valid = torch.where(valid, z_cand, torch.full_like(z_cand, neg_inf))
+    lse = torch.logaddexp(lse_nc, torch.logsumexp(z_valid, dim=1))
+    # Entropy −Σ p log p = Σ p (lse − z): non-candidates from the shifted sums, candidates directly.
+    p_cand = torch.where(valid, torch.exp(z_cand - lse.unsqueeze(1)), torch.zeros_like(z_cand))
+    ent_nc = torch.exp(m_nc - lse) * ((lse - m_nc) * s_nc - sum_rz)
+    ent_c = (p_cand * torch.where(valid, lse.unsqueeze(1) - z_cand, torch.zeros_like(z_cand))).sum(dim=1)
+    return z_cand, m_nc, s_nc, lse_nc, lse, ent_nc + ent_c
+
+
+def _row_grads(z_cand, lse, lse_nc, lps, valid, covers, cfg: LossConfig, need_grad: bool):
+    """Bucket divergence per row and, when asked, its gradient w.r.t. (z_cand, lse, lse_nc)."""
+    kw = dict(beta=cfg.beta, add_tail_bucket=cfg.add_tail_bucket, tail_mode=cfg.tail_mode)
+    if not need_grad:
+        div, tent = bucket_divergence(z_cand, lse, lse_nc, lps, valid, covers, **kw)
+        return div, tent, None
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(True) for x in (z_cand, lse, lse_nc)]
+        div, tent = bucket_divergence(*leaves, lps, valid, covers, **kw)
+        grads = torch.autograd.grad(div.sum(), leaves, allow_unused=True)
+    grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves))
+    return div.detach(), tent, grads
+
+
+def sparse_jsd_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    lps: torch.Tensor,
+    valid: torch.Tensor,
+    cfg: LossConfig,
+    *,
+    need_dh: bool,
+    need_dw: bool,
+    need_db: bool,
+    chunk_rows: int | None = None,
+):
+    """Loss statistics (and optionally gradients) over rows that all carry teacher signal.
+
+    Args:
+        hidden: ``(n, D)``; weight ``(V, D)``; bias ``(V,)`` or None.
+        ids, lps, valid: ``(n, S)``; canonical slots, every row has at least one valid slot.
+
+    Returns:
+        ``(div, entropy, teacher_entropy, dh, dw, db)``: per-row ``(n,)`` tensors in the compute dtype, and the
+        gradients of ``Σ div`` (compute dtype) or None when not asked for.
+    """
+    n, S = ids.shape
+    V = weight.shape[0]
+    cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    dev = hidden.device
+    w = weight.to(cdt)
+    b = None if bias is None else bias.to(cdt)
+    c_rows = chunk_rows or default_chunk_rows(V, cdt)
+    c_rows = max(1, min(c_rows, n))
+    need_grad = need_dh or need_dw or need_db
+
+    # Invalid slots borrow the id of the row's first valid slot, so scatters/gathers stay in range and benign.
+    first_valid = valid.long().argmax(dim=1, keepdim=True)
+    ids_safe = torch.where(valid, ids.long(), ids.long().gather(1, first_valid))
+    covers = valid.sum(dim=1) >= V
+    lps_c = lps.to(cdt)
+
+    div = torch.empty(n, dtype=cdt, device=dev)
+    ent = torch.empty(n, dtype=cdt, device=dev)
+    tent = torch.empty(n, dtype=cdt, device=dev)
+    dh = torch.empty(n, hidden.shape[1], dtype=cdt, device=dev) if need_dh else None
+    dw = torch.zeros_like(w) if need_dw else None
+    db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
+    z_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
+    work_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
+
+    for start in range(0, n, c_rows):
+        end = min(start + c_rows, n)
+        rows = slice(start, end)
+        c = end - start
+        h = hidden[rows].to(cdt)
+        z, work = z_tile[:c], work_tile[:c]
+        _student_logits(h, w, b, cfg, out=z)
+        z_cand, m_nc, s_nc, lse_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], work)
+        d, tent[rows], grads = _row_grads(
+            z_cand, lse, lse_nc, lps_c[rows], valid[rows], covers[rows], cfg, need_grad
+        )
+        div[rows] = d
+        if not need_grad:
+            continue
+        g_cand, g_lse, g_nc = grads
+        # Chain factor of z = softcap(scale·x)/T w.r.t. the raw logit x, folded into per-row scalars where possible.
+        alpha = cfg.logit_scale / cfg.temperature
+        # dL/dz at non-candidates = exp(z − m_nc) · coef; exp(m_nc − lse_nc) = 1 / s_nc.
+        inv_s_nc = torch.where(s_nc > 0, 1.0 / s_nc, torch.zeros_like(s_nc))  # s_nc = 0: no non-candidates
+        coef = (g_lse * torch.exp(m_nc - lse) + g_nc * inv_s_nc) * alpha
+        work.mul_(coef.unsqueeze(1))
+        cand_grad = (g_cand + g_lse.unsqueeze(1) * torch.exp(z_cand - lse.unsqueeze(1))) * alpha
+        if cfg.softcap is not None:
+            # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c; z is rebuilt from the shifted tile in place.
+            u_scale = cfg.temperature / cfg.softcap
+            z.add_(m_nc.unsqueeze(1)).mul_(u_scale).square_().neg_().add_(1.0)  # wrong at candidates: work is 0 there
+            work.mul_(z)
+            cand_grad = cand_grad * (1.0 - (z_cand * u_scale) ** 2)
+        cand_grad = torch.where(valid[rows], cand_grad, torch.zeros_like(cand_grad))
+        work.scatter_add_(1, ids_safe[rows], cand_grad)  # candidate entries of work are 0 before this
+        if need_dh:
+            torch.mm(work, w, out=dh[rows])
+        if need_dw:
+            dw.addmm_(work.t(), h)
+        if need_db:
+            db.add_(work.sum(dim=0))
+    return div, ent, tent, dh, dw, db

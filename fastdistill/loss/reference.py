@@ -1,0 +1,94 @@
+"""Dense reference: materialises the (N, V) logits and writes every formula out in probability space.
+
+It shares no code with the torch path or the kernels (own slot canonicalisation, own tail and divergence
+formulas), so tests can use it as an independent oracle. Run it in float64 for a tight oracle; gradients
+come from plain autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_sparse_jsd(hidden, weight, ids, lps, mask, *, bias=None, cfg, teacher_index=None, num_teachers=1):
+    """Same contract as :func:`fastdistill.sparse_jsd_loss` (``cfg`` is a ``LossConfig``); O(N·V) memory."""
+    from .api import summarize
+
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    dtype = dtype if dtype == torch.float64 else torch.float32
+    x = hidden.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        x = x + bias.to(dtype)
+    x = x * cfg.logit_scale
+    if cfg.softcap is not None:
+        x = cfg.softcap * torch.tanh(x / cfg.softcap)
+    logp = torch.log_softmax(x / cfg.temperature, dim=-1)
+    V = logp.shape[1]
+
+    valid = _canonical_slots(ids, lps, mask)
+    scored = [n for n in range(ids.shape[0]) if valid[n]]
+    divs, ents, tents = [], [], []
+    for n in scored:
+        slots = valid[n]
+        cand = torch.tensor([int(ids[n, k]) for k in slots], dtype=torch.long, device=logp.device)
+        p = logp[n, cand].exp()
+        q = lps[n, slots].to(dtype).exp()
+        if cfg.add_tail_bucket:
+            p, q = _with_tail(logp[n], cand, p, q, cfg.tail_mode, V)
+        else:
+            p, q = p / p.sum(), q / q.sum()
+        divs.append(_divergence(p, q, cfg.beta))
+        probs = logp[n].exp()
+        ents.append(-(torch.special.xlogy(probs, probs)).sum().detach())
+        tents.append(-(torch.special.xlogy(q, q)).sum().detach())
+
+    empty = logp.new_zeros(0)
+    div = torch.stack(divs) if divs else empty
+    loss = div.sum() + 0.0 * x.sum()  # keeps the graph connected when nothing is scored
+    tidx = None if teacher_index is None else teacher_index[torch.tensor(scored, dtype=torch.long)]
+    ent = torch.stack(ents) if ents else empty
+    tent = torch.stack(tents) if tents else empty
+    return summarize(loss, div.detach(), ent, tent, tidx, num_teachers)
+
+
+def _canonical_slots(ids, lps, mask) -> list[list[int]]:
+    """Per row, the slot indices that count: mask set, id >= 0, finite teacher log-prob, first of its id."""
+    out = []
+    for n in range(ids.shape[0]):
+        seen, keep = set(), []
+        for k in range(ids.shape[1]):
+            tok = int(ids[n, k])
+            if bool(mask[n, k]) and tok >= 0 and math.isfinite(float(lps[n, k])) and tok not in seen:
+                seen.add(tok)
+                keep.append(k)
+        out.append(keep)
+    return out
+
+
+def _with_tail(logp_row, cand, p, q, tail_mode, V):
+    """Append the leftover-mass bucket to both distributions."""
+    q_tail = 1.0 - min(float(q.sum()), math.exp(-1e-7))  # TRL's clamp on the teacher side
+    q = torch.cat([q, q.new_tensor([q_tail])])
+    if tail_mode == "exact":
+        if len(cand) == V:  # no leftover token at all: no tail on either side
+            return p, q[:-1]
+        outside = torch.ones(V, dtype=torch.bool, device=logp_row.device)
+        outside[cand] = False
+        p_tail = logp_row[outside].exp().sum()
+    else:
+        p_tail = 1.0 - torch.clamp(p.sum(), max=math.exp(-1e-7))
+    return torch.cat([p, p_tail.reshape(1)]), q
+
+
+def _divergence(p, q, beta):
+    """Generalized JSD in probability space (TRL/GKD convention), β = 0 / 1 are the forward / reverse KL."""
+    if beta == 0.0:
+        return (torch.special.xlogy(q, q) - torch.special.xlogy(q, p)).sum()
+    if beta == 1.0:
+        return (torch.special.xlogy(p, p) - torch.special.xlogy(p, q)).sum()
+    m = (1.0 - beta) * p + beta * q
+    kl_qm = (torch.special.xlogy(q, q) - torch.special.xlogy(q, m)).sum()
+    kl_pm = (torch.special.xlogy(p, p) - torch.special.xlogy(p, m)).sum()
+    return beta * kl_qm + (1.0 - beta) * kl_pm
