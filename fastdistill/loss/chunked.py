@@ -65,7 +65,8 @@ def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cf
 
 def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, work: torch.Tensor):
     """Reduce one logits tile. Overwrites ``z`` with ``z − m_nc`` (0 at candidates) and ``work`` with
-    ``exp(z − m_nc)`` (0 at candidates). Returns ``(z_cand, m_nc, s_nc, lse_nc, lse, entropy)``, all per row."""
+    ``exp(z − m_nc)`` (0 at candidates). Returns ``(z_cand, p_cand, m_nc, s_nc, lse_nc, lse, entropy)``: the
+    candidates' logits and probabilities ``(c, S)`` (0 on invalid slots), the rest per row ``(c,)``."""
     neg_inf = float("-inf")
     z_cand = z.gather(1, ids_safe)
     z.scatter_(1, ids_safe, neg_inf)  # invalid slots point at a valid id of the same row: same value written
@@ -83,7 +84,7 @@ def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, w
     p_cand = torch.where(valid, torch.exp(z_cand - lse.unsqueeze(1)), torch.zeros_like(z_cand))
     ent_nc = torch.exp(m_nc - lse) * ((lse - m_nc) * s_nc - sum_rz)
     ent_c = (p_cand * torch.where(valid, lse.unsqueeze(1) - z_cand, torch.zeros_like(z_cand))).sum(dim=1)
-    return z_cand, m_nc, s_nc, lse_nc, lse, ent_nc + ent_c
+    return z_cand, p_cand, m_nc, s_nc, lse_nc, lse, ent_nc + ent_c
 
 
 def _row_grads(z_cand, lse, lse_nc, lps, valid, covers, cfg: LossConfig, need_grad: bool):
@@ -156,21 +157,25 @@ def sparse_jsd_rows(
         h = hidden[rows].to(cdt)
         z, work = z_tile[:c], work_tile[:c]
         _student_logits(h, w, b, cfg, out=z)
-        z_cand, m_nc, s_nc, lse_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], work)
+        z_cand, p_cand, m_nc, s_nc, lse_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], work)
         d, tent[rows], grads = _row_grads(
             z_cand, lse, lse_nc, lps_c[rows], valid[rows], covers[rows], cfg, need_grad
         )
         div[rows] = d
         if not need_grad:
             continue
-        g_cand, g_lse, g_nc = grads
-        # Chain factor of z = softcap(scale·x)/T w.r.t. the raw logit x, folded into per-row scalars where possible.
-        alpha = cfg.logit_scale / cfg.temperature
-        # dL/dz at non-candidates = exp(z − m_nc) · coef; exp(m_nc − lse_nc) = 1 / s_nc.
+        g_cand, _, g_nc = grads
+        # The loss sees the logits only through z_cand − lse and lse_nc − lse, so g_lse = −(Σ g_cand + g_nc).
+        # Substituting it, with P_C = Σ candidate probs = 1 − p_tail, avoids the cancellation of
+        # g_nc / p_tail − g_nc when the tail holds almost all the mass:
+        #   non-candidates: dL/dz_v = exp(z_v − m_nc) · (g_nc · P_C / s_nc − Σ g_cand · exp(m_nc − lse))
+        #   candidates:     dL/dz_c = g_cand − p_c · (Σ g_cand + g_nc)
+        alpha = cfg.logit_scale / cfg.temperature  # chain factor of z w.r.t. the raw logit (softcap: times 1 − u²)
+        sum_g_cand = g_cand.sum(dim=1)
         inv_s_nc = torch.where(s_nc > 0, 1.0 / s_nc, torch.zeros_like(s_nc))  # s_nc = 0: no non-candidates
-        coef = (g_lse * torch.exp(m_nc - lse) + g_nc * inv_s_nc) * alpha
+        coef = (g_nc * p_cand.sum(dim=1) * inv_s_nc - sum_g_cand * torch.exp(m_nc - lse)) * alpha
         work.mul_(coef.unsqueeze(1))
-        cand_grad = (g_cand + g_lse.unsqueeze(1) * torch.exp(z_cand - lse.unsqueeze(1))) * alpha
+        cand_grad = (g_cand - p_cand * (sum_g_cand + g_nc).unsqueeze(1)) * alpha
         if cfg.softcap is not None:
             # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c; z is rebuilt from the shifted tile in place.
             u_scale = cfg.temperature / cfg.softcap
