@@ -22,7 +22,7 @@ import torch
 
 from .buckets import bucket_divergence
 
-DEFAULT_TILE_BYTES = 64 * 2**20  # budget for the two (rows × V) work tiles
+DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the two (rows × V) work tiles
 
 
 class LossConfig:
@@ -145,7 +145,8 @@ def sparse_jsd_rows(
     ent = torch.empty(n, dtype=cdt, device=dev)
     tent = torch.empty(n, dtype=cdt, device=dev)
     dh = torch.empty(n, hidden.shape[1], dtype=cdt, device=dev) if need_dh else None
-    dw = torch.zeros_like(w) if need_dw else None
+    # the first chunk writes dw, later ones accumulate into it (no zero-fill pass over V×D)
+    dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_dw else None
     db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
     z_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
     work_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
@@ -187,7 +188,10 @@ def sparse_jsd_rows(
         if need_dh:
             torch.mm(work, w, out=dh[rows])
         if need_dw:
-            dw.addmm_(work.t(), h)
+            if start == 0:
+                torch.mm(work.t(), h, out=dw)
+            else:
+                dw.addmm_(work.t(), h)
         if need_db:
             db.add_(work.sum(dim=0))
     return div, ent, tent, dh, dw, db
