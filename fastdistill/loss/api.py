@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +12,8 @@ import torch
 from .chunked import LossConfig, sparse_jsd_rows
 from .support import _check_beta, canonical_mask
 
-BACKENDS = ("auto", "torch", "reference")
+BACKENDS = ("auto", "torch", "reference", "triton")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TAIL_MODES = ("exact", "trl")
 
 
@@ -76,8 +79,10 @@ def sparse_jsd_loss(
             or ``"trl"`` (TRL's subtraction with clamp). The teacher tail is always the clamped subtraction.
         teacher_index: ``(N,)`` integer teacher index per position for per-teacher statistics, or None.
         num_teachers: number of teachers (rows of ``per_teacher``).
-        backend: ``"auto"`` (the torch path; the Triton kernels plug in here on CUDA), ``"torch"``
-            (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises N×V).
+        backend: ``"auto"`` (the Triton kernels for CUDA tensors in float32/bfloat16/float16 when triton is
+            installed, else the torch path), ``"torch"`` (memory-bounded torch path), ``"reference"`` (dense
+            float64-capable oracle; materialises N×V), ``"triton"`` (the fused kernels: CUDA tensors, or CPU
+            tensors under ``TRITON_INTERPRET=1``).
 
     Returns:
         :class:`SparseJSDOutput`.
@@ -91,22 +96,56 @@ def sparse_jsd_loss(
 
         return reference_sparse_jsd(hidden, weight, ids, lps, mask, bias=bias, cfg=cfg,
                                     teacher_index=teacher_index, num_teachers=num_teachers)
+    if backend == "triton" or (backend == "auto" and _triton_is_default(hidden, weight)):
+        return _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers)
     return torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers)
+
+
+def _triton_is_default(hidden, weight) -> bool:
+    """``backend="auto"`` takes the kernels for CUDA tensors in a kernel dtype when triton is installed."""
+    return (hidden.is_cuda and hidden.dtype in TRITON_DTYPES and weight.dtype in TRITON_DTYPES
+            and importlib.util.find_spec("triton") is not None)
+
+
+def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None,
+                       num_teachers=1) -> SparseJSDOutput:
+    """The fused Triton kernels on validated inputs: canonical slots, scored rows only, then the kernel op."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError("backend='triton' needs the triton package: pip install 'fastdistill[gpu]'")
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' got {hidden.device.type} tensors: use CUDA tensors, or set "
+                         "TRITON_INTERPRET=1 (before fastdistill_kernels is imported) to run the kernels in Triton's "
+                         "CPU interpreter")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if x.dtype not in TRITON_DTYPES:
+            raise ValueError(f"backend='triton' takes float32, bfloat16 or float16 {name}, got {x.dtype}; "
+                             "use backend='torch' for other dtypes")
+    from fastdistill_kernels import fused_sparse_jsd
+
+    hidden, ids, lps, valid, teacher_index = _scored_rows(hidden, ids, lps, mask, teacher_index)
+    div, ent, tent = fused_sparse_jsd(
+        hidden, weight, ids, lps, valid, bias=bias, logit_scale=cfg.logit_scale, softcap=cfg.softcap, beta=cfg.beta,
+        temperature=cfg.temperature, add_tail_bucket=cfg.add_tail_bucket, tail_mode=cfg.tail_mode,
+    )
+    return summarize(div.sum(), div.detach(), ent, tent, teacher_index, num_teachers)
 
 
 def torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None, num_teachers=1,
                      chunk_rows: int | None = None) -> SparseJSDOutput:
     """The memory-bounded torch path on validated inputs (``chunk_rows`` overrides the tile height)."""
+    hidden, ids, lps, valid, teacher_index = _scored_rows(hidden, ids, lps, mask, teacher_index)
+    loss, div, ent, tent = _SparseJSD.apply(hidden, weight, bias, ids, lps, valid, cfg, chunk_rows)
+    return summarize(loss, div, ent, tent, teacher_index, num_teachers)
+
+
+def _scored_rows(hidden, ids, lps, mask, teacher_index):
+    """Canonical slots, and only the rows that have one (no copy when every row is scored)."""
     valid = canonical_mask(ids, lps, mask)
-    scored = valid.any(dim=1)
-    idx = scored.nonzero().squeeze(1)
-    all_scored = idx.numel() == scored.numel()
-    h = hidden if all_scored else hidden.index_select(0, idx)
-    if not all_scored:
-        ids, lps, valid = ids[idx], lps[idx], valid[idx]
-    loss, div, ent, tent = _SparseJSD.apply(h, weight, bias, ids, lps, valid, cfg, chunk_rows)
-    tidx = None if teacher_index is None else (teacher_index if all_scored else teacher_index[idx])
-    return summarize(loss, div, ent, tent, tidx, num_teachers)
+    idx = valid.any(dim=1).nonzero().squeeze(1)
+    if idx.numel() == ids.shape[0]:
+        return hidden, ids, lps, valid, teacher_index
+    teacher_index = None if teacher_index is None else teacher_index[idx]
+    return hidden.index_select(0, idx), ids[idx], lps[idx], valid[idx], teacher_index
 
 
 def summarize(loss, div, ent, tent, teacher_index, num_teachers) -> SparseJSDOutput:

@@ -6,21 +6,18 @@ gradient with respect to those few numbers, and turns that into ``dL/dz`` for th
 into ``dh`` and ``dW``. Nothing is recomputed in backward (TRL checkpoints and redoes the whole chunk), so the
 work is the three unavoidable matmuls; extra memory is two tiles plus O(N·S), independent of N.
 
-Gradient of the loss with respect to a student logit ``z_v`` (``p_v = exp(z_v − lse)``, C = candidate ids):
-
-    dL/dz_v = g_lse · p_v + g_nc · exp(z_v − lse_nc)   for v ∉ C
-    dL/dz_v = g_lse · p_v + g_cand[k]                  for v = C[k]
-
-Non-candidate entries are written as ``exp(z_v − m_nc) · coef`` with ``m_nc`` the non-candidate max, so
-nothing overflows; candidate entries are written separately and exactly (no dense-minus-correction form,
-which cancels catastrophically when the tail is tiny).
+The per-row math (divergence, and its gradient in the form ``dL/dz_v = exp(z_v − m_nc)·coef_nc`` at
+non-candidates, ``cand_grad`` at candidates) is :mod:`fastdistill_kernels.buckets`, shared with the Triton
+kernels. Shifting by the non-candidate max ``m_nc`` keeps every exponent ≤ 0, and candidate entries are
+written separately and exactly (no dense-minus-correction form, which cancels catastrophically when the tail
+is tiny).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .buckets import bucket_divergence
+from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
 DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the two (rows × V) work tiles
 
@@ -65,8 +62,8 @@ def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cf
 
 def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, work: torch.Tensor):
     """Reduce one logits tile. Overwrites ``z`` with ``z − m_nc`` (0 at candidates) and ``work`` with
-    ``exp(z − m_nc)`` (0 at candidates). Returns ``(z_cand, p_cand, m_nc, s_nc, lse_nc, lse, entropy)``: the
-    candidates' logits and probabilities ``(c, S)`` (0 on invalid slots), the rest per row ``(c,)``."""
+    ``exp(z − m_nc)`` (0 at candidates). Returns ``(z_cand, m_nc, s_nc, lse, entropy)``: the candidates' logits
+    ``(c, S)``, the non-candidate max and shifted sum of exps, the full log-sum-exp and the entropy, per row."""
     neg_inf = float("-inf")
     z_cand = z.gather(1, ids_safe)
     z.scatter_(1, ids_safe, neg_inf)  # invalid slots point at a valid id of the same row: same value written
@@ -84,20 +81,18 @@ def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, w
     p_cand = torch.where(valid, torch.exp(z_cand - lse.unsqueeze(1)), torch.zeros_like(z_cand))
     ent_nc = torch.exp(m_nc - lse) * ((lse - m_nc) * s_nc - sum_rz)
     ent_c = (p_cand * torch.where(valid, lse.unsqueeze(1) - z_cand, torch.zeros_like(z_cand))).sum(dim=1)
-    return z_cand, p_cand, m_nc, s_nc, lse_nc, lse, ent_nc + ent_c
+    return z_cand, m_nc, s_nc, lse, ent_nc + ent_c
 
 
-def _row_grads(z_cand, lse, lse_nc, lps, valid, covers, cfg: LossConfig, need_grad: bool):
-    """Bucket divergence per row and, when asked, its gradient w.r.t. (z_cand, lse, lse_nc)."""
+def _row_losses(z_cand, m_nc, s_nc, lse, lps, valid, covers, cfg: LossConfig, need_grad: bool):
+    """Bucket divergence and teacher entropy per row and, when asked, the logit-gradient coefficients
+    ``(coef_nc, cand_grad)`` of :func:`fastdistill_kernels.buckets.logit_gradients` (w.r.t. the final logits z)."""
     kw = dict(beta=cfg.beta, add_tail_bucket=cfg.add_tail_bucket, tail_mode=cfg.tail_mode)
+    lse_nc = m_nc + torch.log(s_nc)
+    div, tent = bucket_divergence(z_cand, lse, lse_nc, lps, valid, covers, **kw)
     if not need_grad:
-        div, tent = bucket_divergence(z_cand, lse, lse_nc, lps, valid, covers, **kw)
         return div, tent, None
-    with torch.enable_grad():
-        leaves = [x.detach().requires_grad_(True) for x in (z_cand, lse, lse_nc)]
-        div, tent = bucket_divergence(*leaves, lps, valid, covers, **kw)
-        grads = torch.autograd.grad(div.sum(), leaves, allow_unused=True)
-    grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves))
+    grads = logit_gradients(z_cand, lse, m_nc, s_nc, lps, valid, covers, torch.ones_like(lse), **kw)
     return div.detach(), tent, grads
 
 
@@ -158,25 +153,17 @@ def sparse_jsd_rows(
         h = hidden[rows].to(cdt)
         z, work = z_tile[:c], work_tile[:c]
         _student_logits(h, w, b, cfg, out=z)
-        z_cand, p_cand, m_nc, s_nc, lse_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], work)
-        d, tent[rows], grads = _row_grads(
-            z_cand, lse, lse_nc, lps_c[rows], valid[rows], covers[rows], cfg, need_grad
+        z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], work)
+        div[rows], tent[rows], grads = _row_losses(
+            z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad
         )
-        div[rows] = d
         if not need_grad:
             continue
-        g_cand, _, g_nc = grads
-        # The loss sees the logits only through z_cand − lse and lse_nc − lse, so g_lse = −(Σ g_cand + g_nc).
-        # Substituting it, with P_C = Σ candidate probs = 1 − p_tail, avoids the cancellation of
-        # g_nc / p_tail − g_nc when the tail holds almost all the mass:
-        #   non-candidates: dL/dz_v = exp(z_v − m_nc) · (g_nc · P_C / s_nc − Σ g_cand · exp(m_nc − lse))
-        #   candidates:     dL/dz_c = g_cand − p_c · (Σ g_cand + g_nc)
+        # dL/dz: exp(z − m_nc)·coef_nc at non-candidates (work holds exp(z − m_nc)), cand_grad at candidates.
+        coef_nc, cand_grad = grads
         alpha = cfg.logit_scale / cfg.temperature  # chain factor of z w.r.t. the raw logit (softcap: times 1 − u²)
-        sum_g_cand = g_cand.sum(dim=1)
-        inv_s_nc = torch.where(s_nc > 0, 1.0 / s_nc, torch.zeros_like(s_nc))  # s_nc = 0: no non-candidates
-        coef = (g_nc * p_cand.sum(dim=1) * inv_s_nc - sum_g_cand * torch.exp(m_nc - lse)) * alpha
-        work.mul_(coef.unsqueeze(1))
-        cand_grad = (g_cand - p_cand * (sum_g_cand + g_nc).unsqueeze(1)) * alpha
+        work.mul_((coef_nc * alpha).unsqueeze(1))
+        cand_grad = cand_grad * alpha
         if cfg.softcap is not None:
             # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c; z is rebuilt from the shifted tile in place.
             u_scale = cfg.temperature / cfg.softcap

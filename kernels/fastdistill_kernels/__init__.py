@@ -1,5 +1,30 @@
-"""fastdistill's Triton kernels (fused lm_head + sparse candidates + tail + generalized JSD).
+"""fastdistill's Triton kernels: fused lm_head + sparse candidates + tail bucket + generalized JSD.
 
-Self-contained: imports only torch and triton. The kernels land with the kernels issue; until then
-`fastdistill.sparse_jsd_loss` runs its memory-bounded torch path everywhere.
+Self-contained (imports only torch and triton). Runs on CUDA GPUs and, for tests, in Triton's CPU interpreter
+(``TRITON_INTERPRET=1``). Entry point: :func:`fused_sparse_jsd`. The per-row bucket math
+(:mod:`fastdistill_kernels.buckets`) needs only torch and is shared with fastdistill's torch path, so the
+Triton-backed names are imported lazily: ``import fastdistill_kernels`` works without triton installed.
 """
+
+from importlib import import_module
+
+from .buckets import bucket_divergence, logit_gradients
+
+_LAZY = {
+    "BACKWARD_MODES": ".backward",
+    "CandidateCSR": ".csr",
+    "build_candidate_csr": ".csr",
+    "TileConfig": ".config",
+    "default_config": ".config",
+    "FusedSparseJSD": ".ops",
+    "RowLosses": ".ops",
+    "fused_sparse_jsd": ".ops",
+}
+
+__all__ = ["bucket_divergence", "logit_gradients", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,157 @@
+"""Backward kernel: recompute logit tiles, form dL/dx for the raw logits x = h·Wᵀ + b, fold it into dh, dW, db.
+
+Grid ``(row block, vocabulary tile)``. Per tile (see :func:`fastdistill_kernels.buckets.logit_gradients`):
+
+    dL/dz = exp(z − m_nc[row]) · coef_nc[row]     non-candidate columns
+          = cand_grad[row, slot]                  candidate columns (placed through the CSR)
+    dL/dx = dL/dz · logit_scale / T · (1 − u²)    u = tanh(logit_scale·x/c) = z·T/c, only with a softcap
+
+Two ways to accumulate:
+  "fused":          dh[rows] += dx @ W[cols] and dW[cols] += dxᵀ @ h[rows] with fp32 atomics, D looped in
+                    BLOCK_D chunks; no workspace, non-deterministic summation order.
+  "deterministic":  the kernel writes dx for a chunk of rows into a (chunk, V) workspace in the GEMM dtype, then
+                    torch GEMMs dh = dx @ W and dW += dxᵀ @ h (fp32 accumulator).
+
+Gradient filtering (``filter_eps``): a tile whose every |dL/dx| is below ``filter_eps · |upstream grad of its
+row|`` contributes nothing; tiles holding candidates are never skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import TileConfig, dot_precision, interpreting
+from .csr import CandidateCSR
+from .tiles import logit_tile
+
+BACKWARD_MODES = ("deterministic", "fused")
+
+
+@triton.jit
+def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, COEF_NC, CAND_GRAD, ROW_SCALE,
+                     DH, DW, DB, WORKSPACE,
+                     N, V, D, S, n_vocab_tiles, first_row_block, logit_scale, softcap, inv_temp, filter_eps,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, FILTER: tl.constexpr, FUSED: tl.constexpr,
+                     NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
+    row_block = first_row_block + tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = (tile * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)).to(tl.int64)
+    in_rows = rows < N
+    inside = in_rows[:, None] & (cols[None, :] < V)
+    z = logit_tile(H, W, B, rows, cols, N, V, D, logit_scale, softcap, inv_temp,
+                   BLOCK_ROWS, BLOCK_VOCAB, BLOCK_D, HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION)
+
+    m_nc = tl.load(M_NC + rows, mask=in_rows, other=0.0)
+    coef_nc = tl.load(COEF_NC + rows, mask=in_rows, other=0.0)
+    dz = tl.exp(z - m_nc[:, None]) * coef_nc[:, None]
+    csr_index = row_block * n_vocab_tiles + tile
+    cand_start = tl.load(OFFSETS + csr_index)
+    cand_end = tl.load(OFFSETS + csr_index + 1)
+    for j in range(cand_start, cand_end):
+        r = tl.load(CAND_ROWS + j).to(tl.int64)
+        hit = (rows[:, None] == r) & (cols[None, :] == tl.load(CAND_COLS + j))
+        dz = tl.where(hit, tl.load(CAND_GRAD + r * S + tl.load(CAND_SLOTS + j)), dz)
+    if HAS_SOFTCAP:
+        u = z * (1.0 / (softcap * inv_temp))
+        dz = dz * (1.0 - u * u)
+    dx = tl.where(inside, dz * (logit_scale * inv_temp), 0.0)
+
+    if FILTER:
+        row_scale = tl.load(ROW_SCALE + rows, mask=in_rows, other=0.0)
+        large = tl.abs(dx) >= filter_eps * row_scale[:, None]
+        keep = (cand_end > cand_start) | (tl.sum(tl.sum(large.to(tl.int32), axis=1), axis=0) > 0)
+    else:
+        keep = True
+
+    if FUSED:
+        if keep:
+            offs_d = tl.arange(0, BLOCK_D)
+            if UPCAST:
+                dx_op = dx
+            else:  # tensor cores: the gradient tile rounds to the GEMM dtype, accumulation stays fp32
+                dx_op = dx.to(W.dtype.element_ty)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + offs_d
+                if NEED_DH:
+                    w = tl.load(W + cols[:, None] * D + d[None, :], mask=(cols[:, None] < V) & (d[None, :] < D),
+                                other=0.0)
+                    if UPCAST:
+                        w = w.to(tl.float32)
+                    tl.atomic_add(DH + rows[:, None] * D + d[None, :], tl.dot(dx_op, w, input_precision=DOT_PRECISION),
+                                  mask=in_rows[:, None] & (d[None, :] < D))
+                if NEED_DW:
+                    h = tl.load(H + rows[:, None] * D + d[None, :], mask=in_rows[:, None] & (d[None, :] < D),
+                                other=0.0)
+                    if UPCAST:
+                        h = h.to(tl.float32)
+                    tl.atomic_add(DW + cols[:, None] * D + d[None, :],
+                                  tl.dot(tl.trans(dx_op), h, input_precision=DOT_PRECISION),
+                                  mask=(cols[:, None] < V) & (d[None, :] < D))
+            if NEED_DB:
+                tl.atomic_add(DB + cols, tl.sum(dx, axis=0), mask=cols < V)
+    else:
+        local_rows = rows - first_row_block * BLOCK_ROWS
+        tl.store(WORKSPACE + local_rows[:, None] * V + cols[None, :], tl.where(keep, dx, 0.0), mask=inside)
+
+
+def backward_grads(hidden, weight, bias, csr: CandidateCSR, m_nc, coef_nc, cand_grad, row_scale, *,
+                   logit_scale: float, softcap: float | None, temperature: float, mode: str,
+                   filter_eps: float | None, need_dh: bool, need_dw: bool, need_db: bool, cfg: TileConfig):
+    """Gradients of the loss w.r.t. ``hidden`` ``(N, D)``, ``weight`` ``(V, D)`` and ``bias`` ``(V,)``.
+
+    ``m_nc``, ``coef_nc``, ``row_scale`` ``(N,)`` and ``cand_grad`` ``(N, S)`` are fp32 and already carry the
+    per-row upstream gradient (``row_scale`` = its absolute value, used by the filter only).
+
+    Returns ``(dh, dw, db)``: fp32 tensors (dh in the input dtype in deterministic mode), None where not needed.
+    """
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    fused = mode == "fused"
+    dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
+    if fused:
+        dh = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
+        chunk_rows, workspace = n, None
+    else:
+        dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+        chunk_rows = triton.cdiv(min(cfg.workspace_rows, n), cfg.block_rows) * cfg.block_rows
+        workspace = torch.empty(chunk_rows, v, dtype=hidden.dtype, device=dev)
+    for start in range(0, n, chunk_rows):
+        end = min(start + chunk_rows, n)
+        _backward_kernel[(triton.cdiv(end - start, cfg.block_rows), csr.n_vocab_tiles)](
+            hidden, weight, bias, csr.offsets, csr.rows, csr.cols, csr.slots, m_nc, coef_nc, cand_grad, row_scale,
+            dh, dw, db, workspace,
+            n, v, d, cand_grad.shape[1], csr.n_vocab_tiles, start // cfg.block_rows,
+            float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
+            0.0 if filter_eps is None else float(filter_eps),
+            BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(),
+            DOT_PRECISION=dot_precision(hidden.dtype), FILTER=filter_eps is not None, FUSED=fused,
+            NEED_DH=need_dh, NEED_DW=need_dw, NEED_DB=need_db, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if fused:
+            continue
+        dx = workspace[: end - start]
+        if need_dh:
+            torch.mm(dx, weight, out=dh[start:end])
+        if need_dw:
+            _accumulate_dw(dw, dx, hidden[start:end])
+        if need_db:
+            db += dx.sum(dim=0, dtype=torch.float32)
+    return dh, dw, db
+
+
+def _accumulate_dw(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor) -> None:
+    """``dw += dxᵀ @ h`` into the fp32 accumulator ``dw`` for half-precision or fp32 operands."""
+    if dx.dtype == torch.float32:
+        dw.addmm_(dx.t(), h)
+    elif dx.is_cuda:  # half-precision GEMM with an fp32 output (cuBLAS accumulates in fp32)
+        torch.addmm(dw, dx.t(), h, out_dtype=torch.float32, out=dw)
+    else:  # CPU has no mixed-precision GEMM: upcast the (small, test-sized) operands
+        dw.addmm_(dx.t().float(), h.float())

@@ -1,0 +1,68 @@
+"""Tile sizes and launch settings of the kernels, and how they are chosen for a device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block sizes shared by the forward and backward kernels (both walk the same candidate CSR).
+
+    Attributes:
+        block_rows: rows of hidden states per tile (BN).
+        block_vocab: vocabulary columns per tile (BV).
+        block_d: hidden-dimension step of the tile matmul and of the fused dh/dW accumulation (BD).
+        vocab_splits: forward programs per row block, each owning a contiguous run of vocabulary tiles;
+            None picks enough to fill the device.
+        workspace_rows: rows of ``dL/dz`` per workspace chunk in the deterministic backward.
+        num_warps, num_stages: Triton launch settings (ignored by the interpreter).
+    """
+
+    block_rows: int = 128
+    block_vocab: int = 128
+    block_d: int = 64
+    vocab_splits: int | None = None
+    workspace_rows: int = 1024
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# The interpreter costs ~10–30 µs per Triton op per program, so it wants few, large-ish tiles.
+INTERPRETER_TILES = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=2, workspace_rows=64,
+                               num_warps=4, num_stages=1)
+
+
+def default_config(device: torch.device) -> TileConfig:
+    """Fixed tiles for ``device``: the interpreter's small ones on CPU, bf16 tensor-core tiles on a GPU."""
+    return INTERPRETER_TILES if device.type != "cuda" else TileConfig()
+
+
+def vocab_splits(cfg: TileConfig, n_row_blocks: int, n_vocab_tiles: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, tiles_per_split)`` of the forward grid; every split owns at least one vocabulary tile."""
+    if cfg.vocab_splits is not None:
+        wanted = cfg.vocab_splits
+    elif device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        wanted = triton.cdiv(4 * sms, max(1, n_row_blocks))  # >= 4 programs per SM
+    else:
+        wanted = 1
+    tiles_per_split = triton.cdiv(n_vocab_tiles, max(1, min(wanted, n_vocab_tiles)))
+    return triton.cdiv(n_vocab_tiles, tiles_per_split), tiles_per_split
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: fp32 inputs follow ``torch.get_float32_matmul_precision()`` (tf32 only when
+    torch itself allows it); half-precision inputs are exact products accumulated in fp32 either way."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "ieee"

@@ -1,0 +1,248 @@
+"""The Triton kernels (fastdistill_kernels) under Triton's CPU interpreter, against the float64 dense reference.
+
+Shapes are tiny and tiles are 32×64×32 (the interpreter's default tiles) so that N, V and D are never multiples of
+a tile and several tiles, vocabulary splits and workspace chunks are exercised.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported: kernels run on the CPU
+
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
+
+from fastdistill_kernels import TileConfig, fused_sparse_jsd  # noqa: E402
+from loss_cases import make_case, rel_close  # noqa: E402
+
+import fastdistill.loss.api as api  # noqa: E402
+from fastdistill import sparse_jsd_loss  # noqa: E402
+from fastdistill.loss.support import canonical_mask  # noqa: E402
+
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels" / "fastdistill_kernels"
+FIELDS = ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum")
+FP32_RTOL = 1e-5
+# bf16 gradients: dL/dx is rounded to bf16 for the GEMMs (as on tensor cores), then the result is rounded. Where
+# the candidate and non-candidate contributions cancel (small dh, e.g. beta=1) that reaches ~8e-3 of max |dh|.
+BF16_GRAD_RTOL = 1e-2
+
+
+def _case(seed, **kw):
+    """N=40 (not a multiple of the 32-row tile), V=300 (not a multiple of the 64-column tile), D=48."""
+    return make_case(seed=seed, N=40, D=48, V=300, K=8, **kw)
+
+
+def _grads(loss, leaves):
+    return torch.autograd.grad(loss, [x for x in leaves if x is not None])
+
+
+def _scored_inputs(case, beta, dtype):
+    """Leaves in ``dtype`` and the canonical slots of the rows with teacher signal (the kernel op's contract)."""
+    ids, lps, mask = case.narrowed(beta)
+    valid = canonical_mask(ids, lps, mask)
+    keep = valid.any(dim=1)
+    h, w, b = case.leaves(dtype)
+    h = h[keep].detach().requires_grad_(True)
+    return h, w, b, ids[keep], lps[keep], valid[keep]
+
+
+def _reference_rows(h, w, b, ids, lps, valid, **kw):
+    """Per-row float64 reference losses, differentiable: one dense reference call per row."""
+    h, w, b = (x.detach().double().requires_grad_(True) for x in (h, w, b))
+    rows = [sparse_jsd_loss(h[n:n + 1], w, ids[n:n + 1], lps[n:n + 1], valid[n:n + 1], bias=b, backend="reference",
+                            **kw).loss for n in range(h.shape[0])]
+    return torch.stack(rows), (h, w, b)
+
+
+API_GRID = [
+    # beta, add_tail_bucket, tail_mode, softcap, temperature, dtype
+    (0.0, True, "exact", None, 1.0, torch.float32),
+    (0.0, True, "trl", 4.0, 0.7, torch.float32),
+    (0.0, False, "exact", None, 1.3, torch.float32),
+    (0.3, True, "exact", 4.0, 1.3, torch.float32),
+    (0.3, True, "trl", None, 0.7, torch.float32),
+    (0.3, False, "exact", 4.0, 1.0, torch.float32),
+    (1.0, True, "exact", None, 0.7, torch.float32),
+    (1.0, True, "trl", 4.0, 1.3, torch.float32),
+    (0.0, True, "exact", 4.0, 0.7, torch.bfloat16),
+    (0.3, True, "trl", None, 1.0, torch.bfloat16),
+    (1.0, True, "exact", 4.0, 1.3, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("beta,tail,mode,softcap,T,dtype", API_GRID)
+def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, dtype):
+    """Through sparse_jsd_loss: padded, duplicated and masked slots, rows without signal, bias, two teachers."""
+    case = _case(seed=int(beta * 10) + int(T * 7), empty_rows=3)
+    ids, lps, mask = case.narrowed(beta)
+    kw = dict(beta=beta, temperature=T, softcap=softcap, add_tail_bucket=tail, tail_mode=mode, logit_scale=1.5,
+              teacher_index=case.teacher_index, num_teachers=2)
+    h, w, b = case.leaves(dtype)
+    out = sparse_jsd_loss(h, w, ids, lps, mask, bias=b, backend="triton", **kw)
+    grads = _grads(out.loss, (h, w, b))
+    hr, wr, br = (x.detach().double().requires_grad_(True) for x in (h, w, b))  # the rounded inputs, in float64
+    ref = sparse_jsd_loss(hr, wr, ids, lps, mask, bias=br, backend="reference", **kw)
+    ref_grads = _grads(ref.loss, (hr, wr, br))
+
+    assert int(out.num_tokens) == int(ref.num_tokens) < case.hidden.shape[0]
+    for f in FIELDS:
+        rel_close(getattr(out, f), getattr(ref, f), FP32_RTOL, f)
+    rel_close(out.per_teacher, ref.per_teacher, FP32_RTOL, "per_teacher")
+    grad_rtol = FP32_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL
+    for name, g, r, x in zip(("dh", "dW", "db"), grads, ref_grads, (h, w, b), strict=True):
+        assert g.dtype == x.dtype
+        rel_close(g, r, grad_rtol, name)
+
+
+@pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_modes_with_per_row_upstream_gradients(backward_mode, dtype):
+    """The op's per-row divergences, weighted per row (negative, zero and large weights included)."""
+    case = _case(seed=21)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, dtype)
+    kw = dict(logit_scale=1.2, softcap=5.0, temperature=0.8, beta=0.0)
+    weights = torch.linspace(-1.0, 3.0, h.shape[0])
+    weights[3] = 0.0
+    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=3, workspace_rows=32)
+    out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode=backward_mode, config=config, **kw)
+    grads = _grads((out.divergence * weights).sum(), (h, w, b))
+    ref_rows, ref_leaves = _reference_rows(h, w, b, ids, lps, valid, **kw)
+    ref_grads = _grads((ref_rows * weights.double()).sum(), ref_leaves)
+
+    rel_close(out.divergence, ref_rows, FP32_RTOL, "per-row divergence")
+    grad_rtol = FP32_RTOL if dtype == torch.float32 else BF16_GRAD_RTOL
+    for name, g, r in zip(("dh", "dW", "db"), grads, ref_grads, strict=True):
+        rel_close(g, r, grad_rtol, name)
+
+
+def _concentrated_case(N=40, D=48, V=512, K=8, seed=5):
+    """Candidates drawn from the first 64 ids only, and a bias that puts almost all of the student's mass there:
+    every other vocabulary tile holds only tiny gradients."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g).requires_grad_(True)
+    w = (torch.randn(V, D, generator=g) / D**0.5).requires_grad_(True)
+    b = torch.where(torch.arange(V) < 64, 12.0, 0.0).requires_grad_(True)
+    ids = torch.stack([torch.randperm(64, generator=g)[:K] for _ in range(N)])
+    lps = torch.log_softmax(torch.randn(N, K + 1, generator=g), dim=-1)[:, :K]  # last = the teacher's tail
+    return h, w, b, ids, lps, torch.ones(N, K, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
+def test_gradient_filter_error_stays_within_its_bound(backward_mode):
+    """Each skipped entry has |dL/dx| < eps·|g_row|, so |Δdh[n, d]| ≤ eps·|g_n|·Σ_v |W[v, d]|,
+    |ΔdW[v, d]| ≤ eps·Σ_n |g_n|·|h[n, d]| and |Δdb[v]| ≤ eps·Σ_n |g_n|."""
+    h, w, b, ids, lps, valid = _concentrated_case()
+    weights = torch.linspace(0.5, 2.0, h.shape[0])
+    eps = 1e-3
+
+    def run(filter_eps):
+        out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode=backward_mode, filter_eps=filter_eps)
+        return _grads((out.divergence * weights).sum(), (h, w, b))
+
+    (dh_f, dw_f, db_f), (dh, dw, db) = run(eps), run(None)
+    ref_rows, ref_leaves = _reference_rows(h, w, b, ids, lps, valid)
+    ref_grads = _grads((ref_rows * weights.double()).sum(), ref_leaves)
+    for name, g, r in zip(("dh", "dW", "db"), (dh, dw, db), ref_grads, strict=True):
+        rel_close(g, r, FP32_RTOL, f"exact {name}")
+    assert not torch.equal(dw_f, dw), "the filter skipped nothing: the case does not exercise it"
+    slack = 1e-6  # fp32 summation-order noise
+    assert ((dh_f - dh).abs() <= eps * weights.abs()[:, None] * w.detach().abs().sum(dim=0) + slack).all()
+    assert ((dw_f - dw).abs() <= eps * (weights.abs()[:, None] * h.detach().abs()).sum(dim=0) + slack).all()
+    assert ((db_f - db).abs() <= eps * weights.abs().sum() + slack).all()
+
+
+def test_rows_whose_candidates_cover_the_vocabulary():
+    """No non-candidate column: the exact tail bucket is absent (tail log-sum-exp over an empty set)."""
+    g = torch.Generator().manual_seed(3)
+    N, D, V = 6, 40, 64
+    h = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) / D**0.5
+    teacher = torch.log_softmax(torch.randn(N, V, generator=g), dim=-1)
+    ids = torch.arange(V).repeat(N, 1)
+    mask = torch.ones(N, V, dtype=torch.bool)
+    mask[3:, 5:] = False  # rows 3..5 keep five candidates and a real tail
+    for beta in (0.0, 1.0):
+        hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = sparse_jsd_loss(hk, wk, ids, teacher, mask, beta=beta, backend="triton")
+        hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+        ref = sparse_jsd_loss(hr, wr, ids, teacher, mask, beta=beta, backend="reference")
+        rel_close(out.loss, ref.loss, FP32_RTOL, "loss")
+        for name, a, r in zip(("dh", "dW"), _grads(out.loss, (hk, wk)), _grads(ref.loss, (hr, wr)), strict=True):
+            rel_close(a, r, FP32_RTOL, name)
+
+
+def test_scalar_upstream_gradient_and_only_requested_gradients():
+    case = _case(seed=8)
+    ids, lps, mask = case.narrowed(0.3)
+    h, w, _ = case.leaves()
+    w.requires_grad_(False)
+    out = sparse_jsd_loss(h, w, ids, lps, mask, beta=0.3, backend="triton")
+    (2.5 * out.loss).backward()
+    assert w.grad is None
+    h1 = case.leaves()[0]
+    sparse_jsd_loss(h1, w, ids, lps, mask, beta=0.3, backend="triton").loss.backward()
+    torch.testing.assert_close(h.grad, 2.5 * h1.grad)
+
+
+def test_no_scored_rows_gives_zero_loss_connected_to_graph():
+    case = _case(seed=1)
+    for n in (0, 4):  # no rows at all; rows without any usable slot
+        h, w, b = case.leaves()
+        h = h[:n].detach().requires_grad_(True)
+        ids = torch.full((n, 3), -1)
+        lps = torch.full((n, 3), -torch.inf)
+        out = sparse_jsd_loss(h, w, ids, lps, ids >= 0, bias=b, backend="triton")
+        assert float(out.loss.detach()) == 0.0 and int(out.num_tokens) == 0 and out.loss.requires_grad
+        out.loss.backward()
+        for g in (h.grad, w.grad, b.grad):
+            assert g is not None and torch.count_nonzero(g) == 0
+
+
+def test_auto_backend_keeps_cpu_tensors_on_the_torch_path(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("auto must not pick the Triton kernels for CPU tensors")
+
+    monkeypatch.setattr(api, "_triton_sparse_jsd", refuse)
+    case = _case(seed=2)
+    h, w, b = case.leaves()
+    assert torch.isfinite(sparse_jsd_loss(h, w, *case.narrowed(0.0), bias=b).loss)
+
+
+def test_triton_backend_errors_are_clear(monkeypatch):
+    case = _case(seed=2)
+    args = (*case.leaves()[:2], *case.narrowed(0.0))
+    with pytest.raises(ValueError, match="takes float32, bfloat16 or float16 hidden"):
+        sparse_jsd_loss(args[0].double(), *args[1:], backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="use CUDA tensors, or set TRITON_INTERPRET=1"):
+        sparse_jsd_loss(*args, backend="triton")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'fastdistill\[gpu\]'"):
+        sparse_jsd_loss(*args, backend="triton")
+
+
+def test_op_rejects_bad_settings():
+    case = _case(seed=2)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
+    with pytest.raises(ValueError, match="backward_mode must be one of"):
+        fused_sparse_jsd(h, w, ids, lps, valid, backward_mode="atomic")
+    with pytest.raises(ValueError, match="filter_eps must be None or a finite number > 0"):
+        fused_sparse_jsd(h, w, ids, lps, valid, filter_eps=0.0)
+
+
+def test_loads_through_the_hugging_face_kernels_library():
+    kernels = pytest.importorskip("kernels", reason="the Hugging Face `kernels` package is not installed")
+    module = kernels.get_local_kernel(KERNELS_DIR)
+    assert module.__name__ != "fastdistill_kernels"  # a second, independent copy of the package
+    case = _case(seed=4)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
+    loaded = module.fused_sparse_jsd(h, w, ids, lps, valid, bias=b).divergence
+    direct = fused_sparse_jsd(h, w, ids, lps, valid, bias=b).divergence
+    torch.testing.assert_close(loaded, direct, rtol=0, atol=0)
