@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -97,7 +97,7 @@ def tiny_config(
 def build_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
     """A randomly initialised :class:`Qwen3ForCausalLM` (SDPA attention); the same seed gives the same weights."""
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def save_pretrained_dir(
