@@ -216,8 +216,8 @@ def test_chunked_path_memory_does_not_grow_with_rows():
     """Work tiles are sized by the vocabulary, not by N (the benchmark measures this end to end)."""
     from fastdistill.loss.chunked import default_chunk_rows
 
-    assert default_chunk_rows(32768, torch.float32) == default_chunk_rows(32768, torch.float32, 32 * 2**20) == 128
-    assert default_chunk_rows(151936, torch.float32) * 151936 * 4 * 2 <= 32 * 2**20
+    assert default_chunk_rows(32768, torch.float32) == default_chunk_rows(32768, torch.float32, 32 * 2**20) == 256
+    assert default_chunk_rows(151936, torch.float32) * 151936 * 4 <= 32 * 2**20
     assert default_chunk_rows(10**9, torch.float32) == 1
 
 

@@ -1,10 +1,11 @@
 """Memory-bounded torch path: row chunks, exact tail, gradients computed in the same pass as the loss.
 
-For each chunk of ``c`` scored rows it materialises one ``(c, V)`` logits tile (plus one work tile of the
-same size), reduces it to ``z_cand``, ``lse`` and ``lse_nc``, evaluates the bucket divergence and its
-gradient with respect to those few numbers, and turns that into ``dL/dz`` for the tile, which two GEMMs fold
-into ``dh`` and ``dW``. Nothing is recomputed in backward (TRL checkpoints and redoes the whole chunk), so the
-work is the three unavoidable matmuls; extra memory is two tiles plus O(N·S), independent of N.
+For each chunk of ``c`` scored rows it materialises one ``(c, V)`` logits tile, reduces it to ``z_cand``,
+``lse`` and ``lse_nc`` (walking it in small row blocks so that one tile is all it needs), evaluates the bucket
+divergence and its gradient with respect to those few numbers, and turns the tile into ``dL/dz`` in place,
+which two GEMMs fold into ``dh`` and ``dW``. Nothing is recomputed in backward (TRL checkpoints and redoes the
+whole chunk), so the work is the three unavoidable matmuls; extra memory is one tile plus O(N·S),
+independent of N.
 
 The per-row math (divergence, and its gradient in the form ``dL/dz_v = exp(z_v − m_nc)·coef_nc`` at
 non-candidates, ``cand_grad`` at candidates) is :mod:`fastdistill_kernels.buckets`, shared with the Triton
@@ -19,7 +20,8 @@ import torch
 
 from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
-DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the two (rows × V) work tiles
+DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile
+BLOCK_ROWS = 16  # rows per block of the in-tile reductions (two small (BLOCK_ROWS, V) scratch buffers)
 
 
 class LossConfig:
@@ -37,9 +39,9 @@ class LossConfig:
 
 
 def default_chunk_rows(vocab_size: int, dtype: torch.dtype, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
-    """Rows per chunk so that the two ``(rows, V)`` work tiles fit in ``tile_bytes``."""
+    """Rows per chunk so that the ``(rows, V)`` logits tile fits in ``tile_bytes``."""
     elem = torch.finfo(dtype).bits // 8
-    return max(1, min(4096, tile_bytes // (2 * vocab_size * elem)))
+    return max(1, min(4096, tile_bytes // (vocab_size * elem)))
 
 
 def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor):
@@ -60,26 +62,42 @@ def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cf
     return out
 
 
-def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, work: torch.Tensor):
-    """Reduce one logits tile. Overwrites ``z`` with ``z − m_nc`` (0 at candidates) and ``work`` with
-    ``exp(z − m_nc)`` (0 at candidates). Returns ``(z_cand, m_nc, s_nc, lse, entropy)``: the candidates' logits
-    ``(c, S)``, the non-candidate max and shifted sum of exps, the full log-sum-exp and the entropy, per row."""
+def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, cfg: LossConfig,
+                 scratch: tuple[torch.Tensor, torch.Tensor]):
+    """Reduce one logits tile ``z`` ``(c, V)`` and overwrite it, in place, with ``exp(z − m_nc)`` at
+    non-candidates (times the softcap derivative ``1 − u²`` when softcap is set) and 0 at candidates, ready to
+    be scaled into ``dL/dz``.
+
+    Returns ``(z_cand, m_nc, s_nc, lse, entropy)``: the candidates' logits ``(c, S)``; per row the
+    non-candidate max, the shifted non-candidate sum of exps, the full log-sum-exp and the entropy.
+    """
     neg_inf = float("-inf")
     z_cand = z.gather(1, ids_safe)
     z.scatter_(1, ids_safe, neg_inf)  # invalid slots point at a valid id of the same row: same value written
     m_nc = z.amax(dim=1)
     m_nc = torch.where(torch.isfinite(m_nc), m_nc, torch.zeros_like(m_nc))  # a row whose candidates are all of V
-    z.sub_(m_nc.unsqueeze(1))
-    torch.exp(z, out=work)
-    z.scatter_(1, ids_safe, 0.0)  # so that work·z has no 0·(−inf)
-    s_nc = work.sum(dim=1)
-    sum_rz = torch.einsum("cv,cv->c", work, z)  # Σ_v exp(y_v)·y_v over non-candidates, y = z − m_nc
+    s_nc = torch.empty_like(m_nc)
+    sum_ry = torch.empty_like(m_nc)  # Σ_v exp(y_v)·y_v over non-candidates, y = z − m_nc (for the entropy)
+    for i in range(0, z.shape[0], BLOCK_ROWS):
+        rows = slice(i, i + BLOCK_ROWS)
+        zb = z[rows]
+        y, r = (buf[: zb.shape[0]] for buf in scratch)
+        torch.sub(zb, m_nc[rows].unsqueeze(1), out=y)
+        torch.exp(y, out=r)
+        y.scatter_(1, ids_safe[rows], 0.0)  # candidates: r = 0 there, and r·y must not be 0·(−inf)
+        s_nc[rows] = r.sum(dim=1)
+        sum_ry[rows] = torch.bmm(r.unsqueeze(1), y.unsqueeze(2)).view(-1)
+        if cfg.softcap is None:
+            zb.copy_(r)
+        else:  # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c with z = y + m_nc
+            y.add_(m_nc[rows].unsqueeze(1)).mul_(cfg.temperature / cfg.softcap).square_().neg_().add_(1.0)
+            torch.mul(r, y, out=zb)
     lse_nc = m_nc + torch.log(s_nc)
     z_valid = torch.where(valid, z_cand, torch.full_like(z_cand, neg_inf))
     lse = torch.logaddexp(lse_nc, torch.logsumexp(z_valid, dim=1))
     # Entropy −Σ p log p = Σ p (lse − z): non-candidates from the shifted sums, candidates directly.
     p_cand = torch.where(valid, torch.exp(z_cand - lse.unsqueeze(1)), torch.zeros_like(z_cand))
-    ent_nc = torch.exp(m_nc - lse) * ((lse - m_nc) * s_nc - sum_rz)
+    ent_nc = torch.exp(m_nc - lse) * ((lse - m_nc) * s_nc - sum_ry)
     ent_c = (p_cand * torch.where(valid, lse.unsqueeze(1) - z_cand, torch.zeros_like(z_cand))).sum(dim=1)
     return z_cand, m_nc, s_nc, lse, ent_nc + ent_c
 
@@ -144,41 +162,38 @@ def sparse_jsd_rows(
     dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_dw else None
     db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
     z_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
-    work_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
+    scratch = tuple(torch.empty(min(BLOCK_ROWS, c_rows), V, dtype=cdt, device=dev) for _ in range(2))
 
     for start in range(0, n, c_rows):
         end = min(start + c_rows, n)
         rows = slice(start, end)
         c = end - start
         h = hidden[rows].to(cdt)
-        z, work = z_tile[:c], work_tile[:c]
+        z = z_tile[:c]
         _student_logits(h, w, b, cfg, out=z)
-        z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], work)
+        z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], cfg, scratch)
         div[rows], tent[rows], grads = _row_losses(
             z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad
         )
         if not need_grad:
             continue
-        # dL/dz: exp(z − m_nc)·coef_nc at non-candidates (work holds exp(z − m_nc)), cand_grad at candidates.
+        # dL/dz: exp(z − m_nc)·coef_nc at non-candidates (z now holds exp(z − m_nc), times 1 − u² under
+        # softcap), cand_grad at candidates; alpha is the chain factor of z w.r.t. the raw logit.
         coef_nc, cand_grad = grads
-        alpha = cfg.logit_scale / cfg.temperature  # chain factor of z w.r.t. the raw logit (softcap: times 1 − u²)
-        work.mul_((coef_nc * alpha).unsqueeze(1))
+        alpha = cfg.logit_scale / cfg.temperature
+        z.mul_((coef_nc * alpha).unsqueeze(1))
         cand_grad = cand_grad * alpha
         if cfg.softcap is not None:
-            # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c; z is rebuilt from the shifted tile in place.
-            u_scale = cfg.temperature / cfg.softcap
-            z.add_(m_nc.unsqueeze(1)).mul_(u_scale).square_().neg_().add_(1.0)  # wrong at candidates: work is 0 there
-            work.mul_(z)
-            cand_grad = cand_grad * (1.0 - (z_cand * u_scale) ** 2)
+            cand_grad = cand_grad * (1.0 - (z_cand * (cfg.temperature / cfg.softcap)) ** 2)
         cand_grad = torch.where(valid[rows], cand_grad, torch.zeros_like(cand_grad))
-        work.scatter_add_(1, ids_safe[rows], cand_grad)  # candidate entries of work are 0 before this
+        z.scatter_add_(1, ids_safe[rows], cand_grad)  # candidate entries of z are 0 before this
         if need_dh:
-            torch.mm(work, w, out=dh[rows])
+            torch.mm(z, w, out=dh[rows])
         if need_dw:
             if start == 0:
-                torch.mm(work.t(), h, out=dw)
+                torch.mm(z.t(), h, out=dw)
             else:
-                dw.addmm_(work.t(), h)
+                dw.addmm_(z.t(), h)
         if need_db:
-            db.add_(work.sum(dim=0))
+            db.add_(z.sum(dim=0))
     return div, ent, tent, dh, dw, db
