@@ -1,0 +1,297 @@
+"""Side-by-side fwd+bwd benchmark of one sparse distillation loss (forward KL over top-K + tail bucket).
+
+Implementations, all on the same seeded fp32 inputs:
+  dense  plain autograd over materialised (N, V) logits, what a user would naively write;
+  trl    TRL's own ``_chunked_jsd_loss`` (checkpointed 256-row chunks), imported from the installed package;
+  ours   ``fastdistill.sparse_jsd_loss(..., backend="torch")``.
+
+Every (implementation, config) measurement runs in a fresh subprocess (``--worker IMPL``), so the peak-memory
+numbers of one run never leak into another. Peak memory increase = high-water mark during the runs minus the
+memory in use right after the inputs were built (RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA).
+Workers run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB: by default glibc keeps freed blocks of up to
+32 MiB on its heap, and RSS would then measure allocator retention rather than the tensors alive at the peak.
+
+    python benchmarks/bench_loss.py                     # default sweep, D=512 K=8, V∈{8192,32768}, N∈{2048,4096,8192}
+    python benchmarks/bench_loss.py --quick             # tiny shapes, a few seconds
+    python benchmarks/bench_loss.py --N 4096 --V 32768 --impls trl ours --json /tmp/out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+IMPLS = ("dense", "trl", "ours")
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_loss.json"
+TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
+MiB = 2**20
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MiB)}  # large blocks are mmap'd and returned to the OS on free
+
+
+# ----------------------------------------------------------------------------------------------------- worker side
+def make_inputs(N: int, D: int, V: int, K: int, seed: int, device):
+    """Seeded inputs: hidden (N, D), lm_head (V, D), K+1 distinct candidate ids per row (a few padded with -1),
+    teacher log-probs whose probabilities sum to < 1 (the rest is the teacher's tail), and the slot mask."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    S = K + 1
+    weight = torch.randn(V, D, generator=g).div_(math.sqrt(D))  # in place: no transient second copy
+    hidden = torch.randn(N, D, generator=g)
+    ids = torch.randint(0, V, (N, S), generator=g)
+    while True:  # redraw rows with a repeated id until every row holds S distinct ids
+        srt = ids.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
+        if not bool(dup.any()):
+            break
+        ids[dup] = torch.randint(0, V, (int(dup.sum()), S), generator=g)
+    lps = torch.log_softmax(2.0 * torch.randn(N, S + 1, generator=g), dim=1)[:, :S].contiguous()  # last = tail
+    pad = torch.rand(N, S, generator=g) < 0.05
+    pad[:, 0] = False  # every row keeps at least one candidate
+    ids[pad] = -1
+    mask = ids != -1
+    hidden, weight = hidden.to(device).requires_grad_(True), weight.to(device).requires_grad_(True)
+    return hidden, weight, ids.to(device), lps.to(device), mask.to(device)
+
+
+def dense_loss(hidden, weight, ids, lps, mask):
+    """Naive autograd baseline: full log-softmax, gather the slots, TRL-style clamped tail, forward KL, sum."""
+    import torch
+
+    def with_tail(logp):
+        log_sum = torch.logsumexp(logp, dim=1, keepdim=True).clamp(max=-1e-7)
+        return torch.cat([logp, torch.log(-torch.expm1(log_sum))], dim=1)
+
+    neg_inf = float("-inf")
+    logp = torch.log_softmax(hidden.float() @ weight.float().t(), dim=-1)
+    s = with_tail(torch.where(mask, logp.gather(1, ids.clamp_min(0)), neg_inf))
+    t = with_tail(torch.where(mask, lps, neg_inf))
+    support = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    s, t = torch.where(support, s, 0.0), torch.where(support, t, 0.0)
+    q = torch.where(support, t.exp(), 0.0)
+    return (q * (t - s)).sum()
+
+
+def loss_fn(impl: str, tail_mode: str):
+    """The loss callable ``f(hidden, weight, ids, lps, mask) -> 0-dim loss`` of one implementation."""
+    if impl == "dense":
+        return dense_loss
+    if impl == "trl":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.async_distillation.async_distillation_trainer import _chunked_jsd_loss
+
+        return lambda h, w, ids, lps, mask: _chunked_jsd_loss(
+            h, w, None, 1.0, None, ids, lps, mask, 0.0, 1.0, True, None, 1, TRL_CHUNK_SIZE
+        )[0]
+    from fastdistill import sparse_jsd_loss
+
+    return lambda h, w, ids, lps, mask: sparse_jsd_loss(
+        h, w, ids, lps, mask, beta=0.0, tail_mode=tail_mode, backend="torch"
+    ).loss
+
+
+def rss_kib() -> int:
+    """Current resident set size of this process (KiB)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def reset_rss_peak() -> bool:
+    """Reset the kernel's RSS high-water mark (Linux >= 4.0), so ``ru_maxrss`` restarts from the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    """Measure one implementation on one config in this (fresh) process; returns the raw measurement."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    N, V = args.N[0], args.V[0]
+    rec = {"impl": args.worker, "N": N, "D": args.D, "V": V, "K": args.K, "device": str(device)}
+    try:
+        fn = loss_fn(args.worker, args.tail_mode)
+    except ImportError as e:
+        return {**rec, "status": "missing", "error": repr(e)}
+    if device.type == "cuda":
+        rec["device_name"] = torch.cuda.get_device_name(device)
+    # One tiny fwd+bwd first: one-time process setup (thread pools, autograd engine, BLAS workspaces) is not
+    # part of the loss's memory, so it happens before the baseline.
+    fn(*make_inputs(4, args.D, 4 * (args.K + 1), args.K, args.seed, device)).backward()
+    h, w, ids, lps, mask = make_inputs(N, args.D, V, args.K, args.seed, device)
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        rec["rss_peak_reset"] = reset_rss_peak()
+        base = rss_kib() * 1024  # ru_maxrss never goes down: the baseline is taken right after the inputs
+    times = []
+    for i in range(args.warmup + args.repeats):
+        h.grad = w.grad = None  # every repeat allocates its gradients afresh
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = fn(h, w, ids, lps, mask)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        rec["loss"] = loss.item()
+        del loss
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_mb = (peak - base) / MiB
+    grads_mb = (N * args.D + V * args.D) * 4 / MiB  # dh and dW: the only memory that must grow with N (and V)
+    return {**rec, "status": "ok", "times_s": times, "median_s": statistics.median(times), "min_s": min(times),
+            "baseline_mb": base / MiB, "peak_mb": peak_mb, "extra_over_grads_mb": peak_mb - grads_mb}
+
+
+# ----------------------------------------------------------------------------------------------------- parent side
+def measure(impl: str, N: int, V: int, args: argparse.Namespace) -> dict:
+    """Run one measurement in a fresh subprocess (or skip dense when it would not fit ``--dense-max-gb``)."""
+    rec = {"impl": impl, "N": N, "D": args.D, "V": V, "K": args.K}
+    if impl == "dense" and 4 * N * V * 4 > args.dense_max_gb * 2**30:
+        return {**rec, "status": "skipped", "error": f"~4 N×V fp32 tiles exceed --dense-max-gb {args.dense_max_gb}"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--N", str(N), "--V", str(V),
+           "--D", str(args.D), "--K", str(args.K), "--threads", str(args.threads), "--repeats", str(args.repeats),
+           "--warmup", str(args.warmup), "--seed", str(args.seed), "--device", args.device,
+           "--tail-mode", args.tail_mode]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **WORKER_ENV})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {**rec, "status": "failed", "error": f"rc={proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(lines[-1])
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    ok = a and b and a.get("status") == "ok" and b.get("status") == "ok" and b[key] > 0
+    return a[key] / b[key] if ok else None
+
+
+def summarize(by_impl: dict[str, dict]) -> dict:
+    """Ratios and loss agreement of one config from its per-implementation measurements."""
+    ours, trl, dense = by_impl.get("ours"), by_impl.get("trl"), by_impl.get("dense")
+    rel = None
+    if ours and trl and ours.get("status") == "ok" and trl.get("status") == "ok":
+        rel = abs(ours["loss"] - trl["loss"]) / max(abs(trl["loss"]), 1e-30)
+    return {"ours_over_trl_time": ratio(ours, trl, "median_s"), "ours_over_trl_mem": ratio(ours, trl, "peak_mb"),
+            "ours_over_dense_time": ratio(ours, dense, "median_s"),
+            "ours_over_dense_mem": ratio(ours, dense, "peak_mb"), "loss_rel_diff_ours_trl": rel}
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def cell(m: dict | None, key: str, spec: str) -> str:
+    if m is None:
+        return "-"
+    return format(m[key], spec) if m["status"] == "ok" else m["status"][:4]
+
+
+def print_tables(rows: list[dict], impls: list[str]) -> None:
+    """Timing/memory table, then the memory-flatness table (peak increase minus the dh + dW buffers)."""
+    head = f"{'N':>6} {'D':>5} {'V':>6} {'K':>3} " + " ".join(f"{i + ' s':>9} {i + ' MB':>9}" for i in impls)
+    print(head + f" {'o/trl t':>8} {'o/trl mem':>9} {'o/dns t':>8} {'o/dns mem':>9} {'relΔloss':>9}")
+    for r in rows:
+        line = f"{r['N']:>6} {r['D']:>5} {r['V']:>6} {r['K']:>3} "
+        ms = [r["impls"].get(i) for i in impls]
+        line += " ".join(f"{cell(m, 'median_s', '.3f'):>9} {cell(m, 'peak_mb', '.1f'):>9}" for m in ms)
+        s = r["summary"]
+        print(line + f" {fmt(s['ours_over_trl_time'], '.3f'):>8} {fmt(s['ours_over_trl_mem'], '.3f'):>9}"
+              f" {fmt(s['ours_over_dense_time'], '.3f'):>8} {fmt(s['ours_over_dense_mem'], '.3f'):>9}"
+              f" {fmt(s['loss_rel_diff_ours_trl'], '.1e'):>9}")
+    print("\nMemory flatness: extra_over_grads_MB = peak increase - (N·D + V·D)·4 B (dh, dW); flat in N = O(1) extra")
+    print(f"{'N':>6} {'D':>5} {'V':>6} {'K':>3} " + " ".join(f"{i + ' extra MB':>15}" for i in impls))
+    for r in rows:
+        print(f"{r['N']:>6} {r['D']:>5} {r['V']:>6} {r['K']:>3} "
+              + " ".join(f"{cell(r['impls'].get(i), 'extra_over_grads_mb', '.1f'):>15}" for i in impls))
+
+
+def machine_info(args: argparse.Namespace, device: str | None) -> dict:
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu = None
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": args.threads, "device": device,
+            "python": sys.version.split()[0], "torch": version("torch"), "trl": version("trl"),
+            "fastdistill": version("fastdistill"), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--N", type=int, nargs="+", help="positions (default 2048 4096 8192; quick: 64 128)")
+    p.add_argument("--V", type=int, nargs="+", help="vocabulary sizes (default 8192 32768; quick: 512)")
+    p.add_argument("--D", type=int, help="hidden size (default 512; quick: 32)")
+    p.add_argument("--K", type=int, default=8, help="teacher top-K; each row has K+1 candidate slots")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--quick", action="store_true", help="tiny shapes that finish in seconds")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each worker")
+    p.add_argument("--repeats", type=int, default=3, help="timed fwd+bwd runs (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed fwd+bwd runs first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--tail-mode", choices=("exact", "trl"), default="exact", help="fastdistill's student tail")
+    p.add_argument("--dense-max-gb", type=float, default=6.0, help="skip dense when 4·N·V·4 B exceeds this")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
+    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.N = args.N or ([64, 128] if args.quick else [2048, 4096, 8192])
+    args.V = args.V or ([512] if args.quick else [8192, 32768])
+    args.D = args.D or (32 if args.quick else 512)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args)), flush=True)
+        return
+    rows = []
+    for V in args.V:
+        for N in args.N:
+            by_impl = {impl: measure(impl, N, V, args) for impl in args.impls}
+            for m in by_impl.values():
+                if m["status"] not in ("ok", "skipped"):
+                    print(f"[{m['impl']} N={N} V={V}] {m['status']}: {m.get('error', '')}", file=sys.stderr)
+            rows.append({"N": N, "D": args.D, "V": V, "K": args.K, "impls": by_impl, "summary": summarize(by_impl)})
+    print_tables(rows, args.impls)
+    device = next((m["device"] for r in rows for m in r["impls"].values() if "device" in m), None)
+    result = {"machine": machine_info(args, device),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "json")},
+              "worker_env": WORKER_ENV, "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
