@@ -21,6 +21,7 @@ import torch
 from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
 DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile
+MAX_CHUNK_ROWS = 256  # beyond this the GEMMs gain little, and smaller vocabularies keep a smaller tile
 BLOCK_ROWS = 16  # rows per block of the in-tile reductions (two small (BLOCK_ROWS, V) scratch buffers)
 
 
@@ -39,9 +40,9 @@ class LossConfig:
 
 
 def default_chunk_rows(vocab_size: int, dtype: torch.dtype, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
-    """Rows per chunk so that the ``(rows, V)`` logits tile fits in ``tile_bytes``."""
+    """Rows per chunk: at most ``MAX_CHUNK_ROWS``, and the ``(rows, V)`` logits tile fits in ``tile_bytes``."""
     elem = torch.finfo(dtype).bits // 8
-    return max(1, min(4096, tile_bytes // (vocab_size * elem)))
+    return max(1, min(MAX_CHUNK_ROWS, tile_bytes // (vocab_size * elem)))
 
 
 def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor):
