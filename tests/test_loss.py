@@ -49,7 +49,7 @@ def test_paths_match_float64_reference(beta, K, T, softcap, tail, mode):
         for f in FIELDS:
             rel_close(getattr(out, f), getattr(ref, f), rtol, f"{backend}/{dtype} {f}")
         rel_close(out.per_teacher, ref.per_teacher, rtol, f"{backend}/{dtype} per_teacher")
-        for name, g, r in zip(("dh", "dW", "db"), grads, ref_grads):
+        for name, g, r in zip(("dh", "dW", "db"), grads, ref_grads, strict=True):
             assert g.dtype == dtype
             rel_close(g, r, rtol, f"{backend}/{dtype} {name}")
 

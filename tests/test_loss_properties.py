@@ -36,7 +36,7 @@ def test_chunk_size_does_not_change_results(seed, n, chunk, cfg):
     all_, g_all = _loss_and_grads(case, cfg, ids, lps, mask, chunk_rows=n)
     for f in ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "per_teacher"):
         rel_close(getattr(one, f), getattr(all_, f), 1e-12, f)
-    for a, b in zip(g_one, g_all):
+    for a, b in zip(g_one, g_all, strict=True):
         rel_close(a, b, 1e-12, "grad")
 
 
@@ -49,5 +49,5 @@ def test_permuting_candidate_slots_does_not_change_the_loss(seed, cfg, perm_seed
     base, g_base = _loss_and_grads(case, cfg, ids, lps, mask, chunk_rows=5)
     permuted, g_perm = _loss_and_grads(case, cfg, ids[:, perm], lps[:, perm], mask[:, perm], chunk_rows=5)
     rel_close(permuted.loss, base.loss, 1e-12, "loss")
-    for a, b in zip(g_perm, g_base):
+    for a, b in zip(g_perm, g_base, strict=True):
         rel_close(a, b, 1e-10, "grad")

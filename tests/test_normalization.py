@@ -56,7 +56,7 @@ def _token_mean_grads() -> list[torch.Tensor]:
     """Oracle: every micro-batch of every rank in one batch, summed loss / total tokens."""
     backbone, head = _model()
     parts = [_microbatch(r, k) for r in MICROBATCHES for k in range(len(MICROBATCHES[r]))]
-    x, ids, lps, mask = (torch.cat(t) for t in zip(*parts))
+    x, ids, lps, mask = (torch.cat(t) for t in zip(*parts, strict=True))
     out = sparse_jsd_loss(backbone(x), head, ids, lps, mask)
     (out.loss / out.num_tokens).backward()
     return [p.grad for p in (*backbone.parameters(), head)]
@@ -66,7 +66,7 @@ def test_two_rank_window_equals_global_token_mean(tmp_path):
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
     expected = _token_mean_grads()
     for rank in range(2):
-        for g, e in zip(torch.load(tmp_path / f"grads{rank}.pt"), expected):
+        for g, e in zip(torch.load(tmp_path / f"grads{rank}.pt"), expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
 
 

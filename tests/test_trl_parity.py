@@ -52,11 +52,11 @@ def test_matches_trl_chunked_jsd_loss(beta, tail, softcap, scale, T, bias):
 
     assert int(ours.num_tokens) == int(scored.sum())
     for mine, trls, name in zip((ours.loss, ours.jsd_sum, ours.entropy_sum, ours.teacher_entropy_sum), theirs[:4],
-                                ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum")):
+                                ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum"), strict=True):
         rel_close(mine, trls, 1e-5, name)
     # TRL's per-teacher vector is [count, jsd, teacher_entropy] * num_teachers
     rel_close(ours.per_teacher.reshape(-1), theirs[4], 1e-5, "per_teacher")
-    for mine, trls, name in zip(our_grads, their_grads, ("dh", "dW", "db")):
+    for mine, trls, name in zip(our_grads, their_grads, ("dh", "dW", "db")[: len(our_grads)], strict=True):
         rel_close(mine, trls, 1e-5, name)
 
 
@@ -70,6 +70,6 @@ def test_narrow_support_matches_trl(beta):
     theirs = trl_loss._narrow_top1_actual_support(
         case.wide_ids[None], case.wide_lps[None], case.actual[None], case.wide_ids[None] != -1, beta
     )
-    for mine, trls in zip(ours, theirs):
+    for mine, trls in zip(ours, theirs, strict=True):
         assert torch.equal(mine, trls[0])
 

@@ -190,7 +190,7 @@ class _SparseJSD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_):
         grads = []
-        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes):
+        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
             if not has:
                 grads.append(None)
                 continue

@@ -17,7 +17,6 @@ is tiny).
 from __future__ import annotations
 
 import torch
-
 from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
 DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile
