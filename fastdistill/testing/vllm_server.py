@@ -1,0 +1,208 @@
+"""Launch a real vLLM OpenAI-compatible server as a subprocess (CPU or GPU) and tear it down reliably.
+
+The server runs in its own process group, so stopping it also stops vLLM's engine-core child processes.
+The interpreter that runs vLLM is ``python`` if given, else ``$FASTDISTILL_VLLM_PYTHON``, else ``sys.executable``:
+vLLM may live in a separate virtual environment from the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+Role = Literal["teacher", "student"]
+
+# Teachers return many prompt log-probs per position, after temperature. Students expose vLLM's RL routes
+# (pause/resume, weight transfer) that only exist in dev mode, and report the sampled distribution's log-probs.
+_ROLE_ARGS: dict[Role, list[str]] = {
+    "teacher": ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs"],
+    "student": ["--logprobs-mode", "processed_logprobs"],
+}
+_ROLE_ENV: dict[Role, dict[str, str]] = {
+    "teacher": {},
+    "student": {"VLLM_SERVER_DEV_MODE": "1"},
+}
+
+
+class VLLMServerError(RuntimeError):
+    """The server process exited or did not become healthy in time; the message ends with its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def vllm_python() -> str:
+    """The interpreter that runs vLLM: ``$FASTDISTILL_VLLM_PYTHON`` or the current one."""
+    return os.environ.get("FASTDISTILL_VLLM_PYTHON") or sys.executable
+
+
+def _temporary_log_path(role: Role) -> Path:
+    descriptor, path = tempfile.mkstemp(prefix=f"vllm-{role}-", suffix=".log")
+    os.close(descriptor)
+    return Path(path)
+
+
+def _signal_group(group_id: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group_id, sig)
+    except ProcessLookupError:
+        pass
+
+
+class VLLMServer:
+    """A vLLM server for ``model_dir`` in the given ``role``, on a free port of 127.0.0.1.
+
+    Use as a context manager (``with VLLMServer(dir, role="teacher") as server: server.url``) or call
+    :meth:`start` / :meth:`stop`. ``start`` returns once ``GET /health`` answers 200, or raises
+    :class:`VLLMServerError` with the log tail if the process dies or ``startup_timeout_s`` passes.
+    The log goes to ``log_path`` (a temporary file by default). With ``cpu=True`` (the default when torch sees no
+    CUDA device) it sets ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE=kv_cache_space_gib`` unless the
+    caller's environment already sets them.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        role: Role,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        cpu: bool | None = None,
+        kv_cache_space_gib: int = 1,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 300.0,
+    ):
+        if role not in _ROLE_ARGS:
+            raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
+        self.model_dir = Path(model_dir)
+        self.role = role
+        self.python = python or vllm_python()
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.cpu = cpu if cpu is not None else not torch.cuda.is_available()
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else _temporary_log_path(role)
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234``."""
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The full command line that launches the server."""
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--enforce-eager",
+            *_ROLE_ARGS[self.role],
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours, the CPU defaults, the role's variables, then ``env`` overrides."""
+        environment = dict(os.environ)
+        if self.cpu:
+            environment.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            environment.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        environment.update(_ROLE_ENV[self.role])
+        environment.update(self.extra_env)
+        return environment
+
+    def start(self) -> VLLMServer:
+        """Launch the process and wait until it is healthy; on any failure stop it and raise."""
+        if self.process is not None:
+            raise VLLMServerError(f"server already started (pid {self.process.pid})")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        try:
+            self._wait_until_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_until_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"vLLM {self.role} server exited with code {self.process.returncode} during startup.\n"
+                    f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise VLLMServerError(
+            f"vLLM {self.role} server not healthy after {self.startup_timeout_s:.0f} s at {self.url}.\n"
+            f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as error:
+            return f"<cannot read log: {error}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, wait up to ``grace_s`` seconds, then SIGKILL whatever is left."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(process.pid, signal.SIGKILL)  # a stuck leader, or engine-core children that outlived it
+        process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

