@@ -8,10 +8,15 @@ from fastdistill.rollout.http import (
     VLLMResponseError,
     VLLMUnavailableError,
 )
+from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, epoch_order, prompt_cursor
 
 __all__ = [
     "Generation",
     "RetryPolicy",
+    "RolloutConfig",
+    "RolloutSample",
+    "RolloutWorker",
     "ServedModel",
     "StudentClient",
     "TeacherClient",
@@ -20,4 +25,6 @@ __all__ = [
     "VLLMRequestError",
     "VLLMResponseError",
     "VLLMUnavailableError",
+    "epoch_order",
+    "prompt_cursor",
 ]

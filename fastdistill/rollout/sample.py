@@ -1,0 +1,73 @@
+"""What one rollout produces: the prompt, the student's completion and the teacher's candidates for it.
+
+Field names follow TRL's ``RolloutSample`` (``reference/trl-async-distillation.md`` §6.1) where they exist, with two
+layout changes that keep the pickled sample small: token arrays are int32 (not int64), and the teacher arrays cover
+completion positions only (TRL pads every prompt row with -1 / -inf). :meth:`RolloutSample.to_trl_layout` rebuilds
+TRL's full-length int64 layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RolloutSample:
+    """One scored rollout. P = prompt length, L = completion length, K = teacher top-K.
+
+    - ``input_ids``: int32 (P+L,), prompt ids then completion ids.
+    - ``completion_mask``: int32 (P+L,), 0 on prompt positions, 1 on completion positions.
+    - ``teacher_topk_ids`` / ``teacher_topk_logprobs``: int32 / float32 (L, K+1). Row j holds the teacher's
+      candidates for completion token j (``input_ids[P+j]``): top-K by rank, then the realised token when it is
+      outside the top-K; empty slots are -1 / -inf. Log-probs are natural logs.
+    - ``rollout_logprobs``: float32 (L,), the student server's log-prob of each sampled completion token.
+    - ``prompt``: the dataset row's ``prompt`` entry when it has one (for logging), else None.
+    - ``completion``: decoded completion text; None here (the worker has no tokenizer).
+    - ``model_version``: the policy version read when the rollout was dispatched.
+    - ``prompt_id``: position in the worker's (epoch, shuffled order) stream; resuming at ``start_index=prompt_id``
+      dispatches this row again. ``dataset_index``: the row's index in the dataset.
+    - ``enqueued_at``: wall-clock seconds (``time.time()``) of the put into the sample queue.
+    """
+
+    input_ids: np.ndarray
+    completion_mask: np.ndarray
+    teacher_topk_ids: np.ndarray
+    teacher_topk_logprobs: np.ndarray
+    rollout_logprobs: np.ndarray
+    model_version: int
+    teacher_id: str
+    prompt_id: int
+    dataset_index: int
+    prompt: Any = None
+    completion: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    enqueued_at: float | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        """P, the number of prompt tokens."""
+        return int(self.input_ids.shape[0] - self.teacher_topk_ids.shape[0])
+
+    @property
+    def completion_ids(self) -> np.ndarray:
+        """int32 (L,), the sampled completion tokens."""
+        return self.input_ids[self.prompt_length :]
+
+    def to_trl_layout(self) -> dict[str, np.ndarray]:
+        """TRL's full-length arrays: int64 ``input_ids`` / ``completion_mask`` (P+L,), int64 ``teacher_topk_ids``
+        and float32 ``teacher_topk_logprobs`` (P+L, K+1) whose P prompt rows are -1 / -inf."""
+        prompt_length = self.prompt_length
+        width = self.teacher_topk_ids.shape[1]
+        ids = np.full((prompt_length + self.teacher_topk_ids.shape[0], width), -1, dtype=np.int64)
+        logprobs = np.full(ids.shape, -np.inf, dtype=np.float32)
+        ids[prompt_length:] = self.teacher_topk_ids
+        logprobs[prompt_length:] = self.teacher_topk_logprobs
+        return {
+            "input_ids": self.input_ids.astype(np.int64),
+            "completion_mask": self.completion_mask.astype(np.int64),
+            "teacher_topk_ids": ids,
+            "teacher_topk_logprobs": logprobs,
+        }

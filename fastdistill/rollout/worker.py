@@ -1,0 +1,431 @@
+"""Rollout worker: a CUDA-free child process that keeps the student and teacher vLLM servers busy.
+
+The parent (:class:`RolloutWorker`) validates the dataset, spawns the child and watches it. The child runs one
+asyncio loop over the dataset (already tokenised rows ``{"prompt_ids": list[int], "teacher_id": str?}``) with at most
+``max_inflight_tasks`` rollouts in flight; one rollout = student generate, then teacher score. Scored samples go into
+the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL names, §10.2 of the reference).
+
+Differences from TRL's ``AsyncRolloutWorker`` (reference §5, §14.3): rows are routed to teachers and validated in the
+parent before anything starts; a rollout that fails with a :class:`VLLMError` is counted (``rollout/failed_total``)
+and skipped instead of killing the worker; the heartbeat is written during every wait, backpressure included;
+epochs are shuffled with a per-epoch seed and the cursor (``start_index``) resumes mid-epoch; ``stop()`` cancels
+in-flight requests instead of waiting for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from fastdistill.rollout.client import StudentClient, TeacherClient
+from fastdistill.rollout.http import RetryPolicy, VLLMError
+from fastdistill.rollout.sample import RolloutSample
+
+# Environment variables of torch.distributed / torchrun that must not leak into the child.
+_DISTRIBUTED_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_WORLD_SIZE",
+)
+_POLL_S = 0.05  # how often the child's loop wakes up to beat, check stop and retry a full queue, in seconds
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Servers and sampling settings of the worker.
+
+    ``teacher_urls`` maps teacher id to base URL. ``teacher_top_k`` is K (the teacher arrays are K+1 wide).
+    ``max_tokens`` bounds the completion length in tokens. ``seed`` seeds the per-epoch shuffle (epoch e uses
+    ``default_rng((seed, e))``); ``start_index`` is the resume cursor (a ``prompt_id``, counting across epochs).
+    ``max_consecutive_failures`` failed rollouts in a row (a server down or misconfigured, not one bad prompt) stop
+    the child with the last error.
+    """
+
+    student_url: str
+    teacher_urls: Mapping[str, str]
+    teacher_top_k: int = 8
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_inflight_tasks: int = 128
+    shuffle: bool = True
+    seed: int = 0
+    start_index: int = 0
+    max_consecutive_failures: int = 100
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.teacher_urls:
+            raise ValueError("teacher_urls is empty: at least one teacher is needed")
+        if min(self.teacher_top_k, self.max_tokens, self.max_inflight_tasks, self.max_consecutive_failures) < 1:
+            raise ValueError("teacher_top_k, max_tokens, max_inflight_tasks and max_consecutive_failures must be >= 1")
+        if self.start_index < 0:
+            raise ValueError(f"start_index must be >= 0, got {self.start_index}")
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Row indices (num_rows,) in the order epoch ``epoch`` visits them: a permutation seeded by (seed, epoch)."""
+    if not shuffle:
+        return np.arange(num_rows)
+    return np.random.default_rng((seed, epoch)).permutation(num_rows)
+
+
+def prompt_cursor(num_rows: int, seed: int, start_index: int = 0, shuffle: bool = True) -> Iterator[tuple[int, int]]:
+    """Endless ``(prompt_id, row_index)`` pairs from ``prompt_id = start_index`` on; epoch = prompt_id // num_rows."""
+    first_epoch, offset = divmod(start_index, num_rows)
+    for epoch in itertools.count(first_epoch):
+        order = epoch_order(num_rows, seed, epoch, shuffle)
+        for position in range(offset, num_rows):
+            yield epoch * num_rows + position, int(order[position])
+        offset = 0
+
+
+def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str]) -> list[str]:
+    """The teacher id of every row; raise ValueError naming the known ids for a missing or unknown one.
+
+    With a single teacher every row goes to it, whatever its ``teacher_id`` says. Also checks ``prompt_ids``.
+    """
+    if not dataset:
+        raise ValueError("the dataset is empty")
+    routes = []
+    for index, row in enumerate(dataset):
+        prompt_ids = row.get("prompt_ids")
+        if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or len(prompt_ids) == 0:
+            raise ValueError(f"row {index}: prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.100}")
+        if len(teacher_ids) == 1:
+            routes.append(teacher_ids[0])
+            continue
+        teacher_id = row.get("teacher_id")
+        if teacher_id not in teacher_ids:
+            raise ValueError(
+                f"row {index} has teacher_id={teacher_id!r}, which is not a configured teacher; "
+                f"expected one of {sorted(teacher_ids)}"
+            )
+        routes.append(teacher_id)
+    return routes
+
+
+@dataclass
+class _Channels:
+    """What parent and child share (all from the spawn context)."""
+
+    samples: Any  # mp.Queue[RolloutSample], bounded
+    metrics: Any  # mp.Queue[dict[str, float]], bounded; full means the payload is dropped
+    errors: Any  # mp.Queue[tuple[str, str, str]] of (type name, message, traceback), maxsize 1
+    model_version: Any  # mp.Value("q")
+    heartbeat: Any  # mp.Value("d"), time.time() of the child's last beat
+    stop: Any  # mp.Event
+    ready: Any  # mp.Event
+    failed: Any  # mp.Event
+
+
+class RolloutWorker:
+    """Parent-side controller of the rollout child process.
+
+    ``dataset`` rows: ``{"prompt_ids": list[int], "teacher_id": str (needed with several teachers), "prompt": any
+    (optional, copied to the sample)}``. Consume ``samples`` (``RolloutSample``) and ``metrics_queue`` (dicts).
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        dataset: Sequence[Mapping[str, Any]],
+        *,
+        queue_maxsize: int = 256,
+        ready_timeout_s: float = 120.0,
+    ):
+        if queue_maxsize < 1:
+            raise ValueError(f"queue_maxsize must be >= 1 (the queue is bounded), got {queue_maxsize}")
+        routes = route_rows(dataset, list(config.teacher_urls))
+        self.config = config
+        self._rows = [
+            {"prompt_ids": [int(t) for t in row["prompt_ids"]], "teacher_id": route, "prompt": row.get("prompt")}
+            for row, route in zip(dataset, routes, strict=True)
+        ]
+        self._ready_timeout_s = ready_timeout_s
+        context = mp.get_context("spawn")
+        self._context = context
+        self._channels = _Channels(
+            samples=context.Queue(maxsize=queue_maxsize),
+            metrics=context.Queue(maxsize=4096),
+            errors=context.Queue(maxsize=1),
+            model_version=context.Value("q", 0),
+            heartbeat=context.Value("d", 0.0),
+            stop=context.Event(),
+            ready=context.Event(),
+            failed=context.Event(),
+        )
+        self._process: Any = None
+        self._child_error: str | None = None  # the child's failure report, kept once read from the queue
+
+    @property
+    def samples(self) -> Any:
+        """The bounded queue of :class:`RolloutSample`."""
+        return self._channels.samples
+
+    @property
+    def metrics_queue(self) -> Any:
+        """Queue of per-rollout metric dicts (dropped when full)."""
+        return self._channels.metrics
+
+    @property
+    def model_version(self) -> int:
+        return int(self._channels.model_version.value)
+
+    @model_version.setter
+    def model_version(self, version: int) -> None:
+        """Set the policy version stamped on rollouts dispatched from now on."""
+        with self._channels.model_version.get_lock():
+            self._channels.model_version.value = int(version)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def is_alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def start(self) -> None:
+        """Spawn the child without CUDA or torch.distributed settings; wait until its loop is built."""
+        if self._process is not None:
+            raise RuntimeError("the rollout worker was already started")
+        self._channels.heartbeat.value = time.time()
+        self._process = self._context.Process(
+            target=_child_main,
+            args=(self.config, self._rows, self._channels),
+            name="fastdistill-rollout-worker",
+            daemon=True,
+        )
+        with _child_environment():
+            self._process.start()
+        deadline = time.monotonic() + self._ready_timeout_s
+        while not self._channels.ready.wait(0.1):
+            if not self._process.is_alive():
+                self.check_health(stale_after_s=float("inf"))
+                raise RuntimeError(f"rollout worker child exited during start (exit code {self._process.exitcode})")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"rollout worker child not ready after {self._ready_timeout_s:.0f} s")
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise RuntimeError if the child failed (with its traceback), died, or has not beaten for
+        ``stale_after_s`` seconds."""
+        channels = self._channels
+        if channels.failed.is_set():
+            if self._child_error is None:
+                try:
+                    type_name, message, child_traceback = channels.errors.get(timeout=5.0)
+                    self._child_error = f"{type_name}: {message}\n{child_traceback}"
+                except queue.Empty:
+                    self._child_error = "no error report arrived"
+            raise RuntimeError(f"rollout worker child failed: {self._child_error}")
+        if self._process is not None and not self._process.is_alive() and not channels.stop.is_set():
+            raise RuntimeError(f"rollout worker child died (exit code {self._process.exitcode})")
+        silence_s = time.time() - channels.heartbeat.value
+        if silence_s > stale_after_s:
+            raise RuntimeError(f"rollout worker heartbeat stale: last beat {silence_s:.1f} s ago")
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the child to stop (in-flight rollouts are cancelled); terminate, then kill, if it does not exit."""
+        self._channels.stop.set()
+        process = self._process
+        if process is None:
+            return
+        process.join(timeout_s)
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+
+
+@contextmanager
+def _child_environment() -> Iterator[None]:
+    """Temporarily hide GPUs and torch.distributed variables so that a process spawned now inherits neither.
+
+    This edits the parent's ``os.environ`` for the duration of ``Process.start()``; other threads reading the
+    environment meanwhile would see the change."""
+    changes = {name: None for name in os.environ if name in _DISTRIBUTED_ENV or name.startswith("TORCHELASTIC_")}
+    changes["CUDA_VISIBLE_DEVICES"] = ""
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _child_main(config: RolloutConfig, rows: list[dict[str, Any]], channels: _Channels) -> None:
+    """Child entry point: run the loop; on failure report (type, message, traceback) and exit with code 1."""
+    # On stop the parent may not drain the queues; do not block the exit on flushing them.
+    channels.samples.cancel_join_thread()
+    channels.metrics.cancel_join_thread()
+    try:
+        loop = _RolloutLoop(config, rows, channels)
+        channels.ready.set()
+        asyncio.run(loop.run())
+    except BaseException as error:
+        channels.errors.put((type(error).__name__, str(error), traceback.format_exc()))
+        channels.failed.set()
+        raise
+
+
+class _RolloutLoop:
+    """The child's asyncio loop: dispatch, collect, enqueue, account."""
+
+    def __init__(self, config: RolloutConfig, rows: list[dict[str, Any]], channels: _Channels):
+        self.config = config
+        self.rows = rows
+        self.channels = channels
+        self.failed_total = 0
+        self.consecutive_failures = 0
+        self.per_teacher_metric = len(config.teacher_urls) > 1
+
+    def beat(self) -> None:
+        self.channels.heartbeat.value = time.time()
+
+    def push_metrics(self, metrics: dict[str, float]) -> None:
+        try:
+            self.channels.metrics.put_nowait(metrics)
+        except queue.Full:
+            pass
+
+    async def run(self) -> None:
+        connector = aiohttp.TCPConnector(limit=2 * self.config.max_inflight_tasks)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            self.student = StudentClient(self.config.student_url, retry=self.config.retry, session=session)
+            self.teachers = {
+                teacher_id: TeacherClient(url, retry=self.config.retry, session=session)
+                for teacher_id, url in self.config.teacher_urls.items()
+            }
+            await self.generate_loop()
+
+    async def generate_loop(self) -> None:
+        """Keep ``max_inflight_tasks`` rollouts in flight until stopped; failed rollouts are counted and skipped."""
+        cursor = prompt_cursor(len(self.rows), self.config.seed, self.config.start_index, self.config.shuffle)
+        inflight: set[asyncio.Task] = set()
+        try:
+            while not self.channels.stop.is_set():
+                self.beat()
+                while len(inflight) < self.config.max_inflight_tasks:
+                    prompt_id, row_index = next(cursor)
+                    inflight.add(asyncio.create_task(self.rollout(prompt_id, row_index)))
+                done, inflight = await asyncio.wait(inflight, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    await self.deliver(task, len(inflight))
+        finally:
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def rollout(self, prompt_id: int, row_index: int) -> tuple[RolloutSample, dict[str, float]]:
+        """Generate and score one row. Returns the sample and its metrics (seconds, tokens)."""
+        row = self.rows[row_index]
+        model_version = int(self.channels.model_version.value)
+        teacher_id = row["teacher_id"]
+        started = time.monotonic()
+        generation = await self.student.generate(
+            row["prompt_ids"],
+            max_tokens=self.config.max_tokens,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            top_k=self.config.top_k,
+        )
+        scoring_started = time.monotonic()
+        scores = await self.teachers[teacher_id].score(
+            row["prompt_ids"], generation.token_ids, top_k=self.config.teacher_top_k
+        )
+        finished = time.monotonic()
+        prompt_ids = np.asarray(row["prompt_ids"], dtype=np.int32)
+        completion_length = generation.token_ids.shape[0]
+        sample = RolloutSample(
+            input_ids=np.concatenate([prompt_ids, generation.token_ids]),
+            completion_mask=np.concatenate(
+                [np.zeros(prompt_ids.shape[0], np.int32), np.ones(completion_length, np.int32)]
+            ),
+            teacher_topk_ids=scores.candidate_ids,
+            teacher_topk_logprobs=scores.logprobs,
+            rollout_logprobs=generation.logprobs,
+            model_version=model_version,
+            teacher_id=teacher_id,
+            prompt_id=prompt_id,
+            dataset_index=row_index,
+            prompt=row["prompt"],
+        )
+        metrics = {
+            "rollout/duration_s": finished - started,
+            "rollout/score_s": finished - scoring_started,
+            "completions/mean_length": float(completion_length),
+        }
+        if self.per_teacher_metric:
+            metrics[f"teacher_score_s/{teacher_id}"] = finished - scoring_started
+        return sample, metrics
+
+    async def deliver(self, task: asyncio.Task, inflight: int) -> None:
+        """Enqueue a finished rollout, or count it as failed when it raised a :class:`VLLMError`.
+
+        Any other exception, or too many failures in a row, is fatal: it propagates and ends the child."""
+        error = task.exception()
+        if isinstance(error, VLLMError):
+            self.failed_total += 1
+            self.consecutive_failures += 1
+            print(f"fastdistill rollout worker: rollout failed: {error}", file=sys.stderr, flush=True)
+            self.push_metrics({"rollout/failed_total": float(self.failed_total), "rollout/inflight": float(inflight)})
+            if self.consecutive_failures >= self.config.max_consecutive_failures:
+                raise RuntimeError(f"{self.consecutive_failures} rollouts failed in a row; last: {error}") from error
+            return
+        if error is not None:
+            raise error
+        self.consecutive_failures = 0
+        sample, metrics = task.result()
+        backpressure_s = await self.put(sample)
+        if backpressure_s is None:
+            return
+        metrics.update({"rollout/inflight": float(inflight), "rollout/backpressure_s": backpressure_s})
+        self.push_metrics(metrics)
+
+    async def put(self, sample: RolloutSample) -> float | None:
+        """Put ``sample`` into the bounded queue, beating while it is full. Returns the seconds waited, or None
+        when a stop request came first (the sample is dropped)."""
+        waiting_since = time.monotonic()
+        while True:
+            sample.enqueued_at = time.time()
+            try:
+                self.channels.samples.put_nowait(sample)
+                return time.monotonic() - waiting_since
+            except queue.Full:
+                if self.channels.stop.is_set():
+                    return None
+                self.beat()
+                await asyncio.sleep(_POLL_S)

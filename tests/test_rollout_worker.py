@@ -1,0 +1,331 @@
+"""Rollout worker against stub vLLM servers (aiohttp, in a thread of the test process) and its pure helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web  # noqa: E402
+
+from fastdistill.rollout.http import RetryPolicy  # noqa: E402
+from fastdistill.rollout.worker import (  # noqa: E402
+    RolloutConfig,
+    RolloutWorker,
+    epoch_order,
+    prompt_cursor,
+)
+from fastdistill.testing.vllm_server import free_port  # noqa: E402
+
+FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=30.0)
+TOP_K = 2
+
+
+class StubServer:
+    """An aiohttp app on 127.0.0.1:<free port>, served from a background thread; ``completion(body)`` answers
+    ``POST /v1/completions`` with (status, JSON body)."""
+
+    def __init__(self, name: str, completion):
+        self.name = name
+        self.completion = completion
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": self.name, "max_model_len": 512}]})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        status, body = await self.completion(await request.json())
+        return web.Response(status=status, text=json.dumps(body), content_type="application/json")
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)  # do not wait for slow handlers
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    def __enter__(self) -> StubServer:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def student_completion(prompt: list[int]) -> list[int]:
+    """The stub student's deterministic completion of ``prompt``: 3 tokens derived from its first token."""
+    return [prompt[0] + 100, prompt[0] + 101, 2]
+
+
+def student_stub(fail_500=(), fail_400=(), delay_s: float = 0.0):
+    """Student /v1/completions: HTTP 500 (forever) or 400 for prompts whose first token is listed, else 200."""
+
+    async def complete(body):
+        await asyncio.sleep(delay_s)
+        first = body["prompt"][0]
+        if first in fail_500:
+            return 500, {"error": {"message": "engine crashed"}}
+        if first in fail_400:
+            return 400, {"error": {"message": "context too long"}}
+        tokens = student_completion(body["prompt"])
+        return 200, {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}]}
+
+    return complete
+
+
+def teacher_stub(tag: int):
+    """Teacher prompt_logprobs: at every position, candidate ``tag`` at rank 1 and the realised token at rank 50."""
+
+    async def score(body):
+        sequence = body["prompt"]
+        assert body["prompt_logprobs"] == TOP_K and body["max_tokens"] == 1
+        entries = [None] + [
+            {str(tag): {"logprob": -0.25, "rank": 1}, str(token): {"logprob": -4.0, "rank": 50}}
+            for token in sequence[1:]
+        ]
+        return 200, {"choices": [{"prompt_logprobs": entries}]}
+
+    return score
+
+
+def dataset(num_rows: int, teacher_ids=("math", "code")) -> list[dict]:
+    return [
+        {"prompt_ids": [10 + i, 5, 6], "teacher_id": teacher_ids[i % len(teacher_ids)], "prompt": f"row {i}"}
+        for i in range(num_rows)
+    ]
+
+
+def config(student: StubServer, teachers: dict[str, StubServer], **overrides) -> RolloutConfig:
+    settings = dict(teacher_top_k=TOP_K, max_tokens=8, max_inflight_tasks=4, retry=FAST_RETRY, seed=7)
+    settings.update(overrides)
+    return RolloutConfig(student.url, {name: server.url for name, server in teachers.items()}, **settings)
+
+
+def collect_first_epoch(worker: RolloutWorker, expected: int, timeout_s: float = 20.0) -> dict[int, object]:
+    """Samples with prompt_id < ``expected`` (the first epoch), keyed by prompt_id."""
+    found = {}
+    deadline = time.monotonic() + timeout_s
+    while len(found) < expected:
+        worker.check_health(stale_after_s=10.0)
+        assert time.monotonic() < deadline, f"only {sorted(found)} arrived"
+        try:
+            sample = worker.samples.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if sample.prompt_id < expected:
+            found[sample.prompt_id] = sample
+    return found
+
+
+def drain_metrics(worker: RolloutWorker) -> list[dict]:
+    metrics = []
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            metrics.append(worker.metrics_queue.get(timeout=0.1))
+        except queue.Empty:
+            if metrics:
+                break
+    return metrics
+
+
+@pytest.fixture
+def servers():
+    with (
+        StubServer("student", student_stub(fail_500={12}, fail_400={14})) as student,
+        StubServer("math-teacher", teacher_stub(tag=1000)) as math,
+        StubServer("code-teacher", teacher_stub(tag=2000)) as code,
+    ):
+        yield student, {"math": math, "code": code}
+
+
+# ------------------------------------------------------------------------------------------------ pure helpers
+
+
+def test_epoch_order_is_a_seeded_permutation_per_epoch():
+    first = epoch_order(50, seed=3, epoch=0)
+    assert sorted(first.tolist()) == list(range(50))
+    assert np.array_equal(first, epoch_order(50, seed=3, epoch=0))
+    assert not np.array_equal(first, epoch_order(50, seed=3, epoch=1))
+    assert not np.array_equal(first, epoch_order(50, seed=4, epoch=0))
+    assert np.array_equal(epoch_order(5, seed=3, epoch=0, shuffle=False), np.arange(5))
+
+
+def test_cursor_resumes_where_it_left_off_across_epochs():
+    full = list(itertools.islice(prompt_cursor(7, seed=1), 30))
+    assert [prompt_id for prompt_id, _ in full] == list(range(30))
+    for epoch in range(4):
+        assert sorted(row for _, row in full[7 * epoch : 7 * epoch + 7]) == list(range(7))
+    assert list(itertools.islice(prompt_cursor(7, seed=1, start_index=11), 19)) == full[11:30]
+
+
+def test_unknown_or_missing_teacher_id_is_rejected_up_front():
+    two = RolloutConfig("http://s", {"math": "http://a", "code": "http://b"})
+    rows = dataset(3)
+    rows[2]["teacher_id"] = "bio"
+    with pytest.raises(ValueError, match=r"row 2 has teacher_id='bio'.*\['code', 'math'\]"):
+        RolloutWorker(two, rows)
+    del rows[2]["teacher_id"]
+    with pytest.raises(ValueError, match=r"teacher_id=None.*\['code', 'math'\]"):
+        RolloutWorker(two, rows)
+    one = RolloutConfig("http://s", {"math": "http://a"})
+    RolloutWorker(one, rows)  # a single teacher takes every row, whatever its teacher_id
+
+
+# ------------------------------------------------------------------------------------------------ worker process
+
+
+def test_samples_are_scored_by_their_teacher_once_per_epoch(servers):
+    student, teachers = servers
+    rows = [row for row in dataset(10) if row["prompt_ids"][0] not in (12, 14)]
+    worker = RolloutWorker(config(student, teachers), rows, queue_maxsize=8)
+    worker.model_version = 3
+    worker.start()
+    try:
+        found = collect_first_epoch(worker, len(rows))
+    finally:
+        worker.stop()
+    order = epoch_order(len(rows), seed=7, epoch=0)
+    assert [found[i].dataset_index for i in range(len(rows))] == order.tolist()
+    for sample in found.values():
+        row = rows[sample.dataset_index]
+        prompt, completion = row["prompt_ids"], student_completion(row["prompt_ids"])
+        assert sample.teacher_id == row["teacher_id"] and sample.model_version == 3 and sample.prompt == row["prompt"]
+        assert sample.input_ids.dtype == np.int32 and sample.input_ids.tolist() == prompt + completion
+        assert sample.completion_mask.tolist() == [0] * len(prompt) + [1] * len(completion)
+        assert sample.rollout_logprobs.dtype == np.float32 and sample.rollout_logprobs.tolist() == [-0.5] * 3
+        tag = 1000 if row["teacher_id"] == "math" else 2000
+        assert sample.teacher_topk_ids.shape == (3, TOP_K + 1) and sample.teacher_topk_ids.dtype == np.int32
+        assert sample.teacher_topk_ids.tolist() == [[tag, token, -1] for token in completion]
+        assert sample.teacher_topk_logprobs[:, :2].tolist() == [[-0.25, -4.0]] * 3
+        assert np.isneginf(sample.teacher_topk_logprobs[:, 2]).all() and sample.enqueued_at is not None
+        trl = sample.to_trl_layout()
+        assert trl["teacher_topk_ids"].shape == (6, TOP_K + 1) and (trl["teacher_topk_ids"][:3] == -1).all()
+        assert np.array_equal(trl["teacher_topk_ids"][3:], sample.teacher_topk_ids)
+    metrics = drain_metrics(worker)
+    assert any("teacher_score_s/math" in m and m["rollout/duration_s"] >= m["rollout/score_s"] for m in metrics)
+
+
+def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
+    student, teachers = servers
+    rows = dataset(8, teacher_ids=("anything",))  # first tokens 10..17; 12 answers 500, 14 answers 400
+    worker = RolloutWorker(config(student, {"math": teachers["math"]}, shuffle=False), rows, queue_maxsize=64)
+    worker.start()
+    try:
+        good = {}
+        deadline = time.monotonic() + 20
+        while len(good) < 6:
+            assert time.monotonic() < deadline
+            worker.check_health(stale_after_s=10.0)
+            sample = worker.samples.get(timeout=5)
+            good[sample.dataset_index] = sample
+        metrics = drain_metrics(worker)
+    finally:
+        worker.stop()
+    assert sorted(good) == [0, 1, 3, 5, 6, 7]
+    assert all(sample.teacher_id == "math" for sample in good.values())
+    assert max(m.get("rollout/failed_total", 0) for m in metrics) >= 2
+
+
+def test_backpressure_keeps_the_heartbeat_fresh(servers):
+    student, teachers = servers
+    worker = RolloutWorker(config(student, teachers), dataset(4), queue_maxsize=1)
+    worker.start()
+    try:
+        time.sleep(1.5)  # the queue fills at once; the child waits on it
+        worker.check_health(stale_after_s=0.5)
+        worker.samples.get(timeout=5)
+        worker.samples.get(timeout=5)
+        metrics = drain_metrics(worker)
+    finally:
+        worker.stop()
+    assert max(m.get("rollout/backpressure_s", 0.0) for m in metrics) > 0.5
+
+
+def test_stop_is_fast_with_requests_in_flight(servers):
+    _, teachers = servers
+    with StubServer("slow-student", student_stub(delay_s=60.0)) as slow:
+        worker = RolloutWorker(config(slow, teachers), dataset(4))
+        worker.start()
+        time.sleep(0.5)
+        worker.check_health(stale_after_s=1.0)
+        started = time.monotonic()
+        worker.stop()
+        elapsed = time.monotonic() - started
+    assert elapsed < 2.0 and not worker.is_alive() and worker._process.exitcode == 0
+
+
+def test_dead_child_is_detected(servers):
+    student, teachers = servers
+    worker = RolloutWorker(config(student, teachers), dataset(4))
+    worker.start()
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker._process.join(5)
+        with pytest.raises(RuntimeError, match="died"):
+            worker.check_health(stale_after_s=60.0)
+    finally:
+        worker.stop()
+
+
+def test_child_failure_reports_its_traceback(servers):
+    _, teachers = servers
+    worker = RolloutWorker(RolloutConfig("not-a-url", {"math": teachers["math"].url}), dataset(2))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        with pytest.raises(RuntimeError, match=r"(?s)child failed.*Traceback.*not-a-url"):
+            while time.monotonic() < deadline:
+                worker.check_health(stale_after_s=60.0)
+                time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="not-a-url"):  # the report survives being read once
+            worker.check_health(stale_after_s=60.0)
+    finally:
+        worker.stop()
+
+
+def test_a_server_failing_every_rollout_stops_the_child(servers):
+    _, teachers = servers
+    with StubServer("broken-student", student_stub(fail_400=set(range(10, 14)))) as broken:
+        worker = RolloutWorker(config(broken, teachers, max_consecutive_failures=3), dataset(4))
+        worker.start()
+        try:
+            deadline = time.monotonic() + 10
+            with pytest.raises(RuntimeError, match=r"(?s)3 rollouts failed in a row.*context too long"):
+                while time.monotonic() < deadline:
+                    worker.check_health(stale_after_s=60.0)
+                    time.sleep(0.05)
+        finally:
+            worker.stop()
+
+
+def test_child_sees_no_gpu_and_no_distributed_env(servers, monkeypatch):
+    student, teachers = servers
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    worker = RolloutWorker(config(student, teachers), dataset(2))
+    worker.start()
+    try:
+        with open(f"/proc/{worker.pid}/environ", "rb") as environ:
+            child_env = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+    finally:
+        worker.stop()
+    assert child_env[b"CUDA_VISIBLE_DEVICES"] == b"" and b"RANK" not in child_env and b"MASTER_PORT" not in child_env
+    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
