@@ -152,11 +152,10 @@ def summarize(loss, div, ent, tent, teacher_index, num_teachers) -> SparseJSDOut
     """Pack per-row statistics of the scored rows into a :class:`SparseJSDOutput`."""
     with torch.no_grad():
         per_row = torch.stack([torch.ones_like(div), div, tent], dim=1)
-        if teacher_index is None:
-            per_teacher = torch.zeros(num_teachers, 3, dtype=div.dtype, device=div.device)
+        per_teacher = torch.zeros(num_teachers, 3, dtype=div.dtype, device=div.device)
+        if teacher_index is None:  # a single teacher: everything is teacher 0
             per_teacher[0] = per_row.sum(dim=0)
         else:
-            per_teacher = torch.zeros(num_teachers, 3, dtype=div.dtype, device=div.device)
             per_teacher.index_add_(0, teacher_index.long(), per_row)
         return SparseJSDOutput(
             loss=loss,
