@@ -30,6 +30,8 @@ from fastdistill.rollout import (  # noqa: E402
     VLLMRequestError,
     VLLMResponseError,
     VLLMUnavailableError,
+    VocabularyMismatchError,
+    check_shared_vocabulary,
 )
 from fastdistill.testing.vllm_server import VLLMServer, VLLMServerError, free_port, vllm_python  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
@@ -423,3 +425,70 @@ def test_backoff_is_capped_exponential_with_jitter():
     for retry_index, cap in [(0, 1.0), (1, 2.0), (2, 4.0), (3, 8.0), (10, 8.0)]:
         delays = [policy.backoff_s(retry_index) for _ in range(50)]
         assert all(0.5 * cap <= delay < cap for delay in delays)
+
+
+# --------------------------------------------------------------------------------------- vocabulary check
+
+
+@pytest.fixture(scope="session")
+def other_vocab_server(tmp_path_factory, tiny_checkpoint):
+    """A teacher-role server whose tokenizer was trained on other text (a different vocabulary)."""
+    tokenizer = build_tokenizer(corpus=["zebra quartz vixen jumbo " * 20, "xylophone kiwi yak " * 20], vocab_size=300)
+    config = tiny_config(
+        len(tokenizer), head_dim=32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    folder = save_pretrained_dir(build_model(config, seed=1), tokenizer, tmp_path_factory.mktemp("other-vocab"))
+    with VLLMServer(folder, role="teacher", log_path=tmp_path_factory.mktemp("logs") / "other.log") as server:
+        yield server
+
+
+@pytest.mark.vllm
+def test_vocabulary_check_against_real_servers(student_server, teacher_server, other_vocab_server):
+    async def check(teachers: dict[str, str]) -> None:
+        async with StudentClient(student_server.url) as student:
+            clients = {tid: TeacherClient(url) for tid, url in teachers.items()}
+            try:
+                await check_shared_vocabulary(student, clients)
+            finally:
+                for client in clients.values():
+                    await client.close()
+
+    asyncio.run(check({"same": teacher_server.url}))
+    with pytest.raises(VocabularyMismatchError, match="teacher 'other' .* does not share the student's vocabulary"):
+        asyncio.run(check({"same": teacher_server.url, "other": other_vocab_server.url}))
+
+
+def tokenize_stub(tokens_for: Callable[[str], list[int]]) -> Handler:
+    async def respond(request: web.Request) -> web.Response:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+        text = (await request.json())["prompt"]
+        return web.json_response({"count": 1, "max_model_len": 64, "tokens": tokens_for(text)})
+
+    return respond
+
+
+def test_vocabulary_check_names_the_mismatched_teacher():
+    def call(url: str):
+        async def run():
+            async with StudentClient(url) as student, TeacherClient(url) as teacher:
+                await check_shared_vocabulary(student, {"math": teacher}, probes=["ab"])
+
+        return run()
+
+    answers = iter([[1, 2], [1, 3]])  # student first, then the teacher
+    outcome, _ = run_against_stub([tokenize_stub(lambda text: next(answers))], call)
+    assert isinstance(outcome, VocabularyMismatchError)
+    assert "teacher 'math'" in str(outcome) and "[1, 3]" in str(outcome) and "[1, 2]" in str(outcome)
+
+    outcome, received = run_against_stub([tokenize_stub(lambda text: [len(text)])], call)
+    assert outcome is None and received == 4  # /v1/models + /tokenize for each side
+
+
+def test_tokenize_rejects_a_malformed_body():
+    async def call(url: str):
+        async with StudentClient(url, model="m") as client:
+            return await client.tokenize("x")
+
+    outcome, _ = run_against_stub([reply(200, {"count": 1})], call)
+    assert isinstance(outcome, VLLMResponseError) and "/tokenize: unexpected body" in str(outcome)

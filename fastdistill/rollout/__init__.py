@@ -9,6 +9,7 @@ from fastdistill.rollout.http import (
     VLLMUnavailableError,
 )
 from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
 from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, epoch_order, prompt_cursor
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "VLLMRequestError",
     "VLLMResponseError",
     "VLLMUnavailableError",
+    "VocabularyMismatchError",
+    "check_shared_vocabulary",
     "epoch_order",
     "prompt_cursor",
 ]

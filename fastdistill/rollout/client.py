@@ -132,6 +132,15 @@ class _VLLMEndpoint:
                 raise VLLMResponseError(f"{self.base_url}/v1/models: unexpected body {body!r:.300}") from error
         return self._served_model
 
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the served tokenizer (``POST /tokenize``, no special tokens added)."""
+        payload = {"model": await self.model_name(), "prompt": text, "add_special_tokens": False}
+        body = await self._request("POST", "/tokenize", payload)
+        try:
+            return [int(token) for token in body["tokens"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise VLLMResponseError(f"{self.base_url}/tokenize: unexpected body {body!r:.300}") from error
+
     async def model_name(self) -> str:
         """The ``model`` field to send: the one given at construction, else the served model's id."""
         if self._model_name is None:
