@@ -284,16 +284,21 @@ def test_dead_child_is_detected(servers):
         worker.stop()
 
 
+def poll_health(worker: RolloutWorker, timeout_s: float = 10.0) -> None:
+    """Call ``check_health`` every 50 ms for up to ``timeout_s`` (it raises once the child has failed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        worker.check_health(stale_after_s=60.0)
+        time.sleep(0.05)
+
+
 def test_child_failure_reports_its_traceback(servers):
     _, teachers = servers
     worker = RolloutWorker(RolloutConfig("not-a-url", {"math": teachers["math"].url}), dataset(2))
     worker.start()
     try:
-        deadline = time.monotonic() + 10
         with pytest.raises(RuntimeError, match=r"(?s)child failed.*Traceback.*not-a-url"):
-            while time.monotonic() < deadline:
-                worker.check_health(stale_after_s=60.0)
-                time.sleep(0.05)
+            poll_health(worker)
         with pytest.raises(RuntimeError, match="not-a-url"):  # the report survives being read once
             worker.check_health(stale_after_s=60.0)
     finally:
@@ -306,11 +311,8 @@ def test_a_server_failing_every_rollout_stops_the_child(servers):
         worker = RolloutWorker(config(broken, teachers, max_consecutive_failures=3), dataset(4))
         worker.start()
         try:
-            deadline = time.monotonic() + 10
             with pytest.raises(RuntimeError, match=r"(?s)3 rollouts failed in a row.*context too long"):
-                while time.monotonic() < deadline:
-                    worker.check_health(stale_after_s=60.0)
-                    time.sleep(0.05)
+                poll_health(worker)
         finally:
             worker.stop()
 
