@@ -1,0 +1,1 @@
+"""The trainer: config, loop, checkpoint/resume, metrics."""
