@@ -1,0 +1,184 @@
+"""One rank's samples to one padding-free packed row, with the trained positions already selected.
+
+Layout (S samples, sample s with prompt length P_s ≥ 1 and completion length L_s, starting at row offset o_s):
+- ``input_ids`` is the samples' ``input_ids`` concatenated, T = Σ (P_s + L_s) tokens, no padding;
+- ``position_ids`` restart at 0 for every sample; ``cu_seqlens`` = [0, o_1, ..., T] (flash-attention varlen);
+- completion token j of sample s sits at ``o_s + P_s + j`` and is predicted by the hidden state at
+  ``o_s + P_s + j − 1``: that index is a *target position*, paired with the teacher's candidate row j.
+This is TRL's "drop the first element, shift by one" layout (``reference/trl-async-distillation.md`` §7.1)
+with the untrained positions (prompts, and the cross-sample boundary) never materialised.
+
+The backbone must be called with these ``position_ids``, ``use_cache=False`` and NO attention mask: transformers
+isolates packed samples only when it can infer them from ``position_ids`` (``masking_utils``), which it skips
+when an attention mask or a cache is given (``docs/data.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..rollout.sample import RolloutSample
+
+
+@dataclass
+class PackedRow:
+    """One rank's packed row. T = tokens, S = samples, M = trained targets, K+1 = candidate slots."""
+
+    input_ids: torch.Tensor  # int64 (1, T)
+    position_ids: torch.Tensor  # int64 (1, T), restarting at 0 per sample
+    cu_seqlens: torch.Tensor  # int32 (S+1,), sample boundaries
+    target_positions: torch.Tensor  # int64 (M,), t whose hidden state predicts input_ids[t+1], a completion token
+    candidate_ids: torch.Tensor  # int64 (M, K+1), teacher candidates for that token, -1 = empty
+    candidate_logprobs: torch.Tensor  # float32 (M, K+1), teacher log-probs (nats), -inf = empty
+    actual_ids: torch.Tensor  # int64 (M,), the realised token input_ids[t+1]
+    teacher_index: torch.Tensor  # int64 (M,), index into pack_row's teacher_ids
+    rollout_logprobs: torch.Tensor  # float32 (M,), rollout policy's log-prob of actual_ids
+    token_sample: torch.Tensor  # int64 (M,), which sample (0..S-1) each target belongs to
+    model_versions: torch.Tensor  # int64 (S,), policy version each sample was generated with
+    prompt_ids: list[int]  # (S,), each sample's prompt_id
+
+    @property
+    def num_tokens(self) -> int:
+        """T, tokens forwarded."""
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_samples(self) -> int:
+        """S, samples packed."""
+        return len(self.prompt_ids)
+
+    @property
+    def num_trained(self) -> int:
+        """M, target positions (completion tokens with ``completion_mask`` 1)."""
+        return int(self.target_positions.shape[0])
+
+    def to(self, device: torch.device | str) -> PackedRow:
+        """A copy with every tensor on ``device`` (non-blocking copies; pinned sources make them asynchronous)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
+
+
+def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str]) -> PackedRow:
+    """Concatenate ``samples`` into one :class:`PackedRow` (layout in the module docstring).
+
+    ``teacher_ids`` lists every teacher id in a fixed order; ``teacher_index`` refers to it. Completion positions
+    whose ``completion_mask`` is 0 are forwarded but not targets (as in TRL). Raises ValueError for an empty list,
+    a malformed sample (array shapes or dtypes that disagree, an empty prompt, a prompt position marked as
+    completion), a ``teacher_id`` not in ``teacher_ids``, or candidate widths (K+1) that differ between samples.
+    """
+    if len(samples) == 0:
+        raise ValueError("pack_row needs at least one sample, got an empty list")
+    teacher_to_index = _teacher_index_map(teacher_ids)
+    width = None
+    for s, sample in enumerate(samples):
+        _check_sample(s, sample)
+        if sample.teacher_id not in teacher_to_index:
+            raise ValueError(
+                f"sample {s} (prompt_id={sample.prompt_id}): unknown teacher_id {sample.teacher_id!r}; "
+                f"known teacher ids: {list(teacher_to_index)}"
+            )
+        sample_width = sample.teacher_topk_ids.shape[1]
+        if width is None:
+            width = sample_width
+        elif sample_width != width:
+            raise ValueError(
+                f"sample {s} (prompt_id={sample.prompt_id}) has {sample_width} candidate slots per position, "
+                f"sample 0 has {width}: every sample of a row needs the same K+1"
+            )
+
+    lengths = np.array([sample.input_ids.shape[0] for sample in samples], dtype=np.int64)
+    cu_seqlens = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    total = int(cu_seqlens[-1])
+
+    input_ids = np.concatenate([sample.input_ids for sample in samples]).astype(np.int64)
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
+    prompt_lengths = np.array([sample.prompt_length for sample in samples], dtype=np.int64)
+    completion_lengths = lengths - prompt_lengths
+    # Row index of every completion token (sample by sample), then only those with completion_mask 1.
+    completion_starts = np.zeros(len(samples), dtype=np.int64)
+    np.cumsum(completion_lengths[:-1], out=completion_starts[1:])
+    token_at = np.arange(int(completion_lengths.sum()), dtype=np.int64) + np.repeat(
+        cu_seqlens[:-1] + prompt_lengths - completion_starts, completion_lengths
+    )
+    keep = np.concatenate([sample.completion_mask[sample.prompt_length :] == 1 for sample in samples])
+    token_at = token_at[keep]
+    token_sample = np.repeat(np.arange(len(samples), dtype=np.int64), completion_lengths)[keep]
+    sample_teacher = np.array([teacher_to_index[sample.teacher_id] for sample in samples], dtype=np.int64)
+
+    return PackedRow(
+        input_ids=torch.from_numpy(input_ids)[None],
+        position_ids=torch.from_numpy(position_ids)[None],
+        cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
+        target_positions=torch.from_numpy(token_at - 1),
+        candidate_ids=torch.from_numpy(
+            np.concatenate([sample.teacher_topk_ids for sample in samples]).astype(np.int64)[keep]
+        ),
+        candidate_logprobs=torch.from_numpy(
+            np.concatenate([sample.teacher_topk_logprobs for sample in samples]).astype(np.float32)[keep]
+        ),
+        actual_ids=torch.from_numpy(input_ids[token_at]),
+        teacher_index=torch.from_numpy(sample_teacher[token_sample]),
+        rollout_logprobs=torch.from_numpy(
+            np.concatenate([sample.rollout_logprobs for sample in samples]).astype(np.float32)[keep]
+        ),
+        token_sample=torch.from_numpy(token_sample),
+        model_versions=torch.tensor([int(sample.model_version) for sample in samples], dtype=torch.int64),
+        prompt_ids=[int(sample.prompt_id) for sample in samples],
+    )
+
+
+def _teacher_index_map(teacher_ids: Sequence[str]) -> dict[str, int]:
+    if isinstance(teacher_ids, str):
+        raise ValueError(f"teacher_ids must be a sequence of ids, not the string {teacher_ids!r}")
+    ids = list(teacher_ids)
+    if not ids:
+        raise ValueError("teacher_ids is empty: list every teacher id (one for a single teacher)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"teacher_ids has duplicates: {ids}")
+    return {teacher_id: index for index, teacher_id in enumerate(ids)}
+
+
+def _check_sample(s: int, sample: RolloutSample) -> None:
+    """Shapes and dtypes that ``pack_row`` relies on; raises ValueError naming the sample."""
+
+    def fail(message: str) -> None:
+        raise ValueError(f"sample {s} (prompt_id={getattr(sample, 'prompt_id', '?')}) is malformed: {message}")
+
+    if not isinstance(sample, RolloutSample):
+        fail(f"expected a RolloutSample, got {type(sample).__name__}")
+    arrays = ("input_ids", "completion_mask", "teacher_topk_ids", "teacher_topk_logprobs", "rollout_logprobs")
+    for name in arrays:
+        if not isinstance(getattr(sample, name), np.ndarray):
+            fail(f"{name} must be a numpy array, got {type(getattr(sample, name)).__name__}")
+    ids, mask, cand, lps, roll = (getattr(sample, name) for name in arrays)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        fail(f"input_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+    if cand.ndim != 2 or cand.dtype.kind not in "iu":
+        fail(f"teacher_topk_ids must be a 2-D (L, K+1) integer array, got {cand.dtype} {cand.shape}")
+    if cand.shape[1] < 1:
+        fail(f"teacher_topk_ids has no candidate slots (shape {cand.shape})")
+    if lps.shape != cand.shape or lps.dtype.kind != "f":
+        fail(f"teacher_topk_logprobs is {lps.dtype} {lps.shape}, teacher_topk_ids is {cand.shape}; need equal shapes")
+    completion_length = cand.shape[0]
+    prompt_length = ids.shape[0] - completion_length
+    if prompt_length < 1:
+        fail(
+            f"input_ids has {ids.shape[0]} tokens for {completion_length} completion rows of teacher_topk_ids; "
+            "need a prompt of at least one token"
+        )
+    if mask.shape != ids.shape:
+        fail(f"completion_mask has shape {mask.shape}, input_ids {ids.shape}")
+    if not np.isin(mask, (0, 1)).all() or mask[:prompt_length].any():
+        fail(f"completion_mask must be 0/1 and 0 on the {prompt_length} prompt positions")
+    if roll.shape != (completion_length,):
+        fail(f"rollout_logprobs has shape {roll.shape}, expected ({completion_length},)")
