@@ -1,0 +1,283 @@
+"""``AsyncDistillationConfig``: every knob of a run, with TRL 1.16's field names and defaults where they exist.
+
+Loadable from YAML plus ``key=value`` overrides (:meth:`AsyncDistillationConfig.from_yaml`). Every field is
+validated at construction with a message that names the field, including the ones TRL leaves unchecked
+(``teacher_top_k``, ``teacher_temperature``, ``weight_sync_steps``, ``max_staleness``, ``queue_maxsize``, …; see
+``reference/trl-async-distillation.md`` §3.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LOSS_TYPES = ("jsd", "reverse_kl_pg")
+STALE_POLICIES = ("drop", "importance")
+TAIL_MODES = ("exact", "trl")
+LOSS_BACKENDS = ("auto", "torch", "reference", "triton")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
+REPORTERS = ("tensorboard", "wandb", "trackio")
+SAVE_STRATEGIES = ("steps", "no")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range, of the wrong type, or unknown."""
+
+
+@dataclass
+class AsyncDistillationConfig:
+    """Configuration of an asynchronous on-policy distillation run.
+
+    TRL field names and defaults (``reference/trl-async-distillation.md`` §3) unless marked *ours*. Sizes are in
+    tokens, times in seconds. ``teacher_server_urls`` maps teacher id to a URL or a list of replica URLs.
+    """
+
+    # --- model and data
+    model_name_or_path: str = ""
+    output_dir: str = "fastdistill-output"
+    train_dataset: str | None = None  # ours: JSON/JSONL file of rows {"prompt": messages | str, "teacher_id"?}
+    eval_dataset: str | None = None  # ours: held-out rows, scored on-policy at evaluation
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    model_init_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # --- optimisation
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    seed: int = 42
+    gradient_checkpointing: bool = True
+    bf16: bool | None = None  # None: bf16 mixed precision on CUDA, fp32 on CPU
+    # --- logging and checkpoints
+    logging_steps: int = 1
+    report_to: list[str] = field(default_factory=list)
+    run_name: str | None = None
+    save_strategy: str = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
+    export_final_model: bool = True  # ours: write a Hugging Face folder to <output_dir>/final at the end
+    disable_tqdm: bool = False
+    # --- servers and rollout
+    vllm_server_base_url: str = "http://localhost:8000"
+    vllm_server_timeout: float = 240.0
+    teacher_server_urls: dict[str, str | list[str]] | None = None
+    request_timeout: float = 600.0
+    weight_sync_timeout: float = 1800.0
+    max_completion_length: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    max_inflight_tasks: int = -1
+    queue_maxsize: int = 1024
+    heartbeat_stale_after_s: float = 300.0
+    shuffle: bool = True  # ours: TRL never shuffles
+    # --- loss
+    beta: float = 0.0
+    teacher_temperature: float = 1.0
+    teacher_top_k: int = 8
+    add_tail_bucket: bool = True
+    tail_mode: str = "exact"  # ours: "trl" reproduces TRL's clamped tail
+    loss_type: str = "jsd"  # ours
+    loss_backend: str = "auto"  # ours
+    # --- batching, staleness, weight sync
+    token_budget: int | None = None
+    max_staleness: int = 4
+    stale_policy: str = "drop"  # ours: "importance" keeps stale samples, weighting tokens by a clipped ratio
+    importance_ratio_clip: float = 2.0  # ours
+    weight_sync_steps: int = 1
+    weight_sync_backend: str = "auto"  # ours: gloo on CPU, nccl on CUDA, "none" never syncs (tests)
+    verify_weight_sync: bool = False  # ours: after each sync compare served log-probs with the trainer's
+    async_mode: bool = True  # ours: False waits for the current weights' samples (a synchronous baseline)
+
+    def __post_init__(self) -> None:
+        if self.teacher_server_urls is None:
+            self.teacher_server_urls = {"default": "http://localhost:8001"}
+        if isinstance(self.report_to, str):
+            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
+        self.validate()
+
+    # ------------------------------------------------------------------------------------------------ validation
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first invalid field."""
+        _check(isinstance(self.model_name_or_path, str) and self.model_name_or_path != "", "model_name_or_path",
+               self.model_name_or_path, "a model folder or hub id (non-empty string)")
+        _check(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty path")
+        _choice(self, "dtype", DTYPES)
+        _choice(self, "lr_scheduler_type", SCHEDULERS)
+        _choice(self, "save_strategy", SAVE_STRATEGIES)
+        _choice(self, "tail_mode", TAIL_MODES)
+        _choice(self, "loss_type", LOSS_TYPES)
+        _choice(self, "loss_backend", LOSS_BACKENDS)
+        _choice(self, "stale_policy", STALE_POLICIES)
+        _choice(self, "weight_sync_backend", SYNC_BACKENDS)
+        unknown = [name for name in self.report_to if name not in REPORTERS]
+        _check(not unknown, "report_to", self.report_to, f"a list drawn from {list(REPORTERS)}")
+        _range(self, "beta", 0.0, 1.0)
+        _positive(self, "learning_rate", "teacher_temperature", "temperature", "adam_epsilon", "request_timeout",
+                  "weight_sync_timeout", "vllm_server_timeout", "heartbeat_stale_after_s", "num_train_epochs")
+        _range(self, "adam_beta1", 0.0, 1.0, high_open=True)
+        _range(self, "adam_beta2", 0.0, 1.0, high_open=True)
+        _range(self, "top_p", 0.0, 1.0, low_open=True)
+        _range(self, "warmup_ratio", 0.0, 1.0)
+        _check(self.min_p is None or 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "None or in [0, 1]")
+        _positive(self, "repetition_penalty")
+        _check(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, ">= 0 (0 disables clipping)")
+        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
+        _at_least(self, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "teacher_top_k",
+                  "weight_sync_steps", "max_completion_length", "queue_maxsize", "logging_steps", "save_steps")
+        _at_least(self, 0, "max_staleness", "warmup_steps")
+        _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled) or a positive int")
+        _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
+        _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",
+               self.max_inflight_tasks, "-1 (automatic) or >= 1")
+        _check(self.token_budget is None or _is_int(self.token_budget), "token_budget", self.token_budget,
+               "None (the student's max_model_len), <= 0 (fixed count per row) or a token count")
+        if self.token_budget is not None and self.token_budget > 0:
+            _check(self.token_budget > self.max_completion_length, "token_budget", self.token_budget,
+                   f"> max_completion_length ({self.max_completion_length}) so that a full-length sample with its "
+                   "prompt fits in a row")
+        _check(self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit",
+               self.save_total_limit, "None or >= 1")
+        _check(self.importance_ratio_clip >= 1.0, "importance_ratio_clip", self.importance_ratio_clip, ">= 1")
+        _check(self.bf16 is None or isinstance(self.bf16, bool), "bf16", self.bf16, "None (automatic) or a bool")
+        _check(self.loss_type != "reverse_kl_pg", "loss_type", self.loss_type,
+               "'jsd' (reverse_kl_pg is not available yet)")
+        self._validate_teachers()
+        for name in ("model_init_kwargs", "chat_template_kwargs"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
+
+    def _validate_teachers(self) -> None:
+        urls = self.teacher_server_urls
+        _check(isinstance(urls, Mapping) and len(urls) > 0, "teacher_server_urls", urls,
+               "a non-empty mapping of teacher id to URL (or list of replica URLs)")
+        for teacher_id, value in urls.items():
+            replicas = [value] if isinstance(value, str) else value
+            ok = isinstance(teacher_id, str) and teacher_id != "" and isinstance(replicas, Sequence) and replicas
+            ok = ok and all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in replicas)
+            _check(ok, f"teacher_server_urls[{teacher_id!r}]", value, "an http(s) URL or a non-empty list of them")
+        _check(self.vllm_server_base_url.startswith(("http://", "https://")), "vllm_server_base_url",
+               self.vllm_server_base_url, "an http(s) URL")
+
+    # ----------------------------------------------------------------------------------------------- derived values
+
+    @property
+    def teacher_ids(self) -> list[str]:
+        """Teacher ids in configuration order; index i is ``teacher_index`` i in the loss."""
+        return list(self.teacher_server_urls)
+
+    def resolved_max_inflight_tasks(self, world_size: int) -> int:
+        """TRL's rule: ``max(max_staleness, 1) × per_device_train_batch_size × GA × world`` when set to -1."""
+        if self.max_inflight_tasks != -1:
+            return self.max_inflight_tasks
+        return max(self.max_staleness, 1) * self.per_device_train_batch_size * self.gradient_accumulation_steps * (
+            world_size
+        )
+
+    def resolved_max_steps(self, num_prompts: int, world_size: int) -> int:
+        """``max_steps``, or ceil(epochs × prompts / (batch × GA × world)) when it is -1."""
+        if self.max_steps != -1:
+            return self.max_steps
+        per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
+        return max(1, math.ceil(self.num_train_epochs * num_prompts / per_step))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # --------------------------------------------------------------------------------------------------- loading
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> AsyncDistillationConfig:
+        """Build from a mapping; an unknown key is a :class:`ConfigError` suggesting the closest field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown config field {key!r}{hint}")
+        try:
+            return cls(**dict(values))
+        except TypeError as error:  # e.g. a value of a type the comparisons cannot handle
+            raise ConfigError(str(error)) from error
+
+    @classmethod
+    def from_yaml(cls, path: str | Path | None, overrides: Sequence[str] = ()) -> AsyncDistillationConfig:
+        """Load a YAML mapping (or nothing when ``path`` is None) and apply ``key=value`` overrides.
+
+        Override values are parsed as YAML (``beta=0.5``, ``report_to=[tensorboard]``, ``dtype=bfloat16``)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            loaded = yaml.safe_load(path.read_text())
+            if loaded is not None and not isinstance(loaded, dict):
+                raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value")
+            values.update(loaded or {})
+        for override in overrides:
+            key, sep, raw = override.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"override {override!r} must look like key=value")
+            values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        return cls.from_dict(values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _choice(config: AsyncDistillationConfig, name: str, choices: Sequence[str]) -> None:
+    value = getattr(config, name)
+    _check(value in choices, name, value, f"one of {list(choices)}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _range(config: AsyncDistillationConfig, name: str, low: float, high: float, *, low_open: bool = False,
+           high_open: bool = False) -> None:
+    value = getattr(config, name)
+    ok = _number(value) and (value > low if low_open else value >= low) and (value < high if high_open else
+                                                                              value <= high)
+    _check(ok, name, value, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
+
+
+def _positive(config: AsyncDistillationConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        _check(_number(value) and value > 0, name, value, "a finite number > 0")
+
+
+def _at_least(config: AsyncDistillationConfig, low: int, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        _check(_is_int(value) and value >= low, name, value, f"an int >= {low}")

@@ -1,0 +1,176 @@
+"""Metric sink of the trainer: TRL's names and reduction rules, a JSONL file, a progress bar and optional trackers.
+
+Values are collected between two :meth:`MetricsLogger.log` calls and reduced per key as TRL does
+(``reference/trl-async-distillation.md`` §10.1): a ``(numerator, denominator)`` pair is a rate Σnum/Σden; otherwise
+the last ``/``-segment, split on ``_``, decides: ``total`` sums, ``max`` / ``min`` take the extreme, anything else
+averages. Unlike TRL, the per-teacher families (``teacher_jsd/<id>`` …) always average, whatever the teacher id is
+called (TRL sums ``teacher_jsd/total``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+PER_TEACHER_FAMILIES = ("teacher_jsd/", "teacher_entropy/", "teacher_token_frac/", "teacher_score_s/")
+
+
+def reduction(key: str) -> str:
+    """``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` for a metric name."""
+    if key.startswith(PER_TEACHER_FAMILIES):
+        return "mean"
+    words = key.rsplit("/", 1)[-1].split("_")
+    if "total" in words:
+        return "sum"
+    if "max" in words:
+        return "max"
+    if "min" in words:
+        return "min"
+    return "mean"
+
+
+def reduce_values(key: str, values: list[Any]) -> float | None:
+    """Reduce the values collected for ``key``; NaNs are ignored, and no valid value gives None."""
+    pairs = [v for v in values if isinstance(v, tuple)]
+    if pairs:
+        numerator = sum(float(n) for n, _ in pairs)
+        denominator = sum(float(d) for _, d in pairs)
+        return numerator / denominator if denominator else None
+    numbers = [float(v) for v in values if not math.isnan(float(v))]
+    if not numbers:
+        return None
+    how = reduction(key)
+    if how == "sum":
+        return sum(numbers)
+    if how == "max":
+        return max(numbers)
+    if how == "min":
+        return min(numbers)
+    return sum(numbers) / len(numbers)
+
+
+class MetricsLogger:
+    """Collects metrics on the main rank and writes them every ``log`` call.
+
+    Writes ``<output_dir>/metrics.jsonl`` (one JSON object per logged step, with ``step`` and wall-clock
+    ``time``), updates a tqdm progress bar over ``total_steps`` and forwards to the trackers in ``report_to``
+    (``tensorboard``, ``wandb``, ``trackio``; each needs its package, a clear error otherwise). On other ranks
+    every method is a no-op.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        total_steps: int,
+        is_main: bool = True,
+        report_to: list[str] | tuple[str, ...] = (),
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        disable_progress: bool = False,
+        initial_step: int = 0,
+    ):
+        self.is_main = is_main
+        self._values: dict[str, list[Any]] = defaultdict(list)
+        self._trackers: list[Any] = []
+        self.history: list[dict[str, float]] = []
+        if not is_main:
+            return
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._progress = None
+        if not disable_progress:
+            from tqdm.auto import tqdm
+
+            self._progress = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+        for name in report_to:
+            self._trackers.append(_make_tracker(name, self.output_dir, run_name, config or {}))
+
+    def add(self, key: str, value: float | tuple[float, float]) -> None:
+        """Record one value (or a ``(numerator, denominator)`` pair) for ``key``."""
+        if self.is_main:
+            self._values[key].append(value)
+
+    def update(self, values: dict[str, float | tuple[float, float]]) -> None:
+        for key, value in values.items():
+            self.add(key, value)
+
+    def log(self, step: int, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """Reduce everything collected since the last call, write it out and return it (empty on other ranks)."""
+        if not self.is_main:
+            return {}
+        record: dict[str, float] = {}
+        for key in sorted(self._values):
+            value = reduce_values(key, self._values[key])
+            if value is not None:
+                record[key] = value
+        record.update(extra or {})
+        self._values.clear()
+        self.history.append({"step": step, **record})
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
+        for tracker in self._trackers:
+            tracker.log(record, step)
+        if self._progress is not None:
+            self._progress.n = step
+            shown = {k: record[k] for k in ("jsd", "loss", "perf/step_s") if k in record}
+            self._progress.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            self._progress.refresh()
+        return record
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        if self._progress is not None:
+            self._progress.close()
+        self._jsonl.close()
+        for tracker in self._trackers:
+            tracker.close()
+
+
+class _TensorBoard:
+    def __init__(self, output_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise RuntimeError("report_to=['tensorboard'] needs the tensorboard package: pip install tensorboard") from (
+                error
+            )
+        self.writer = SummaryWriter(log_dir=str(output_dir / "runs"))
+
+    def log(self, record: dict[str, float], step: int) -> None:
+        for key, value in record.items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _ModuleTracker:
+    """W&B and Trackio share the ``init`` / ``log`` / ``finish`` shape."""
+
+    def __init__(self, module_name: str, run_name: str | None, config: dict[str, Any]):
+        try:
+            self.module = __import__(module_name)
+        except ImportError as error:
+            raise RuntimeError(f"report_to=['{module_name}'] needs the {module_name} package: pip install "
+                               f"{module_name}") from error
+        self.run = self.module.init(project="fastdistill", name=run_name, config=config)
+
+    def log(self, record: dict[str, float], step: int) -> None:
+        self.module.log(record, step=step)
+
+    def close(self) -> None:
+        self.module.finish()
+
+
+def _make_tracker(name: str, output_dir: Path, run_name: str | None, config: dict[str, Any]) -> Any:
+    if name == "tensorboard":
+        return _TensorBoard(output_dir)
+    if name in ("wandb", "trackio"):
+        return _ModuleTracker(name, run_name, config)
+    raise ValueError(f"unknown tracker {name!r}; expected one of ['tensorboard', 'wandb', 'trackio']")

@@ -1,0 +1,116 @@
+"""Where rank 0 gets scored samples: the rollout worker's queue (with staleness handling) or a fixed list (tests).
+
+A source yields :class:`~fastdistill.rollout.RolloutSample` objects that should be trained and keeps the
+queue/staleness metrics (TRL names, ``reference/trl-async-distillation.md`` §10.3). Under ``stale_policy="drop"``
+a sample older than ``max_staleness`` versions is dropped and, when the worker supports it, its prompt is sent back
+to be generated again, so that every prompt is still trained exactly once.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from fastdistill.rollout import RolloutSample
+
+
+class SourceExhausted(Exception):
+    """A finite source has no more samples."""
+
+
+class ListSource:
+    """Samples from an iterable, in order (tests and offline replays). Never stale."""
+
+    def __init__(self, samples: Iterable[RolloutSample]):
+        self._samples: Iterator[RolloutSample] = iter(samples)
+        self.metrics: dict[str, Any] = {}
+        self.wait_s = 0.0
+
+    def next(self, model_version: int) -> RolloutSample:
+        try:
+            return next(self._samples)
+        except StopIteration as error:
+            raise SourceExhausted from error
+
+    def drain_worker_metrics(self) -> list[dict[str, float]]:
+        return []
+
+
+class WorkerSource:
+    """Samples from a :class:`~fastdistill.rollout.RolloutWorker` queue on rank 0.
+
+    ``next`` blocks until a usable sample arrives, checking the worker's health every ``poll_s`` seconds (a dead
+    or hung worker raises). ``wait_s`` accumulates the seconds spent blocked on an empty queue.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        *,
+        max_staleness: int,
+        stale_policy: str,
+        heartbeat_stale_after_s: float,
+        accept: Callable[[RolloutSample], bool] | None = None,
+        poll_s: float = 1.0,
+    ):
+        self.worker = worker
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.heartbeat_stale_after_s = heartbeat_stale_after_s
+        self.accept = accept
+        self.poll_s = poll_s
+        self.metrics: dict[str, list[Any]] = {}
+        self.wait_s = 0.0
+        self.dropped_stale_total = 0
+        self.discarded_total = 0
+
+    def _metric(self, key: str, value: Any) -> None:
+        self.metrics.setdefault(key, []).append(value)
+
+    def next(self, model_version: int) -> RolloutSample:
+        while True:
+            sample = self._get()
+            if self.accept is not None and not self.accept(sample):
+                self.discarded_total += 1
+                continue
+            staleness = model_version - sample.model_version
+            if staleness > self.max_staleness and self.stale_policy == "drop":
+                self.dropped_stale_total += 1
+                self._metric("sample/dropped_stale_total", 1.0)
+                redo = getattr(self.worker, "redo", None)
+                if redo is not None:
+                    redo([sample.prompt_id])
+                continue
+            self._metric("sample/staleness_mean", float(staleness))
+            self._metric("sample/staleness_max", float(staleness))
+            if sample.enqueued_at is not None:
+                self._metric("sample/time_in_queue_s", max(0.0, time.time() - sample.enqueued_at))
+            return sample
+
+    def _get(self) -> RolloutSample:
+        started = time.perf_counter()
+        try:
+            while True:
+                try:
+                    sample = self.worker.samples.get(timeout=self.poll_s)
+                    break
+                except queue.Empty:
+                    self.worker.check_health(self.heartbeat_stale_after_s)
+        finally:
+            self.wait_s += time.perf_counter() - started
+        try:
+            self._metric("sample/rollout_queue_size", float(self.worker.samples.qsize()))
+        except NotImplementedError:  # macOS queues cannot count
+            pass
+        return sample
+
+    def drain_worker_metrics(self) -> list[dict[str, float]]:
+        """Everything the worker pushed to its metrics queue since the last call."""
+        drained = []
+        while True:
+            try:
+                drained.append(self.worker.metrics_queue.get_nowait())
+            except queue.Empty:
+                return drained
