@@ -24,6 +24,8 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from fastdistill.rollout import (  # noqa: E402
+    ReplicaPool,
+    RequestStats,
     RetryPolicy,
     StudentClient,
     TeacherClient,
@@ -492,3 +494,90 @@ def test_tokenize_rejects_a_malformed_body():
 
     outcome, _ = run_against_stub([reply(200, {"count": 1})], call)
     assert isinstance(outcome, VLLMResponseError) and "/tokenize: unexpected body" in str(outcome)
+
+
+# --------------------------------------------------------------------------------------- replicas and failover
+
+
+def test_replica_pool_balances_least_inflight_then_round_robin():
+    pool = ReplicaPool(["http://a/", "http://b", "http://c"])
+    assert pool.urls == ("http://a", "http://b", "http://c")
+    first, second, third = pool.acquire(), pool.acquire(), pool.acquire()
+    assert [r.url for r in (first, second, third)] == list(pool.urls)
+    pool.release(second)
+    assert pool.acquire() is second  # the only one with nothing in flight
+    for replica in (first, second, third):
+        pool.release(replica)
+    assert [pool.acquire().url for _ in range(3)] == ["http://c", "http://a", "http://b"]  # rotation goes on
+
+
+def test_replica_pool_cooldown_probe_and_recovery(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("fastdistill.rollout.replicas.time.monotonic", lambda: clock[0])
+    pool = ReplicaPool(["http://a", "http://b"], cooldown_s=2.0, max_cooldown_s=5.0)
+    a, b = pool.replicas
+    pool.record_failure(a, ConnectionError("refused"))
+    assert pool.down_for_s() == 0.0 and pool.has_other_up(a) and not pool.has_other_up(b)
+    assert {pool.acquire().url for _ in range(3)} == {"http://b"}  # a is down for its cooldown
+    clock[0] += 2.5
+    probe = pool.acquire()
+    assert probe is a  # cooldown over: a gets one probe (least in flight) ...
+    assert pool.acquire() is b  # ... and only one while it is in flight
+    pool.record_failure(a, ConnectionError("still refused"))
+    pool.release(probe)
+    assert a.cooldown_s == 4.0 and a.down_until == clock[0] + 4.0  # doubled
+    pool.record_failure(a, ConnectionError("again"))
+    assert a.cooldown_s == 5.0 and a.errors == 3  # capped
+    clock[0] += 1.0
+    assert pool.down_for_s() == 3.5  # no success since the first failure at t=100
+    pool.record_success(b)
+    assert pool.down_for_s() == 0.0 and pool.down_since is None
+    pool.record_failure(b, TimeoutError())
+    assert pool.acquire() is b  # nothing up: the replica whose cooldown ends first
+    pool.record_success(a)
+    assert a.cooldown_s == 0.0 and a.is_up(clock[0])
+
+
+def test_replica_urls_are_validated():
+    with pytest.raises(ValueError, match="replica pool: the list of replica URLs is empty"):
+        ReplicaPool([])
+    with pytest.raises(ValueError, match="listed twice"):
+        ReplicaPool(["http://a", "http://a"])
+    with pytest.raises(ValueError, match="must be a non-empty string, got None"):
+        ReplicaPool(["http://a", None])
+    with pytest.raises(ValueError, match="cooldown_s"):
+        ReplicaPool("http://a", cooldown_s=5.0, max_cooldown_s=1.0)
+
+
+def test_retry_fails_over_to_another_replica_at_once():
+    """A dead replica and a live stub: the failed attempt is retried on the live one without backing off."""
+    slow_backoff = RetryPolicy(max_attempts=3, initial_backoff_s=30.0, max_backoff_s=30.0, request_timeout_s=5.0)
+    stats = RequestStats()
+
+    async def call(url):
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with StudentClient([dead, url], model="student", retry=slow_backoff, stats=stats) as student:
+            first = await student.generate([1, 2, 3], max_tokens=3)  # round-robin starts at the dead one
+            second = await student.generate([1, 2, 3], max_tokens=3)  # the dead one is cooling down
+            return first, second, student.pool.replicas[0].errors
+
+    started = time.monotonic()
+    (first, second, dead_errors), received = run_against_stub([reply(200, GENERATION_BODY)], call)
+    assert time.monotonic() - started < 15.0  # no 15-30 s backoff happened
+    assert first.token_ids.tolist() == second.token_ids.tolist() == [5, 6, 2]
+    assert received == 2 and dead_errors == 1
+    assert stats.retries == 1 and stats.failovers == 1
+
+
+def test_every_replica_down_is_unavailable_naming_them():
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=2.0)
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    stats = RequestStats()
+
+    async def call():
+        async with StudentClient(urls, model="student", retry=retry, stats=stats) as student:
+            return await student.generate([1], max_tokens=1)
+
+    with pytest.raises(VLLMUnavailableError, match=r"/v1/completions on replicas \[.*\] failed 3 times"):
+        asyncio.run(call())
+    assert stats.retries == 2 and stats.failovers == 1  # second attempt fails over, third backs off (both down)

@@ -1,24 +1,43 @@
 """Rollout: sampling completions from the student's vLLM server and scoring them with teachers' servers."""
 
-from fastdistill.rollout.client import Generation, ServedModel, StudentClient, TeacherClient, TeacherScores
+from fastdistill.rollout.client import (
+    Generation,
+    ServedModel,
+    StudentClient,
+    TeacherClient,
+    TeacherScores,
+    parse_prompt_logprobs,
+)
 from fastdistill.rollout.http import (
+    RequestStats,
     RetryPolicy,
     VLLMError,
     VLLMRequestError,
     VLLMResponseError,
     VLLMUnavailableError,
 )
+from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
-from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, epoch_order, prompt_cursor
+from fastdistill.rollout.worker import (
+    RolloutConfig,
+    RolloutWorker,
+    ServerDownError,
+    epoch_order,
+    prompt_cursor,
+    row_of_prompt,
+)
 
 __all__ = [
     "Generation",
+    "ReplicaPool",
+    "RequestStats",
     "RetryPolicy",
     "RolloutConfig",
     "RolloutSample",
     "RolloutWorker",
     "ServedModel",
+    "ServerDownError",
     "StudentClient",
     "TeacherClient",
     "TeacherScores",
@@ -29,5 +48,7 @@ __all__ = [
     "VocabularyMismatchError",
     "check_shared_vocabulary",
     "epoch_order",
+    "parse_prompt_logprobs",
     "prompt_cursor",
+    "row_of_prompt",
 ]

@@ -11,14 +11,15 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
 
-from fastdistill.rollout.http import RetryPolicy, VLLMResponseError, request_json
+from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMResponseError, request_json_pooled
+from fastdistill.rollout.replicas import ReplicaPool
 
 
 @dataclass(frozen=True)
@@ -53,22 +54,40 @@ _Endpoint = TypeVar("_Endpoint", bound="_VLLMEndpoint")
 
 
 class _VLLMEndpoint:
-    """Shared plumbing: base URL, an aiohttp session, retries, health wait and served-model discovery."""
+    """Shared plumbing: replica URLs, an aiohttp session, retries, health wait and served-model discovery.
+
+    ``base_url`` is one URL or several replica URLs of the same model (see :class:`ReplicaPool`: least-in-flight
+    balancing, a failed replica is skipped for ``replica_cooldown_s`` and retries fail over to another one).
+    ``stats`` (optional) collects retry and failover counts.
+    """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         model: str | None = None,
         retry: RetryPolicy | None = None,
         session: aiohttp.ClientSession | None = None,
+        replica_cooldown_s: float = 2.0,
+        stats: RequestStats | None = None,
     ):
-        self.base_url = base_url.rstrip("/")
+        self.pool = ReplicaPool(base_url, cooldown_s=replica_cooldown_s, max_cooldown_s=max(30.0, replica_cooldown_s))
+        self.base_url = self.pool.urls[0]  # the first replica; ``urls`` lists them all
         self.retry = retry if retry is not None else RetryPolicy()
+        self.stats = stats
         self._model_name = model
         self._served_model: ServedModel | None = None
         self._session = session
         self._owns_session = session is None
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every replica's base URL."""
+        return self.pool.urls
+
+    def _where(self, path: str) -> str:
+        """``path`` on this server, for messages: one URL, or the path and the replica list."""
+        return self.base_url + path if len(self.urls) == 1 else f"{path} on replicas {list(self.urls)}"
 
     async def __aenter__(self: _Endpoint) -> _Endpoint:
         return self
@@ -94,32 +113,37 @@ class _VLLMEndpoint:
         payload: dict[str, Any] | None = None,
         rejection_hint: Callable[[int, str], str | None] | None = None,
     ) -> Any:
-        return await request_json(
+        return await request_json_pooled(
             self._get_session(),
             method,
-            self.base_url + path,
+            self.pool,
+            path,
             payload=payload,
             retry=self.retry,
             rejection_hint=rejection_hint,
+            stats=self.stats,
         )
 
     async def wait_until_healthy(self, timeout_s: float = 300.0, poll_interval_s: float = 1.0) -> None:
-        """Poll ``GET /health`` until it answers 200; raise :class:`TimeoutError` after ``timeout_s`` seconds."""
+        """Poll ``GET /health`` on every replica until each answers 200; raise :class:`TimeoutError` naming the
+        first one still not ready after ``timeout_s`` seconds."""
         deadline = time.monotonic() + timeout_s
         session = self._get_session()
-        last_problem = "no answer yet"
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(
-                    self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=poll_interval_s * 5)
-                ) as response:
-                    if response.status == 200:
-                        return
-                    last_problem = f"HTTP {response.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-                last_problem = repr(error)
-            await asyncio.sleep(poll_interval_s)
-        raise TimeoutError(f"{self.base_url}/health not ready after {timeout_s:.0f} s (last: {last_problem})")
+        for url in self.pool.urls:
+            last_problem = "no answer yet"
+            while True:
+                try:
+                    async with session.get(
+                        url + "/health", timeout=aiohttp.ClientTimeout(total=poll_interval_s * 5)
+                    ) as response:
+                        if response.status == 200:
+                            break
+                        last_problem = f"HTTP {response.status}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                    last_problem = repr(error)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{url}/health not ready after {timeout_s:.0f} s (last: {last_problem})")
+                await asyncio.sleep(poll_interval_s)
 
     async def served_model(self) -> ServedModel:
         """The served model's id and ``max_model_len`` from ``GET /v1/models`` (queried once, then cached)."""
@@ -129,7 +153,7 @@ class _VLLMEndpoint:
                 entry = body["data"][0]
                 self._served_model = ServedModel(name=str(entry["id"]), max_model_len=int(entry["max_model_len"]))
             except (KeyError, IndexError, TypeError, ValueError) as error:
-                raise VLLMResponseError(f"{self.base_url}/v1/models: unexpected body {body!r:.300}") from error
+                raise VLLMResponseError(f"{self._where('/v1/models')}: unexpected body {body!r:.300}") from error
         return self._served_model
 
     async def tokenize(self, text: str) -> list[int]:
@@ -139,7 +163,7 @@ class _VLLMEndpoint:
         try:
             return [int(token) for token in body["tokens"]]
         except (KeyError, TypeError, ValueError) as error:
-            raise VLLMResponseError(f"{self.base_url}/tokenize: unexpected body {body!r:.300}") from error
+            raise VLLMResponseError(f"{self._where('/tokenize')}: unexpected body {body!r:.300}") from error
 
     async def model_name(self) -> str:
         """The ``model`` field to send: the one given at construction, else the served model's id."""
@@ -194,7 +218,7 @@ class StudentClient(_VLLMEndpoint):
             "logprobs": 0,
             "return_token_ids": True,
         }
-        url = self.base_url + "/v1/completions"
+        url = self._where("/v1/completions")
         choice = _first_choice(url, await self._request("POST", "/v1/completions", payload))
         try:
             token_ids = choice["token_ids"]
@@ -251,11 +275,10 @@ class TeacherClient(_VLLMEndpoint):
             )
         prompt = [int(token) for token in prompt_ids]
         completion = [int(token) for token in completion_ids]
-        width = top_k + 1
-        candidate_ids = np.full((len(completion), width), -1, dtype=np.int32)
-        logprobs = np.full((len(completion), width), -np.inf, dtype=np.float32)
         if not completion:
-            return TeacherScores(candidate_ids, logprobs)
+            return TeacherScores(
+                np.full((0, top_k + 1), -1, dtype=np.int32), np.full((0, top_k + 1), -np.inf, dtype=np.float32)
+            )
         payload = {
             "model": await self.model_name(),
             "prompt": prompt + completion,
@@ -263,30 +286,43 @@ class TeacherClient(_VLLMEndpoint):
             "temperature": temperature,
             "prompt_logprobs": top_k,
         }
-        url = self.base_url + "/v1/completions"
+        url = self._where("/v1/completions")
         body = await self._request("POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint)
-        per_position = _first_choice(url, body).get("prompt_logprobs")
-        if not isinstance(per_position, list) or len(per_position) != len(prompt) + len(completion):
-            raise VLLMResponseError(
-                f"{url}: expected prompt_logprobs with {len(prompt) + len(completion)} entries, "
-                f"got {per_position!r:.300}"
+        return parse_prompt_logprobs(
+            url, _first_choice(url, body).get("prompt_logprobs"), len(prompt), len(completion), top_k
+        )
+
+
+def parse_prompt_logprobs(
+    url: str, per_position: Any, prompt_length: int, completion_length: int, top_k: int
+) -> TeacherScores:
+    """Turn vLLM's ``choices[0].prompt_logprobs`` (one entry per sequence token: None or ``{token_id_str:
+    {"logprob", "rank", ...}}``) into :class:`TeacherScores` (completion_length, top_k + 1) for the completion
+    positions: candidates sorted by rank, NaN log-probs dropped, -1 / -inf padding. ``url`` names the server in
+    the :class:`VLLMResponseError` raised on a malformed answer."""
+    width = top_k + 1
+    candidate_ids = np.full((completion_length, width), -1, dtype=np.int32)
+    logprobs = np.full((completion_length, width), -np.inf, dtype=np.float32)
+    if not isinstance(per_position, list) or len(per_position) != prompt_length + completion_length:
+        raise VLLMResponseError(
+            f"{url}: expected prompt_logprobs with {prompt_length + completion_length} entries, "
+            f"got {per_position!r:.300}"
+        )
+    for row, entry in enumerate(per_position[prompt_length:]):
+        if not entry:
+            continue
+        try:
+            ranked = sorted(
+                (int(candidate["rank"]), int(token), float(candidate["logprob"])) for token, candidate in entry.items()
             )
-        for row, entry in enumerate(per_position[len(prompt) :]):
-            if not entry:
-                continue
-            try:
-                ranked = sorted(
-                    (int(candidate["rank"]), int(token), float(candidate["logprob"]))
-                    for token, candidate in entry.items()
-                )
-            except (AttributeError, KeyError, TypeError, ValueError) as error:
-                raise VLLMResponseError(f"{url}: malformed prompt_logprobs entry {entry!r:.300}") from error
-            ranked = [item for item in ranked if not math.isnan(item[2])]
-            if len(ranked) > width:
-                raise VLLMResponseError(
-                    f"{url}: {len(ranked)} candidates at completion position {row}, expected at most {width}"
-                )
-            for slot, (_, token, logprob) in enumerate(ranked):
-                candidate_ids[row, slot] = token
-                logprobs[row, slot] = logprob
-        return TeacherScores(candidate_ids, logprobs)
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise VLLMResponseError(f"{url}: malformed prompt_logprobs entry {entry!r:.300}") from error
+        ranked = [item for item in ranked if not math.isnan(item[2])]
+        if len(ranked) > width:
+            raise VLLMResponseError(
+                f"{url}: {len(ranked)} candidates at completion position {row}, expected at most {width}"
+            )
+        for slot, (_, token, logprob) in enumerate(ranked):
+            candidate_ids[row, slot] = token
+            logprobs[row, slot] = logprob
+    return TeacherScores(candidate_ids, logprobs)

@@ -16,6 +16,8 @@ from typing import Any
 
 import aiohttp
 
+from fastdistill.rollout.replicas import Replica, ReplicaPool
+
 # Bodies larger than this are decoded in a worker thread so that a big prompt_logprobs answer does not stall
 # the event loop (and the other requests in flight) while it parses.
 _DECODE_IN_THREAD_BYTES = 1 << 20
@@ -109,6 +111,15 @@ async def _decode_json(url: str, body: bytes) -> Any:
         raise VLLMResponseError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
 
 
+@dataclass
+class RequestStats:
+    """Counters the HTTP layer adds to: ``retries`` (attempts after the first, any server) and ``failovers``
+    (retries sent to another replica than the one that just failed). The owner reads and resets them."""
+
+    retries: int = 0
+    failovers: int = 0
+
+
 async def request_json(
     session: aiohttp.ClientSession,
     method: str,
@@ -117,25 +128,66 @@ async def request_json(
     payload: dict[str, Any] | None = None,
     retry: RetryPolicy,
     rejection_hint: Callable[[int, str], str | None] | None = None,
+    stats: RequestStats | None = None,
 ) -> Any:
-    """Send one request and return the decoded JSON body, retrying transient failures as ``retry`` says.
+    """Send one request to ``url`` and return the decoded JSON body, retrying transient failures as ``retry`` says.
 
     ``rejection_hint(status, server_message)`` may return an extra line for the :class:`VLLMRequestError`
     raised on a non-transient 4xx (e.g. which server flag to change).
     """
+    return await request_json_pooled(
+        session,
+        method,
+        ReplicaPool(url, cooldown_s=0.0, max_cooldown_s=0.0),
+        "",
+        payload=payload,
+        retry=retry,
+        rejection_hint=rejection_hint,
+        stats=stats,
+    )
+
+
+async def request_json_pooled(
+    session: aiohttp.ClientSession,
+    method: str,
+    pool: ReplicaPool,
+    path: str,
+    *,
+    payload: dict[str, Any] | None = None,
+    retry: RetryPolicy,
+    rejection_hint: Callable[[int, str], str | None] | None = None,
+    stats: RequestStats | None = None,
+) -> Any:
+    """Like :func:`request_json`, with each attempt sent to ``replica.url + path`` for a replica of ``pool``.
+
+    A transient failure puts that replica down for a cooldown; when another replica is up the retry goes there at
+    once (a failover, no backoff), otherwise after the usual backoff. ``retry.max_attempts`` bounds all attempts.
+    """
     timeout = aiohttp.ClientTimeout(total=retry.request_timeout_s)
     last_error: BaseException | None = None
+    failed: Replica | None = None
+    backoffs = 0
     for attempt in range(retry.max_attempts):
         if attempt > 0:
-            await asyncio.sleep(retry.backoff_s(attempt - 1))
+            failover = failed is not None and pool.has_other_up(failed)
+            if stats is not None:
+                stats.retries += 1
+                stats.failovers += int(failover)
+            if not failover:
+                await asyncio.sleep(retry.backoff_s(backoffs))
+                backoffs += 1
+        replica = pool.acquire(avoid=failed)
+        url = replica.url + path
         try:
             async with session.request(method, url, json=payload, timeout=timeout) as response:
                 body = await response.read()
                 if response.status < 400:
+                    pool.record_success(replica)
                     return await _decode_json(url, body)
                 text = body.decode("utf-8", errors="replace")
                 if _is_transient_status(response.status):
                     raise _TransientHTTPStatus(response.status, text)
+                pool.record_success(replica)  # the server is up; it rejected this request
                 message = _server_message(text)
                 hint = rejection_hint(response.status, message) if rejection_hint else None
                 raise VLLMRequestError(url, response.status, message, hint)
@@ -146,6 +198,11 @@ async def request_json(
             _TransientHTTPStatus,
         ) as error:
             last_error = error
+            failed = replica
+            pool.record_failure(replica, error)
+        finally:
+            pool.release(replica)
+    where = pool.urls[0] + path if len(pool.urls) == 1 else f"{path} on replicas {list(pool.urls)}"
     raise VLLMUnavailableError(
-        f"{method} {url} failed {retry.max_attempts} times with transient errors; last: {last_error!r}"
+        f"{method} {where} failed {retry.max_attempts} times with transient errors; last: {last_error!r}"
     ) from last_error

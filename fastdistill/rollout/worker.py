@@ -6,15 +6,18 @@ asyncio loop over the dataset (already tokenised rows ``{"prompt_ids": list[int]
 the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL names, §10.2 of the reference).
 
 Differences from TRL's ``AsyncRolloutWorker`` (reference §5, §14.3): rows are routed to teachers and validated in the
-parent before anything starts; a rollout that fails with a :class:`VLLMError` is counted (``rollout/failed_total``)
-and skipped instead of killing the worker; the heartbeat is written during every wait, backpressure included;
-epochs are shuffled with a per-epoch seed and the cursor (``start_index``) resumes mid-epoch; ``stop()`` cancels
-in-flight requests instead of waiting for them.
+parent before anything starts; every server may be several replicas (balanced, with failover); a rollout that fails
+with a :class:`VLLMError` is counted (``rollout/failed_total``) instead of killing the worker, and re-dispatched when
+the cause was an unavailable server; a server that stays unreachable past ``server_down_deadline_s`` is a clear
+error; the heartbeat is written during every wait, backpressure included; epochs are shuffled with a per-epoch seed,
+the cursor (``start_index``) resumes mid-epoch, ``skip_prompt_ids`` are never dispatched and :meth:`RolloutWorker.redo`
+dispatches given prompts again; ``stop()`` cancels in-flight requests instead of waiting for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import multiprocessing as mp
 import os
@@ -31,7 +34,8 @@ import aiohttp
 import numpy as np
 
 from fastdistill.rollout.client import StudentClient, TeacherClient
-from fastdistill.rollout.http import RetryPolicy, VLLMError
+from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMUnavailableError
+from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
 
 # Environment variables of torch.distributed / torchrun that must not leak into the child.
@@ -55,15 +59,30 @@ _POLL_S = 0.05  # how often the child's loop wakes up to beat, check stop and re
 class RolloutConfig:
     """Servers and sampling settings of the worker.
 
-    ``teacher_urls`` maps teacher id to base URL. ``teacher_top_k`` is K (the teacher arrays are K+1 wide).
-    ``max_tokens`` bounds the completion length in tokens. ``seed`` seeds the per-epoch shuffle (epoch e uses
-    ``default_rng((seed, e))``); ``start_index`` is the resume cursor (a ``prompt_id``, counting across epochs).
-    ``max_consecutive_failures`` failed rollouts in a row (a server down or misconfigured, not one bad prompt) stop
-    the child with the last error.
+    Servers: ``student_url`` and each value of ``teacher_urls`` (teacher id -> URL) is one base URL or a sequence of
+    replica URLs serving the same model; requests go to the replica with the fewest in flight, a replica that fails
+    with a transient error is skipped for ``replica_cooldown_s`` (doubling while it keeps failing) and the request
+    fails over to another replica. ``student_model`` is the ``model`` field of generation requests (default: the
+    id the student's ``/v1/models`` reports).
+
+    Sampling: ``teacher_top_k`` is K (the teacher arrays are K+1 wide); ``max_tokens`` bounds the completion length
+    in tokens; ``eos_token_ids`` (add the pad id if generation can end on it) tell a finished completion from a
+    clipped one for ``completions/clipped_ratio`` (without them, a completion is clipped when it has ``max_tokens``
+    tokens).
+
+    Order: ``seed`` seeds the per-epoch shuffle (epoch e uses ``default_rng((seed, e))``); ``start_index`` is the
+    resume cursor (a ``prompt_id``, counting across epochs); ``skip_prompt_ids`` are prompt ids the worker never
+    dispatches (on resume: prompts beyond the cursor that were already trained).
+
+    Failures: a rollout that failed because a server was unavailable (transient errors until ``retry`` gave up) is
+    re-dispatched, up to ``max_rollout_attempts`` attempts per prompt. A server with no successful answer for
+    ``server_down_deadline_s`` seconds since its first failure stops the child with an error naming it.
+    ``max_consecutive_failures`` rollouts in a row rejected by a server or answered with a malformed body (a
+    misconfiguration, not one bad prompt) stop the child with the last error.
     """
 
-    student_url: str
-    teacher_urls: Mapping[str, str]
+    student_url: str | Sequence[str]
+    teacher_urls: Mapping[str, str | Sequence[str]]
     teacher_top_k: int = 8
     max_tokens: int = 32
     temperature: float = 1.0
@@ -73,16 +92,51 @@ class RolloutConfig:
     shuffle: bool = True
     seed: int = 0
     start_index: int = 0
+    skip_prompt_ids: frozenset[int] = frozenset()
+    student_model: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
     max_consecutive_failures: int = 100
+    max_rollout_attempts: int = 3
+    server_down_deadline_s: float = 600.0
+    replica_cooldown_s: float = 2.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         if not self.teacher_urls:
             raise ValueError("teacher_urls is empty: at least one teacher is needed")
-        if min(self.teacher_top_k, self.max_tokens, self.max_inflight_tasks, self.max_consecutive_failures) < 1:
-            raise ValueError("teacher_top_k, max_tokens, max_inflight_tasks and max_consecutive_failures must be >= 1")
+        normalize_urls(self.student_url, "student_url")
+        for teacher_id, urls in self.teacher_urls.items():
+            normalize_urls(urls, f"teacher {teacher_id!r}")
+        positive = (
+            "teacher_top_k",
+            "max_tokens",
+            "max_inflight_tasks",
+            "max_consecutive_failures",
+            "max_rollout_attempts",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.start_index < 0:
             raise ValueError(f"start_index must be >= 0, got {self.start_index}")
+        if self.server_down_deadline_s <= 0 or self.replica_cooldown_s < 0:
+            raise ValueError(
+                f"server_down_deadline_s must be > 0 and replica_cooldown_s >= 0, got {self.server_down_deadline_s} "
+                f"and {self.replica_cooldown_s}"
+            )
+        bad = [i for i in self.skip_prompt_ids if not isinstance(i, (int, np.integer)) or i < 0]
+        if bad:
+            raise ValueError(f"skip_prompt_ids must be prompt ids >= 0, got {sorted(map(repr, bad))[:5]}")
+        object.__setattr__(self, "skip_prompt_ids", frozenset(int(i) for i in self.skip_prompt_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    def student_replicas(self) -> tuple[str, ...]:
+        """The student's replica URLs."""
+        return normalize_urls(self.student_url, "student_url")
+
+    def teacher_replicas(self, teacher_id: str) -> tuple[str, ...]:
+        """The replica URLs of teacher ``teacher_id``."""
+        return normalize_urls(self.teacher_urls[teacher_id], f"teacher {teacher_id!r}")
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -100,6 +154,12 @@ def prompt_cursor(num_rows: int, seed: int, start_index: int = 0, shuffle: bool 
         for position in range(offset, num_rows):
             yield epoch * num_rows + position, int(order[position])
         offset = 0
+
+
+def row_of_prompt(prompt_id: int, num_rows: int, seed: int, shuffle: bool = True) -> int:
+    """The dataset row that ``prompt_id`` visits (the inverse view of :func:`prompt_cursor`)."""
+    epoch, position = divmod(prompt_id, num_rows)
+    return int(epoch_order(num_rows, seed, epoch, shuffle)[position])
 
 
 def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str]) -> list[str]:
@@ -132,7 +192,8 @@ class _Channels:
     """What parent and child share (all from the spawn context)."""
 
     samples: Any  # mp.Queue[RolloutSample], bounded
-    metrics: Any  # mp.Queue[dict[str, float]], bounded; full means the payload is dropped
+    metrics: Any  # mp.Queue[dict[str, float | tuple[float, float]]], bounded; full means the payload is dropped
+    redo: Any  # mp.Queue[list[int]] of prompt ids to dispatch again, unbounded
     errors: Any  # mp.Queue[tuple[str, str, str]] of (type name, message, traceback), maxsize 1
     model_version: Any  # mp.Value("q")
     heartbeat: Any  # mp.Value("d"), time.time() of the child's last beat
@@ -170,6 +231,7 @@ class RolloutWorker:
         self._channels = _Channels(
             samples=context.Queue(maxsize=queue_maxsize),
             metrics=context.Queue(maxsize=4096),
+            redo=context.Queue(),
             errors=context.Queue(maxsize=1),
             model_version=context.Value("q", 0),
             heartbeat=context.Value("d", 0.0),
@@ -187,8 +249,21 @@ class RolloutWorker:
 
     @property
     def metrics_queue(self) -> Any:
-        """Queue of per-rollout metric dicts (dropped when full)."""
+        """Queue of metric dicts (dropped when full): TRL's keys (reference §10.2) and ours, one dict per finished or
+        failed rollout. ``*_total`` values are counts since the previous dict (sum them); ``rollout/generated_tok_s``
+        is a ``(tokens, seconds)`` pair since the previous sample (its rate is Σ tokens / Σ seconds)."""
         return self._channels.metrics
+
+    def redo(self, prompt_ids: Sequence[int]) -> None:
+        """Make the child dispatch these prompt ids again, ahead of the cursor (e.g. samples dropped as stale).
+
+        An id the cursor has not reached yet is dispatched now and skipped by the cursor later, so it still runs
+        once. Works before and after :meth:`start`."""
+        ids = [int(prompt_id) for prompt_id in prompt_ids]
+        if any(prompt_id < 0 for prompt_id in ids):
+            raise ValueError(f"redo: prompt ids must be >= 0, got {ids[:10]}")
+        if ids:
+            self._channels.redo.put(ids)
 
     @property
     def model_version(self) -> int:
@@ -245,7 +320,10 @@ class RolloutWorker:
             raise RuntimeError(f"rollout worker child died (exit code {self._process.exitcode})")
         silence_s = time.time() - channels.heartbeat.value
         if silence_s > stale_after_s:
-            raise RuntimeError(f"rollout worker heartbeat stale: last beat {silence_s:.1f} s ago")
+            raise RuntimeError(
+                f"rollout worker heartbeat stale: last beat {silence_s:.1f} s ago (limit {stale_after_s:g} s); the "
+                f"child (pid {self.pid}) is alive but its loop is not running: hung, stopped or starved of CPU"
+            )
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the child to stop (in-flight rollouts are cancelled); terminate, then kill, if it does not exit."""
@@ -291,6 +369,7 @@ def _child_main(config: RolloutConfig, rows: list[dict[str, Any]], channels: _Ch
     # On stop the parent may not drain the queues; do not block the exit on flushing them.
     channels.samples.cancel_join_thread()
     channels.metrics.cancel_join_thread()
+    channels.redo.cancel_join_thread()
     try:
         loop = _RolloutLoop(config, rows, channels)
         channels.ready.set()
@@ -301,6 +380,50 @@ def _child_main(config: RolloutConfig, rows: list[dict[str, Any]], channels: _Ch
         raise
 
 
+class ServerDownError(RuntimeError):
+    """A server (all its replicas) answered nothing successfully for longer than ``server_down_deadline_s``."""
+
+
+class _Metrics:
+    """Counters since the last metrics push (reset on push) and the window of ``rollout/generated_tok_s``."""
+
+    def __init__(self, stats: RequestStats, pools: Mapping[str, ReplicaPool]):
+        self.stats = stats
+        self.pools = pools
+        self.failed = 0
+        self.dropped = 0
+        self.redispatched = 0
+        self.window_start = time.monotonic()
+        self._replica_errors_seen = {(label, r.index): 0 for label, pool in pools.items() for r in pool.replicas}
+
+    def counters(self) -> dict[str, float]:
+        """TRL's ``rollout/vllm_retry_total`` and ours, counted since the previous call; per-replica error counts
+        ``rollout/replica_errors/<server>@<index>_total`` only where there were some."""
+        payload = {
+            "rollout/vllm_retry_total": float(self.stats.retries),
+            "rollout/failover_total": float(self.stats.failovers),
+            "rollout/failed_total": float(self.failed),
+            "rollout/dropped_total": float(self.dropped),
+            "rollout/redispatched_total": float(self.redispatched),
+        }
+        self.stats.retries = self.stats.failovers = self.failed = self.dropped = self.redispatched = 0
+        for label, pool in self.pools.items():
+            for replica in pool.replicas:
+                key = (label, replica.index)
+                new = replica.errors - self._replica_errors_seen[key]
+                if new:
+                    payload[f"rollout/replica_errors/{label}@{replica.index}_total"] = float(new)
+                    self._replica_errors_seen[key] = replica.errors
+        return payload
+
+    def generated(self, tokens: int) -> tuple[float, float]:
+        """``(tokens, seconds)`` since the previous sample: the windowed ``rollout/generated_tok_s``."""
+        now = time.monotonic()
+        window = (float(tokens), now - self.window_start)
+        self.window_start = now
+        return window
+
+
 class _RolloutLoop:
     """The child's asyncio loop: dispatch, collect, enqueue, account."""
 
@@ -308,14 +431,19 @@ class _RolloutLoop:
         self.config = config
         self.rows = rows
         self.channels = channels
-        self.failed_total = 0
         self.consecutive_failures = 0
         self.per_teacher_metric = len(config.teacher_urls) > 1
+        self.cursor = prompt_cursor(len(rows), config.seed, config.start_index, config.shuffle)
+        self.cursor_next = config.start_index  # the prompt id the cursor yields next
+        self.skip = set(config.skip_prompt_ids)
+        self.pending: collections.deque[int] = collections.deque()  # redo and re-dispatched ids, before the cursor
+        self.attempts: dict[int, int] = {}  # prompt id -> failed attempts so far
+        self.eos = frozenset(config.eos_token_ids)
 
     def beat(self) -> None:
         self.channels.heartbeat.value = time.time()
 
-    def push_metrics(self, metrics: dict[str, float]) -> None:
+    def push_metrics(self, metrics: dict[str, Any]) -> None:
         try:
             self.channels.metrics.put_nowait(metrics)
         except queue.Full:
@@ -323,24 +451,67 @@ class _RolloutLoop:
 
     async def run(self) -> None:
         connector = aiohttp.TCPConnector(limit=2 * self.config.max_inflight_tasks)
+        stats = RequestStats()
         async with aiohttp.ClientSession(connector=connector) as session:
-            self.student = StudentClient(self.config.student_url, retry=self.config.retry, session=session)
+            common = dict(retry=self.config.retry, session=session, replica_cooldown_s=self.config.replica_cooldown_s)
+            self.student = StudentClient(
+                self.config.student_replicas(), model=self.config.student_model, stats=stats, **common
+            )
             self.teachers = {
-                teacher_id: TeacherClient(url, retry=self.config.retry, session=session)
-                for teacher_id, url in self.config.teacher_urls.items()
+                teacher_id: TeacherClient(self.config.teacher_replicas(teacher_id), stats=stats, **common)
+                for teacher_id in self.config.teacher_urls
             }
+            self.servers = {"student": self.student.pool}
+            self.servers.update({teacher_id: client.pool for teacher_id, client in self.teachers.items()})
+            self.metrics = _Metrics(stats, self.servers)
             await self.generate_loop()
+
+    def next_prompt(self) -> tuple[int, int]:
+        """The next ``(prompt_id, row_index)`` to dispatch: redo requests first, then the cursor (skipping ids)."""
+        while True:
+            try:
+                requested = self.channels.redo.get_nowait()
+            except queue.Empty:
+                break
+            for prompt_id in requested:
+                if prompt_id >= self.cursor_next:
+                    self.skip.add(prompt_id)  # dispatched now: the cursor must not dispatch it again
+                self.pending.append(prompt_id)
+        if self.pending:
+            prompt_id = self.pending.popleft()
+            return prompt_id, row_of_prompt(prompt_id, len(self.rows), self.config.seed, self.config.shuffle)
+        while True:
+            prompt_id, row_index = next(self.cursor)
+            self.cursor_next = prompt_id + 1
+            if prompt_id in self.skip:
+                self.skip.discard(prompt_id)
+                continue
+            return prompt_id, row_index
+
+    def check_servers(self) -> None:
+        """Raise :class:`ServerDownError` for a server unreachable past ``server_down_deadline_s``."""
+        deadline = self.config.server_down_deadline_s
+        for name, pool in self.servers.items():
+            down_for = pool.down_for_s()
+            if down_for > deadline:
+                what = "student" if name == "student" else f"teacher {name!r}"
+                raise ServerDownError(
+                    f"{what} at {', '.join(pool.urls)} has answered nothing successfully for {down_for:.0f} s, "
+                    f"longer than server_down_deadline_s={deadline:g}; last error: {pool.last_error!r}"
+                )
 
     async def generate_loop(self) -> None:
         """Keep ``max_inflight_tasks`` rollouts in flight until stopped; failed rollouts are counted and skipped."""
-        cursor = prompt_cursor(len(self.rows), self.config.seed, self.config.start_index, self.config.shuffle)
         inflight: set[asyncio.Task] = set()
         try:
             while not self.channels.stop.is_set():
                 self.beat()
+                self.check_servers()
                 while len(inflight) < self.config.max_inflight_tasks:
-                    prompt_id, row_index = next(cursor)
-                    inflight.add(asyncio.create_task(self.rollout(prompt_id, row_index)))
+                    prompt_id, row_index = self.next_prompt()
+                    task = asyncio.create_task(self.rollout(prompt_id, row_index))
+                    task.prompt_id = prompt_id  # type: ignore[attr-defined]
+                    inflight.add(task)
                 done, inflight = await asyncio.wait(inflight, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     await self.deliver(task, len(inflight))
@@ -349,7 +520,13 @@ class _RolloutLoop:
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
 
-    async def rollout(self, prompt_id: int, row_index: int) -> tuple[RolloutSample, dict[str, float]]:
+    def is_clipped(self, completion: np.ndarray) -> bool:
+        """Whether generation stopped at the length limit rather than on an eos (or pad) token."""
+        if self.eos:
+            return int(completion[-1]) not in self.eos
+        return completion.shape[0] >= self.config.max_tokens
+
+    async def rollout(self, prompt_id: int, row_index: int) -> tuple[RolloutSample, dict[str, Any]]:
         """Generate and score one row. Returns the sample and its metrics (seconds, tokens)."""
         row = self.rows[row_index]
         model_version = int(self.channels.model_version.value)
@@ -383,11 +560,15 @@ class _RolloutLoop:
             dataset_index=row_index,
             prompt=row["prompt"],
         )
-        metrics = {
+        metrics: dict[str, Any] = {
             "rollout/duration_s": finished - started,
             "rollout/score_s": finished - scoring_started,
             "completions/mean_length": float(completion_length),
+            "completions/max_length": float(completion_length),
+            "completions/min_length": float(completion_length),
         }
+        if completion_length:
+            metrics["completions/clipped_ratio"] = float(self.is_clipped(generation.token_ids))
         if self.per_teacher_metric:
             metrics[f"teacher_score_s/{teacher_id}"] = finished - scoring_started
         return sample, metrics
@@ -395,23 +576,45 @@ class _RolloutLoop:
     async def deliver(self, task: asyncio.Task, inflight: int) -> None:
         """Enqueue a finished rollout, or count it as failed when it raised a :class:`VLLMError`.
 
-        Any other exception, or too many failures in a row, is fatal: it propagates and ends the child."""
+        A rollout failed by an unavailable server is re-dispatched (up to ``max_rollout_attempts``). Any other
+        exception, or ``max_consecutive_failures`` rejected or malformed rollouts in a row, is fatal: it propagates
+        and ends the child."""
         error = task.exception()
+        prompt_id: int = task.prompt_id  # type: ignore[attr-defined]
         if isinstance(error, VLLMError):
-            self.failed_total += 1
-            self.consecutive_failures += 1
-            print(f"fastdistill rollout worker: rollout failed: {error}", file=sys.stderr, flush=True)
-            self.push_metrics({"rollout/failed_total": float(self.failed_total), "rollout/inflight": float(inflight)})
+            self.metrics.failed += 1
+            print(
+                f"fastdistill rollout worker: rollout of prompt {prompt_id} failed: {error}",
+                file=sys.stderr,
+                flush=True,
+            )
+            attempts = self.attempts.get(prompt_id, 0) + 1
+            if isinstance(error, VLLMUnavailableError) and attempts < self.config.max_rollout_attempts:
+                self.attempts[prompt_id] = attempts
+                self.pending.append(prompt_id)
+                self.metrics.redispatched += 1
+            else:
+                self.attempts.pop(prompt_id, None)
+                self.metrics.dropped += 1
+            if not isinstance(error, VLLMUnavailableError):
+                self.consecutive_failures += 1
+            self.push_metrics({**self.metrics.counters(), "rollout/inflight": float(inflight)})
             if self.consecutive_failures >= self.config.max_consecutive_failures:
-                raise RuntimeError(f"{self.consecutive_failures} rollouts failed in a row; last: {error}") from error
+                raise RuntimeError(
+                    f"{self.consecutive_failures} rollouts in a row were rejected or answered with a malformed "
+                    f"body; last: {error}"
+                ) from error
             return
         if error is not None:
             raise error
         self.consecutive_failures = 0
+        self.attempts.pop(prompt_id, None)
         sample, metrics = task.result()
         backpressure_s = await self.put(sample)
         if backpressure_s is None:
             return
+        metrics.update(self.metrics.counters())
+        metrics["rollout/generated_tok_s"] = self.metrics.generated(int(sample.teacher_topk_ids.shape[0]))
         metrics.update({"rollout/inflight": float(inflight), "rollout/backpressure_s": backpressure_s})
         self.push_metrics(metrics)
 
