@@ -1,5 +1,26 @@
-"""vLLM plugin entry point (``vllm.general_plugins``): registers fastdistill's ``gloo`` weight-transfer engine."""
+"""vLLM plugin entry point (``vllm.general_plugins``): registers fastdistill's ``gloo`` weight-transfer engine.
+
+vLLM calls :func:`register` once in each of its processes (API server, engine core, workers). Registration is by
+module path, so the engine module (and the transport) is imported only in the worker that builds the engine.
+"""
+
+from __future__ import annotations
+
+ENGINE_NAME = "gloo"
+ENGINE_MODULE = "fastdistill.sync.vllm_engine"
+ENGINE_CLASS = "GlooWeightTransferEngine"
 
 
 def register() -> None:
-    """Register the engine with vLLM's factory (placeholder until the engine lands)."""
+    """Register engine ``"gloo"`` with vLLM's ``WeightTransferEngineFactory``; idempotent.
+
+    Does nothing if vLLM has no weight-transfer factory (an older vLLM) or a ``gloo`` engine is already registered
+    (the factory raises on duplicates; vLLM may one day ship its own).
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    if ENGINE_NAME in WeightTransferEngineFactory._registry:
+        return
+    WeightTransferEngineFactory.register_engine(ENGINE_NAME, ENGINE_MODULE, ENGINE_CLASS)

@@ -7,6 +7,7 @@ vLLM may live in a separate virtual environment from the trainer.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,7 +74,9 @@ class VLLMServer:
     :class:`VLLMServerError` with the log tail if the process dies or ``startup_timeout_s`` passes.
     The log goes to ``log_path`` (a temporary file by default). With ``cpu=True`` (the default when torch sees no
     CUDA device) it sets ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE=kv_cache_space_gib`` unless the
-    caller's environment already sets them.
+    caller's environment already sets them. ``weight_transfer_backend`` (e.g. ``"gloo"`` on CPU, ``"nccl"`` on GPU)
+    adds ``--weight-transfer-config '{"backend": ...}'`` so the student can receive weights through vLLM's
+    weight-transfer API.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         startup_timeout_s: float = 300.0,
+        weight_transfer_backend: str | None = None,
     ):
         if role not in _ROLE_ARGS:
             raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
@@ -108,6 +112,7 @@ class VLLMServer:
         self.extra_env = dict(env or {})
         self.log_path = Path(log_path) if log_path else _temporary_log_path(role)
         self.startup_timeout_s = startup_timeout_s
+        self.weight_transfer_backend = weight_transfer_backend
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -126,8 +131,14 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len),
             "--enforce-eager",
             *_ROLE_ARGS[self.role],
+            *self._weight_transfer_args(),
             *self.extra_args,
         ]  # fmt: skip
+
+    def _weight_transfer_args(self) -> list[str]:
+        if self.weight_transfer_backend is None:
+            return []
+        return ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
 
     def environment(self) -> dict[str, str]:
         """The server's environment: ours, the CPU defaults, the role's variables, then ``env`` overrides."""
