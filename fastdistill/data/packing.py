@@ -58,9 +58,11 @@ class PackedRow:
         return int(self.target_positions.shape[0])
 
     def to(self, device: torch.device | str) -> PackedRow:
-        """A copy with every tensor on ``device`` (non-blocking copies; pinned sources make them asynchronous)."""
+        """A copy with every tensor on ``device``; host-to-accelerator copies are non-blocking (asynchronous from
+        pinned memory). Copies to the CPU block, so the values are ready when this returns."""
+        non_blocking = torch.device(device).type != "cpu"
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
