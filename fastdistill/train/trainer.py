@@ -234,8 +234,10 @@ class AsyncDistillationTrainer:
     def _wrap(self, hf_model: nn.Module) -> nn.Module:
         hf_model.config.use_cache = False
         if self.config.gradient_checkpointing:
-            enable = getattr(hf_model, "activation_checkpointing_enable", None) or hf_model.gradient_checkpointing_enable
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf_model.train()
         wrapped = DistillationModel(hf_model, self.config).to(self.dist.device)
         if self.dist.world_size > 1:
@@ -274,6 +276,8 @@ class AsyncDistillationTrainer:
         if resume is not None:
             state = load_checkpoint(resume, self.model, self.optimizer, self.scheduler)
             self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
+            if self.dist.is_main:
+                _truncate_trained_log(self.output_dir / "trained_prompts.jsonl", self.step)
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
             run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
@@ -625,6 +629,14 @@ class AsyncDistillationTrainer:
         record["batch/dropped_oversize_total"] = float(dropped - getattr(self, "_dropped_oversize_seen", 0))
         self._dropped_oversize_seen = dropped
         return record
+
+
+def _truncate_trained_log(path: Path, step: int) -> None:
+    """Drop the lines of steps after ``step`` (trained by a run that died before its next checkpoint)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:

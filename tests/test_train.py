@@ -1,0 +1,300 @@
+"""The training loop on synthetic samples (no servers): sharding, normalisation, checkpoint/resume, config, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastdistill.testing.synthetic import synthetic_samples
+from fastdistill.testing.vllm_server import free_port
+from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.metrics import MetricsLogger, reduce_values
+from fastdistill.train.trainer import AsyncDistillationTrainer
+
+HERE = Path(__file__).parent
+TEACHERS = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    tokenizer = build_tokenizer()
+    model = build_model(tiny_config(len(tokenizer), pad_token_id=0, eos_token_id=2), seed=7)
+    return save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("student"))
+
+
+@pytest.fixture(scope="module")
+def samples():
+    sys.path.insert(0, str(HERE))
+    from run_trainer import teacher_and_samples
+
+    return teacher_and_samples(24, seed=3, teacher_ids=list(TEACHERS))
+
+
+def config(student_dir, output_dir, **overrides) -> AsyncDistillationConfig:
+    values = dict(model_name_or_path=str(student_dir), output_dir=str(output_dir), teacher_server_urls=TEACHERS,
+                  weight_sync_backend="none", learning_rate=1e-3, num_train_epochs=1, gradient_checkpointing=False,
+                  disable_tqdm=True, save_strategy="no", token_budget=0, export_final_model=False)
+    values.update(overrides)
+    return AsyncDistillationConfig(**values)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ distributed
+
+
+def run_spec(tmp_path: Path, name: str, student_dir: Path, nproc: int, config_values: dict) -> Path:
+    output_dir = tmp_path / name
+    spec = {"student_dir": str(student_dir), "output_dir": str(output_dir), "num_samples": 24, "seed": 3,
+            "config": config_values}
+    spec_path = tmp_path / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--master-port", str(free_port())] if nproc > 1 else [sys.executable]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([*launcher, str(HERE / "run_trainer.py"), str(spec_path)], capture_output=True,
+                            text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return output_dir
+
+
+def test_two_process_fsdp2_matches_one_process(tmp_path, student_dir):
+    """2 ranks (FSDP2 over gloo, Σ L²-balanced rows, gradient checkpointing) train exactly like 1 process."""
+    values = {"teacher_server_urls": TEACHERS, "weight_sync_backend": "none", "learning_rate": 1e-3,
+              "num_train_epochs": 1, "gradient_checkpointing": True, "disable_tqdm": True, "save_strategy": "no",
+              "token_budget": 0, "gradient_accumulation_steps": 2}
+    single = run_spec(tmp_path, "single", student_dir, 1, {**values, "per_device_train_batch_size": 4})
+    double = run_spec(tmp_path, "double", student_dir, 2, {**values, "per_device_train_batch_size": 2})
+    one, two = read_jsonl(single / "metrics.jsonl"), read_jsonl(double / "metrics.jsonl")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two, strict=True):
+        assert a["batch/trained_tokens_per_step"] == b["batch/trained_tokens_per_step"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
+        for key in ("teacher_jsd/a", "teacher_jsd/b", "teacher_token_frac/a"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key]))
+    weights_one = load_file(single / "final" / "model.safetensors")
+    weights_two = load_file(double / "final" / "model.safetensors")
+    assert weights_one.keys() == weights_two.keys()
+    for name in weights_one:
+        torch.testing.assert_close(weights_one[name], weights_two[name], rtol=1e-5, atol=1e-6)
+    # every prompt trained exactly once, in both runs
+    for output in (single, double):
+        trained = [p for line in read_jsonl(output / "trained_prompts.jsonl") for p in line["prompt_ids"]]
+        assert sorted(trained) == list(range(24))
+
+
+# ------------------------------------------------------------------------------------------------ normalisation
+
+
+def captured_gradients(trainer: AsyncDistillationTrainer) -> list[dict[str, torch.Tensor]]:
+    """Replace the optimizer step by a recorder of the gradients it would apply."""
+    recorded = []
+
+    def record(*args, **kwargs):
+        recorded.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+
+    trainer.optimizer.step = record
+    return recorded
+
+
+def test_gradient_accumulation_is_a_token_mean_over_the_window(tmp_path, student_dir, samples):
+    """GA=2 with micro-batches of unequal token counts gives the gradient of GA=1 on their union."""
+    union = samples[:6]
+    lengths = [len(s.completion_ids) for s in union]
+    assert sum(lengths[:3]) != sum(lengths[3:])  # unequal micro-batches
+    accumulated = AsyncDistillationTrainer(
+        config(student_dir, tmp_path / "ga2", per_device_train_batch_size=3, gradient_accumulation_steps=2,
+               max_grad_norm=0.0, max_steps=1), samples=union)
+    whole = AsyncDistillationTrainer(
+        config(student_dir, tmp_path / "ga1", per_device_train_batch_size=6, gradient_accumulation_steps=1,
+               max_grad_norm=0.0, max_steps=1), samples=union)
+    grads_ga2, grads_ga1 = captured_gradients(accumulated), captured_gradients(whole)
+    accumulated.train()
+    whole.train()
+    assert len(grads_ga2) == len(grads_ga1) == 1
+    for name, grad in grads_ga1[0].items():
+        torch.testing.assert_close(grads_ga2[0][name], grad, rtol=1e-5, atol=1e-8)
+    # and it is not the mean of the two micro-batch means (what TRL 1.16 computes)
+    first = AsyncDistillationTrainer(config(student_dir, tmp_path / "m1", per_device_train_batch_size=3,
+                                            max_grad_norm=0.0, max_steps=1), samples=union[:3])
+    grads_first = captured_gradients(first)
+    first.train()
+    name = "model.model.norm.weight"
+    assert not torch.allclose(grads_ga1[0][name], grads_first[0][name], rtol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_crash_trains_every_prompt_exactly_once(tmp_path, student_dir, samples):
+    """A run dies after step 3 (checkpoint at step 2); the resumed run retrains step 3's prompts and the rest,
+    ending with the same weights as an uninterrupted run."""
+    overrides = dict(per_device_train_batch_size=4, save_strategy="steps", save_steps=2, export_final_model=True)
+
+    def crash_at_3(step, record):
+        if step == 3:
+            raise Crash
+
+    crashed = AsyncDistillationTrainer(config(student_dir, tmp_path / "run", **overrides), samples=samples,
+                                       on_step_end=crash_at_3)
+    with pytest.raises(Crash):
+        crashed.train()
+    rollout_state = json.loads((tmp_path / "run" / "checkpoint-2" / "rollout_state.json").read_text())
+    assert rollout_state["prompt_index"] + len(rollout_state["trained_prompt_ids_after"]) == 8
+    assert rollout_state["model_version"] == 0
+    resumed = AsyncDistillationTrainer(config(student_dir, tmp_path / "run", resume_from_checkpoint="latest",
+                                              **overrides), samples=samples)
+    summary = resumed.train()
+    assert summary["steps"] == 6
+    trained = [p for line in read_jsonl(tmp_path / "run" / "trained_prompts.jsonl") for p in line["prompt_ids"]]
+    assert sorted(trained) == list(range(24))
+
+    straight = AsyncDistillationTrainer(config(student_dir, tmp_path / "straight", **overrides), samples=samples)
+    straight.train()
+    resumed_weights = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    straight_weights = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    for name, weight in straight_weights.items():
+        torch.testing.assert_close(resumed_weights[name], weight, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_from_a_missing_checkpoint_is_an_error(tmp_path, student_dir, samples):
+    trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, resume_from_checkpoint=str(tmp_path / "nope")),
+                                       samples=samples)
+    with pytest.raises(FileNotFoundError, match="is not a checkpoint folder"):
+        trainer.train()
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"beta": 1.5}, r"beta must be in \[0.0, 1.0\], got 1.5"),
+        ({"beta": -0.1}, r"beta must be in \[0.0, 1.0\]"),
+        ({"weight_sync_steps": 0}, "weight_sync_steps must be an int >= 1, got 0"),
+        ({"teacher_top_k": 0}, "teacher_top_k must be an int >= 1"),
+        ({"teacher_temperature": 0.0}, "teacher_temperature must be a finite number > 0"),
+        ({"max_staleness": -1}, "max_staleness must be an int >= 0"),
+        ({"queue_maxsize": 0}, "queue_maxsize must be an int >= 1"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an int >= 1"),
+        ({"teacher_server_urls": {}}, "teacher_server_urls must be a non-empty mapping"),
+        ({"teacher_server_urls": {"math": "localhost:8001"}}, r"teacher_server_urls\['math'\] must be an http"),
+        ({"teacher_server_urls": {"math": []}}, r"teacher_server_urls\['math'\] must be an http"),
+        ({"vllm_server_base_url": "ftp://x"}, "vllm_server_base_url must be an http"),
+        ({"token_budget": 100, "max_completion_length": 128}, "token_budget must be > max_completion_length"),
+        ({"tail_mode": "approx"}, r"tail_mode must be one of \['exact', 'trl'\]"),
+        ({"loss_type": "kl"}, "loss_type must be one of"),
+        ({"stale_policy": "keep"}, "stale_policy must be one of"),
+        ({"lr_scheduler_type": "poly"}, "lr_scheduler_type must be one of"),
+        ({"dtype": "float8"}, "dtype must be one of"),
+        ({"report_to": ["mlflow"]}, "report_to must be a list drawn from"),
+        ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\]"),
+        ({"learning_rate": float("nan")}, "learning_rate must be a finite number > 0"),
+        ({"max_steps": 0}, r"max_steps must be -1 \(from epochs\) or >= 1"),
+        ({"max_inflight_tasks": 0}, r"max_inflight_tasks must be -1 \(automatic\) or >= 1"),
+        ({"min_p": 2.0}, "min_p must be None or in"),
+        ({"model_name_or_path": ""}, "model_name_or_path must be a model folder"),
+        ({"save_total_limit": 0}, "save_total_limit must be None or >= 1"),
+        ({"importance_ratio_clip": 0.5}, "importance_ratio_clip must be >= 1"),
+        ({"per_device_train_batch_size": True}, "per_device_train_batch_size must be an int >= 1"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, message):
+    values = {"model_name_or_path": "student", **overrides}
+    with pytest.raises(ConfigError, match=message):
+        AsyncDistillationConfig(**values)
+
+
+def test_config_defaults_follow_trl():
+    config = AsyncDistillationConfig(model_name_or_path="student")
+    assert config.teacher_server_urls == {"default": "http://localhost:8001"}
+    assert (config.learning_rate, config.beta, config.teacher_top_k, config.max_staleness) == (1e-6, 0.0, 8, 4)
+    assert (config.weight_sync_steps, config.queue_maxsize, config.max_completion_length) == (1, 1024, 2048)
+    assert config.resolved_max_inflight_tasks(world_size=2) == 4 * 8 * 1 * 2
+    assert config.resolved_max_steps(num_prompts=100, world_size=1) == 38  # ceil(3 × 100 / 8)
+
+
+def test_config_from_yaml_with_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name_or_path: student\nbeta: 0.5\nteacher_server_urls:\n  math: [http://a:1, http://b:2]\n")
+    config = AsyncDistillationConfig.from_yaml(path, ["beta=0.25", "report_to=[tensorboard]", "min_p="])
+    assert config.beta == 0.25 and config.report_to == ["tensorboard"] and config.min_p is None
+    assert config.teacher_server_urls == {"math": ["http://a:1", "http://b:2"]}
+    with pytest.raises(ConfigError, match="unknown config field 'bta'; did you mean 'beta'"):
+        AsyncDistillationConfig.from_yaml(path, ["bta=0.1"])
+    with pytest.raises(ConfigError, match="override 'beta' must look like key=value"):
+        AsyncDistillationConfig.from_yaml(path, ["beta"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        AsyncDistillationConfig.from_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        AsyncDistillationConfig.from_yaml(tmp_path / "list.yaml")
+
+
+def test_training_data_is_required(tmp_path, student_dir):
+    with pytest.raises(ValueError, match="no training data"):
+        AsyncDistillationTrainer(config(student_dir, tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_metric_reductions_follow_trl_except_for_teacher_ids():
+    assert reduce_values("sample/dropped_stale_total", [1.0, 1.0, 1.0]) == 3.0
+    assert reduce_values("sample/staleness_max", [1.0, 4.0, 2.0]) == 4.0
+    assert reduce_values("completions/min_length", [5.0, 3.0]) == 3.0
+    assert reduce_values("jsd", [1.0, 2.0, float("nan")]) == 1.5
+    assert reduce_values("rollout/score_s", [(3.0, 2.0), (1.0, 2.0)]) == 1.0
+    assert reduce_values("jsd", [float("nan")]) is None
+    # TRL would sum teacher_jsd/total and take the max of teacher_jsd/max_math; these are means of teachers' jsd
+    assert reduce_values("teacher_jsd/total", [1.0, 3.0]) == 2.0
+    assert reduce_values("teacher_jsd/max_math", [1.0, 3.0]) == 2.0
+
+
+def test_metrics_logger_writes_jsonl(tmp_path):
+    logger = MetricsLogger(tmp_path, total_steps=2, disable_progress=True)
+    logger.update({"jsd": 1.0, "sample/dropped_stale_total": 1.0})
+    logger.add("jsd", 3.0)
+    assert logger.log(1)["jsd"] == 2.0
+    logger.log(2, extra={"loss": 0.5})
+    logger.close()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["sample/dropped_stale_total"] == 1.0 and records[1] == {**records[1], "loss": 0.5}
+
+
+def test_an_unavailable_tracker_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(RuntimeError, match=r"report_to=\['wandb'\] needs the wandb package"):
+        MetricsLogger(tmp_path, total_steps=1, report_to=["wandb"], disable_progress=True)
+
+
+def test_synthetic_samples_have_the_worker_layout():
+    tokenizer = build_tokenizer()
+    teacher = build_model(tiny_config(len(tokenizer)), seed=0).eval()
+    (sample,) = synthetic_samples(teacher, len(tokenizer), 1, top_k=3)
+    completion = sample.completion_ids
+    assert sample.teacher_topk_ids.shape == (len(completion), 4)
+    logits = teacher(torch.tensor(sample.input_ids[None].astype("int64"))).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[sample.prompt_length - 1 : -1]
+    for j, token in enumerate(completion):
+        ids, lps = sample.teacher_topk_ids[j], sample.teacher_topk_logprobs[j]
+        slot = list(ids).index(token)
+        assert abs(lps[slot] - expected[j, token].item()) < 1e-5
+        assert list(ids[:3]) == expected[j].topk(3).indices.tolist()
