@@ -21,8 +21,10 @@ from fastdistill.rollout.http import RetryPolicy  # noqa: E402
 from fastdistill.rollout.worker import (  # noqa: E402
     RolloutConfig,
     RolloutWorker,
+    _RolloutLoop,
     epoch_order,
     prompt_cursor,
+    row_of_prompt,
 )
 from fastdistill.testing.vllm_server import free_port  # noqa: E402
 
@@ -41,13 +43,16 @@ class StubServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.requests = 0  # POST /v1/completions received
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": self.name, "max_model_len": 512}]})
 
     async def completions(self, request: web.Request) -> web.Response:
+        self.requests += 1
         status, body = await self.completion(await request.json())
-        return web.Response(status=status, text=json.dumps(body), content_type="application/json")
+        text = body if isinstance(body, str) else json.dumps(body)
+        return web.Response(status=status, text=text, content_type="application/json")
 
     async def _start(self) -> None:
         app = web.Application()
@@ -175,6 +180,49 @@ def test_cursor_resumes_where_it_left_off_across_epochs():
     assert list(itertools.islice(prompt_cursor(7, seed=1, start_index=11), 19)) == full[11:30]
 
 
+def test_row_of_prompt_inverts_the_cursor():
+    for shuffle in (True, False):
+        for prompt_id, row in itertools.islice(prompt_cursor(7, seed=5, shuffle=shuffle), 30):
+            assert row_of_prompt(prompt_id, 7, seed=5, shuffle=shuffle) == row
+
+
+def test_config_accepts_one_url_or_replicas_and_rejects_bad_settings():
+    config = RolloutConfig("http://s/", {"math": "http://a/", "code": ["http://b", "http://c/"]}, skip_prompt_ids={3})
+    assert config.student_replicas() == ("http://s",) and config.teacher_replicas("math") == ("http://a",)
+    assert config.teacher_replicas("code") == ("http://b", "http://c") and config.skip_prompt_ids == frozenset({3})
+    cases = [
+        (dict(teacher_urls={}), "teacher_urls is empty"),
+        (dict(teacher_urls={"math": []}), "teacher 'math': the list of replica URLs is empty"),
+        (dict(teacher_urls={"math": ["http://a", "http://a"]}), "teacher 'math': a replica URL is listed twice"),
+        (dict(student_url=["http://s", ""]), "student_url: every replica URL must be a non-empty string"),
+        (dict(max_rollout_attempts=0), "max_rollout_attempts must be >= 1, got 0"),
+        (dict(teacher_top_k=0), "teacher_top_k must be >= 1, got 0"),
+        (dict(start_index=-1), "start_index must be >= 0"),
+        (dict(server_down_deadline_s=0.0), "server_down_deadline_s must be > 0"),
+        (dict(replica_cooldown_s=-1.0), "replica_cooldown_s >= 0"),
+        (dict(skip_prompt_ids=frozenset({2, -4})), r"skip_prompt_ids must be prompt ids >= 0, got \['-4'\]"),
+    ]
+    for overrides, message in cases:
+        settings = dict(student_url="http://s", teacher_urls={"math": "http://a"}) | overrides
+        with pytest.raises(ValueError, match=message):
+            RolloutConfig(**settings)
+
+
+def test_clipped_means_no_eos_at_the_end_or_the_length_limit_without_eos_ids():
+    rows = [{"prompt_ids": [1], "teacher_id": "t", "prompt": None}]
+    with_eos = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, eos_token_ids=(2, 0)), rows, None)
+    assert not with_eos.is_clipped(np.array([5, 2])) and not with_eos.is_clipped(np.array([0]))
+    assert with_eos.is_clipped(np.array([5, 6]))
+    by_length = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_tokens=3), rows, None)
+    assert by_length.is_clipped(np.array([5, 6, 7])) and not by_length.is_clipped(np.array([5, 2]))
+
+
+def test_redo_rejects_negative_prompt_ids():
+    worker = RolloutWorker(RolloutConfig("http://s", {"t": "http://t"}), dataset(2))
+    with pytest.raises(ValueError, match=r"redo: prompt ids must be >= 0, got \[3, -1\]"):
+        worker.redo([3, -1])
+
+
 def test_unknown_or_missing_teacher_id_is_rejected_up_front():
     two = RolloutConfig("http://s", {"math": "http://a", "code": "http://b"})
     rows = dataset(3)
@@ -222,10 +270,16 @@ def test_samples_are_scored_by_their_teacher_once_per_epoch(servers):
     assert any("teacher_score_s/math" in m and m["rollout/duration_s"] >= m["rollout/score_s"] for m in metrics)
 
 
+def total(metrics: list[dict], key: str) -> float:
+    """Sum of a counter over metric payloads (each holds the count since the previous one)."""
+    return sum(m.get(key, 0.0) for m in metrics)
+
+
 def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
     student, teachers = servers
     rows = dataset(8, teacher_ids=("anything",))  # first tokens 10..17; 12 answers 500, 14 answers 400
-    worker = RolloutWorker(config(student, {"math": teachers["math"]}, shuffle=False), rows, queue_maxsize=64)
+    settings = dict(shuffle=False, max_rollout_attempts=2)
+    worker = RolloutWorker(config(student, {"math": teachers["math"]}, **settings), rows, queue_maxsize=64)
     worker.start()
     try:
         good = {}
@@ -235,12 +289,19 @@ def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
             worker.check_health(stale_after_s=10.0)
             sample = worker.samples.get(timeout=5)
             good[sample.dataset_index] = sample
+        time.sleep(0.3)  # let the failures of prompts 2 and 4 land
         metrics = drain_metrics(worker)
     finally:
         worker.stop()
     assert sorted(good) == [0, 1, 3, 5, 6, 7]
     assert all(sample.teacher_id == "math" for sample in good.values())
-    assert max(m.get("rollout/failed_total", 0) for m in metrics) >= 2
+    # Prompt 2 (500, transient): 2 attempts of 2 requests each, so 2 retries, then dropped. Prompt 4 (400): one
+    # request, no retry, dropped at once. Counted once per failed attempt.
+    first_epoch = [m for m in metrics if "rollout/failed_total" in m]
+    assert total(first_epoch, "rollout/failed_total") >= 3
+    assert total(first_epoch, "rollout/redispatched_total") >= 1
+    assert total(first_epoch, "rollout/dropped_total") >= 2
+    assert total(first_epoch, "rollout/vllm_retry_total") >= 2
 
 
 def test_backpressure_keeps_the_heartbeat_fresh(servers):
@@ -311,7 +372,7 @@ def test_a_server_failing_every_rollout_stops_the_child(servers):
         worker = RolloutWorker(config(broken, teachers, max_consecutive_failures=3), dataset(4))
         worker.start()
         try:
-            with pytest.raises(RuntimeError, match=r"(?s)3 rollouts failed in a row.*context too long"):
+            with pytest.raises(RuntimeError, match=r"(?s)3 rollouts in a row were rejected.*context too long"):
                 poll_health(worker)
         finally:
             worker.stop()
@@ -331,3 +392,78 @@ def test_child_sees_no_gpu_and_no_distributed_env(servers, monkeypatch):
         worker.stop()
     assert child_env[b"CUDA_VISIBLE_DEVICES"] == b"" and b"RANK" not in child_env and b"MASTER_PORT" not in child_env
     assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def next_samples(worker: RolloutWorker, count: int, timeout_s: float = 20.0) -> list:
+    samples = []
+    deadline = time.monotonic() + timeout_s
+    while len(samples) < count:
+        assert time.monotonic() < deadline, f"only {len(samples)} of {count} samples arrived"
+        worker.check_health(stale_after_s=10.0)
+        try:
+            samples.append(worker.samples.get(timeout=0.5))
+        except queue.Empty:
+            pass
+    return samples
+
+
+def test_skip_prompt_ids_are_never_dispatched_and_redo_dispatches_again(servers):
+    student, teachers = servers
+    rows = [row for row in dataset(8) if row["prompt_ids"][0] not in (12, 14)]  # 6 good rows
+    settings = dict(start_index=2, skip_prompt_ids=frozenset({3, 7}), max_inflight_tasks=2)
+    worker = RolloutWorker(config(student, teachers, **settings), rows, queue_maxsize=2)
+    worker.start()
+    try:
+        first = [sample.prompt_id for sample in next_samples(worker, 6)]
+        assert sorted(first) == [2, 4, 5, 6, 8, 9]  # from the cursor on, 3 and 7 skipped
+        worker.redo([4, 6, 40])  # 4 and 6 again; 40 is ahead of the cursor: now, and not again later
+        later = next_samples(worker, 40)
+    finally:
+        worker.stop()
+    ids = [sample.prompt_id for sample in later]
+    assert ids.count(4) == 1 and ids.count(6) == 1 and ids.count(40) == 1
+    assert ids.index(40) < 10 and ids.index(4) < 10  # ahead of the cursor (give or take the in-flight ones)
+    redone = next(sample for sample in later if sample.prompt_id == 40)
+    assert redone.dataset_index == row_of_prompt(40, len(rows), seed=7)
+    assert max(ids) > 40 and set(range(10, 45)) - {40} <= set(ids)
+
+
+def test_completion_metrics_and_generated_token_rate(servers):
+    student, teachers = servers
+    rows = [row for row in dataset(8) if row["prompt_ids"][0] not in (12, 14)]
+    worker = RolloutWorker(config(student, teachers, eos_token_ids=(2,)), rows, queue_maxsize=64)
+    worker.start()
+    try:
+        next_samples(worker, 8)
+        metrics = [m for m in drain_metrics(worker) if "completions/mean_length" in m]
+    finally:
+        worker.stop()
+    assert metrics
+    for m in metrics:  # the stub completes every prompt with 3 tokens ending in eos id 2
+        assert m["completions/max_length"] == m["completions/min_length"] == 3.0
+        assert m["completions/clipped_ratio"] == 0.0
+        tokens, seconds = m["rollout/generated_tok_s"]
+        assert tokens == 3.0 and seconds > 0
+        assert m["rollout/vllm_retry_total"] == 0.0 and m["rollout/failed_total"] == 0.0
+
+
+def test_replicas_share_the_load_and_a_dead_replica_fails_over(servers):
+    _, teachers = servers
+    dead = f"http://127.0.0.1:{free_port()}"
+    rows = [row for row in dataset(8) if row["prompt_ids"][0] not in (12, 14)]
+    with StubServer("student", student_stub()) as one, StubServer("student", student_stub()) as two:
+        settings = dict(teacher_urls={"math": [dead, teachers["math"].url]}, replica_cooldown_s=0.2)
+        cfg = RolloutConfig([one.url, two.url], **settings, teacher_top_k=TOP_K, retry=FAST_RETRY)
+        worker = RolloutWorker(cfg, rows, queue_maxsize=64)
+        worker.start()
+        try:
+            samples = next_samples(worker, 30)
+            metrics = drain_metrics(worker)
+        finally:
+            worker.stop()
+    assert all(sample.teacher_topk_ids[0, 0] == 1000 for sample in samples)  # scored by the live teacher
+    assert one.requests >= 10 and two.requests >= 10
+    assert total(metrics, "rollout/failed_total") == 0
+    assert total(metrics, "rollout/failover_total") >= 1 and total(metrics, "rollout/vllm_retry_total") >= 1
+    assert total(metrics, "rollout/replica_errors/math@0_total") >= 1
+    assert total(metrics, "rollout/replica_errors/math@1_total") == 0
