@@ -144,6 +144,19 @@ def _hint(route: str, error: _HTTPError, backend: str) -> str | None:
     return None
 
 
+def _request(
+    method: str, base_url: str, route: str, payload: Any = None, *, timeout_s: float, backend: str = "gloo"
+) -> Any:
+    """:func:`_http_json` whose failures are :class:`WeightSyncError` with the server's message and a hint."""
+    try:
+        return _http_json(method, base_url + route, payload, timeout_s=timeout_s)
+    except _HTTPError as error:
+        status = f" (HTTP {error.status})" if error.status is not None else ""
+        message = f"{method} {base_url}{route} failed{status}: {error.message}"
+        hint = _hint(route.split("?")[0], error, backend)
+        raise WeightSyncError(f"{message}\n{hint}" if hint else message) from None
+
+
 # ------------------------------------------------------------------------------------------------ threads
 
 
@@ -291,13 +304,9 @@ class VLLMWeightSync(WeightSync):
     # -------------------------------------------------------------------------------------------- HTTP
 
     def _call(self, method: str, route: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
-        try:
-            return _http_json(method, self.base_url + route, payload, timeout_s=timeout_s or self.timeout_s)
-        except _HTTPError as error:
-            status = f"HTTP {error.status}" if error.status is not None else "no answer"
-            message = f"{method} {self.base_url}{route} failed ({status}): {error.message}"
-            hint = _hint(route.split("?")[0], error, self.backend)
-            raise WeightSyncError(f"{message}\n{hint}" if hint else message) from None
+        return _request(
+            method, self.base_url, route, payload, timeout_s=timeout_s or self.timeout_s, backend=self.backend
+        )
 
     # -------------------------------------------------------------------------------------------- init
 
@@ -553,7 +562,7 @@ def served_logprob_gap(
     """
     base_url = base_url.rstrip("/")
     if served_model_name is None:
-        models = _http_json("GET", base_url + "/v1/models", timeout_s=timeout_s)
+        models = _request("GET", base_url, "/v1/models", timeout_s=timeout_s)
         served_model_name = models["data"][0]["id"]
     device = next(model.parameters()).device
     gap = 0.0
@@ -562,10 +571,7 @@ def served_logprob_gap(
         if len(ids) < 2:
             raise ValueError("each prompt needs at least two tokens (the first has no log-prob)")
         body = {"model": served_model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
-        try:
-            answer = _http_json("POST", base_url + "/v1/completions", body, timeout_s=timeout_s)
-        except _HTTPError as error:
-            raise WeightSyncError(f"POST {base_url}/v1/completions failed ({error.status}): {error.message}") from None
+        answer = _request("POST", base_url, "/v1/completions", body, timeout_s=timeout_s)
         served_positions = answer["choices"][0]["prompt_logprobs"]
         served = torch.tensor(
             [float(served_positions[i][str(token)]["logprob"]) for i, token in enumerate(ids) if i > 0],
