@@ -1,1 +1,6 @@
-"""The trainer: config, loop, checkpoint/resume, metrics."""
+"""The trainer: config, loop, checkpoint/resume, metrics, held-out evaluation."""
+
+from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.trainer import AsyncDistillationTrainer, DistillationModel
+
+__all__ = ["AsyncDistillationConfig", "AsyncDistillationTrainer", "ConfigError", "DistillationModel"]

@@ -445,11 +445,27 @@ class AsyncDistillationTrainer:
     def _sync_weights(self) -> dict[str, float]:
         if self.weight_sync is None:
             return {}
-        timings = self.weight_sync.push(self.hf_model, self.model_version + 1) or {}
+        timings = dict(self.weight_sync.push(self.hf_model, self.model_version + 1) or {})
         self.model_version += 1
         if self.worker is not None:
             self.worker.model_version = self.model_version
-        return dict(timings)
+        if self.config.verify_weight_sync and self.rows:
+            timings["sync/served_logprob_gap"] = self._served_gap()
+        return timings
+
+    def _served_gap(self) -> float:
+        """Max |served − trainer| log-prob on two training prompts (world size 1: the check runs a full forward)."""
+        from fastdistill.sync import served_logprob_gap
+
+        if self.dist.world_size > 1:
+            raise ValueError("verify_weight_sync needs a single trainer process")
+        probes = [row["prompt_ids"] for row in self.rows[:2] if len(row["prompt_ids"]) >= 2]
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes)
+        finally:
+            self.hf_model.train(was_training)
 
     # ---------------------------------------------------------------------------------------- micro-batches
 

@@ -1,0 +1,45 @@
+"""The ``fastdistill`` command line: server commands, config errors, the console script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastdistill.cli import main
+
+
+def test_serve_teacher_dry_run_prints_the_teacher_flags(capsys):
+    assert main(["serve-teacher", "some/model", "--port", "9001", "--dry-run", "--", "--seed", "3"]) == 0
+    command = capsys.readouterr().err
+    assert "vllm.entrypoints.openai.api_server" in command and "--model some/model" in command
+    assert "--max-logprobs -1" in command and "--logprobs-mode processed_logprobs" in command
+    assert "--port 9001" in command and command.rstrip().endswith("--seed 3")
+
+
+def test_serve_student_dry_run_enables_weight_transfer(capsys):
+    assert main(["serve-student", "some/model", "--weight-transfer", "gloo", "--dry-run"]) == 0
+    command = capsys.readouterr().err
+    assert "--weight-transfer-config" in command and '"gloo"' in command
+    assert main(["serve-student", "some/model", "--weight-transfer", "none", "--dry-run"]) == 0
+    assert "--weight-transfer-config" not in capsys.readouterr().err
+
+
+def test_train_config_errors_are_reported_without_a_traceback(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name_or_path: student\nbeta: 2.0\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert "config error: beta must be in [0.0, 1.0], got 2.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(config), "beta=0.5", "weight_sync_steps=0"])
+    assert "weight_sync_steps must be an int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "fastdistill"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "serve-teacher" in result.stdout and "demo" in result.stdout
