@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +162,8 @@ async def request_json_pooled(
     """Like :func:`request_json`, with each attempt sent to ``replica.url + path`` for a replica of ``pool``.
 
     A transient failure puts that replica down for a cooldown; when another replica is up the retry goes there at
-    once (a failover, no backoff), otherwise after the usual backoff. ``retry.max_attempts`` bounds all attempts.
+    once (a failover, no backoff), otherwise after the usual backoff. A request that finds every replica down waits
+    for the first cooldown to end before its first attempt. ``retry.max_attempts`` bounds all attempts.
     """
     timeout = aiohttp.ClientTimeout(total=retry.request_timeout_s)
     last_error: BaseException | None = None
@@ -177,6 +179,11 @@ async def request_json_pooled(
                 await asyncio.sleep(retry.backoff_s(backoffs))
                 backoffs += 1
         replica = pool.acquire(avoid=failed)
+        wait_s = replica.down_until - time.monotonic()
+        if attempt == 0 and wait_s > 0:
+            # Every replica is cooling down after failures: wait for the probe time instead of hammering a
+            # server that is known to be down (a restarting vLLM server would also be slowed by it).
+            await asyncio.sleep(wait_s)
         url = replica.url + path
         try:
             async with session.request(method, url, json=payload, timeout=timeout) as response:

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from fastdistill.rollout.client import StudentClient, TeacherClient
+from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMUnavailableError
 from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
@@ -75,8 +75,10 @@ class RolloutConfig:
     dispatches (on resume: prompts beyond the cursor that were already trained).
 
     Failures: a rollout that failed because a server was unavailable (transient errors until ``retry`` gave up) is
-    re-dispatched, up to ``max_rollout_attempts`` attempts per prompt. A server with no successful answer for
-    ``server_down_deadline_s`` seconds since its first failure stops the child with an error naming it.
+    re-dispatched (only the scoring when the generation succeeded), up to ``max_rollout_attempts`` attempts per
+    prompt; a request to a server whose replicas are all cooling down waits for the cooldown. A server with no
+    successful answer for ``server_down_deadline_s`` seconds since its first failure stops the child with an error
+    naming it.
     ``max_consecutive_failures`` rollouts in a row rejected by a server or answered with a malformed body (a
     misconfiguration, not one bad prompt) stop the child with the last error.
     """
@@ -424,6 +426,14 @@ class _Metrics:
         return window
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """A student generation kept for re-scoring, with the policy version it was sampled under."""
+
+    generation: Generation
+    model_version: int
+
+
 class _RolloutLoop:
     """The child's asyncio loop: dispatch, collect, enqueue, account."""
 
@@ -436,8 +446,10 @@ class _RolloutLoop:
         self.cursor = prompt_cursor(len(rows), config.seed, config.start_index, config.shuffle)
         self.cursor_next = config.start_index  # the prompt id the cursor yields next
         self.skip = set(config.skip_prompt_ids)
-        self.pending: collections.deque[int] = collections.deque()  # redo and re-dispatched ids, before the cursor
+        # Redo and re-dispatched prompts, before the cursor: (prompt id, the kept generation when only scoring failed)
+        self.pending: collections.deque[tuple[int, _Kept | None]] = collections.deque()
         self.attempts: dict[int, int] = {}  # prompt id -> failed attempts so far
+        self.orders: dict[int, np.ndarray] = {}  # epoch -> row order, for redo ids
         self.eos = frozenset(config.eos_token_ids)
 
     def beat(self) -> None:
@@ -466,8 +478,9 @@ class _RolloutLoop:
             self.metrics = _Metrics(stats, self.servers)
             await self.generate_loop()
 
-    def next_prompt(self) -> tuple[int, int]:
-        """The next ``(prompt_id, row_index)`` to dispatch: redo requests first, then the cursor (skipping ids)."""
+    def next_prompt(self) -> tuple[int, int, _Kept | None]:
+        """The next ``(prompt_id, row_index, kept generation)`` to dispatch: redo requests and re-dispatched rollouts
+        first, then the cursor (skipping ids)."""
         while True:
             try:
                 requested = self.channels.redo.get_nowait()
@@ -476,17 +489,22 @@ class _RolloutLoop:
             for prompt_id in requested:
                 if prompt_id >= self.cursor_next:
                     self.skip.add(prompt_id)  # dispatched now: the cursor must not dispatch it again
-                self.pending.append(prompt_id)
+                self.pending.append((prompt_id, None))
         if self.pending:
-            prompt_id = self.pending.popleft()
-            return prompt_id, row_of_prompt(prompt_id, len(self.rows), self.config.seed, self.config.shuffle)
+            prompt_id, kept = self.pending.popleft()
+            epoch, position = divmod(prompt_id, len(self.rows))
+            if epoch not in self.orders:
+                if len(self.orders) >= 4:  # redo ids cluster in a few recent epochs
+                    self.orders.pop(next(iter(self.orders)))
+                self.orders[epoch] = epoch_order(len(self.rows), self.config.seed, epoch, self.config.shuffle)
+            return prompt_id, int(self.orders[epoch][position]), kept
         while True:
             prompt_id, row_index = next(self.cursor)
             self.cursor_next = prompt_id + 1
             if prompt_id in self.skip:
                 self.skip.discard(prompt_id)
                 continue
-            return prompt_id, row_index
+            return prompt_id, row_index, None
 
     def check_servers(self) -> None:
         """Raise :class:`ServerDownError` for a server unreachable past ``server_down_deadline_s``."""
@@ -508,8 +526,8 @@ class _RolloutLoop:
                 self.beat()
                 self.check_servers()
                 while len(inflight) < self.config.max_inflight_tasks:
-                    prompt_id, row_index = self.next_prompt()
-                    task = asyncio.create_task(self.rollout(prompt_id, row_index))
+                    prompt_id, row_index, kept = self.next_prompt()
+                    task = asyncio.create_task(self.rollout(prompt_id, row_index, kept))
                     task.prompt_id = prompt_id  # type: ignore[attr-defined]
                     inflight.add(task)
                 done, inflight = await asyncio.wait(inflight, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
@@ -526,23 +544,35 @@ class _RolloutLoop:
             return int(completion[-1]) not in self.eos
         return completion.shape[0] >= self.config.max_tokens
 
-    async def rollout(self, prompt_id: int, row_index: int) -> tuple[RolloutSample, dict[str, Any]]:
-        """Generate and score one row. Returns the sample and its metrics (seconds, tokens)."""
+    async def rollout(
+        self, prompt_id: int, row_index: int, kept: _Kept | None = None
+    ) -> tuple[RolloutSample, dict[str, Any]]:
+        """Generate (unless ``kept`` holds the generation of an attempt whose scoring failed) and score one row.
+
+        Returns the sample and its metrics (seconds, tokens). When the teacher is unavailable the raised
+        :class:`VLLMUnavailableError` carries the generation (``.kept``), so that a re-dispatch only scores."""
         row = self.rows[row_index]
-        model_version = int(self.channels.model_version.value)
         teacher_id = row["teacher_id"]
         started = time.monotonic()
-        generation = await self.student.generate(
-            row["prompt_ids"],
-            max_tokens=self.config.max_tokens,
-            temperature=self.config.temperature,
-            top_p=self.config.top_p,
-            top_k=self.config.top_k,
-        )
+        if kept is None:
+            model_version = int(self.channels.model_version.value)
+            generation = await self.student.generate(
+                row["prompt_ids"],
+                max_tokens=self.config.max_tokens,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                top_k=self.config.top_k,
+            )
+            kept = _Kept(generation, model_version)
+        generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
-        scores = await self.teachers[teacher_id].score(
-            row["prompt_ids"], generation.token_ids, top_k=self.config.teacher_top_k
-        )
+        try:
+            scores = await self.teachers[teacher_id].score(
+                row["prompt_ids"], generation.token_ids, top_k=self.config.teacher_top_k
+            )
+        except VLLMUnavailableError as error:
+            error.kept = kept  # type: ignore[attr-defined]
+            raise
         finished = time.monotonic()
         prompt_ids = np.asarray(row["prompt_ids"], dtype=np.int32)
         completion_length = generation.token_ids.shape[0]
@@ -591,7 +621,7 @@ class _RolloutLoop:
             attempts = self.attempts.get(prompt_id, 0) + 1
             if isinstance(error, VLLMUnavailableError) and attempts < self.config.max_rollout_attempts:
                 self.attempts[prompt_id] = attempts
-                self.pending.append(prompt_id)
+                self.pending.append((prompt_id, getattr(error, "kept", None)))  # keep a generation that succeeded
                 self.metrics.redispatched += 1
             else:
                 self.attempts.pop(prompt_id, None)
