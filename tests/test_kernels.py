@@ -190,6 +190,19 @@ def test_scalar_upstream_gradient_and_only_requested_gradients():
     torch.testing.assert_close(h.grad, 2.5 * h1.grad)
 
 
+def test_token_weights_match_the_torch_path():
+    case = _case(seed=9)
+    ids, lps, mask = case.narrowed(0.0)
+    h, w, _ = case.leaves()
+    h2, w2, _ = case.leaves()
+    weights = torch.rand(h.shape[0], generator=torch.Generator().manual_seed(0)) * 2
+    out = sparse_jsd_loss(h, w, ids, lps, mask, token_weights=weights, backend="triton")
+    ref = sparse_jsd_loss(h2, w2, ids, lps, mask, token_weights=weights, backend="torch")
+    rel_close(out.loss, ref.loss, FP32_RTOL, "loss")
+    for name, a, r in zip(("dh", "dW"), _grads(out.loss, (h, w)), _grads(ref.loss, (h2, w2)), strict=True):
+        rel_close(a, r, FP32_RTOL, name)
+
+
 def test_no_scored_rows_gives_zero_loss_connected_to_graph():
     case = _case(seed=1)
     for n in (0, 4):  # no rows at all; rows without any usable slot

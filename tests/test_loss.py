@@ -232,3 +232,47 @@ def test_gradcheck_full_jacobian_tiny():
         return torch_sparse_jsd(h, w, b, ids, lps, mask, cfg, chunk_rows=2).loss
 
     assert torch.autograd.gradcheck(f, case.leaves(torch.float64), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_token_weights_scale_each_positions_loss_and_gradient(backend):
+    """loss = Σ w·div: equal to the float64 reference's weighted sum, gradients included; metrics unweighted."""
+    torch.manual_seed(0)
+    N, D, V, K = 9, 8, 40, 4
+    hidden = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, D, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, V, (N, K))
+    ids[2] = -1  # a row without signal: its weight must not matter
+    lps = torch.log_softmax(torch.randn(N, K, dtype=torch.float64), -1) - 0.5
+    mask = ids >= 0
+    w = torch.rand(N, dtype=torch.float64) * 2
+    out = sparse_jsd_loss(hidden, weight, ids, lps, mask, token_weights=w, backend=backend)
+    dh, dw = torch.autograd.grad(out.loss, (hidden, weight))
+    plain = sparse_jsd_loss(hidden, weight, ids, lps, mask, backend="reference")
+    rows = [n for n in range(N) if n != 2]
+    per_row = [sparse_jsd_loss(hidden[n : n + 1], weight, ids[n : n + 1], lps[n : n + 1], mask[n : n + 1],
+                               backend="reference").loss for n in rows]
+    expected = sum(w[n] * loss for n, loss in zip(rows, per_row, strict=True))
+    edh, edw = torch.autograd.grad(expected, (hidden, weight))
+    torch.testing.assert_close(out.loss, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dh, edh, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(dw, edw, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(out.jsd_sum, plain.jsd_sum.detach(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (torch.ones(3), r"token_weights must have shape \(4,\)"),
+        (torch.ones(4, dtype=torch.int64), "token_weights must be a floating-point tensor"),
+        (torch.tensor([1.0, -1.0, 1.0, 1.0]), "token_weights must be finite and >= 0"),
+        (torch.tensor([1.0, float("nan"), 1.0, 1.0]), "token_weights must be finite and >= 0"),
+        (torch.ones(4, requires_grad=True), "token_weights must not require grad"),
+        ([1.0] * 4, "token_weights must be None or a torch.Tensor"),
+    ],
+)
+def test_token_weight_errors(weights, message):
+    hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
+    ids = torch.randint(0, 16, (4, 2))
+    with pytest.raises(ValueError, match=message):
+        sparse_jsd_loss(hidden, weight, ids, torch.full((4, 2), -1.0), ids >= 0, token_weights=weights)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -298,3 +299,47 @@ def test_synthetic_samples_have_the_worker_layout():
         slot = list(ids).index(token)
         assert abs(lps[slot] - expected[j, token].item()) < 1e-5
         assert list(ids[:3]) == expected[j].topk(3).indices.tolist()
+
+
+# ------------------------------------------------------------------------------------------------ staleness
+
+
+def with_rollout_logprobs(samples, model, shift: float, version: int):
+    """Copies of ``samples`` stamped with ``version`` whose rollout log-probs are the model's own minus ``shift``."""
+    import dataclasses
+
+    out = []
+    for sample in samples:
+        ids = torch.tensor(sample.input_ids[None].astype("int64"))
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
+        completion = torch.tensor(sample.completion_ids.astype("int64"))
+        own = logprobs[sample.prompt_length - 1 : -1].gather(1, completion[:, None]).squeeze(1)
+        out.append(dataclasses.replace(sample, model_version=version,
+                                       rollout_logprobs=(own - shift).numpy().astype("float32")))
+    return out
+
+
+def test_importance_policy_weights_stale_samples_by_the_clipped_ratio(tmp_path, student_dir, samples):
+    """A sample 10 versions old whose rollout policy gave its tokens twice the student's probability gets half the
+    gradient; a fresh one is untouched; a ratio above the clip is clipped."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    batch = samples[:4]
+    common = dict(per_device_train_batch_size=4, max_grad_norm=0.0, max_steps=1, stale_policy="importance",
+                  max_staleness=2)
+    grads = {}
+    for name, shift, version, clip in [("fresh", 0.0, 0, 2.0), ("half", -math.log(2.0), -10, 2.0),
+                                       ("clipped", math.log(8.0), -10, 2.0)]:
+        trainer = AsyncDistillationTrainer(config(student_dir, tmp_path / name, importance_ratio_clip=clip, **common),
+                                           samples=with_rollout_logprobs(batch, model, shift, version))
+        recorded = captured_gradients(trainer)
+        trainer.train()
+        grads[name] = recorded[0]
+    for param, fresh in grads["fresh"].items():
+        torch.testing.assert_close(grads["half"][param], 0.5 * fresh, rtol=1e-4, atol=1e-9)
+        torch.testing.assert_close(grads["clipped"][param], 2.0 * fresh, rtol=1e-4, atol=1e-9)
+    logged = read_jsonl(tmp_path / "half" / "metrics.jsonl")[0]
+    assert abs(logged["sample/importance_ratio_mean"] - 0.5) < 1e-4
+    assert read_jsonl(tmp_path / "clipped" / "metrics.jsonl")[0]["sample/importance_clip_frac"] == 1.0

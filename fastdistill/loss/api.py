@@ -56,6 +56,7 @@ def sparse_jsd_loss(
     teacher_index: torch.Tensor | None = None,
     num_teachers: int = 1,
     backend: str = "auto",
+    token_weights: torch.Tensor | None = None,
 ) -> SparseJSDOutput:
     """Sparse generalized JSD between the student (lm_head over ``hidden``) and a sparse teacher.
 
@@ -83,22 +84,28 @@ def sparse_jsd_loss(
             installed, else the torch path), ``"torch"`` (memory-bounded torch path), ``"reference"`` (dense
             float64-capable oracle; materialises N×V), ``"triton"`` (the fused kernels: CUDA tensors, or CPU
             tensors under ``TRITON_INTERPRET=1``).
+        token_weights: ``(N,)`` non-negative constants, or None: ``loss = Σ w_i · div_i`` (e.g. importance ratios
+            for stale samples). The metrics (``jsd_sum``, ``per_teacher``, …) stay unweighted.
 
     Returns:
         :class:`SparseJSDOutput`.
     """
     _validate(hidden, weight, bias, ids, lps, mask, logit_scale, softcap, beta, temperature, add_tail_bucket,
               tail_mode, teacher_index, num_teachers, backend)
+    _validate_weights(token_weights, hidden)
     cfg = LossConfig(logit_scale=logit_scale, softcap=softcap, beta=beta, temperature=temperature,
                      add_tail_bucket=add_tail_bucket, tail_mode=tail_mode)
     if backend == "reference":
         from .reference import reference_sparse_jsd
 
         return reference_sparse_jsd(hidden, weight, ids, lps, mask, bias=bias, cfg=cfg,
-                                    teacher_index=teacher_index, num_teachers=num_teachers)
+                                    teacher_index=teacher_index, num_teachers=num_teachers,
+                                    token_weights=token_weights)
     if backend == "triton" or (backend == "auto" and _triton_is_default(hidden, weight)):
-        return _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers)
-    return torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers)
+        return _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
+                                  token_weights)
+    return torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
+                            token_weights=token_weights)
 
 
 def _triton_is_default(hidden, weight) -> bool:
@@ -108,7 +115,7 @@ def _triton_is_default(hidden, weight) -> bool:
 
 
 def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None,
-                       num_teachers=1) -> SparseJSDOutput:
+                       num_teachers=1, token_weights=None) -> SparseJSDOutput:
     """The fused Triton kernels on validated inputs: canonical slots, scored rows only, then the kernel op."""
     if importlib.util.find_spec("triton") is None:
         raise ValueError("backend='triton' needs the triton package: pip install 'fastdistill[gpu]'")
@@ -122,30 +129,34 @@ def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, te
                              "use backend='torch' for other dtypes")
     from fastdistill_kernels import fused_sparse_jsd
 
-    hidden, ids, lps, valid, teacher_index = _scored_rows(hidden, ids, lps, mask, teacher_index)
+    hidden, ids, lps, valid, teacher_index, token_weights = _scored_rows(hidden, ids, lps, mask, teacher_index,
+                                                                        token_weights)
     div, ent, tent = fused_sparse_jsd(
         hidden, weight, ids, lps, valid, bias=bias, logit_scale=cfg.logit_scale, softcap=cfg.softcap, beta=cfg.beta,
         temperature=cfg.temperature, add_tail_bucket=cfg.add_tail_bucket, tail_mode=cfg.tail_mode,
     )
-    return summarize(div.sum(), div.detach(), ent, tent, teacher_index, num_teachers)
+    loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
+    return summarize(loss, div.detach(), ent, tent, teacher_index, num_teachers)
 
 
 def torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None, num_teachers=1,
-                     chunk_rows: int | None = None) -> SparseJSDOutput:
+                     chunk_rows: int | None = None, token_weights=None) -> SparseJSDOutput:
     """The memory-bounded torch path on validated inputs (``chunk_rows`` overrides the tile height)."""
-    hidden, ids, lps, valid, teacher_index = _scored_rows(hidden, ids, lps, mask, teacher_index)
-    loss, div, ent, tent = _SparseJSD.apply(hidden, weight, bias, ids, lps, valid, cfg, chunk_rows)
+    hidden, ids, lps, valid, teacher_index, token_weights = _scored_rows(hidden, ids, lps, mask, teacher_index,
+                                                                        token_weights)
+    loss, div, ent, tent = _SparseJSD.apply(hidden, weight, bias, ids, lps, valid, cfg, chunk_rows, token_weights)
     return summarize(loss, div, ent, tent, teacher_index, num_teachers)
 
 
-def _scored_rows(hidden, ids, lps, mask, teacher_index):
+def _scored_rows(hidden, ids, lps, mask, teacher_index, token_weights=None):
     """Canonical slots, and only the rows that have one (no copy when every row is scored)."""
     valid = canonical_mask(ids, lps, mask)
     idx = valid.any(dim=1).nonzero().squeeze(1)
     if idx.numel() == ids.shape[0]:
-        return hidden, ids, lps, valid, teacher_index
+        return hidden, ids, lps, valid, teacher_index, token_weights
     teacher_index = None if teacher_index is None else teacher_index[idx]
-    return hidden.index_select(0, idx), ids[idx], lps[idx], valid[idx], teacher_index
+    token_weights = None if token_weights is None else token_weights[idx]
+    return hidden.index_select(0, idx), ids[idx], lps[idx], valid[idx], teacher_index, token_weights
 
 
 def summarize(loss, div, ent, tent, teacher_index, num_teachers) -> SparseJSDOutput:
@@ -171,12 +182,12 @@ class _SparseJSD(torch.autograd.Function):
     """Loss and gradients in one pass over row chunks; backward only scales the saved gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, lps, valid, cfg, chunk_rows):
+    def forward(ctx, hidden, weight, bias, ids, lps, valid, cfg, chunk_rows, token_weights=None):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         div, ent, tent, dh, dw, db = sparse_jsd_rows(
             hidden, weight, bias, ids, lps, valid, cfg,
-            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows,
+            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows, row_weights=token_weights,
         )
         ctx.save_for_backward(
             *(g if g is not None else torch.empty(0) for g in (dh, dw, db))
@@ -184,7 +195,8 @@ class _SparseJSD(torch.autograd.Function):
         ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.has = (dh is not None, dw is not None, db is not None)
         ctx.mark_non_differentiable(div, ent, tent)
-        return div.sum(), div, ent, tent
+        loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
+        return loss, div, ent, tent
 
     @staticmethod
     def backward(ctx, g_loss, *_):
@@ -195,7 +207,7 @@ class _SparseJSD(torch.autograd.Function):
                 continue
             g = saved if _is_one(g_loss) else saved * g_loss.to(saved.dtype)
             grads.append(g.to(dtype))
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def _is_one(t: torch.Tensor) -> bool:
@@ -294,6 +306,25 @@ def _validate(hidden, weight, bias, ids, lps, mask, logit_scale, softcap, beta, 
                 f"teacher_index values must lie in [0, num_teachers) = [0, {num_teachers}), got values in "
                 f"[{int(teacher_index.min())}, {int(teacher_index.max())}]"
             )
+
+
+def _validate_weights(token_weights, hidden) -> None:
+    if token_weights is None:
+        return
+    if not isinstance(token_weights, torch.Tensor):
+        raise ValueError(f"token_weights must be None or a torch.Tensor, got {type(token_weights).__name__}")
+    N = hidden.shape[0]
+    if token_weights.shape != (N,):
+        raise ValueError(f"token_weights must have shape ({N},), got {tuple(token_weights.shape)}")
+    if not token_weights.is_floating_point():
+        raise ValueError(f"token_weights must be a floating-point tensor, got {token_weights.dtype}")
+    if token_weights.device != hidden.device:
+        raise ValueError(f"token_weights is on {token_weights.device} but hidden is on {hidden.device}; put all "
+                         "inputs on one device")
+    if token_weights.requires_grad:
+        raise ValueError("token_weights must not require grad (they are constants, e.g. detached importance ratios)")
+    if N and not bool((torch.isfinite(token_weights) & (token_weights >= 0)).all()):
+        raise ValueError("token_weights must be finite and >= 0")
 
 
 def _is_number(x) -> bool:

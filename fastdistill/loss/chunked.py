@@ -102,7 +102,7 @@ def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, c
     return z_cand, m_nc, s_nc, lse, ent_nc + ent_c
 
 
-def _row_losses(z_cand, m_nc, s_nc, lse, lps, valid, covers, cfg: LossConfig, need_grad: bool):
+def _row_losses(z_cand, m_nc, s_nc, lse, lps, valid, covers, cfg: LossConfig, need_grad: bool, row_weights=None):
     """Bucket divergence and teacher entropy per row and, when asked, the logit-gradient coefficients
     ``(coef_nc, cand_grad)`` of :func:`fastdistill_kernels.buckets.logit_gradients` (w.r.t. the final logits z)."""
     kw = dict(beta=cfg.beta, add_tail_bucket=cfg.add_tail_bucket, tail_mode=cfg.tail_mode)
@@ -110,7 +110,8 @@ def _row_losses(z_cand, m_nc, s_nc, lse, lps, valid, covers, cfg: LossConfig, ne
     div, tent = bucket_divergence(z_cand, lse, lse_nc, lps, valid, covers, **kw)
     if not need_grad:
         return div, tent, None
-    grads = logit_gradients(z_cand, lse, m_nc, s_nc, lps, valid, covers, torch.ones_like(lse), **kw)
+    upstream = torch.ones_like(lse) if row_weights is None else row_weights.to(lse.dtype)
+    grads = logit_gradients(z_cand, lse, m_nc, s_nc, lps, valid, covers, upstream, **kw)
     return div.detach(), tent, grads
 
 
@@ -127,6 +128,7 @@ def sparse_jsd_rows(
     need_dw: bool,
     need_db: bool,
     chunk_rows: int | None = None,
+    row_weights: torch.Tensor | None = None,
 ):
     """Loss statistics (and optionally gradients) over rows that all carry teacher signal.
 
@@ -136,7 +138,7 @@ def sparse_jsd_rows(
 
     Returns:
         ``(div, entropy, teacher_entropy, dh, dw, db)``: per-row ``(n,)`` tensors in the compute dtype, and the
-        gradients of ``Σ div`` (compute dtype) or None when not asked for.
+        gradients of ``Σ w·div`` (``w = row_weights``, default 1; compute dtype) or None when not asked for.
     """
     n, S = ids.shape
     V = weight.shape[0]
@@ -173,7 +175,8 @@ def sparse_jsd_rows(
         _student_logits(h, w, b, cfg, out=z)
         z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], cfg, scratch)
         div[rows], tent[rows], grads = _row_losses(
-            z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad
+            z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad,
+            None if row_weights is None else row_weights[rows],
         )
         if not need_grad:
             continue

@@ -12,7 +12,8 @@ import math
 import torch
 
 
-def reference_sparse_jsd(hidden, weight, ids, lps, mask, *, bias=None, cfg, teacher_index=None, num_teachers=1):
+def reference_sparse_jsd(hidden, weight, ids, lps, mask, *, bias=None, cfg, teacher_index=None, num_teachers=1,
+                         token_weights=None):
     """Same contract as :func:`fastdistill.sparse_jsd_loss` (``cfg`` is a ``LossConfig``); O(N·V) memory."""
     from .api import summarize
 
@@ -46,8 +47,10 @@ def reference_sparse_jsd(hidden, weight, ids, lps, mask, *, bias=None, cfg, teac
 
     empty = logp.new_zeros(0)
     div = torch.stack(divs) if divs else empty
-    loss = div.sum() + 0.0 * x.sum()  # keeps the graph connected when nothing is scored
-    tidx = None if teacher_index is None else teacher_index[torch.tensor(scored, dtype=torch.long)]
+    scored_idx = torch.tensor(scored, dtype=torch.long, device=logp.device)
+    weighted = div if token_weights is None else div * token_weights[scored_idx].to(dtype)
+    loss = weighted.sum() + 0.0 * x.sum()  # keeps the graph connected when nothing is scored
+    tidx = None if teacher_index is None else teacher_index[scored_idx]
     ent = torch.stack(ents) if ents else empty
     tent = torch.stack(tents) if tents else empty
     return summarize(loss, div.detach(), ent, tent, tidx, num_teachers)

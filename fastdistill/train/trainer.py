@@ -77,17 +77,53 @@ class DistillationModel(nn.Module):
             "num_teachers": len(config.teacher_ids),
             "backend": config.loss_backend,
         }
+        self.sampling_temperature = config.temperature
+        self.ratio_clip = config.importance_ratio_clip
 
-    def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor) -> Any:
+    def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
+                stale: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
+        """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
+        ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
+        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant)."""
         hidden = self.model.base_model(
             input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
         ).last_hidden_state
         hidden = hidden[0].index_select(0, row.target_positions)
         head = self.model.get_output_embeddings()
-        return sparse_jsd_loss(
+        weights, metrics = None, {}
+        if stale is not None and bool(stale.any()):
+            weights, metrics = self._importance_weights(hidden, head, row, stale)
+        out = sparse_jsd_loss(
             hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
-            softcap=self.softcap, teacher_index=row.teacher_index, **self.loss_kwargs,
+            softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
         )
+        return out, metrics
+
+    @torch.no_grad()
+    def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+                            stale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """(M,) weights: 1 on fresh positions, min(exp(log π_θ(y) − μ(y)), clip) on stale ones; π_θ at the
+        sampling temperature over the full vocabulary (top-p/top-k truncation is not modelled)."""
+        index = stale.nonzero().squeeze(1)
+        logprob = torch.empty(index.numel(), dtype=torch.float32, device=hidden.device)
+        for start in range(0, index.numel(), 256):  # bounded (256 × V) logits tiles
+            rows = index[start : start + 256]
+            logits = torch.nn.functional.linear(hidden[rows].float(), head.weight.float(),
+                                                None if head.bias is None else head.bias.float()) * self.logit_scale
+            if self.softcap is not None:
+                logits = self.softcap * torch.tanh(logits / self.softcap)
+            logits = logits / self.sampling_temperature
+            actual = row.actual_ids[rows]
+            logprob[start : start + rows.numel()] = (
+                logits.gather(1, actual[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1))
+        ratio = torch.exp(logprob - row.rollout_logprobs[index].float())
+        weights = torch.ones(stale.shape[0], dtype=torch.float32, device=hidden.device)
+        weights[index] = ratio.clamp(max=self.ratio_clip)
+        metrics = {"sample/importance_ratio_mean": float(ratio.mean()),
+                   "sample/importance_ratio_max": float(ratio.max()),
+                   "sample/importance_clip_frac": float((ratio > self.ratio_clip).float().mean()),
+                   "sample/importance_tokens_total": float(index.numel())}
+        return weights, metrics
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -555,10 +591,12 @@ class AsyncDistillationTrainer:
         for row, (ids, lps, mask), (samples, ghost) in zip(rows, supports, window, strict=True):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self._use_bf16() and
                                 self.dist.world_size == 1):
-                out = self.model(row, ids, lps, mask)
+                out, importance = self.model(row, ids, lps, mask, self._stale_positions(row))
             (out.loss * (0.0 if ghost else scale)).backward()
             if ghost:
                 continue
+            if importance and self.dist.is_main:
+                self.metrics.update(importance)
             stats[0] += float(out.num_tokens)
             stats[1] += float(out.jsd_sum)
             stats[2] += float(out.entropy_sum)
@@ -585,6 +623,14 @@ class AsyncDistillationTrainer:
         if self.dist.is_main:
             self._mark_trained()
         return self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
+
+    def _stale_positions(self, row: PackedRow) -> torch.Tensor | None:
+        """(M,) bool: positions of samples older than ``max_staleness`` (kept only under ``stale_policy=
+        "importance"``), or None."""
+        if self.config.stale_policy != "importance":
+            return None
+        staleness = self.model_version - row.model_versions
+        return (staleness > self.config.max_staleness)[row.token_sample]
 
     def _mark_trained(self) -> None:
         """Rank 0: record the step's prompts (all ranks' rows) as trained, in memory and in
