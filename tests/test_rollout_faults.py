@@ -252,12 +252,13 @@ def test_teacher_killed_mid_run_fails_over_counts_failures_hits_the_deadline_and
         wait_for(lambda: replicated_drain.since(killed_at) >= 3, 180, "samples through the other replica")
         alone.check_health(stale_after_s=30.0)  # failing, not dead
         replicated.check_health(stale_after_s=30.0)
+        replicated_drain.close()
+        replicated.stop()  # its job is done; it would slow the teacher's restart on this small machine
 
         teacher.start()  # the same port: the workers' URLs are unchanged
         assert teacher.port == port
         back_at = time.monotonic()
-        wait_for(lambda: alone_drain.since(back_at) >= 2, 180, "samples after the restart", (alone, replicated))
-        replicated.check_health(stale_after_s=30.0)
+        wait_for(lambda: alone_drain.since(back_at) >= 2, 180, "samples after the restart", (alone,))
     finally:
         for drain in drains:
             drain.close()
