@@ -258,19 +258,21 @@ NOT_CONFIGURED = (
 
 
 class StubVLLM:
-    """A stdlib HTTP server on 127.0.0.1 answering ``routes[(method, path)] = (status, body)``; 404 otherwise.
+    """A stdlib HTTP server on 127.0.0.1 answering ``routes[(method, path)]``: a ``(status, body)`` pair, or a
+    callable taking the request's JSON body and returning one; 404 otherwise.
 
-    Records each request as (method, path-with-query)."""
+    Records each request as (method, path-with-query, JSON body)."""
 
-    def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]):
+    def __init__(self, routes: dict):
         calls = self.calls = []
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
-                self.rfile.read(length)
-                calls.append((self.command, self.path))
-                status, body = routes.get((self.command, self.path.split("?")[0]), NO_DEV_MODE)
+                payload = json.loads(self.rfile.read(length) or b"null")
+                calls.append((self.command, self.path, payload))
+                answer = routes.get((self.command, self.path.split("?")[0]), NO_DEV_MODE)
+                status, body = answer(payload) if callable(answer) else answer
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -332,9 +334,111 @@ def test_failed_start_resumes_the_server():
         sync._initialized, sync._group = True, object()  # as if init() had succeeded
         with pytest.raises(WeightSyncError, match="--weight-transfer-config"):
             sync.push(tiny_model(tied=False), version=1)
-        assert [path for _, path in stub.calls] == ["/pause?mode=keep", "/start_weight_update", "/resume"]
+        assert [path for _, path, _ in stub.calls] == ["/pause?mode=keep", "/start_weight_update", "/resume"]
     finally:
         stub.close()
+
+
+class FakeVLLM(StubVLLM):
+    """A stub that speaks the whole protocol like one vLLM worker: it joins the trainer's gloo group on
+    /init_weight_transfer_engine and receives the broadcast on /update_weights (unless ``fail_update`` is set, in
+    which case it answers 500 at once without receiving, as a worker that rejects the update would)."""
+
+    def __init__(self):
+        self.received: list[tuple[str, torch.Tensor]] = []
+        self.fail_update = False
+        self.group = None
+        super().__init__(
+            {
+                ("GET", "/get_world_size"): (200, {"world_size": 1}),
+                ("POST", "/init_weight_transfer_engine"): self._init,
+                ("POST", "/pause"): (200, {"status": "paused"}),
+                ("POST", "/start_weight_update"): (200, {"message": "Weight update started"}),
+                ("POST", "/update_weights"): self._update,
+                ("POST", "/finish_weight_update"): (200, {"message": "Weight update finished"}),
+                ("POST", "/resume"): (200, {"status": "resumed"}),
+            }
+        )
+
+    def _init(self, body: dict) -> tuple[int, object]:
+        info = body["init_info"]
+        self.bucket_bytes = info["packed_buffer_size_bytes"]
+        self.store, self.group = join_gloo_group(
+            info["master_address"], info["master_port"], rank=1, world_size=info["world_size"], timeout_s=10
+        )
+        return 200, {"message": "Weight transfer initialized"}
+
+    def _update(self, body: dict) -> tuple[int, object]:
+        if self.fail_update:
+            return 500, {"error": {"message": "Worker failed with error 'boom'"}}
+        info = body["update_info"]
+        manifest = [TensorSpec(n, getattr(torch, d), tuple(sh)) for n, d, sh in zip(*info.values(), strict=True)]
+        self.received = [
+            item for chunk in receive_tensors(self.group, manifest, bucket_bytes=self.bucket_bytes) for item in chunk
+        ]
+        return 200, {"message": "Weights updated"}
+
+
+def test_protocol_against_a_fake_server():
+    fake = FakeVLLM()
+    model = tiny_model(tied=True)
+    try:
+        with VLLMWeightSync(fake.url, bucket_bytes=8192, timeout_s=10) as sync:
+            metrics = sync.push(model, version=3)
+        assert [path for _, path, _ in fake.calls] == [
+            "/get_world_size",
+            "/init_weight_transfer_engine",
+            "/pause?mode=keep",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/resume",
+        ]
+        bodies = {path: body for _, path, body in fake.calls}
+        assert bodies["/init_weight_transfer_engine"]["init_info"] | {"master_port": 0} == {
+            "master_address": "127.0.0.1",
+            "master_port": 0,
+            "rank_offset": 1,
+            "world_size": 2,
+            "packed": True,
+            "packed_buffer_size_bytes": 8192,
+            "packed_num_buffers": 1,
+            "timeout_s": 10,
+        }
+        assert bodies["/start_weight_update"] == {"is_checkpoint_format": True}
+        assert bodies["/finish_weight_update"] == {"weight_version": "3"}
+        update = bodies["/update_weights"]["update_info"]
+        assert update["names"] == [name for name, _ in model.named_parameters()]
+        assert update["dtype_names"] == ["float32"] * len(update["names"])
+        expected = dict(model.named_parameters())
+        assert [name for name, _ in fake.received] == update["names"]
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in fake.received)
+        assert metrics["perf/weight_sync_s"] >= metrics["perf/weight_sync_transfer_s"] > 0
+    finally:
+        fake.close()
+
+
+def test_a_failed_update_is_reported_and_init_recovers():
+    fake = FakeVLLM()
+    model = tiny_model(tied=False)
+    try:
+        sync = VLLMWeightSync(fake.url, timeout_s=10)
+        sync.init()
+        fake.fail_update = True
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match="boom") as failure:
+            sync.push(model, version=1)
+        assert time.monotonic() - started < 5, "a server-side failure must not wait for the broadcast"
+        assert "partially updated weights" in "\n".join(failure.value.__notes__)
+        with pytest.raises(WeightSyncError, match=r"call init\(\) again"):
+            sync.push(model, version=1)
+        fake.fail_update = False
+        sync.init()  # a fresh group
+        sync.push(model, version=2)
+        assert [name for name, _ in fake.received] == [name for name, _ in model.named_parameters()]
+        sync.close()
+    finally:
+        fake.close()
 
 
 def test_push_before_init_and_bad_arguments():
@@ -389,7 +493,10 @@ def servers(tmp_path_factory):
         model = tiny_model(tied=kind == "tied")
         folder = save_pretrained_dir(model, build_tokenizer(), tmp_path_factory.mktemp(kind))
         log_path = logs / f"student-{kind}.log"
-        started[kind] = (folder, VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=log_path))
+        # Each vLLM-CPU server pins its compute thread to core 0 by default; give the second one core 1.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if kind == "tied" and (os.cpu_count() or 1) > 1 else {}
+        server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=log_path, env=env)
+        started[kind] = (folder, server)
     errors: list[BaseException] = []
 
     def start(server: VLLMServer) -> None:

@@ -312,7 +312,7 @@ class VLLMWeightSync(WeightSync):
 
     def init(self) -> None:
         """Rendezvous with the server's workers (sender only; other ranks just mark themselves ready)."""
-        if self._initialized:
+        if self._initialized and (self._group is not None or not self.is_sender):
             return
         if self.is_sender:
             answer = self._call("GET", "/get_world_size", timeout_s=_CONTROL_TIMEOUT_S)
@@ -406,12 +406,11 @@ class VLLMWeightSync(WeightSync):
             for _ in iter_named_weights(model, include_tied=self.include_tied, dtype=self.dtype):
                 pass
             return {}
-        if self._group is None:
-            raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
-
         start = time.perf_counter()
         paused = started = False
         try:
+            if self._group is None:
+                raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
             self._call("POST", "/pause?mode=keep", timeout_s=_CONTROL_TIMEOUT_S)
             paused = True
             pause_s = time.perf_counter() - start
