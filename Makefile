@@ -38,8 +38,8 @@ install-vllm: $(VLLM_STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 $(PY) -m pytest $(ARGS)
 
-demo: $(STAMP)
-	$(PY) examples/demo.py $(ARGS)
+demo: $(STAMP) $(VLLM_STAMP)
+	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(VENV)/bin/fastdistill demo --output-dir demo_output $(ARGS)
 
 bench-loss:
 	$(MAKE) EXTRAS=bench install

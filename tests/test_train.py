@@ -192,7 +192,7 @@ def test_resume_from_a_missing_checkpoint_is_an_error(tmp_path, student_dir, sam
         ({"teacher_top_k": 0}, "teacher_top_k must be an int >= 1"),
         ({"teacher_temperature": 0.0}, "teacher_temperature must be a finite number > 0"),
         ({"max_staleness": -1}, "max_staleness must be an int >= 0"),
-        ({"queue_maxsize": 0}, "queue_maxsize must be an int >= 1"),
+        ({"queue_maxsize": 0}, r"queue_maxsize must be None \(automatic\) or an int >= 1"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be an int >= 1"),
         ({"teacher_server_urls": {}}, "teacher_server_urls must be a non-empty mapping"),
         ({"teacher_server_urls": {"math": "localhost:8001"}}, r"teacher_server_urls\['math'\] must be an http"),
@@ -226,8 +226,9 @@ def test_config_defaults_follow_trl():
     config = AsyncDistillationConfig(model_name_or_path="student")
     assert config.teacher_server_urls == {"default": "http://localhost:8001"}
     assert (config.learning_rate, config.beta, config.teacher_top_k, config.max_staleness) == (1e-6, 0.0, 8, 4)
-    assert (config.weight_sync_steps, config.queue_maxsize, config.max_completion_length) == (1, 1024, 2048)
+    assert (config.weight_sync_steps, config.max_completion_length) == (1, 2048)
     assert config.resolved_max_inflight_tasks(world_size=2) == 4 * 8 * 1 * 2
+    assert config.resolved_queue_maxsize(world_size=2) == 16  # one step, not TRL's 1024 (see the docstring)
     assert config.resolved_max_steps(num_prompts=100, world_size=1) == 38  # ceil(3 × 100 / 8)
 
 

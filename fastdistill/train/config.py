@@ -90,7 +90,7 @@ class AsyncDistillationConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     max_inflight_tasks: int = -1
-    queue_maxsize: int = 1024
+    queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
     heartbeat_stale_after_s: float = 300.0
     shuffle: bool = True  # ours: TRL never shuffles
     # --- loss
@@ -147,7 +147,9 @@ class AsyncDistillationConfig:
         _check(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, ">= 0 (0 disables clipping)")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
         _at_least(self, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "teacher_top_k",
-                  "weight_sync_steps", "max_completion_length", "queue_maxsize", "logging_steps", "save_steps")
+                  "weight_sync_steps", "max_completion_length", "logging_steps", "save_steps")
+        _check(self.queue_maxsize is None or (_is_int(self.queue_maxsize) and self.queue_maxsize >= 1),
+               "queue_maxsize", self.queue_maxsize, "None (automatic) or an int >= 1")
         _at_least(self, 0, "max_staleness", "warmup_steps")
         _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled) or a positive int")
         _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
@@ -189,13 +191,25 @@ class AsyncDistillationConfig:
         """Teacher ids in configuration order; index i is ``teacher_index`` i in the loss."""
         return list(self.teacher_server_urls)
 
+    def samples_per_step(self, world_size: int) -> int:
+        """Samples one optimizer step takes with the fixed-count batcher: batch × GA × world (an estimate under a
+        token budget)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
+
     def resolved_max_inflight_tasks(self, world_size: int) -> int:
-        """TRL's rule: ``max(max_staleness, 1) × per_device_train_batch_size × GA × world`` when set to -1."""
+        """TRL's rule when set to -1: ``max(max_staleness, 1) × samples_per_step``."""
         if self.max_inflight_tasks != -1:
             return self.max_inflight_tasks
-        return max(self.max_staleness, 1) * self.per_device_train_batch_size * self.gradient_accumulation_steps * (
-            world_size
-        )
+        return max(self.max_staleness, 1) * self.samples_per_step(world_size)
+
+    def resolved_queue_maxsize(self, world_size: int) -> int:
+        """``queue_maxsize``, or one step's samples when None.
+
+        Rollouts in flight plus queued ones are the trainer's lookahead: with TRL's 1024-sample queue it runs far
+        more than ``max_staleness`` steps ahead, and the surplus is generated only to be dropped as stale (35–81 %
+        of samples in the reference run). In flight (max_staleness steps) + one queued step keeps nearly every
+        sample within ``max_staleness`` versions of the trainer."""
+        return self.queue_maxsize if self.queue_maxsize is not None else self.samples_per_step(world_size)
 
     def resolved_max_steps(self, num_prompts: int, world_size: int) -> int:
         """``max_steps``, or ceil(epochs × prompts / (batch × GA × world)) when it is -1."""

