@@ -430,6 +430,7 @@ def test_a_failed_update_is_reported_and_init_recovers():
             sync.push(model, version=1)
         assert time.monotonic() - started < 5, "a server-side failure must not wait for the broadcast"
         assert "partially updated weights" in "\n".join(failure.value.__notes__)
+        assert fake.calls[-1][1] == "/resume", "the server answered: it must be resumed"
         with pytest.raises(WeightSyncError, match=r"call init\(\) again"):
             sync.push(model, version=1)
         fake.fail_update = False

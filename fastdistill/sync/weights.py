@@ -194,12 +194,12 @@ class _Task:
         return self._result
 
 
-def _run_together(functions: dict[str, Callable[[], Any]], timeout_s: float) -> tuple[dict[str, Any], list[_Task]]:
+def _run_together(functions: dict[str, Callable[[], Any]], timeout_s: float) -> dict[str, Any]:
     """Run ``functions`` on threads at once; return their results by name once all succeed.
 
     The first failure is raised as soon as it happens, without waiting for the others (a peer blocked in a
-    collective that will never complete would otherwise hang the caller); ``TimeoutError`` after ``timeout_s``.
-    The tasks are also returned, for a caller that needs to know which are still running after a failure.
+    collective that will never complete would otherwise hang the caller), as :class:`_TaskFailed`, which also
+    tells which tasks are still running; the same after ``timeout_s``.
     """
     changed = threading.Event()
     tasks = [_Task(name, function, changed) for name, function in functions.items()]
@@ -210,7 +210,7 @@ def _run_together(functions: dict[str, Callable[[], Any]], timeout_s: float) -> 
             if task.done and task.error is not None:
                 raise _TaskFailed(task, tasks) from task.error
         if all(task.done for task in tasks):
-            return {task.name: task.result() for task in tasks}, tasks
+            return {task.name: task.result() for task in tasks}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             pending = ", ".join(task.name for task in tasks if not task.done)
@@ -380,7 +380,7 @@ class VLLMWeightSync(WeightSync):
 
     def _together(self, functions: dict[str, Callable[[], Any]]) -> dict[str, Any]:
         try:
-            return _run_together(functions, self.timeout_s)[0]
+            return _run_together(functions, self.timeout_s)
         except _TaskFailed as failure:
             if isinstance(failure.error, WeightSyncError):
                 raise failure.error from None
@@ -444,17 +444,17 @@ class VLLMWeightSync(WeightSync):
             self._group = self._store = None  # a broken broadcast leaves the group unusable
             error = failure.error if isinstance(failure.error, WeightSyncError) else None
             error = error or WeightSyncError(f"weight transfer failed in {failure}")
-            if failure.running():
-                # One side is still blocked in the broadcast; the server cannot take other calls until its gloo
+            if "/update_weights" in failure.running():
+                # The server's worker is still blocked in the broadcast: it cannot take other calls until its gloo
                 # timeout, so do not wait on cleanup calls it would queue behind it.
                 error.add_note(
-                    f"still running: {', '.join(failure.running())}; the server stays paused until the transfer "
-                    f"times out (timeout_s={self.timeout_s:.0f}); then call init() and push again, or restart it"
+                    f"the server is still receiving and stays paused until the transfer times out "
+                    f"(timeout_s={self.timeout_s:.0f}); then call init() and push again, or restart it"
                 )
             else:
                 self._cleanup(error, paused=True, started=False)
             error.add_note("the server may hold partially updated weights until the next successful push")
-            raise error from failure.error
+            raise error from (None if error is failure.error else failure.error)
         try:
             self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
             transfer_s = time.perf_counter() - transfer_start
