@@ -197,10 +197,12 @@ class AsyncDistillationConfig:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
 
     def resolved_max_inflight_tasks(self, world_size: int) -> int:
-        """TRL's rule when set to -1: ``max(max_staleness, 1) × samples_per_step``."""
+        """When -1: ``max(max_staleness, 1)`` steps' samples (TRL's rule) minus what the queue holds, at least one
+        step's, so that in-flight plus queued rollouts stay within ``max_staleness`` steps of the trainer."""
         if self.max_inflight_tasks != -1:
             return self.max_inflight_tasks
-        return max(self.max_staleness, 1) * self.samples_per_step(world_size)
+        step = self.samples_per_step(world_size)
+        return max(step, max(self.max_staleness, 1) * step - self.resolved_queue_maxsize(world_size))
 
     def resolved_queue_maxsize(self, world_size: int) -> int:
         """``queue_maxsize``, or one step's samples when None.
