@@ -384,3 +384,37 @@ def test_per_token_divergence_equals_trls_on_the_same_samples(tmp_path, student_
     for index, teacher_id in enumerate(TEACHERS):
         theirs = float(per_teacher[index, 1] / per_teacher[index, 0])
         assert abs(ours[f"teacher_jsd/{teacher_id}"] - theirs) <= 1e-5 * abs(theirs) + 1e-8
+
+
+# ------------------------------------------------------------------------------------------------ reverse_kl_pg
+
+
+def test_reverse_kl_pg_step_logs_the_sampled_reverse_kl(tmp_path, student_dir, samples):
+    """loss_type="reverse_kl_pg": the logged reverse_kl is the mean over sampled tokens of log π_θ(y) − log π_T(y)
+    (computed here from Hugging Face log-probs and the teacher's slot for y), overall and per teacher."""
+    from transformers import AutoModelForCausalLM
+
+    batch = samples[:6]
+    trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, loss_type="reverse_kl_pg", max_steps=1,
+                                              per_device_train_batch_size=6), samples=batch)
+    trainer.train()
+    logged = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    model = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    per_teacher: dict[str, list[float]] = {t: [] for t in TEACHERS}
+    for sample in batch:
+        with torch.no_grad():
+            logits = model(torch.tensor(sample.input_ids[None].astype("int64")), use_cache=False).logits[0]
+        logprobs = torch.log_softmax(logits.float(), -1)[sample.prompt_length - 1 : -1]
+        for j, token in enumerate(sample.completion_ids.tolist()):
+            slot = list(sample.teacher_topk_ids[j]).index(token)
+            per_teacher[sample.teacher_id].append(float(logprobs[j, token]) - float(sample.teacher_topk_logprobs[j, slot]))
+    everything = [v for values in per_teacher.values() for v in values]
+    assert logged["reverse_kl"] == pytest.approx(sum(everything) / len(everything), rel=1e-5)
+    for teacher_id, values in per_teacher.items():
+        assert logged[f"teacher_reverse_kl/{teacher_id}"] == pytest.approx(sum(values) / len(values), rel=1e-5)
+    assert "jsd" not in logged and "pg/advantage_std" in logged
+
+
+def test_pg_ratio_clip_needs_the_ratio():
+    with pytest.raises(ConfigError, match="pg_ratio_clip must be None, or a number > 0 together with"):
+        AsyncDistillationConfig(model_name_or_path="s", loss_type="reverse_kl_pg", pg_ratio_clip=2.0)

@@ -1,12 +1,16 @@
-"""The sparse generalized-JSD loss: public API, torch paths and normalisation helpers."""
+"""The losses: sparse generalized JSD (public API, torch paths), the reverse-KL policy gradient, normalisation."""
 
 from .api import SparseJSDOutput, sparse_jsd_loss
 from .normalization import scored_positions, window_loss_scale, window_token_count
+from .policy_gradient import PolicyGradientOutput, reverse_kl_pg_loss, sampled_token_logprobs
 from .support import narrow_support
 
 __all__ = [
+    "PolicyGradientOutput",
     "SparseJSDOutput",
     "narrow_support",
+    "reverse_kl_pg_loss",
+    "sampled_token_logprobs",
     "scored_positions",
     "sparse_jsd_loss",
     "window_loss_scale",

@@ -99,7 +99,9 @@ class AsyncDistillationConfig:
     teacher_top_k: int = 8
     add_tail_bucket: bool = True
     tail_mode: str = "exact"  # ours: "trl" reproduces TRL's clamped tail
-    loss_type: str = "jsd"  # ours
+    loss_type: str = "jsd"  # ours: "reverse_kl_pg" = AsyncOPD's learner-time-advantage policy gradient
+    pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (rollout log-prob)
+    pg_ratio_clip: float | None = None  # ours: upper clip of that ratio
     loss_backend: str = "auto"  # ours
     # --- batching, staleness, weight sync
     token_budget: int | None = None
@@ -165,8 +167,9 @@ class AsyncDistillationConfig:
                self.save_total_limit, "None or >= 1")
         _check(self.importance_ratio_clip >= 1.0, "importance_ratio_clip", self.importance_ratio_clip, ">= 1")
         _check(self.bf16 is None or isinstance(self.bf16, bool), "bf16", self.bf16, "None (automatic) or a bool")
-        _check(self.loss_type != "reverse_kl_pg", "loss_type", self.loss_type,
-               "'jsd' (reverse_kl_pg is not available yet)")
+        _check(self.pg_ratio_clip is None or (_number(self.pg_ratio_clip) and self.pg_ratio_clip > 0
+                                              and self.pg_importance_ratio), "pg_ratio_clip", self.pg_ratio_clip,
+               "None, or a number > 0 together with pg_importance_ratio=True")
         self._validate_teachers()
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)

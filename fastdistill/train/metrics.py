@@ -16,7 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-PER_TEACHER_FAMILIES = ("teacher_jsd/", "teacher_entropy/", "teacher_token_frac/", "teacher_score_s/")
+PER_TEACHER_FAMILIES = ("teacher_jsd/", "teacher_reverse_kl/", "teacher_entropy/", "teacher_token_frac/",
+                        "teacher_score_s/")
 
 
 def reduction(key: str) -> str:

@@ -32,7 +32,15 @@ from torch import nn
 from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher, balance_by_squared_length
 from fastdistill.data.batching import microbatch_metrics as batch_metrics
 from fastdistill.data.packing import PackedRow, pack_row
-from fastdistill.loss import narrow_support, scored_positions, sparse_jsd_loss, window_loss_scale, window_token_count
+from fastdistill.loss import (
+    SparseJSDOutput,
+    narrow_support,
+    reverse_kl_pg_loss,
+    scored_positions,
+    sparse_jsd_loss,
+    window_loss_scale,
+    window_token_count,
+)
 from fastdistill.rollout import RolloutSample
 from fastdistill.train.checkpoint import (
     RolloutState,
@@ -79,6 +87,9 @@ class DistillationModel(nn.Module):
         }
         self.sampling_temperature = config.temperature
         self.ratio_clip = config.importance_ratio_clip
+        self.loss_type = config.loss_type
+        self.pg_importance_ratio = config.pg_importance_ratio
+        self.pg_ratio_clip = config.pg_ratio_clip
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
                 stale: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
@@ -93,11 +104,42 @@ class DistillationModel(nn.Module):
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
+        if self.loss_type == "reverse_kl_pg":
+            return self._policy_gradient(hidden, head, row, weights, metrics)
         out = sparse_jsd_loss(
             hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
             softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
         )
         return out, metrics
+
+    def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+                         weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
+        """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
+        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics."""
+        match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
+        scored = match.any(dim=1).nonzero().squeeze(1)
+        teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
+        out = reverse_kl_pg_loss(
+            hidden.index_select(0, scored), head.weight, row.actual_ids[scored], teacher[scored], bias=head.bias,
+            logit_scale=self.logit_scale, softcap=self.softcap, temperature=self.loss_kwargs["temperature"],
+            rollout_logprobs=row.rollout_logprobs[scored] if self.pg_importance_ratio else None,
+            ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
+        )
+        with torch.no_grad():
+            estimate = out.reverse_kl
+            per_teacher = torch.zeros(self.loss_kwargs["num_teachers"], 3, dtype=torch.float64, device=hidden.device)
+            per_row = torch.stack([torch.ones_like(estimate), estimate, torch.zeros_like(estimate)], dim=1).double()
+            per_teacher.index_add_(0, row.teacher_index[scored], per_row)
+        count = max(int(out.num_tokens), 1)
+        metrics = {**metrics, "pg/advantage_mean": float(out.advantage_sum) / count,
+                   "pg/advantage_std": math.sqrt(max(0.0, float(out.advantage_sq_sum) / count
+                                                     - (float(out.advantage_sum) / count) ** 2))}
+        if self.pg_importance_ratio:
+            metrics.update({"pg/ratio_mean": float(out.ratio_sum) / count, "pg/ratio_max": float(out.ratio_max),
+                            "pg/clip_frac": float(out.clipped) / count})
+        zero = out.reverse_kl_sum * 0.0
+        return SparseJSDOutput(loss=out.loss, jsd_sum=out.reverse_kl_sum, entropy_sum=zero,
+                               teacher_entropy_sum=zero, num_tokens=out.num_tokens, per_teacher=per_teacher), metrics
 
     @torch.no_grad()
     def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
@@ -238,6 +280,8 @@ class AsyncDistillationTrainer:
         self.total_prompts = math.ceil(config.num_train_epochs * num_prompts) if config.max_steps == -1 else math.inf
         self.scheduler = make_scheduler(self.optimizer, config, self.max_steps)
         self.weight_sync = weight_sync
+        # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
+        self._divergence_name = "jsd" if config.loss_type == "jsd" else "reverse_kl"
         self.worker = None
         self.step = 0
         self.model_version = 0
@@ -581,7 +625,7 @@ class AsyncDistillationTrainer:
             support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, config.beta)
             rows.append(row)
             supports.append(support)
-            counts.append(0 if ghost else int(scored_positions(*support)))
+            counts.append(0 if ghost else self._scored_count(row, support))
         window_tokens = window_token_count(counts)
         scale = window_loss_scale(window_tokens)
         num_teachers = len(self.teacher_ids)
@@ -625,6 +669,14 @@ class AsyncDistillationTrainer:
             self._mark_trained()
         return self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
 
+    def _scored_count(self, row: PackedRow, support: tuple[torch.Tensor, ...]) -> int:
+        """Positions the loss will score: those with teacher signal (jsd), or whose sampled token the teacher
+        scored (reverse_kl_pg)."""
+        if self.config.loss_type == "reverse_kl_pg":
+            match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
+            return int(match.any(dim=1).sum())
+        return int(scored_positions(*support))
+
     def _stale_positions(self, row: PackedRow) -> torch.Tensor | None:
         """(M,) bool: positions of samples older than ``max_staleness`` (kept only under ``stale_policy=
         "importance"``), or None."""
@@ -647,7 +699,7 @@ class AsyncDistillationTrainer:
         tokens = max(float(stats[0]), 1.0)
         record: dict[str, Any] = {
             "loss": float(stats[1]) / tokens,
-            "jsd": float(stats[1]) / tokens,
+            self._divergence_name: float(stats[1]) / tokens,
             "entropy": float(stats[2]) / tokens,
             "teacher_entropy": float(stats[3]) / tokens,
             "learning_rate": self.scheduler.get_last_lr()[0],
@@ -668,7 +720,7 @@ class AsyncDistillationTrainer:
                 count = float(per_teacher[index, 0])
                 record[f"teacher_token_frac/{teacher_id}"] = count / tokens
                 if count:
-                    record[f"teacher_jsd/{teacher_id}"] = float(per_teacher[index, 1]) / count
+                    record[f"teacher_{self._divergence_name}/{teacher_id}"] = float(per_teacher[index, 1]) / count
                     record[f"teacher_entropy/{teacher_id}"] = float(per_teacher[index, 2]) / count
         if self.dist.is_main:
             record.update(self._rank0_metrics())
