@@ -581,3 +581,24 @@ def test_every_replica_down_is_unavailable_naming_them():
     with pytest.raises(VLLMUnavailableError, match=r"/v1/completions on replicas \[.*\] failed 3 times"):
         asyncio.run(call())
     assert stats.retries == 2 and stats.failovers == 1  # second attempt fails over, third backs off (both down)
+
+
+def test_generation_sends_min_p_and_repetition_penalty_only_when_set():
+    bodies: list[dict] = []
+
+    async def capture(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return web.Response(text=json.dumps(GENERATION_BODY), content_type="application/json")
+
+    def call(url: str) -> Awaitable[object]:
+        async def run():
+            async with StudentClient(url, model="student", retry=FAST_RETRY) as student:
+                await student.generate([1, 2, 3], max_tokens=3)
+                return await student.generate([1, 2, 3], max_tokens=3, min_p=0.05, repetition_penalty=1.1)
+
+        return run()
+
+    outcome, _ = run_against_stub([capture], call)
+    assert not isinstance(outcome, Exception), outcome
+    assert "min_p" not in bodies[0] and "repetition_penalty" not in bodies[0]
+    assert bodies[1]["min_p"] == 0.05 and bodies[1]["repetition_penalty"] == 1.1

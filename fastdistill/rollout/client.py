@@ -200,10 +200,12 @@ class StudentClient(_VLLMEndpoint):
         top_p: float = 1.0,
         top_k: int = -1,
         seed: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
     ) -> Generation:
         """Sample one completion of at most ``max_tokens`` tokens after the token-id prompt ``prompt_ids``.
 
-        ``top_k=-1`` disables top-k. ``seed=None`` draws a fresh random seed per request, so data-parallel engines
+        ``top_k=-1`` disables top-k; ``min_p`` is sent only when set and ``repetition_penalty`` only when != 1. ``seed=None`` draws a fresh random seed per request, so data-parallel engines
         never produce correlated samples. Returns int32 ids (L,) and float32 log-probs (L,) of the sampled tokens.
         """
         payload = {
@@ -218,6 +220,10 @@ class StudentClient(_VLLMEndpoint):
             "logprobs": 0,
             "return_token_ids": True,
         }
+        if min_p is not None:
+            payload["min_p"] = min_p
+        if repetition_penalty != 1.0:
+            payload["repetition_penalty"] = repetition_penalty
         url = self._where("/v1/completions")
         choice = _first_choice(url, await self._request("POST", "/v1/completions", payload))
         try:

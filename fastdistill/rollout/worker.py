@@ -90,6 +90,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
     max_inflight_tasks: int = 128
     shuffle: bool = True
     seed: int = 0
@@ -562,6 +564,8 @@ class _RolloutLoop:
                 temperature=self.config.temperature,
                 top_p=self.config.top_p,
                 top_k=self.config.top_k,
+                min_p=self.config.min_p,
+                repetition_penalty=self.config.repetition_penalty,
             )
             kept = _Kept(generation, model_version)
         generation, model_version = kept.generation, kept.model_version

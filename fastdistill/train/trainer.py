@@ -483,6 +483,8 @@ class AsyncDistillationTrainer:
             temperature=config.temperature,
             top_p=config.top_p,
             top_k=-1 if config.top_k == 0 else config.top_k,
+            min_p=config.min_p,
+            repetition_penalty=config.repetition_penalty,
             max_inflight_tasks=config.resolved_max_inflight_tasks(self.dist.world_size),
             shuffle=config.shuffle,
             seed=config.seed,
