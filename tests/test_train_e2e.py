@@ -138,3 +138,17 @@ def test_kill_9_and_resume_trains_every_prompt_exactly_once(tmp_path, servers):
     assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
     state = json.loads((run / "checkpoint-8" / "rollout_state.json").read_text())
     assert state["prompt_index"] == NUM_PROMPTS and state["trained_prompt_ids_after"] == []
+
+
+def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
+    """async_mode=False: every step's samples are generated with the current weights (staleness 0, nothing
+    dropped), and each prompt is trained once."""
+    config = write_run(tmp_path, servers, save_strategy="no", async_mode=False, verify_weight_sync=False)
+    result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = tmp_path / "run"
+    records = metrics(run)
+    assert len(records) == NUM_PROMPTS // 4
+    assert all(r["sample/staleness_mean"] == 0.0 for r in records)
+    assert not any(r.get("sample/dropped_stale_total") for r in records)
+    assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))

@@ -114,3 +114,82 @@ class WorkerSource:
                 drained.append(self.worker.metrics_queue.get_nowait())
             except queue.Empty:
                 return drained
+
+
+class SynchronousSource:
+    """``async_mode=False``: rollouts happen only between optimizer steps, with the weights of the current version.
+
+    ``next`` serves samples from the current wave; when it is empty it generates and scores the next ``wave_size``
+    prompts of the cursor (all in flight at once, through the same clients as the worker) and stamps them with the
+    trainer's version. With the fixed-count batcher a wave is exactly one step, so nothing is stale and nothing is
+    wasted; generation and training simply never overlap (the baseline the asynchronous pipeline is measured
+    against).
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], rollout_config: Any, wave_size: int):
+        from fastdistill.rollout import prompt_cursor
+
+        self.rows = rows
+        self.config = rollout_config
+        self.wave_size = wave_size
+        self.cursor = (
+            (prompt_id, row) for prompt_id, row in prompt_cursor(len(rows), rollout_config.seed,
+                                                                 rollout_config.start_index, rollout_config.shuffle)
+            if prompt_id not in rollout_config.skip_prompt_ids
+        )
+        self.wave: list[RolloutSample] = []
+        self.metrics: dict[str, list[Any]] = {}
+        self.wait_s = 0.0
+
+    def next(self, model_version: int) -> RolloutSample:
+        if not self.wave:
+            started = time.perf_counter()
+            self.wave = self._generate([next(self.cursor) for _ in range(self.wave_size)], model_version)
+            self.wait_s += time.perf_counter() - started
+        sample = self.wave.pop(0)
+        self.metrics.setdefault("sample/staleness_mean", []).append(float(model_version - sample.model_version))
+        return sample
+
+    def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample]:
+        import asyncio
+
+        import numpy as np
+
+        from fastdistill.rollout import StudentClient, TeacherClient
+
+        config = self.config
+
+        async def run() -> list[RolloutSample]:
+            async with StudentClient(config.student_url, retry=config.retry) as student:
+                teachers = {tid: TeacherClient(urls, retry=config.retry) for tid, urls in config.teacher_urls.items()}
+                try:
+                    async def one(prompt_id: int, index: int) -> RolloutSample:
+                        row = self.rows[index]
+                        generation = await student.generate(
+                            row["prompt_ids"], max_tokens=config.max_tokens, temperature=config.temperature,
+                            top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                            repetition_penalty=config.repetition_penalty)
+                        teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
+                        scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
+                                                                  top_k=config.teacher_top_k)
+                        prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
+                        length = len(generation.token_ids)
+                        return RolloutSample(
+                            input_ids=np.concatenate([prompt, generation.token_ids]),
+                            completion_mask=np.concatenate([np.zeros(len(prompt), np.int32),
+                                                            np.ones(length, np.int32)]),
+                            teacher_topk_ids=scores.candidate_ids, teacher_topk_logprobs=scores.logprobs,
+                            rollout_logprobs=generation.logprobs, model_version=model_version,
+                            teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index, prompt=row.get("prompt"),
+                            enqueued_at=time.time(),
+                        )
+
+                    return list(await asyncio.gather(*(one(p, i) for p, i in batch)))
+                finally:
+                    for teacher in teachers.values():
+                        await teacher.close()
+
+        return asyncio.run(run())
+
+    def drain_worker_metrics(self) -> list[dict[str, float]]:
+        return []

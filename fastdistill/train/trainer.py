@@ -51,7 +51,7 @@ from fastdistill.train.checkpoint import (
 )
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.metrics import MetricsLogger
-from fastdistill.train.source import ListSource, SourceExhausted, WorkerSource
+from fastdistill.train.source import ListSource, SourceExhausted, SynchronousSource, WorkerSource
 
 WRAPPER_PREFIX = "model."  # state-dict prefix that DistillationModel adds in front of the Hugging Face names
 
@@ -393,11 +393,18 @@ class AsyncDistillationTrainer:
             if config.export_final_model:
                 export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
         finally:
+            stopping = time.perf_counter()
             self._stop_pipeline()
             self.metrics.close()
-        return {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
+            self.shutdown_s = time.perf_counter() - stopping
+        summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
+                "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
+                "dropped_stale_total": getattr(getattr(self, "source", None), "dropped_stale_total", 0),
                 "trained_tokens": trained_tokens, "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
                 "prompt_index": self.rollout_state.prompt_index}
+        if self.dist.is_main:
+            (self.output_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
 
     def _resume_path(self) -> Path | None:
         value = self.config.resume_from_checkpoint
@@ -438,7 +445,11 @@ class AsyncDistillationTrainer:
         if self._samples is not None:
             self.source = ListSource(self._samples) if self.dist.is_main else None
             return
-        if self.dist.is_main:
+        if self.dist.is_main and not config.async_mode:
+            self._check_servers()
+            self.source = SynchronousSource(self.rows, self._rollout_config(),
+                                            config.samples_per_step(self.dist.world_size))
+        elif self.dist.is_main:
             self.worker = self._make_worker()
             self.worker.start()
             self.source = WorkerSource(
@@ -466,16 +477,22 @@ class AsyncDistillationTrainer:
         return asyncio.run(query())
 
     def _make_worker(self) -> Any:
-        from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutWorker
+        from fastdistill.rollout import RolloutWorker
+
+        self._check_servers()
+        return RolloutWorker(self._rollout_config(), self.rows,
+                             queue_maxsize=self.config.resolved_queue_maxsize(self.dist.world_size))
+
+    def _rollout_config(self) -> Any:
+        from fastdistill.rollout import RetryPolicy, RolloutConfig
 
         config = self.config
-        self._check_servers()
         eos = getattr(self.hf_model.generation_config, "eos_token_id", None) if hasattr(
             self.hf_model, "generation_config") else None
         eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
             eos_ids = (self.tokenizer.eos_token_id, *eos_ids)
-        rollout_config = RolloutConfig(
+        return RolloutConfig(
             student_url=config.vllm_server_base_url,
             teacher_urls=config.teacher_server_urls,
             teacher_top_k=config.teacher_top_k,
@@ -493,8 +510,6 @@ class AsyncDistillationTrainer:
             eos_token_ids=eos_ids,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
-        return RolloutWorker(rollout_config, self.rows,
-                             queue_maxsize=config.resolved_queue_maxsize(self.dist.world_size))
 
     def _check_servers(self) -> None:
         """Before any rollout: the servers are up and every teacher tokenizes like the student."""
@@ -508,8 +523,7 @@ class AsyncDistillationTrainer:
                 teachers = {}
                 try:
                     for teacher_id, urls in config.teacher_server_urls.items():
-                        url = urls if isinstance(urls, str) else urls[0]
-                        teachers[teacher_id] = TeacherClient(url)
+                        teachers[teacher_id] = TeacherClient(urls)
                         await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
                     await check_shared_vocabulary(student, teachers)
                 finally:
