@@ -376,6 +376,8 @@ def _child_main(config: RolloutConfig, rows: list[dict[str, Any]], channels: _Ch
     channels.redo.cancel_join_thread()
     try:
         loop = _RolloutLoop(config, rows, channels)
+        # a start-up slower than the heartbeat limit (imports on a loaded machine) must not read as a hang
+        loop.beat()
         channels.ready.set()
         asyncio.run(loop.run())
     except BaseException as error:
