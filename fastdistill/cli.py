@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("model", help="model folder or hub id")
         serve.add_argument("--host", default="127.0.0.1")
         serve.add_argument("--port", type=int, default=8001 if role == "teacher" else 8000)
-        serve.add_argument("--dtype", default=None, help="default: auto with CUDA, float32 on CPU (matches the trainer)")
+        serve.add_argument("--dtype", default=None,
+                           help="default: auto with CUDA, float32 on CPU (matches the trainer)")
         serve.add_argument("--max-model-len", type=int, default=4096)
         if role == "student":
             serve.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "none"), default="auto",

@@ -72,22 +72,23 @@ def prompt_ids(tokenizer: Any, example: Example) -> list[int]:
                                          tokenize=True, return_dict=False)
 
 
-def train_teacher(model: torch.nn.Module, tokenizer: Any, examples: list[Example], settings: DemoSettings,
-                  rng: random.Random) -> list[float]:
-    """Cross-entropy on the answers (prompt tokens untrained), packed rows without padding. Returns the losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.teacher_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=settings.teacher_lr,
-                                                   total_steps=settings.teacher_steps, pct_start=0.1)
+def train_on_answers(model: torch.nn.Module, tokenizer: Any, pairs: list[tuple[str, str]], *, steps: int,
+                     batch: int, lr: float, rng: random.Random) -> list[float]:
+    """Cross-entropy on the answers of (question, answer) chat pairs (prompt tokens untrained), in packed rows
+    without padding, with a one-cycle LR schedule. Returns the per-step losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     losses = []
     model.train()
-    for _ in range(settings.teacher_steps):
+    for _ in range(steps):
         ids, positions, labels = [], [], []
-        for example in rng.sample(examples, settings.teacher_batch):
-            prompt = prompt_ids(tokenizer, example)
-            answer = tokenizer(example.answer)["input_ids"] + [tokenizer.eos_token_id]
-            ids += prompt + answer
-            positions += range(len(prompt) + len(answer))
-            labels += [-100] * len(prompt) + answer
+        for question, answer in rng.sample(pairs, batch):
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+            target = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
+            ids += prompt + target
+            positions += range(len(prompt) + len(target))
+            labels += [-100] * len(prompt) + target
         loss = model(torch.tensor([ids]), position_ids=torch.tensor([positions]), labels=torch.tensor([labels]),
                      use_cache=False).loss
         optimizer.zero_grad()
@@ -179,7 +180,9 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
           f"{student.num_parameters():,}", flush=True)
 
     phase = time.perf_counter()
-    losses = train_teacher(teacher, tokenizer, examples, settings, rng)
+    losses = train_on_answers(teacher, tokenizer, [(ex.question, ex.answer) for ex in examples],
+                              steps=settings.teacher_steps, batch=settings.teacher_batch, lr=settings.teacher_lr,
+                              rng=rng)
     teacher_s = time.perf_counter() - phase
     print(f"[demo] teacher trained in {teacher_s:.0f} s: loss {losses[0]:.2f} -> {sum(losses[-10:]) / 10:.3f}",
           flush=True)
@@ -221,7 +224,8 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
         config = AsyncDistillationConfig(
             model_name_or_path=str(student_dir), output_dir=str(output_dir / "run"),
             vllm_server_base_url=student_server.url, teacher_server_urls=teacher_urls,
-            learning_rate=settings.learning_rate, lr_scheduler_type="constant", num_train_epochs=settings.distill_epochs,
+            learning_rate=settings.learning_rate, lr_scheduler_type="constant",
+            num_train_epochs=settings.distill_epochs,
             per_device_train_batch_size=settings.batch_size, token_budget=0, teacher_top_k=settings.top_k,
             max_completion_length=settings.max_completion_length, max_staleness=settings.max_staleness,
             gradient_checkpointing=False, save_strategy="no", export_final_model=False, seed=seed,

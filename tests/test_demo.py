@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fastdistill.testing.vllm_server import vllm_python
+from fastdistill.testing.vllm_server import require_vllm
 
 
 @pytest.mark.vllm
 def test_quick_demo_writes_its_report_and_plot(tmp_path):
-    probe = subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True)
-    if probe.returncode != 0:
-        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"vLLM is not installed for {vllm_python()}")
-        pytest.skip("vLLM is not installed (set FASTDISTILL_VLLM_PYTHON)")
+    require_vllm()
     script = Path(sys.executable).parent / "fastdistill"
     result = subprocess.run([str(script), "demo", "--quick", "--output-dir", str(tmp_path)], capture_output=True,
                             text=True, timeout=900)

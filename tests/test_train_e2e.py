@@ -8,32 +8,23 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from fastdistill.testing.vllm_server import VLLMServer, vllm_python
+from fastdistill.testing.vllm_server import VLLMServer, require_vllm, start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32
 
 
-def _require_vllm() -> None:
-    probe = subprocess.run([vllm_python(), "-c", "import vllm"], capture_output=True)
-    if probe.returncode != 0:
-        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"vLLM is not installed for {vllm_python()}")
-        pytest.skip("vLLM is not installed (set FASTDISTILL_VLLM_PYTHON)")
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(student folder, student server with gloo weight transfer, teacher server), started side by side."""
-    _require_vllm()
+    require_vllm()
     tokenizer = build_tokenizer()
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
@@ -43,22 +34,8 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
     teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
-    errors: list[BaseException] = []
-
-    def start(server: VLLMServer) -> None:
-        try:
-            server.start()
-        except BaseException as error:  # noqa: BLE001 (re-raised below)
-            errors.append(error)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in (student, teacher)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    start_together(student, teacher)
     try:
-        if errors:
-            raise errors[0]
         yield student_dir, student, teacher
     finally:
         student.stop()

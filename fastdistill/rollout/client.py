@@ -205,7 +205,8 @@ class StudentClient(_VLLMEndpoint):
     ) -> Generation:
         """Sample one completion of at most ``max_tokens`` tokens after the token-id prompt ``prompt_ids``.
 
-        ``top_k=-1`` disables top-k; ``min_p`` is sent only when set and ``repetition_penalty`` only when != 1. ``seed=None`` draws a fresh random seed per request, so data-parallel engines
+        ``top_k=-1`` disables top-k; ``min_p`` is sent only when set and ``repetition_penalty`` only when != 1.
+        ``seed=None`` draws a fresh random seed per request, so data-parallel engines
         never produce correlated samples. Returns int32 ids (L,) and float32 log-probs (L,) of the sampled tokens.
         """
         payload = {

@@ -217,3 +217,36 @@ class VLLMServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def vllm_available(python: str | None = None) -> bool:
+    """Whether ``python`` (default: :func:`vllm_python`) can import vLLM, checked without importing it here."""
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    probe = subprocess.run([python or vllm_python(), "-c", check], check=False)
+    return probe.returncode == 0
+
+
+def require_vllm() -> None:
+    """In a pytest test or fixture: skip when vLLM is missing, or fail when ``$FASTDISTILL_REQUIRE_VLLM=1`` (what
+    ``make test`` sets, so CI runs the real-server tests instead of skipping them)."""
+    import pytest
+
+    if vllm_available():
+        return
+    message = f"vLLM is not installed for {vllm_python()} (set FASTDISTILL_VLLM_PYTHON)"
+    if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def start_together(*servers: VLLMServer) -> None:
+    """Start several servers side by side (start-up is mostly waiting); if any fails, stop them all and raise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(servers)) as pool:
+        errors = [future.exception() for future in [pool.submit(server.start) for server in servers]]
+    failed = [error for error in errors if error is not None]
+    if failed:
+        for server in servers:
+            server.stop()
+        raise failed[0]

@@ -88,7 +88,8 @@ class MetricsLogger:
         if not disable_progress:
             from tqdm.auto import tqdm
 
-            self._progress = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", dynamic_ncols=True)
+            self._progress = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
+                                  dynamic_ncols=True)
         for name in report_to:
             self._trackers.append(_make_tracker(name, self.output_dir, run_name, config or {}))
 
@@ -138,9 +139,8 @@ class _TensorBoard:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise RuntimeError("report_to=['tensorboard'] needs the tensorboard package: pip install tensorboard") from (
-                error
-            )
+            message = "report_to=['tensorboard'] needs the tensorboard package: pip install tensorboard"
+            raise RuntimeError(message) from error
         self.writer = SummaryWriter(log_dir=str(output_dir / "runs"))
 
     def log(self, record: dict[str, float], step: int) -> None:

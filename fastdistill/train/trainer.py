@@ -649,7 +649,7 @@ class AsyncDistillationTrainer:
         #                   then (tokens, jsd, teacher entropy) per teacher]
         stats = torch.zeros(7 + 3 * num_teachers, dtype=torch.float64)
         fwd_bwd_started = time.perf_counter()
-        for row, (ids, lps, mask), (samples, ghost) in zip(rows, supports, window, strict=True):
+        for row, (ids, lps, mask), (_, ghost) in zip(rows, supports, window, strict=True):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self._use_bf16() and
                                 self.dist.world_size == 1):
                 out, importance = self.model(row, ids, lps, mask, self._stale_positions(row))

@@ -1,0 +1,220 @@
+"""End-to-end throughput: fastdistill async vs fastdistill synchronous vs TRL 1.16, same servers, data and steps.
+
+The setup is TRL's CPU anchor (``reference/trl-e2e-cpu.md``): a tiny tied Qwen2 student (hidden 128, 2 layers), a
+teacher of the same shape fine-tuned on "What is A plus B?" → "A+B=C." (A, B in 0..29), 256 training prompts, batch
+8, 40 steps, completions up to 32 tokens, top-K 8, β = 0, fp32, one trainer thread. The components get disjoint
+cores, as they would get their own GPUs: the student server on one core, the teacher server and the trainer on the
+other (``VLLM_CPU_OMP_THREADS_BIND`` and the trainer's CPU affinity).
+
+Each run starts with a cold weight sync of the same initial student, so the runs are independent. Measured per run:
+trained tokens per second over the whole ``train()`` call, the held-out jsd afterwards (the final student's greedy
+answers to 32 held-out prompts, scored by the teacher; lower is better), the fraction of generated samples thrown
+away, and the shutdown time. ``--json FILE`` writes the numbers (``make bench-e2e`` →
+``benchmarks/results/e2e.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def anchor_task(seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(training pairs, held-out pairs): 256 and 32 questions "What is A plus B?" with answers "A+B=C."."""
+    pairs = [(f"What is {a} plus {b}?", f"{a}+{b}={a + b}.") for a in range(30) for b in range(30)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:256], pairs[256:288]
+
+
+def build_models(workdir: Path, pairs: list[tuple[str, str]], teacher_steps: int, seed: int) -> tuple[Path, Path]:
+    """Tokenizer, a fine-tuned teacher and an untrained student (tied Qwen2, hidden 128, 2 layers), saved."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastdistill.demo import train_on_answers
+    from fastdistill.tiny import build_tokenizer, save_pretrained_dir
+
+    corpus = ["user", "assistant"] + [text for pair in pairs for text in pair]
+    tokenizer = build_tokenizer(corpus, vocab_size=400)
+
+    def model(init_seed: int) -> Qwen2ForCausalLM:
+        torch.manual_seed(init_seed)
+        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                             max_position_embeddings=512, use_cache=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+        return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+
+    student, teacher = model(seed), model(seed)  # the teacher starts from the student, like the anchor
+    losses = train_on_answers(teacher, tokenizer, pairs, steps=teacher_steps, batch=32, lr=3e-3,
+                              rng=random.Random(seed))
+    print(f"[bench_e2e] teacher trained: final loss {losses[-1]:.3f}", flush=True)
+    return (save_pretrained_dir(student, tokenizer, workdir / "student"),
+            save_pretrained_dir(teacher.eval(), tokenizer, workdir / "teacher"))
+
+
+def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
+                    trainer_cpus: set[int] | None, async_mode: bool) -> dict[str, Any]:
+    """One ``fastdistill train`` run in a subprocess; returns its summary plus the per-step metrics."""
+    output_dir = workdir / name
+    dataset = workdir / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    config = {
+        "model_name_or_path": str(student_dir), "output_dir": str(output_dir), "train_dataset": str(dataset),
+        "vllm_server_base_url": urls["student"], "teacher_server_urls": {"default": urls["teacher"]},
+        "per_device_train_batch_size": args.batch_size, "max_steps": args.steps, "token_budget": 0,
+        "max_completion_length": 32, "teacher_top_k": 8, "beta": 0.0, "learning_rate": 1e-3, "dtype": "float32",
+        "max_staleness": 4, "weight_sync_steps": 1, "save_strategy": "no", "disable_tqdm": True,
+        "async_mode": async_mode, "seed": args.seed,
+    }
+    (workdir / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "fastdistill.cli", "train", "--config", str(workdir / f"{name}.yaml")]
+    _run(command, trainer_cpus, workdir / f"{name}.log")
+    summary = json.loads((output_dir / "train_summary.json").read_text())
+    steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    summary["generated_samples"] = (sum(s["batch/samples_per_step"] for s in steps) + summary["dropped_stale_total"]
+                                    + sum(s.get("sample/discarded_total", 0.0) for s in steps))
+    summary["trained_samples"] = sum(s["batch/samples_per_step"] for s in steps)
+    summary["final_dir"] = str(output_dir / "final")
+    return summary
+
+
+def run_trl(workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
+            trainer_cpus: set[int] | None) -> dict[str, Any]:
+    output_dir = workdir / "trl"
+    spec = {"student_dir": str(student_dir), "output_dir": str(output_dir), "prompts": prompts,
+            "student_url": urls["student"], "teacher_url": urls["teacher"], "batch_size": args.batch_size,
+            "steps": args.steps, "max_completion_length": 32, "top_k": 8, "learning_rate": 1e-3, "seed": args.seed}
+    (workdir / "trl.json").write_text(json.dumps(spec))
+    _run([sys.executable, str(ROOT / "benchmarks" / "e2e_trl_run.py"), str(workdir / "trl.json")], trainer_cpus,
+         workdir / "trl.log")
+    result = json.loads((output_dir / "trl_result.json").read_text())
+    result["trained_tokens_per_s"] = result["trained_tokens"] / result["wall_seconds"]
+    result["generated_samples"] = result["trained_samples"] + result["dropped_stale_total"]
+    result["final_dir"] = str(output_dir / "final")
+    return result
+
+
+def _run(command: list[str], cpus: set[int] | None, log: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    with open(log, "w") as out:
+        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} failed; log {log}:\n" + log.read_text()[-3000:])
+
+
+def held_out_jsd(final_dir: str, urls: dict[str, str], held_rows: list[dict]) -> float:
+    """The jsd/token of the final student on its greedy answers to the held-out prompts (served by the student
+    server, which holds the run's last weights), scored by the teacher."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.train.evaluate import collect_scored_samples, divergence_per_token
+
+    model = AutoModelForCausalLM.from_pretrained(final_dir, dtype=torch.float32).eval()
+    samples = collect_scored_samples(urls["student"], {"default": urls["teacher"]}, held_rows, top_k=8, max_tokens=32)
+    return divergence_per_token(model, samples, ["default"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--teacher-steps", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import tempfile
+
+    from fastdistill.testing.vllm_server import VLLMServer
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fastdistill-e2e-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    train_pairs, held_pairs = anchor_task(args.seed)
+    student_dir, teacher_dir = build_models(workdir, train_pairs, args.teacher_steps, args.seed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    prompts = [[{"role": "user", "content": q}] for q, _ in train_pairs]
+    held_rows = [{"prompt_ids": tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False)} for q, _ in held_pairs]
+    cores = sorted(os.sched_getaffinity(0))
+    student_core, other_core = (str(cores[0]), cores[1]) if len(cores) >= 2 else (None, None)
+    trainer_cpus = {other_core} if other_core is not None else None
+    env_student = {"VLLM_CPU_OMP_THREADS_BIND": student_core} if student_core else None
+    env_teacher = {"VLLM_CPU_OMP_THREADS_BIND": str(other_core)} if other_core is not None else None
+    results: dict[str, Any] = {}
+    with VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", env=env_student,
+                    log_path=workdir / "student_server.log") as student, \
+            VLLMServer(teacher_dir, role="teacher", env=env_teacher,
+                       log_path=workdir / "teacher_server.log") as teacher:
+        urls = {"student": student.url, "teacher": teacher.url}
+        for name, runner in [
+            ("async", lambda: run_fastdistill("async", workdir, student_dir, urls, prompts, args, trainer_cpus, True)),
+            ("sync", lambda: run_fastdistill("sync", workdir, student_dir, urls, prompts, args, trainer_cpus, False)),
+            ("trl", lambda: run_trl(workdir, student_dir, urls, prompts, args, trainer_cpus)),
+        ]:
+            if name == "trl" and args.skip_trl:
+                continue
+            print(f"[bench_e2e] running {name} ...", flush=True)
+            started = time.perf_counter()
+            results[name] = runner()
+            results[name]["held_out_jsd"] = held_out_jsd(results[name]["final_dir"], urls, held_rows)
+            print(f"[bench_e2e] {name}: {results[name]['trained_tokens_per_s']:.1f} trained tok/s, held-out jsd "
+                  f"{results[name]['held_out_jsd']:.3f}, {time.perf_counter() - started:.0f} s", flush=True)
+
+    def waste(run: dict[str, Any]) -> float:
+        return 1.0 - run["trained_samples"] / max(run["generated_samples"], 1.0)
+
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
+        "batch_size": args.batch_size,
+        "async_trained_tokens_per_s": results["async"]["trained_tokens_per_s"],
+        "sync_trained_tokens_per_s": results["sync"]["trained_tokens_per_s"],
+        "async_final_jsd": results["async"]["held_out_jsd"], "sync_final_jsd": results["sync"]["held_out_jsd"],
+        "async_wasted_fraction": waste(results["async"]), "sync_wasted_fraction": waste(results["sync"]),
+        "async_shutdown_s": results["async"]["shutdown_s"], "sync_shutdown_s": results["sync"]["shutdown_s"],
+        "runs": results,
+    }
+    if "trl" in results:
+        report.update({"trl_trained_tokens_per_s": results["trl"]["trained_tokens_per_s"],
+                       "trl_final_jsd": results["trl"]["held_out_jsd"], "trl_wasted_fraction": waste(results["trl"]),
+                       "trl_shutdown_s": results["trl"]["shutdown_s"]})
+    print()
+    print(f"{'run':<8}{'trained tok/s':>15}{'held-out jsd':>14}{'wasted':>9}{'shutdown s':>12}{'wall s':>9}")
+    for name, run in results.items():
+        print(f"{name:<8}{run['trained_tokens_per_s']:>15.1f}{run['held_out_jsd']:>14.3f}{waste(run):>9.1%}"
+              f"{run['shutdown_s']:>12.2f}{run['wall_seconds']:>9.1f}")
+    ratio = report["async_trained_tokens_per_s"] / report["sync_trained_tokens_per_s"]
+    print(f"async / sync throughput: {ratio:.2f}x")
+    if "trl" in results:
+        trl_ratio = report["async_trained_tokens_per_s"] / report["trl_trained_tokens_per_s"]
+        print(f"async / TRL throughput: {trl_ratio:.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""One run of TRL 1.16's ``AsyncDistillationTrainer`` against running vLLM servers (a helper of bench_e2e.py).
+
+``python benchmarks/e2e_trl_run.py SPEC.json``: SPEC holds ``student_dir``, ``prompts`` (chat prompts), the server
+URLs, ``output_dir`` and the shared settings. TRL runs with the shims documented in
+``reference/trl-e2e-cpu.md``: no peak-FLOPs probe on CPU, SDPA attention, and an injected gloo weight transfer (here
+built on fastdistill's own transport; TRL's is NCCL-only). Writes ``<output_dir>/trl_result.json`` with the trained
+tokens, the stale-dropped samples, the wall time of ``train()`` and the time from the last logged step to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+class _NamedTensors:
+    """What fastdistill's ``VLLMWeightSync.push`` reads from a model: ``named_parameters()``."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def named_parameters(self, remove_duplicate: bool = True):
+        return iter(self.tensors)
+
+
+class GlooWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` over fastdistill's gloo engine (pause/resume happen inside ``push``)."""
+
+    def __init__(self, url: str):
+        from fastdistill.sync import VLLMWeightSync
+
+        self.sync = VLLMWeightSync(url, backend="gloo")
+        self.version = 0
+
+    def init_weight_transfer(self) -> None:
+        self.sync.init()
+
+    def pause(self) -> None:
+        pass
+
+    def send_weights(self, iterator) -> None:
+        self.version += 1
+        self.sync.push(_NamedTensors([(name, tensor.detach()) for name, tensor in iterator]), self.version)
+
+    def resume(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        self.sync.close()
+
+
+def main(spec_path: str) -> None:
+    import torch
+    import trl.experimental.async_distillation.async_distillation_trainer as trl_trainer
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    trl_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None  # shim 1: no CUDA device name on CPU
+    output_dir = Path(spec["output_dir"])
+    config = AsyncDistillationConfig(
+        output_dir=str(output_dir), per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
+        max_completion_length=spec["max_completion_length"], teacher_top_k=spec["top_k"], beta=0.0,
+        learning_rate=spec["learning_rate"], bf16=False, fp16=False, dtype="float32", max_steps=spec["steps"],
+        weight_sync_steps=1, logging_steps=1, report_to="none", save_strategy="no", token_budget=-1,
+        vllm_server_base_url=spec["student_url"], teacher_server_urls={"default": spec["teacher_url"]},
+        model_init_kwargs={"attn_implementation": "sdpa"},  # shim 2: no flash-attn hub kernel on CPU
+        seed=spec["seed"], disable_tqdm=True,
+    )
+    records: list[dict] = []
+    last_log = [time.perf_counter()]
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            records.append(dict(logs or {}))
+            last_log[0] = time.perf_counter()
+
+    dataset = Dataset.from_list([{"prompt": prompt} for prompt in spec["prompts"]])
+    trainer = AsyncDistillationTrainer(
+        spec["student_dir"], args=config, train_dataset=dataset, callbacks=[Record()],
+        weight_transfer=GlooWeightTransfer(spec["student_url"]),  # shim 3: gloo instead of NCCL
+    )
+    started = time.perf_counter()
+    trainer.train()
+    ended = time.perf_counter()
+    trainer.save_model(str(output_dir / "final"))
+    steps = [r for r in records if "batch/trained_tokens_per_step" in r]
+    result = {
+        "wall_seconds": ended - started,
+        "shutdown_s": ended - last_log[0],
+        "steps": len(steps),
+        "trained_tokens": sum(r["batch/trained_tokens_per_step"] for r in steps),
+        "trained_samples": sum(r.get("batch/samples_per_step", 0.0) for r in steps),
+        "dropped_stale_total": sum(r.get("sample/dropped_stale_total", 0.0) or 0.0 for r in records),
+        "jsd_first": steps[0].get("jsd") if steps else None,
+        "jsd_last": steps[-1].get("jsd") if steps else None,
+    }
+    (output_dir / "trl_result.json").write_text(json.dumps(result, indent=1))
+    (output_dir / "trl_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
