@@ -2,9 +2,10 @@
 
 The setup is TRL's CPU anchor (``reference/trl-e2e-cpu.md``): a tiny tied Qwen2 student (hidden 128, 2 layers), a
 teacher of the same shape fine-tuned on "What is A plus B?" → "A+B=C." (A, B in 0..29), 256 training prompts, batch
-8, 40 steps, completions up to 32 tokens, top-K 8, β = 0, fp32, one trainer thread. The components get disjoint
-cores, as they would get their own GPUs: the student server on one core, the teacher server and the trainer on the
-other (``VLLM_CPU_OMP_THREADS_BIND`` and the trainer's CPU affinity).
+8, 40 steps, completions up to 32 tokens, top-K 8, β = 0, fp32, one trainer thread. Inference and training get
+disjoint cores, as they would get their own GPUs (``VLLM_CPU_OMP_THREADS_BIND`` and the trainer's CPU affinity): by
+default both vLLM servers share the first core and the trainer has the second — also the anchor run's layout, where
+vLLM-CPU pins both servers to core 0. ``--layout split`` puts the teacher server with the trainer instead.
 
 Each run starts with a cold weight sync of the same initial student, so the runs are independent. Measured per run:
 trained tokens per second over the whole ``train()`` call, the held-out jsd afterwards (the final student's greedy
@@ -138,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--layout", choices=("servers-together", "split"), default="servers-together",
+                        help="servers-together: both vLLM servers on one core, the trainer on the other (inference "
+                             "vs training, as on separate GPUs; also where vLLM-CPU pins both servers by default, "
+                             "the anchor's layout); split: student server | teacher server + trainer")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -161,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     student_core, other_core = (str(cores[0]), cores[1]) if len(cores) >= 2 else (None, None)
     trainer_cpus = {other_core} if other_core is not None else None
     env_student = {"VLLM_CPU_OMP_THREADS_BIND": student_core} if student_core else None
-    env_teacher = {"VLLM_CPU_OMP_THREADS_BIND": str(other_core)} if other_core is not None else None
+    teacher_core = student_core if args.layout == "servers-together" else str(other_core)
+    env_teacher = {"VLLM_CPU_OMP_THREADS_BIND": teacher_core} if other_core is not None else None
     results: dict[str, Any] = {}
     with VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", env=env_student,
                     log_path=workdir / "student_server.log") as student, \
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
+        "layout": args.layout,
         "batch_size": args.batch_size,
         "async_trained_tokens_per_s": results["async"]["trained_tokens_per_s"],
         "sync_trained_tokens_per_s": results["sync"]["trained_tokens_per_s"],

@@ -2,8 +2,9 @@
 
 ``python benchmarks/e2e_trl_run.py SPEC.json``: SPEC holds ``student_dir``, ``prompts`` (chat prompts), the server
 URLs, ``output_dir`` and the shared settings. TRL runs with the shims documented in
-``reference/trl-e2e-cpu.md``: no peak-FLOPs probe on CPU, SDPA attention, and an injected gloo weight transfer (here
-built on fastdistill's own transport; TRL's is NCCL-only). Writes ``<output_dir>/trl_result.json`` with the trained
+``reference/trl-e2e-cpu.md``: no peak-FLOPs probe on CPU, SDPA attention, an injected gloo weight transfer (here
+built on fastdistill's own transport; TRL's is NCCL-only), and TRL's "is vLLM installed" guard answered yes (its
+worker only speaks HTTP; vLLM lives in its own venv here). Writes ``<output_dir>/trl_result.json`` with the trained
 tokens, the stale-dropped samples, the wall time of ``train()`` and the time from the last logged step to its end.
 """
 
@@ -57,6 +58,7 @@ class GlooWeightTransfer:
 def main(spec_path: str) -> None:
     import torch
     import trl.experimental.async_distillation.async_distillation_trainer as trl_trainer
+    import trl.experimental.async_distillation.async_rollout_worker as trl_worker
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl.experimental.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
@@ -64,6 +66,9 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
     trl_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None  # shim 1: no CUDA device name on CPU
+    # shim 4: TRL's worker refuses to start unless vLLM is importable, though it only speaks HTTP; vLLM lives in its
+    # own venv here (the reference run had TRL inside the vLLM venv instead)
+    trl_worker.is_vllm_available = lambda *args, **kwargs: True
     output_dir = Path(spec["output_dir"])
     config = AsyncDistillationConfig(
         output_dir=str(output_dir), per_device_train_batch_size=spec["batch_size"], gradient_accumulation_steps=1,
