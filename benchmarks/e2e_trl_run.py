@@ -19,21 +19,13 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
-class _NamedTensors:
-    """What fastdistill's ``VLLMWeightSync.push`` reads from a model: ``named_parameters()``."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def named_parameters(self, remove_duplicate: bool = True):
-        return iter(self.tensors)
-
-
 class GlooWeightTransfer:
     """TRL's ``WeightTransferProtocol`` over fastdistill's gloo engine (pause/resume happen inside ``push``)."""
 
     def __init__(self, url: str):
-        from fastdistill.sync import VLLMWeightSync
+        from fastdistill.sync import NamedTensors, VLLMWeightSync
+
+        self.named_tensors = NamedTensors
 
         self.sync = VLLMWeightSync(url, backend="gloo")
         self.version = 0
@@ -46,7 +38,7 @@ class GlooWeightTransfer:
 
     def send_weights(self, iterator) -> None:
         self.version += 1
-        self.sync.push(_NamedTensors([(name, tensor.detach()) for name, tensor in iterator]), self.version)
+        self.sync.push(self.named_tensors([(name, tensor.detach()) for name, tensor in iterator]), self.version)
 
     def resume(self) -> None:
         pass

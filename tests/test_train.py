@@ -214,6 +214,8 @@ def test_resume_from_a_missing_checkpoint_is_an_error(tmp_path, student_dir, sam
         ({"save_total_limit": 0}, "save_total_limit must be None or >= 1"),
         ({"importance_ratio_clip": 0.5}, "importance_ratio_clip must be >= 1"),
         ({"per_device_train_batch_size": True}, "per_device_train_batch_size must be an int >= 1"),
+        ({"weight_sync_overlap": True, "verify_weight_sync": True}, "weight_sync_overlap must be False with verify"),
+        ({"weight_sync_overlap": True, "async_mode": False}, "weight_sync_overlap must be False with async_mode"),
     ],
 )
 def test_config_errors_name_the_field(overrides, message):

@@ -129,3 +129,22 @@ def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
     assert all(r["sample/staleness_mean"] == 0.0 for r in records)
     assert not any(r.get("sample/dropped_stale_total") for r in records)
     assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
+
+
+def test_overlapped_weight_sync_serves_the_last_steps_weights(tmp_path, servers):
+    """weight_sync_overlap=True: pushes run in the background, the run still ends with the final weights served
+    (checked against the exported model) and every prompt trained once."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.sync import served_logprob_gap
+
+    config = write_run(tmp_path, servers, save_strategy="no", weight_sync_overlap=True, verify_weight_sync=False)
+    result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run = tmp_path / "run"
+    records = metrics(run)
+    assert all("perf/weight_sync_wait_s" in r for r in records[1:])
+    assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
+    final = AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    _, student, _ = servers
+    assert served_logprob_gap(student.url, final, [[1, 5, 9, 30, 7, 100, 3, 44]]) <= 1e-4

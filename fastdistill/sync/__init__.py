@@ -5,6 +5,7 @@ servers, ``nccl`` into vLLM's engine on GPU servers); ``served_logprob_gap`` che
 """
 
 from fastdistill.sync.weights import (
+    NamedTensors,
     VLLMWeightSync,
     WeightSync,
     WeightSyncError,
@@ -15,6 +16,7 @@ from fastdistill.sync.weights import (
 )
 
 __all__ = [
+    "NamedTensors",
     "VLLMWeightSync",
     "WeightSync",
     "WeightSyncError",

@@ -84,6 +84,18 @@ def iter_named_weights(
         yield name, tensor
 
 
+class NamedTensors:
+    """A fixed list of ``(hf_name, tensor)`` that :meth:`VLLMWeightSync.push` accepts in place of a model: a
+    snapshot taken on the training thread and sent from another, or weights that come as an iterator (TRL's
+    ``send_weights``)."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]):
+        self.tensors = tensors
+
+    def named_parameters(self, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors)
+
+
 # ------------------------------------------------------------------------------------------------ HTTP
 
 

@@ -111,6 +111,7 @@ class AsyncDistillationConfig:
     weight_sync_steps: int = 1
     weight_sync_backend: str = "auto"  # ours: gloo on CPU, nccl on CUDA, "none" never syncs (tests)
     verify_weight_sync: bool = False  # ours: after each sync compare served log-probs with the trainer's
+    weight_sync_overlap: bool = False  # ours: push a snapshot from a thread while the next step runs (1 process)
     async_mode: bool = True  # ours: False waits for the current weights' samples (a synchronous baseline)
 
     def __post_init__(self) -> None:
@@ -170,6 +171,10 @@ class AsyncDistillationConfig:
         _check(self.pg_ratio_clip is None or (_number(self.pg_ratio_clip) and self.pg_ratio_clip > 0
                                               and self.pg_importance_ratio), "pg_ratio_clip", self.pg_ratio_clip,
                "None, or a number > 0 together with pg_importance_ratio=True")
+        _check(not (self.weight_sync_overlap and self.verify_weight_sync), "weight_sync_overlap",
+               self.weight_sync_overlap, "False with verify_weight_sync=True (the trainer moves on during the push)")
+        _check(not (self.weight_sync_overlap and not self.async_mode), "weight_sync_overlap",
+               self.weight_sync_overlap, "False with async_mode=False (a synchronous step waits for the new weights)")
         self._validate_teachers()
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)

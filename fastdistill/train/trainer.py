@@ -257,6 +257,9 @@ class AsyncDistillationTrainer:
     ):
         self.config = config
         self.dist = init_distributed()
+        if config.weight_sync_overlap and self.dist.world_size > 1:
+            raise ValueError("weight_sync_overlap=True needs a single trainer process (its snapshot is gathered on the "
+                             "training thread, but a sharded push would run collectives from another thread)")
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
         self.teacher_ids = config.teacher_ids
@@ -283,6 +286,8 @@ class AsyncDistillationTrainer:
         # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
         self._divergence_name = "jsd" if config.loss_type == "jsd" else "reverse_kl"
         self.worker = None
+        self._pending_sync = None  # the background push under weight_sync_overlap
+        self._sync_thread = None
         self.step = 0
         self.model_version = 0
         self.rollout_state = RolloutState()
@@ -533,6 +538,11 @@ class AsyncDistillationTrainer:
         asyncio.run(check())
 
     def _stop_pipeline(self) -> None:
+        if self._pending_sync is not None:
+            self._pending_sync.result()
+            self._pending_sync = None
+        if self._sync_thread is not None:
+            self._sync_thread.shutdown()
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
@@ -542,12 +552,40 @@ class AsyncDistillationTrainer:
     def _sync_weights(self) -> dict[str, float]:
         if self.weight_sync is None:
             return {}
+        if self.config.weight_sync_overlap and self.model_version > 0:
+            return self._sync_weights_in_background()
         timings = dict(self.weight_sync.push(self.hf_model, self.model_version + 1) or {})
         self.model_version += 1
         if self.worker is not None:
             self.worker.model_version = self.model_version
         if self.config.verify_weight_sync and self.rows:
             timings["sync/served_logprob_gap"] = self._served_gap()
+        return timings
+
+    def _sync_weights_in_background(self) -> dict[str, float]:
+        """``weight_sync_overlap``: snapshot the weights now, push them from a thread while the next step collects
+        and trains; the worker stamps rollouts with the new version once the server has it. Returns the previous
+        push's timings plus how long this step waited for it (``perf/weight_sync_wait_s``)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from fastdistill.sync import NamedTensors, iter_named_weights
+
+        started = time.perf_counter()
+        timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
+        timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
+        snapshot = NamedTensors([(name, tensor.clone()) for name, tensor in iter_named_weights(self.hf_model)])
+        self.model_version += 1
+        version = self.model_version
+        if self._sync_thread is None:
+            self._sync_thread = ThreadPoolExecutor(1, thread_name_prefix="fastdistill-weight-sync")
+
+        def push() -> dict[str, float]:
+            result = self.weight_sync.push(snapshot, version)
+            if self.worker is not None:
+                self.worker.model_version = version
+            return result
+
+        self._pending_sync = self._sync_thread.submit(push)
         return timings
 
     def _served_gap(self) -> float:
