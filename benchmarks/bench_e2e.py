@@ -78,8 +78,6 @@ def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str,
         "max_completion_length": 32, "teacher_top_k": 8, "beta": 0.0, "learning_rate": 1e-3, "dtype": "float32",
         "max_staleness": 4, "weight_sync_steps": 1, "save_strategy": "no", "disable_tqdm": True,
         "async_mode": async_mode, "seed": args.seed,
-        # the async run pushes weights from a background thread while it trains on (a synchronous step cannot)
-        "weight_sync_overlap": async_mode,
     }
     (workdir / f"{name}.yaml").write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "fastdistill.cli", "train", "--config", str(workdir / f"{name}.yaml")]

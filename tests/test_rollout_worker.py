@@ -201,11 +201,26 @@ def test_config_accepts_one_url_or_replicas_and_rejects_bad_settings():
         (dict(server_down_deadline_s=0.0), "server_down_deadline_s must be > 0"),
         (dict(replica_cooldown_s=-1.0), "replica_cooldown_s >= 0"),
         (dict(skip_prompt_ids=frozenset({2, -4})), r"skip_prompt_ids must be prompt ids >= 0, got \['-4'\]"),
+        (dict(max_inflight_tasks=4, initial_inflight_tasks=5), r"initial_inflight_tasks must be None or in \[1, "),
+        (dict(initial_inflight_tasks=0), "initial_inflight_tasks must be None or in"),
     ]
     for overrides, message in cases:
         settings = dict(student_url="http://s", teacher_urls={"math": "http://a"}) | overrides
         with pytest.raises(ValueError, match=message):
             RolloutConfig(**settings)
+
+
+def test_slow_start_grows_the_in_flight_cap_by_one_per_finished_rollout():
+    rows = [{"prompt_ids": [1], "teacher_id": "t", "prompt": None}]
+    loop = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10, initial_inflight_tasks=3),
+                        rows, None)
+    assert loop.inflight_cap() == 3
+    loop.finished = 4
+    assert loop.inflight_cap() == 7
+    loop.finished = 50
+    assert loop.inflight_cap() == 10
+    plain = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10), rows, None)
+    assert plain.inflight_cap() == 10
 
 
 def test_clipped_means_no_eos_at_the_end_or_the_length_limit_without_eos_ids():
@@ -289,8 +304,12 @@ def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
             worker.check_health(stale_after_s=10.0)
             sample = worker.samples.get(timeout=5)
             good[sample.dataset_index] = sample
-        time.sleep(0.3)  # let the failures of prompts 2 and 4 land
-        metrics = drain_metrics(worker)
+        metrics: list[dict] = []
+        deadline = time.monotonic() + 20
+        while total(metrics, "rollout/dropped_total") < 2:  # the failures of prompts 2 and 4 land
+            assert time.monotonic() < deadline, metrics
+            metrics += drain_metrics(worker)
+            time.sleep(0.05)
     finally:
         worker.stop()
     assert sorted(good) == [0, 1, 3, 5, 6, 7]

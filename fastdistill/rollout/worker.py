@@ -93,6 +93,7 @@ class RolloutConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     max_inflight_tasks: int = 128
+    initial_inflight_tasks: int | None = None
     shuffle: bool = True
     seed: int = 0
     start_index: int = 0
@@ -123,6 +124,9 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.start_index < 0:
             raise ValueError(f"start_index must be >= 0, got {self.start_index}")
+        if self.initial_inflight_tasks is not None and not 1 <= self.initial_inflight_tasks <= self.max_inflight_tasks:
+            raise ValueError(f"initial_inflight_tasks must be None or in [1, max_inflight_tasks="
+                             f"{self.max_inflight_tasks}], got {self.initial_inflight_tasks}")
         if self.server_down_deadline_s <= 0 or self.replica_cooldown_s < 0:
             raise ValueError(
                 f"server_down_deadline_s must be > 0 and replica_cooldown_s >= 0, got {self.server_down_deadline_s} "
@@ -455,9 +459,19 @@ class _RolloutLoop:
         self.attempts: dict[int, int] = {}  # prompt id -> failed attempts so far
         self.orders: dict[int, np.ndarray] = {}  # epoch -> row order, for redo ids
         self.eos = frozenset(config.eos_token_ids)
+        self.finished = 0  # rollouts that ended (delivered or failed), for the slow start
 
     def beat(self) -> None:
         self.channels.heartbeat.value = time.time()
+
+    def inflight_cap(self) -> int:
+        """The in-flight cap: ``max_inflight_tasks``, reached by a slow start from ``initial_inflight_tasks`` that
+        grows by one per finished rollout. A full pipeline from the first moment makes the first samples wait for
+        the whole batch the server decodes together; the slow start delivers the first step's samples as soon as a
+        synchronous wave would."""
+        if self.config.initial_inflight_tasks is None:
+            return self.config.max_inflight_tasks
+        return min(self.config.max_inflight_tasks, self.config.initial_inflight_tasks + self.finished)
 
     def push_metrics(self, metrics: dict[str, Any]) -> None:
         try:
@@ -529,7 +543,7 @@ class _RolloutLoop:
             while not self.channels.stop.is_set():
                 self.beat()
                 self.check_servers()
-                while len(inflight) < self.config.max_inflight_tasks:
+                while len(inflight) < self.inflight_cap():
                     prompt_id, row_index, kept = self.next_prompt()
                     task = asyncio.create_task(self.rollout(prompt_id, row_index, kept))
                     task.prompt_id = prompt_id  # type: ignore[attr-defined]
@@ -615,6 +629,7 @@ class _RolloutLoop:
         A rollout failed by an unavailable server is re-dispatched (up to ``max_rollout_attempts``). Any other
         exception, or ``max_consecutive_failures`` rejected or malformed rollouts in a row, is fatal: it propagates
         and ends the child."""
+        self.finished += 1
         error = task.exception()
         prompt_id: int = task.prompt_id  # type: ignore[attr-defined]
         if isinstance(error, VLLMError):

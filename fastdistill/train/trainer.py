@@ -508,6 +508,8 @@ class AsyncDistillationTrainer:
             min_p=config.min_p,
             repetition_penalty=config.repetition_penalty,
             max_inflight_tasks=config.resolved_max_inflight_tasks(self.dist.world_size),
+            initial_inflight_tasks=min(config.samples_per_step(self.dist.world_size),
+                                       config.resolved_max_inflight_tasks(self.dist.world_size)),
             shuffle=config.shuffle,
             seed=config.seed,
             start_index=self.rollout_state.prompt_index,
