@@ -168,6 +168,16 @@ class DistillationModel(nn.Module):
         return weights, metrics
 
 
+def default_attention(device: torch.device) -> str:
+    """``flash_attention_2`` on CUDA when flash-attn is installed (varlen kernels over the packed row, boundaries
+    from ``position_ids``), else ``sdpa`` (transformers turns packed ``position_ids`` into a block-diagonal mask)."""
+    import importlib.util
+
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks (modules whose class is in ``model._no_split_modules``), each sharded on its own."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -282,6 +292,10 @@ class AsyncDistillationTrainer:
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
         self.total_prompts = math.ceil(config.num_train_epochs * num_prompts) if config.max_steps == -1 else math.inf
         self.scheduler = make_scheduler(self.optimizer, config, self.max_steps)
+        from fastdistill.train.flops import peak_flops
+
+        compute_dtype = torch.bfloat16 if self._use_bf16() else next(self.hf_model.parameters()).dtype
+        self.peak_flops = peak_flops(self.dist.device, compute_dtype)  # None on CPU: no MFU metrics
         self.weight_sync = weight_sync
         # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
         self._divergence_name = "jsd" if config.loss_type == "jsd" else "reverse_kl"
@@ -310,7 +324,7 @@ class AsyncDistillationTrainer:
         kwargs.setdefault("trust_remote_code", self.config.trust_remote_code)
         dtype = self.config.dtype
         kwargs.setdefault("dtype", "auto" if dtype == "auto" else getattr(torch, dtype))
-        kwargs.setdefault("attn_implementation", "sdpa")
+        kwargs.setdefault("attn_implementation", default_attention(self.dist.device))
         return AutoModelForCausalLM.from_pretrained(self.config.model_name_or_path, **kwargs)
 
     def _use_bf16(self) -> bool:
@@ -386,6 +400,7 @@ class AsyncDistillationTrainer:
                 record["perf/step_s"] = now - last_step_end
                 record["perf/trained_tok_s_wall_clock"] = record.get("batch/trained_tokens_per_step", 0) / max(
                     record["perf/step_s"], 1e-9)
+                record.update(self._mfu(record))
                 last_step_end = now
                 if self.step % config.logging_steps == 0 or self.step == self.max_steps:
                     self.metrics.update(record)
@@ -410,6 +425,18 @@ class AsyncDistillationTrainer:
         if self.dist.is_main:
             (self.output_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+    def _mfu(self, record: dict[str, float]) -> dict[str, float]:
+        """``perf/mfu_fwd_bwd`` and ``perf/mfu_wall_clock`` in % of the devices' dense peak (when it is known)."""
+        from fastdistill.train.flops import flops_per_token
+
+        tokens, samples = record.get("batch/forwarded_tokens_per_step", 0.0), record.get("batch/samples_per_step", 0.0)
+        if self.peak_flops is None or not tokens or not samples:
+            return {}
+        flops = flops_per_token(self.hf_model.config, tokens / samples) * tokens
+        total_peak = self.peak_flops * self.dist.world_size
+        return {"perf/mfu_fwd_bwd": 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
+                "perf/mfu_wall_clock": 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}
 
     def _resume_path(self) -> Path | None:
         value = self.config.resume_from_checkpoint
