@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -73,6 +74,51 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def test_worker_routes_mopd_rows_to_their_teacher(servers):
+    """Two teacher ids on two real servers (the teacher, and the untouched student serving as a second teacher):
+    N samples for N prompts, each scored by its row's teacher, with that model's log-probs (≤ 1e-4 vs HF). Runs
+    before the tests that sync new weights into the student server."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.rollout import RolloutConfig, RolloutWorker
+
+    student_dir, student, teacher = servers
+    models = {"t": AutoModelForCausalLM.from_pretrained(teacher.model_dir).eval(),
+              "s": AutoModelForCausalLM.from_pretrained(student_dir).eval()}
+    rows = [{"prompt_ids": [1, 5 + i, 9, 30 + i], "teacher_id": "t" if i % 3 else "s"} for i in range(9)]
+    config = RolloutConfig(student.url, {"t": teacher.url, "s": student.url}, teacher_top_k=4, max_tokens=6,
+                           shuffle=False)
+    worker = RolloutWorker(config, rows)
+    worker.start()
+    found = {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(found) < len(rows):
+            assert time.monotonic() < deadline, f"only {len(found)} samples"
+            worker.check_health(stale_after_s=60.0)
+            try:
+                sample = worker.samples.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if sample.prompt_id < len(rows):
+                found[sample.prompt_id] = sample
+    finally:
+        worker.stop()
+    for prompt_id, sample in found.items():
+        row = rows[sample.dataset_index]
+        assert sample.dataset_index == prompt_id and sample.teacher_id == row["teacher_id"]
+        with torch.no_grad():
+            logits = models[sample.teacher_id](torch.tensor(sample.input_ids[None].astype("int64"))).logits[0]
+        expected = torch.log_softmax(logits.float(), -1)[sample.prompt_length - 1 : -1].numpy()
+        for j, token in enumerate(sample.completion_ids):
+            slot = list(sample.teacher_topk_ids[j]).index(token)
+            assert abs(sample.teacher_topk_logprobs[j, slot] - expected[j, token]) <= 1e-4
+            top = sample.teacher_topk_ids[j, :4]
+            np.testing.assert_allclose(sample.teacher_topk_logprobs[j, :4], expected[j, top], atol=1e-4)
+
+
 def test_train_syncs_weights_that_the_server_then_serves(tmp_path, servers):
     """Every step ends with a sync after which the student server's log-probs equal the trainer's (≤ 1e-4), the
     epoch's prompts are each trained once, and the final export loads."""
@@ -87,6 +133,7 @@ def test_train_syncs_weights_that_the_server_then_serves(tmp_path, servers):
     gaps = [r["sync/served_logprob_gap"] for r in records]
     assert max(gaps) <= 1e-4, gaps
     assert [r["model_version"] for r in records] == list(range(1, len(records) + 1))  # the cold sync made v1
+    assert records[0]["sample/staleness_max"] == 0  # the first rollouts carry the cold sync's version
     assert all(r["perf/weight_sync_s"] > 0 for r in records)
     assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
     assert (run / "final" / "model.safetensors").is_file()

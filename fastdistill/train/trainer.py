@@ -483,6 +483,7 @@ class AsyncDistillationTrainer:
                                             config.samples_per_step(self.dist.world_size))
         elif self.dist.is_main:
             self.worker = self._make_worker()
+            self.worker.model_version = self.model_version  # the version the cold sync just made the server serve
             self.worker.start()
             self.source = WorkerSource(
                 self.worker, max_staleness=config.max_staleness, stale_policy=config.stale_policy,
