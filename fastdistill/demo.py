@@ -47,7 +47,7 @@ class DemoSettings:
     teacher_batch: int = 32
     teacher_lr: float = 3e-3
     held_out: int = 24
-    distill_epochs: float = 24.0
+    distill_epochs: float = 40.0
     batch_size: int = 16
     learning_rate: float = 3e-3
     top_k: int = 8
