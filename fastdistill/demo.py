@@ -1,7 +1,7 @@
 """``fastdistill demo``: asynchronous on-policy distillation of a tiny student from a tiny teacher, end to end on CPU.
 
 1. Builds a toy chat task in code (single-digit additions, counting, spelling short words backwards), a byte-level
-   BPE tokenizer with a chat template, a TEACHER trained on the task with cross-entropy for about a minute, and a
+   BPE tokenizer with a chat template, a TEACHER trained on the task with cross-entropy (seconds on 2 cores), and a
    fresh STUDENT with the same vocabulary.
 2. Starts two real vLLM servers: the teacher (``--max-logprobs -1``) and the student (dev mode, fastdistill's
    ``gloo`` weight-transfer engine), pinned to different cores when there are several.
