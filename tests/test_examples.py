@@ -14,7 +14,7 @@ RECIPES = sorted(p.parent for p in EXAMPLES.glob("*/config.yaml"))
 
 
 def test_there_are_recipes():
-    assert {p.name for p in RECIPES} >= {"single-teacher", "mopd"}
+    assert {p.name for p in RECIPES} >= {"single-teacher", "mopd", "lora"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -35,6 +35,8 @@ def test_launch_script_commands_parse(recipe):
         else:
             continue
         args = [a for a in args if a != "&"]
+        if "--" in args:
+            args = args[: args.index("--")]
         parsed = parser.parse_args(args)
         if parsed.command == "train":
             assert (recipe / parsed.config.name).is_file()

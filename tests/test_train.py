@@ -437,3 +437,40 @@ def test_flops_per_token_and_peaks():
     expected = 3 * (2 * (attention + 6 * 64 * 128) + 2 * 100 * 64)
     assert flops_per_token(config, seq_len=10) == expected
     assert peak_flops(torch.device("cpu"), torch.bfloat16) is None  # CPU-safe: no MFU rather than a made-up one
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+
+
+def test_lora_trains_adapters_only_and_exports_the_merged_model(tmp_path, student_dir, samples):
+    """lora_r > 0: only adapter weights move; the weights sent to vLLM and the exported folder are peft's own merge."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.train.lora import merged_named_weights
+
+    trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, lora_r=4, lora_alpha=8.0, max_steps=3,
+                                              per_device_train_batch_size=4, learning_rate=1e-2,
+                                              gradient_checkpointing=True, export_final_model=True), samples=samples)
+    before = {n: p.detach().clone() for n, p in trainer.hf_model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.hf_model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".lora_" in n for n in changed)
+    assert any("lora_B" in n for n in changed)  # B starts at zero, so a moved B means the adapters learned
+
+    merged = dict(merged_named_weights(trainer.hf_model))
+    reference = copy.deepcopy(trainer.hf_model).merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-7)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
+    for name, tensor in merged.items():
+        torch.testing.assert_close(exported[name], tensor)
+
+
+def test_lora_config_errors():
+    with pytest.raises(ConfigError, match="lora_r must be an int >= 0"):
+        AsyncDistillationConfig(model_name_or_path="s", lora_r=-1)
+    with pytest.raises(ConfigError, match="lora_target_modules must be"):
+        AsyncDistillationConfig(model_name_or_path="s", lora_r=4, lora_target_modules=[1])

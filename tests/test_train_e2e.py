@@ -195,3 +195,14 @@ def test_overlapped_weight_sync_serves_the_last_steps_weights(tmp_path, servers)
     final = AutoModelForCausalLM.from_pretrained(run / "final").eval()
     _, student, _ = servers
     assert served_logprob_gap(student.url, final, [[1, 5, 9, 30, 7, 100, 3, 44]]) <= 1e-4
+
+
+def test_lora_run_serves_the_merged_weights(tmp_path, servers):
+    """lora_r > 0 against a real server: after every sync the served log-probs equal the trainer's (adapters
+    merged), and the exported folder is the merged model."""
+    config = write_run(tmp_path, servers, save_strategy="no", lora_r=4, lora_alpha=8.0, learning_rate=1e-2)
+    result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = metrics(tmp_path / "run")
+    assert max(r["sync/served_logprob_gap"] for r in records) <= 1e-4
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -66,6 +66,10 @@ class AsyncDistillationConfig:
     max_steps: int = -1
     seed: int = 42
     gradient_checkpointing: bool = True
+    lora_r: int = 0  # ours: > 0 trains LoRA adapters of this rank (peft); the server gets merged weights
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: Any = "all-linear"  # peft's target_modules: "all-linear" or a list of module names
     bf16: bool | None = None  # None: bf16 mixed precision on CUDA, fp32 on CPU
     # --- logging and checkpoints
     logging_steps: int = 1
@@ -153,7 +157,12 @@ class AsyncDistillationConfig:
                   "weight_sync_steps", "max_completion_length", "logging_steps", "save_steps")
         _check(self.queue_maxsize is None or (_is_int(self.queue_maxsize) and self.queue_maxsize >= 1),
                "queue_maxsize", self.queue_maxsize, "None (automatic) or an int >= 1")
-        _at_least(self, 0, "max_staleness", "warmup_steps")
+        _at_least(self, 0, "max_staleness", "warmup_steps", "lora_r")
+        _positive(self, "lora_alpha")
+        _range(self, "lora_dropout", 0.0, 1.0, high_open=True)
+        _check(isinstance(self.lora_target_modules, str) or (isinstance(self.lora_target_modules, list) and all(
+            isinstance(m, str) for m in self.lora_target_modules)), "lora_target_modules", self.lora_target_modules,
+            '"all-linear" or a list of module names')
         _check(self.top_k == -1 or self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled) or a positive int")
         _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
         _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",

@@ -96,11 +96,12 @@ class DistillationModel(nn.Module):
         """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
         ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
         π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant)."""
-        hidden = self.model.base_model(
+        causal_lm = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model  # LoRA
+        hidden = causal_lm.base_model(
             input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
         ).last_hidden_state
         hidden = hidden[0].index_select(0, row.target_positions)
-        head = self.model.get_output_embeddings()
+        head = causal_lm.get_output_embeddings()
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
@@ -276,10 +277,10 @@ class AsyncDistillationTrainer:
         self.on_step_end = on_step_end
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.hf_model = model if model is not None else self._load_model()
-        self.model = self._wrap(self.hf_model)
+        self.model = self._wrap(self.hf_model)  # with LoRA, also replaces self.hf_model by the peft model
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_epsilon, weight_decay=config.weight_decay,
+            [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
         )
         self._samples = samples
         self.rows = None
@@ -332,6 +333,14 @@ class AsyncDistillationTrainer:
 
     def _wrap(self, hf_model: nn.Module) -> nn.Module:
         hf_model.config.use_cache = False
+        if self.config.lora_r > 0:
+            from fastdistill.train.lora import apply_lora
+
+            hf_model = self.hf_model = apply_lora(
+                hf_model, r=self.config.lora_r, alpha=self.config.lora_alpha, dropout=self.config.lora_dropout,
+                target_modules=self.config.lora_target_modules)
+            if self.config.gradient_checkpointing:
+                hf_model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
         if self.config.gradient_checkpointing:
             if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.2x
                 hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -410,7 +419,11 @@ class AsyncDistillationTrainer:
                 if config.save_strategy == "steps" and self.step % config.save_steps == 0:
                     self.save()
             elapsed = time.perf_counter() - started
-            if config.export_final_model:
+            if config.export_final_model and config.lora_r > 0:
+                from fastdistill.train.lora import export_merged
+
+                export_merged(self.hf_model, self.tokenizer, self.output_dir / "final", self.dist.is_main)
+            elif config.export_final_model:
                 export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
         finally:
             stopping = time.perf_counter()
@@ -584,13 +597,22 @@ class AsyncDistillationTrainer:
             return {}
         if self.config.weight_sync_overlap and self.model_version > 0:
             return self._sync_weights_in_background()
-        timings = dict(self.weight_sync.push(self.hf_model, self.model_version + 1) or {})
+        timings = dict(self.weight_sync.push(self._servable(), self.model_version + 1) or {})
         self.model_version += 1
         if self.worker is not None:
             self.worker.model_version = self.model_version
         if self.config.verify_weight_sync and self.rows:
             timings["sync/served_logprob_gap"] = self._served_gap()
         return timings
+
+    def _servable(self) -> Any:
+        """What the server should serve: the model itself, or with LoRA its merged weights (``NamedTensors``)."""
+        if self.config.lora_r > 0:
+            from fastdistill.sync import NamedTensors
+            from fastdistill.train.lora import merged_named_weights
+
+            return NamedTensors(merged_named_weights(self.hf_model))
+        return self.hf_model
 
     def _sync_weights_in_background(self) -> dict[str, float]:
         """``weight_sync_overlap``: snapshot the weights now, push them from a thread while the next step collects
@@ -603,7 +625,9 @@ class AsyncDistillationTrainer:
         started = time.perf_counter()
         timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
         timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
-        snapshot = NamedTensors([(name, tensor.clone()) for name, tensor in iter_named_weights(self.hf_model)])
+        servable = self._servable()
+        snapshot = servable if isinstance(servable, NamedTensors) else NamedTensors(
+            [(name, tensor.clone()) for name, tensor in iter_named_weights(servable)])
         self.model_version += 1
         version = self.model_version
         if self._sync_thread is None:

@@ -1,0 +1,76 @@
+"""LoRA training (``lora_r > 0``): adapters on the student's linear layers, merged weights pushed to vLLM.
+
+The server keeps serving a plain model: every sync sends ``W + scaling · B A`` for each adapted layer under the
+base model's Hugging Face names (what TRL calls its merged-sync fallback), so no LoRA support is needed in vLLM and
+nothing changes in the weight-transfer path. The merge is computed on the fly, one layer at a time, without
+modifying the trained weights; with FSDP2 each tensor is gathered with ``full_tensor()`` (collective, every rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+PEFT_PREFIX = "base_model.model."
+
+
+def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, target_modules: Any) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (peft). The output embedding (lm_head) must not be a target: the fused loss
+    reads its weight directly."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("lora_r > 0 needs the peft package: pip install 'fastdistill[lora]'") from error
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                  target_modules=target_modules, task_type="CAUSAL_LM"))
+    if hasattr(peft_model.get_base_model().get_output_embeddings(), "lora_A"):
+        raise ValueError("lora_target_modules must not include the output embedding (lm_head)")
+    return peft_model
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return (full_tensor() if callable(full_tensor) else tensor).detach()
+
+
+@torch.no_grad()
+def merged_named_weights(peft_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` of the base model with every active adapter merged in: ``W + scaling · B @ A``.
+
+    Names are the base model's (``model.layers.0.self_attn.q_proj.weight``); adapter parameters are not sent."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: module for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
+    weights = []
+    for name, param in peft_model.named_parameters():
+        if ".lora_" in name:
+            continue
+        tensor = _full(param)
+        if name.endswith(".base_layer.weight"):
+            layer = layers[name.removesuffix(".base_layer.weight")]
+            for adapter in layer.active_adapters:
+                if adapter not in layer.lora_A:
+                    continue
+                delta = _full(layer.lora_B[adapter].weight) @ _full(layer.lora_A[adapter].weight)
+                tensor = tensor + layer.scaling[adapter] * delta.to(tensor.dtype)
+        weights.append((name.removeprefix(PEFT_PREFIX).replace(".base_layer", ""), tensor.clone()))
+    return weights
+
+
+def export_merged(peft_model: nn.Module, tokenizer: Any, path: str | Path, is_main: bool) -> Path | None:
+    """A Hugging Face folder of the merged model (collective under FSDP2; rank 0 writes)."""
+    state = dict(merged_named_weights(peft_model))
+    if not is_main:
+        return None
+    path = Path(path)
+    peft_model.get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
