@@ -474,3 +474,25 @@ def test_lora_config_errors():
         AsyncDistillationConfig(model_name_or_path="s", lora_r=-1)
     with pytest.raises(ConfigError, match="lora_target_modules must be"):
         AsyncDistillationConfig(model_name_or_path="s", lora_r=4, lora_target_modules=[1])
+
+
+def test_oversize_samples_are_dropped_and_counted_once(tmp_path, student_dir, samples):
+    """A sample longer than token_budget is dropped by the batcher and logged once in batch/dropped_oversize_total,
+    also when the run ends on a flushed partial micro-batch; every other prompt is trained."""
+    import dataclasses
+
+    import numpy as np
+
+    long = dataclasses.replace(samples[0], prompt_id=10, input_ids=np.concatenate([samples[0].input_ids] * 2),
+                               completion_mask=np.concatenate([np.zeros_like(samples[0].completion_mask),
+                                                               samples[0].completion_mask]))
+    batch = [dataclasses.replace(s, prompt_id=i) for i, s in enumerate(samples[:10])] + [long]
+    limit = max(len(s.input_ids) for s in samples[:10])
+    assert len(long.input_ids) > limit
+    trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, token_budget=limit, max_completion_length=2,
+                                              max_steps=20), samples=batch)
+    trainer.train()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert sum(r.get("batch/dropped_oversize_total", 0.0) for r in records) == 1.0
+    trained = [p for line in read_jsonl(tmp_path / "trained_prompts.jsonl") for p in line["prompt_ids"]]
+    assert sorted(trained) == list(range(10))

@@ -481,9 +481,12 @@ class AsyncDistillationTrainer:
             self.weight_sync = VLLMWeightSync(config.vllm_server_base_url, backend=backend,
                                               is_sender=self.dist.is_main, timeout_s=config.weight_sync_timeout)
         if self.dist.is_main:
-            self._batcher = self._make_batcher()
-            self._pending: list[RolloutSample] = []
+            self.token_budget = self._resolve_token_budget()
+            self._batcher = self._new_batcher()
+            self._oversize_prompts: set[int] = set()
             self._discarded_total = 0
+            self._oversize_reported = 0  # oversize drops already logged (batchers replaced by _flush included)
+            self._oversize_of_old_batchers = 0
         if self.weight_sync is not None:
             self.weight_sync.init()
             self._sync_weights()
@@ -503,13 +506,15 @@ class AsyncDistillationTrainer:
                 heartbeat_stale_after_s=config.heartbeat_stale_after_s,
             )
 
-    def _make_batcher(self) -> Any:
-        budget = self.config.token_budget
-        if budget is None:
-            budget = self._served_max_model_len() if self._samples is None else 0
-        self.token_budget = budget
-        if budget > 0:
-            return TokenBudgetBatcher(budget, self.dist.world_size)
+    def _resolve_token_budget(self) -> int:
+        """``token_budget``, or the student server's ``max_model_len`` when None (0 for offline samples)."""
+        if self.config.token_budget is not None:
+            return self.config.token_budget
+        return self._served_max_model_len() if self._samples is None else 0
+
+    def _new_batcher(self) -> Any:
+        if self.token_budget > 0:
+            return TokenBudgetBatcher(self.token_budget, self.dist.world_size)
         return FixedCountBatcher(self.config.per_device_train_batch_size, self.dist.world_size)
 
     def _served_max_model_len(self) -> int:
@@ -680,47 +685,54 @@ class AsyncDistillationTrainer:
         return scattered[0]
 
     def _collect_window(self) -> list[list[list[RolloutSample]]]:
-        """Rank 0: up to ``gradient_accumulation_steps`` micro-batches (each: one list of samples per rank)."""
+        """Rank 0: up to ``gradient_accumulation_steps`` micro-batches (each: one list of samples per rank).
+
+        A prompt whose sample is longer than the token budget is dropped by the batcher and never trained (TRL's
+        rule); it counts as done, so that the run still ends after the last trainable prompt."""
         window: list[list[list[RolloutSample]]] = []
         collected = 0
+        limit = self._prompt_limit()
         while len(window) < self.config.gradient_accumulation_steps:
-            remaining = self.total_prompts - self.rollout_state.count_below(self._prompt_limit()) - collected
-            if remaining <= len(self._pending):
-                if self._pending:  # the last prompts: a final, partial micro-batch
+            done = self.rollout_state.count_below(limit) + sum(1 for p in self._oversize_prompts if p < limit)
+            pending = self._batcher.pending
+            if self.total_prompts - done - collected <= len(pending):
+                if pending:  # the last prompts: a final, partial micro-batch
                     window.append(self._flush())
                 break
             try:
                 sample = self.source.next(self.model_version)
             except SourceExhausted:
-                if self._pending:
+                if pending:
                     window.append(self._flush())
                 break
-            if sample.prompt_id >= self.total_prompts or self.rollout_state.is_trained(sample.prompt_id) or any(
-                    s.prompt_id == sample.prompt_id for s in self._pending):
+            prompt_id = sample.prompt_id
+            if (prompt_id >= self.total_prompts or self.rollout_state.is_trained(prompt_id)
+                    or prompt_id in self._oversize_prompts or any(s.prompt_id == prompt_id for s in pending)):
                 self._discarded_total += 1
                 continue
-            self._pending.append(sample)
+            dropped_before = self._oversize_dropped()
             microbatch = self._batcher.add(sample)
+            if self._oversize_dropped() > dropped_before:
+                self._oversize_prompts.add(prompt_id)
             if microbatch is not None:
-                emitted = {id(s) for row in microbatch for s in row}
-                self._pending = [s for s in self._pending if id(s) not in emitted]
                 collected += sum(len(row) for row in microbatch)
                 window.append(microbatch)
         return window
+
+    def _oversize_dropped(self) -> int:
+        """Samples the batchers of this run dropped for exceeding the token budget."""
+        current = self._batcher.dropped_oversize_total if self.token_budget > 0 else 0
+        return self._oversize_of_old_batchers + current
 
     def _prompt_limit(self) -> int:
         return self.total_prompts if self.total_prompts != math.inf else 2**62
 
     def _flush(self) -> list[list[RolloutSample]]:
-        pending, self._pending = self._pending, []
-        self._batcher = self._make_batcher_like()
+        pending = self._batcher.pending
+        self._oversize_of_old_batchers = self._oversize_dropped()
+        self._batcher = self._new_batcher()
         rows = balance_by_squared_length(pending, self.dist.world_size)
         return rows + [[] for _ in range(self.dist.world_size - len(rows))]
-
-    def _make_batcher_like(self) -> Any:
-        if self.token_budget > 0:
-            return TokenBudgetBatcher(self.token_budget, self.dist.world_size)
-        return FixedCountBatcher(self.config.per_device_train_batch_size, self.dist.world_size)
 
     # ---------------------------------------------------------------------------------------- one step
 
@@ -839,18 +851,18 @@ class AsyncDistillationTrainer:
                                   "sample/discarded_total": float(self._discarded_total)}
         self.source.wait_s = 0.0
         self._discarded_total = 0
-        for key, values in getattr(self.source, "metrics", {}).items():
+        for key, values in self.source.metrics.items():
             for value in values:
                 self.metrics.add(key, value)
-        if hasattr(self.source, "metrics"):
-            self.source.metrics = {}
+        self.source.metrics = {}
         for payload in self.source.drain_worker_metrics():
             self.metrics.update(payload)
         for microbatch in self._window_microbatches:
             self.metrics.update(batch_metrics(microbatch, self.token_budget or None))
-        dropped = getattr(self._batcher, "dropped_oversize_total", 0)
-        record["batch/dropped_oversize_total"] = float(dropped - getattr(self, "_dropped_oversize_seen", 0))
-        self._dropped_oversize_seen = dropped
+        if self.token_budget > 0:
+            dropped = self._oversize_dropped()
+            record["batch/dropped_oversize_total"] = float(dropped - self._oversize_reported)
+            self._oversize_reported = dropped
         return record
 
 
