@@ -3,9 +3,11 @@
 The setup is TRL's CPU anchor (``reference/trl-e2e-cpu.md``): a tiny tied Qwen2 student (hidden 128, 2 layers), a
 teacher of the same shape fine-tuned on "What is A plus B?" → "A+B=C." (A, B in 0..29), 256 training prompts, batch
 8, 40 steps, completions up to 32 tokens, top-K 8, β = 0, fp32, one trainer thread. Inference and training get
-disjoint cores, as they would get their own GPUs (``VLLM_CPU_OMP_THREADS_BIND`` and the trainer's CPU affinity): by
-default both vLLM servers share the first core and the trainer has the second — also the anchor run's layout, where
-vLLM-CPU pins both servers to core 0. ``--layout split`` puts the teacher server with the trainer instead.
+disjoint cores, as they would get their own GPUs: by default both vLLM servers share the first core and the trainer
+has the second (the anchor's layout: vLLM-CPU pins both servers' models to core 0). ``--layout split`` puts the
+teacher server with the trainer instead. The servers are launched with fastdistill's CPU defaults (every server
+process pinned to its core, the model inside the engine-core process); ``--anchor-servers`` launches them as the
+anchor did (vLLM's default executor, only the model's OpenMP thread pinned). Both are warmed up before the runs.
 
 Each run starts with a cold weight sync of the same initial student, so the runs are independent. Measured per run:
 trained tokens per second over the whole ``train()`` call, the held-out jsd afterwards (the final student's greedy
@@ -133,6 +135,15 @@ def held_out_jsd(final_dir: str, urls: dict[str, str], held_rows: list[dict]) ->
     return divergence_per_token(model, samples, ["default"])
 
 
+def warm_up(urls: dict[str, str], rows: list[dict]) -> None:
+    """A few rounds of generation and scoring before the measured runs, so that the first run does not pay for the
+    servers' first requests."""
+    from fastdistill.train.evaluate import collect_scored_samples
+
+    for _ in range(3):
+        collect_scored_samples(urls["student"], {"default": urls["teacher"]}, rows, top_k=8, max_tokens=32)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -146,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="servers-together: both vLLM servers on one core, the trainer on the other (inference "
                              "vs training, as on separate GPUs; also where vLLM-CPU pins both servers by default, "
                              "the anchor's layout); split: student server | teacher server + trainer")
+    parser.add_argument("--anchor-servers", action="store_true",
+                        help="launch the servers as the anchor run did (vLLM's default multi-process executor, only "
+                             "the model's OpenMP thread pinned) instead of fastdistill's defaults (one engine process, "
+                             "every server process pinned)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -166,17 +181,20 @@ def main(argv: list[str] | None = None) -> int:
                                                               add_generation_prompt=True, tokenize=True,
                                                               return_dict=False)} for q, _ in held_pairs]
     cores = sorted(os.sched_getaffinity(0))
-    student_core, other_core = (str(cores[0]), cores[1]) if len(cores) >= 2 else (None, None)
-    trainer_cpus = {other_core} if other_core is not None else None
-    env_student = {"VLLM_CPU_OMP_THREADS_BIND": student_core} if student_core else None
-    teacher_core = student_core if args.layout == "servers-together" else str(other_core)
-    env_teacher = {"VLLM_CPU_OMP_THREADS_BIND": teacher_core} if other_core is not None else None
+    student_cores, other_cores = (cores[:1], cores[1:2]) if len(cores) >= 2 else (None, None)
+    trainer_cpus = set(other_cores) if other_cores else None
+    teacher_cores = student_cores if args.layout == "servers-together" else other_cores
+    if args.anchor_servers:  # the anchor's launch: only the model's OpenMP thread is bound, vLLM's default executor
+        servers = [dict(env={"VLLM_CPU_OMP_THREADS_BIND": str(c[0])} if c else None, one_process=False)
+                   for c in (student_cores, teacher_cores)]
+    else:
+        servers = [dict(cpus=c) for c in (student_cores, teacher_cores)]
     results: dict[str, Any] = {}
-    with VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", env=env_student,
-                    log_path=workdir / "student_server.log") as student, \
-            VLLMServer(teacher_dir, role="teacher", env=env_teacher,
-                       log_path=workdir / "teacher_server.log") as teacher:
+    with VLLMServer(student_dir, role="student", weight_transfer_backend="gloo",
+                    log_path=workdir / "student_server.log", **servers[0]) as student, \
+            VLLMServer(teacher_dir, role="teacher", log_path=workdir / "teacher_server.log", **servers[1]) as teacher:
         urls = {"student": student.url, "teacher": teacher.url}
+        warm_up(urls, held_rows)
         for name, runner in [
             ("async", lambda: run_fastdistill("async", workdir, student_dir, urls, prompts, args, trainer_cpus, True)),
             ("sync", lambda: run_fastdistill("sync", workdir, student_dir, urls, prompts, args, trainer_cpus, False)),
@@ -196,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
-        "layout": args.layout, "batch_size": args.batch_size, "ours": yaml.safe_load(args.ours) or {},
+        "layout": args.layout, "anchor_servers": args.anchor_servers, "batch_size": args.batch_size,
+        "ours": yaml.safe_load(args.ours) or {},
     }
     for name, run in results.items():
         report.update({f"{name}_trained_tokens_per_s": run["trained_tokens_per_s"],

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,13 +35,33 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
 
     dtype = args.dtype or ("auto" if torch.cuda.is_available() else "float32")
-    server = VLLMServer(args.model, role=args.role, host=args.host, port=args.port, dtype=dtype,
-                        max_model_len=args.max_model_len, extra_args=extra, weight_transfer_backend=backend)
+    try:
+        server = VLLMServer(args.model, role=args.role, host=args.host, port=args.port, dtype=dtype,
+                            max_model_len=args.max_model_len, extra_args=extra, weight_transfer_backend=backend,
+                            cpus=args.cpus)
+    except ValueError as error:
+        print(f"fastdistill: {error}", file=sys.stderr)
+        return 2
     command = server.command()
-    print("fastdistill: " + " ".join(command), file=sys.stderr, flush=True)
+    pinned = f"taskset -c {','.join(map(str, args.cpus))} " if args.cpus else ""
+    print("fastdistill: " + pinned + " ".join(command), file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
+    if args.cpus:
+        os.sched_setaffinity(0, args.cpus)  # vLLM and all its processes inherit it
     return subprocess.call(command, env=server.environment())
+
+
+def _cpu_list(text: str) -> list[int]:
+    """ "0,2-3" -> [0, 2, 3]."""
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cores.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected core ids like 0,2-3, got {text!r}") from None
+    return cores
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -67,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("--dtype", default=None,
                            help="default: auto with CUDA, float32 on CPU (matches the trainer)")
         serve.add_argument("--max-model-len", type=int, default=4096)
+        serve.add_argument("--cpus", type=_cpu_list, default=None,
+                           help="pin the whole server to these cores, e.g. 0 or 0,2-3 (OpenMP threads follow)")
         if role == "student":
             serve.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "none"), default="auto",
                                help="weight-transfer engine (auto: nccl with CUDA, gloo without)")

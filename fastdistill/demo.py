@@ -4,7 +4,7 @@
    BPE tokenizer with a chat template, a TEACHER trained on the task with cross-entropy (seconds on 2 cores), and a
    fresh STUDENT with the same vocabulary.
 2. Starts two real vLLM servers: the teacher (``--max-logprobs -1``) and the student (dev mode, fastdistill's
-   ``gloo`` weight-transfer engine), pinned to different cores when there are several.
+   ``gloo`` weight-transfer engine), with several cores pinned to one half of them and the trainer to the other.
 3. Measures the student on held-out prompts (jsd per token on its own greedy answers as scored by the teacher, and
    exact-answer accuracy), runs :class:`~fastdistill.train.AsyncDistillationTrainer` (rollout worker, queue,
    staleness, fused loss, weight sync after every step), and measures again.
@@ -115,14 +115,14 @@ def server_accuracy(student_url: str, tokenizer: Any, examples: list[Example], r
     return sum(a == ex.answer for a, ex in zip(decoded, examples, strict=True)) / len(examples)
 
 
-def core_layout() -> tuple[str | None, str | None, set[int] | None]:
-    """OMP core binding for the student and teacher servers and the trainer's CPU set (None: leave as is)."""
+def core_layout() -> tuple[list[int] | None, set[int] | None]:
+    """(the servers' cores, the trainer's cores): inference and training on disjoint halves of this process's cores,
+    as on separate GPUs; (None, None) with a single core."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 2:
-        return None, None, None
-    student, teacher = str(cores[0]), str(cores[1])
-    trainer = set(cores[2:]) or None
-    return student, teacher, trainer
+        return None, None
+    half = len(cores) // 2
+    return cores[:half], set(cores[half:])
 
 
 def plot_curves(history: list[dict[str, float]], held_out: list[tuple[int, float]], path: Path) -> None:
@@ -191,15 +191,13 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
 
     train_rows = [{"prompt": [{"role": "user", "content": ex.question}]} for ex in train_examples]
     held_rows = [{"prompt_ids": prompt_ids(tokenizer, ex)} for ex in held_out]
-    student_cores, teacher_cores, trainer_cores = core_layout()
+    server_cores, trainer_cores = core_layout()
     logs = output_dir / "logs"
     logs.mkdir(exist_ok=True)
     phase = time.perf_counter()
     student_server = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo",
-                                log_path=logs / "student.log",
-                                env={"VLLM_CPU_OMP_THREADS_BIND": student_cores} if student_cores else None)
-    teacher_server = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log",
-                                env={"VLLM_CPU_OMP_THREADS_BIND": teacher_cores} if teacher_cores else None)
+                                log_path=logs / "student.log", cpus=server_cores)
+    teacher_server = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log", cpus=server_cores)
     with student_server, teacher_server:
         servers_s = time.perf_counter() - phase
         print(f"[demo] vLLM servers up in {servers_s:.0f} s: student {student_server.url}, teacher "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,17 @@ def test_serve_student_dry_run_enables_weight_transfer(capsys):
     assert "--weight-transfer-config" in command and '"gloo"' in command
     assert main(["serve-student", "some/model", "--weight-transfer", "none", "--dry-run"]) == 0
     assert "--weight-transfer-config" not in capsys.readouterr().err
+
+
+def test_serve_pins_the_server_to_cores(capsys):
+    core = sorted(os.sched_getaffinity(0))[0]
+    assert main(["serve-teacher", "some/model", "--cpus", str(core), "--dry-run"]) == 0
+    assert capsys.readouterr().err.startswith(f"fastdistill: taskset -c {core} ")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve-teacher", "some/model", "--cpus", "zero", "--dry-run"])
+    assert exit_info.value.code == 2 and "expected core ids like 0,2-3, got 'zero'" in capsys.readouterr().err
+    assert main(["serve-teacher", "some/model", "--cpus", "4000-4001", "--dry-run"]) == 2
+    assert "cpus must be a non-empty subset of the cores this process may use" in capsys.readouterr().err
 
 
 def test_train_config_errors_are_reported_without_a_traceback(tmp_path, capsys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -243,6 +244,41 @@ def test_launcher_command_and_environment_per_role(tmp_path):
     assert "--max-logprobs" not in student.command() and "processed_logprobs" in student.command()
     assert student.environment()["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in teacher.extra_env
     assert teacher.environment()["VLLM_TARGET_DEVICE"] == "cpu" and teacher.port != student.port
+
+
+def test_launcher_runs_the_cpu_model_in_the_engine_process_unless_told_otherwise(tmp_path):
+    server = VLLMServer(tmp_path, role="teacher", cpu=True)
+    assert server.command()[-2:] == ["--distributed-executor-backend", "uni"]
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    own_choice = VLLMServer(tmp_path, role="teacher", cpu=True, extra_args=["--distributed-executor-backend", "mp"])
+    assert own_choice.command().count("--distributed-executor-backend") == 1
+    default_layout = VLLMServer(tmp_path, role="teacher", cpu=True, one_process=False)
+    assert "uni" not in default_layout.command()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in default_layout.extra_env
+    gpu = VLLMServer(tmp_path, role="teacher", cpu=False)
+    assert "uni" not in gpu.command() and "VLLM_TARGET_DEVICE" not in gpu.extra_env
+
+
+def test_launcher_pins_every_server_process_to_the_given_cores(tmp_path):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    report = tmp_path / "report.txt"
+    # the stand-in reports the affinity of a grandchild (vLLM's engine core is one) and the OpenMP variables
+    script = (f"sh -c 'taskset -pc $$' > {report}; echo \"omp=$OMP_NUM_THREADS bind=$VLLM_CPU_OMP_THREADS_BIND\" "
+              f">> {report}; exit 3")
+    server = VLLMServer(tmp_path, role="student", cpu=True, cpus=[core], python=fake_python(tmp_path, script))
+    with pytest.raises(VLLMServerError):
+        server.start()
+    lines = report.read_text().splitlines()
+    assert lines[0].rstrip().endswith(f": {core}")
+    assert lines[1] == f"omp=1 bind={core}"
+    assert sorted(os.sched_getaffinity(0)) != [core] or os.cpu_count() == 1  # the caller itself is not pinned
+
+
+def test_launcher_rejects_cores_this_process_cannot_use(tmp_path):
+    with pytest.raises(ValueError, match=r"cpus must be a non-empty subset of the cores this process may use"):
+        VLLMServer(tmp_path, role="teacher", cpus=[])
+    with pytest.raises(ValueError, match=r"got \[4096\]"):
+        VLLMServer(tmp_path, role="teacher", cpus=[4096])
 
 
 # --------------------------------------------------------------------------------------------- local stub servers

@@ -35,6 +35,11 @@ _ROLE_ENV: dict[Role, dict[str, str]] = {
     "teacher": {},
     "student": {"VLLM_SERVER_DEV_MODE": "1"},
 }
+# On CPU, vLLM runs the model in a third process by default whose shared-memory queues busy-poll for a second after
+# every message: the model process and the engine core spin on two cores between the steps of a small model. The
+# uni-process executor runs the model inside the engine core instead (vLLM-CPU only allows it with this variable).
+_CPU_ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_CPU_ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
 
 
 class VLLMServerError(RuntimeError):
@@ -74,9 +79,11 @@ class VLLMServer:
     :class:`VLLMServerError` with the log tail if the process dies or ``startup_timeout_s`` passes.
     The log goes to ``log_path`` (a temporary file by default). With ``cpu=True`` (the default when torch sees no
     CUDA device) it sets ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE=kv_cache_space_gib`` unless the
-    caller's environment already sets them. ``weight_transfer_backend`` (e.g. ``"gloo"`` on CPU, ``"nccl"`` on GPU)
-    adds ``--weight-transfer-config '{"backend": ...}'`` so the student can receive weights through vLLM's
-    weight-transfer API.
+    caller's environment already sets them, and runs the model inside the engine-core process (``one_process``,
+    see ``docs/rollout.md``). ``weight_transfer_backend`` (e.g. ``"gloo"`` on CPU, ``"nccl"`` on GPU) adds
+    ``--weight-transfer-config '{"backend": ...}'`` so the student can receive weights through vLLM's weight-transfer
+    API. ``cpus`` pins every process of the server (API server, engine core, model) to those CPU cores and sizes its
+    OpenMP threads to match, so that it cannot take cores meant for the trainer or another server.
     """
 
     def __init__(
@@ -96,9 +103,17 @@ class VLLMServer:
         log_path: str | Path | None = None,
         startup_timeout_s: float = 300.0,
         weight_transfer_backend: str | None = None,
+        cpus: Sequence[int] | None = None,
+        one_process: bool | None = None,
     ):
         if role not in _ROLE_ARGS:
             raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
+        if cpus is not None:
+            cpus = sorted(set(cpus))
+            allowed = sorted(os.sched_getaffinity(0))
+            if not cpus or not set(cpus) <= set(allowed):
+                raise ValueError(f"cpus must be a non-empty subset of the cores this process may use {allowed}, "
+                                 f"got {cpus}")
         self.model_dir = Path(model_dir)
         self.role = role
         self.python = python or vllm_python()
@@ -113,6 +128,8 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else _temporary_log_path(role)
         self.startup_timeout_s = startup_timeout_s
         self.weight_transfer_backend = weight_transfer_backend
+        self.cpus = cpus
+        self.one_process = one_process if one_process is not None else self.cpu
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -132,6 +149,8 @@ class VLLMServer:
             "--enforce-eager",
             *_ROLE_ARGS[self.role],
             *self._weight_transfer_args(),
+            *(_CPU_ONE_PROCESS_ARGS if self.one_process and "--distributed-executor-backend" not in self.extra_args
+              else []),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -146,9 +165,18 @@ class VLLMServer:
         if self.cpu:
             environment.setdefault("VLLM_TARGET_DEVICE", "cpu")
             environment.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        if self.one_process:
+            environment.update(_CPU_ONE_PROCESS_ENV)
+        if self.cpus is not None:
+            environment["OMP_NUM_THREADS"] = str(len(self.cpus))
+            if self.cpu:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         environment.update(_ROLE_ENV[self.role])
         environment.update(self.extra_env)
         return environment
+
+    def _pin(self) -> None:
+        os.sched_setaffinity(0, self.cpus)  # in the child before exec: inherited by all of vLLM's processes
 
     def start(self) -> VLLMServer:
         """Launch the process and wait until it is healthy; on any failure stop it and raise."""
@@ -162,6 +190,7 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 env=self.environment(),
                 start_new_session=True,
+                preexec_fn=self._pin if self.cpus is not None else None,
             )
         try:
             self._wait_until_healthy()
