@@ -3,9 +3,10 @@
 The setup is TRL's CPU anchor (``reference/trl-e2e-cpu.md``): a tiny tied Qwen2 student (hidden 128, 2 layers), a
 teacher of the same shape fine-tuned on "What is A plus B?" → "A+B=C." (A, B in 0..29), 256 training prompts, batch
 8, 40 steps, completions up to 32 tokens, top-K 8, β = 0, fp32, one trainer thread. Inference and training get
-disjoint cores, as they would get their own GPUs: by default both vLLM servers share the first core and the trainer
-has the second (the anchor's layout: vLLM-CPU pins both servers' models to core 0). ``--layout split`` puts the
-teacher server with the trainer instead. The servers are launched with fastdistill's CPU defaults (every server
+disjoint cores, as they would get their own GPUs. By default (``--layout split``, the issue's suggestion) the student
+server has the first core and the teacher server shares the second with the trainer; ``--layout servers-together``
+puts both servers on the first core and the trainer alone on the second (the anchor's layout: vLLM-CPU pins both
+servers' models to core 0). The servers are launched with fastdistill's CPU defaults (every server
 process pinned to its core, the model inside the engine-core process); ``--anchor-servers`` launches them as the
 anchor did (vLLM's default executor, only the model's OpenMP thread pinned). Both are warmed up before the runs.
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -94,15 +96,15 @@ def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str,
     return summary
 
 
-def run_trl(workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
+def run_trl(name: str, workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
             trainer_cpus: set[int] | None) -> dict[str, Any]:
-    output_dir = workdir / "trl"
+    output_dir = workdir / name
     spec = {"student_dir": str(student_dir), "output_dir": str(output_dir), "prompts": prompts,
             "student_url": urls["student"], "teacher_url": urls["teacher"], "batch_size": args.batch_size,
             "steps": args.steps, "max_completion_length": 32, "top_k": 8, "learning_rate": 1e-3, "seed": args.seed}
-    (workdir / "trl.json").write_text(json.dumps(spec))
-    _run([sys.executable, str(ROOT / "benchmarks" / "e2e_trl_run.py"), str(workdir / "trl.json")], trainer_cpus,
-         workdir / "trl.log")
+    (workdir / f"{name}.json").write_text(json.dumps(spec))
+    _run([sys.executable, str(ROOT / "benchmarks" / "e2e_trl_run.py"), str(workdir / f"{name}.json")], trainer_cpus,
+         workdir / f"{name}.log")
     result = json.loads((output_dir / "trl_result.json").read_text())
     result["trained_tokens_per_s"] = result["trained_tokens"] / result["wall_seconds"]
     result["generated_samples"] = result["trained_samples"] + result["dropped_stale_total"]
@@ -150,13 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every contender this many times, interleaved, and report medians")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--only", choices=("async", "sync", "trl"), nargs="*", default=None, help="run just these")
     parser.add_argument("--ours", default="{}", help="YAML mapping of extra config fields for fastdistill's runs")
-    parser.add_argument("--layout", choices=("servers-together", "split"), default="servers-together",
-                        help="servers-together: both vLLM servers on one core, the trainer on the other (inference "
-                             "vs training, as on separate GPUs; also where vLLM-CPU pins both servers by default, "
-                             "the anchor's layout); split: student server | teacher server + trainer")
+    parser.add_argument("--layout", choices=("split", "servers-together"), default="split",
+                        help="split: student server | teacher server + trainer; servers-together: both vLLM servers "
+                             "on one core, the trainer on the other (where vLLM-CPU pins both servers by default, the "
+                             "anchor's layout)")
     parser.add_argument("--anchor-servers", action="store_true",
                         help="launch the servers as the anchor run did (vLLM's default multi-process executor, only "
                              "the model's OpenMP thread pinned) instead of fastdistill's defaults (one engine process, "
@@ -195,41 +199,50 @@ def main(argv: list[str] | None = None) -> int:
             VLLMServer(teacher_dir, role="teacher", log_path=workdir / "teacher_server.log", **servers[1]) as teacher:
         urls = {"student": student.url, "teacher": teacher.url}
         warm_up(urls, held_rows)
-        for name, runner in [
-            ("async", lambda: run_fastdistill("async", workdir, student_dir, urls, prompts, args, trainer_cpus, True)),
-            ("sync", lambda: run_fastdistill("sync", workdir, student_dir, urls, prompts, args, trainer_cpus, False)),
-            ("trl", lambda: run_trl(workdir, student_dir, urls, prompts, args, trainer_cpus)),
-        ]:
-            if (name == "trl" and args.skip_trl) or (args.only and name not in args.only):
-                continue
-            print(f"[bench_e2e] running {name} ...", flush=True)
-            started = time.perf_counter()
-            results[name] = runner()
-            results[name]["held_out_jsd"] = held_out_jsd(results[name]["final_dir"], urls, held_rows)
-            print(f"[bench_e2e] {name}: {results[name]['trained_tokens_per_s']:.1f} trained tok/s, held-out jsd "
-                  f"{results[name]['held_out_jsd']:.3f}, {time.perf_counter() - started:.0f} s", flush=True)
+        runners = {
+            "async": lambda tag: run_fastdistill(tag, workdir, student_dir, urls, prompts, args, trainer_cpus, True),
+            "sync": lambda tag: run_fastdistill(tag, workdir, student_dir, urls, prompts, args, trainer_cpus, False),
+            "trl": lambda tag: run_trl(tag, workdir, student_dir, urls, prompts, args, trainer_cpus),
+        }
+        chosen = [name for name in runners
+                  if not (name == "trl" and args.skip_trl) and not (args.only and name not in args.only)]
+        for repeat in range(args.repeats):  # interleaved, so that a slow spell of the machine hits every contender
+            for name in chosen:
+                tag = name if args.repeats == 1 else f"{name}{repeat + 1}"
+                print(f"[bench_e2e] running {tag} ...", flush=True)
+                started = time.perf_counter()
+                run = runners[name](tag)
+                run["held_out_jsd"] = held_out_jsd(run["final_dir"], urls, held_rows)
+                run["wasted_fraction"] = 1.0 - run["trained_samples"] / max(run["generated_samples"], 1.0)
+                results.setdefault(name, []).append(run)
+                print(f"[bench_e2e] {tag}: {run['trained_tokens_per_s']:.1f} trained tok/s, held-out jsd "
+                      f"{run['held_out_jsd']:.3f}, {time.perf_counter() - started:.0f} s", flush=True)
 
-    def waste(run: dict[str, Any]) -> float:
-        return 1.0 - run["trained_samples"] / max(run["generated_samples"], 1.0)
-
+    fields = ("trained_tokens_per_s", "held_out_jsd", "wasted_fraction", "shutdown_s", "wall_seconds")
+    medians = {name: {field: statistics.median(run[field] for run in runs) for field in fields}
+               for name, runs in results.items()}
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
         "layout": args.layout, "anchor_servers": args.anchor_servers, "batch_size": args.batch_size,
-        "ours": yaml.safe_load(args.ours) or {},
+        "repeats": args.repeats, "statistic": "median over repeats", "ours": yaml.safe_load(args.ours) or {},
     }
-    for name, run in results.items():
-        report.update({f"{name}_trained_tokens_per_s": run["trained_tokens_per_s"],
-                       f"{name}_final_jsd": run["held_out_jsd"], f"{name}_wasted_fraction": waste(run),
-                       f"{name}_shutdown_s": run["shutdown_s"]})
+    for name, median in medians.items():
+        report.update({f"{name}_trained_tokens_per_s": median["trained_tokens_per_s"],
+                       f"{name}_final_jsd": median["held_out_jsd"],
+                       f"{name}_wasted_fraction": median["wasted_fraction"],
+                       f"{name}_shutdown_s": median["shutdown_s"]})
     report["runs"] = results
     print()
-    print(f"{'run':<8}{'trained tok/s':>15}{'held-out jsd':>14}{'wasted':>9}{'shutdown s':>12}{'wall s':>9}")
-    for name, run in results.items():
-        print(f"{name:<8}{run['trained_tokens_per_s']:>15.1f}{run['held_out_jsd']:>14.3f}{waste(run):>9.1%}"
-              f"{run['shutdown_s']:>12.2f}{run['wall_seconds']:>9.1f}")
+    print(f"{'run':<8}{'trained tok/s':>15}{'held-out jsd':>14}{'wasted':>9}{'shutdown s':>12}{'wall s':>9}"
+          + ("   (medians; each run: tok/s, jsd)" if args.repeats > 1 else ""))
+    for name, median in medians.items():
+        each = ", ".join(f"{run['trained_tokens_per_s']:.0f}/{run['held_out_jsd']:.3f}" for run in results[name])
+        print(f"{name:<8}{median['trained_tokens_per_s']:>15.1f}{median['held_out_jsd']:>14.3f}"
+              f"{median['wasted_fraction']:>9.1%}{median['shutdown_s']:>12.2f}{median['wall_seconds']:>9.1f}"
+              + (f"   {each}" if args.repeats > 1 else ""))
     for other in ("sync", "trl"):
-        if "async" in results and other in results:
-            ratio = results["async"]["trained_tokens_per_s"] / results[other]["trained_tokens_per_s"]
+        if "async" in medians and other in medians:
+            ratio = medians["async"]["trained_tokens_per_s"] / medians[other]["trained_tokens_per_s"]
             report[f"async_over_{other}"] = ratio
             print(f"async / {other} throughput: {ratio:.2f}x")
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -229,7 +230,10 @@ def test_config_defaults_follow_trl():
     assert config.teacher_server_urls == {"default": "http://localhost:8001"}
     assert (config.learning_rate, config.beta, config.teacher_top_k, config.max_staleness) == (1e-6, 0.0, 8, 4)
     assert (config.weight_sync_steps, config.max_completion_length) == (1, 2048)
-    assert config.resolved_max_inflight_tasks(world_size=2) == 4 * 16 - 16  # TRL: 4 steps in flight; ours: 4 in all
+    assert config.resolved_max_inflight_tasks(world_size=2) == 16  # TRL: 4 steps in flight; ours: 2 in all
+    assert dataclasses.replace(config, max_staleness=1).resolved_max_inflight_tasks(world_size=2) == 16
+    assert dataclasses.replace(config, queue_maxsize=4).resolved_max_inflight_tasks(world_size=2) == 2 * 16 - 4
+    assert dataclasses.replace(config, max_inflight_tasks=7).resolved_max_inflight_tasks(world_size=2) == 7
     assert config.resolved_queue_maxsize(world_size=2) == 16  # one step, not TRL's 1024 (see the docstring)
     assert config.resolved_max_steps(num_prompts=100, world_size=1) == 38  # ceil(3 × 100 / 8)
 

@@ -214,20 +214,23 @@ class AsyncDistillationConfig:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
 
     def resolved_max_inflight_tasks(self, world_size: int) -> int:
-        """When -1: ``max(max_staleness, 1)`` steps' samples (TRL's rule) minus what the queue holds, at least one
-        step's, so that in-flight plus queued rollouts stay within ``max_staleness`` steps of the trainer."""
+        """When -1: two steps' samples (one if ``max_staleness`` < 2) minus what the queue holds, at least one
+        step's. With the default queue that is one step generating while one step waits for the trainer: double
+        buffering, enough for generation and training to overlap. TRL keeps ``max_staleness`` steps in flight; a
+        deeper lookahead only makes samples staler (``docs/train.md``)."""
         if self.max_inflight_tasks != -1:
             return self.max_inflight_tasks
         step = self.samples_per_step(world_size)
-        return max(step, max(self.max_staleness, 1) * step - self.resolved_queue_maxsize(world_size))
+        lookahead_steps = 2 if self.max_staleness >= 2 else 1
+        return max(step, lookahead_steps * step - self.resolved_queue_maxsize(world_size))
 
     def resolved_queue_maxsize(self, world_size: int) -> int:
         """``queue_maxsize``, or one step's samples when None.
 
         Rollouts in flight plus queued ones are the trainer's lookahead: with TRL's 1024-sample queue it runs far
         more than ``max_staleness`` steps ahead, and the surplus is generated only to be dropped as stale (35–81 %
-        of samples in the reference run). In flight (max_staleness steps) + one queued step keeps nearly every
-        sample within ``max_staleness`` versions of the trainer."""
+        of samples in the reference run). One queued step plus one in flight keeps samples about two versions
+        old."""
         return self.queue_maxsize if self.queue_maxsize is not None else self.samples_per_step(world_size)
 
     def resolved_max_steps(self, num_prompts: int, world_size: int) -> int:
