@@ -24,6 +24,7 @@ def test_serve_student_dry_run_enables_weight_transfer(capsys):
     assert main(["serve-student", "some/model", "--weight-transfer", "gloo", "--dry-run"]) == 0
     command = capsys.readouterr().err
     assert "--weight-transfer-config" in command and '"gloo"' in command
+    assert "--worker-extension-cls fastdistill.sync.vllm_engine.WorkerExtension" in command  # one-call syncs
     assert main(["serve-student", "some/model", "--weight-transfer", "none", "--dry-run"]) == 0
     assert "--weight-transfer-config" not in capsys.readouterr().err
 

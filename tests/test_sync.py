@@ -339,6 +339,23 @@ def test_failed_start_resumes_the_server():
         stub.close()
 
 
+def test_one_call_without_the_worker_extension_is_a_clear_error():
+    # what vLLM answers when the worker has no such method
+    missing = (500, {"error": {"message": "AttributeError: 'CPUWorker' object has no attribute 'fastdistill_ping'"}})
+    stub = StubVLLM({("GET", "/get_world_size"): (200, {"world_size": 1}), ("POST", "/collective_rpc"): missing})
+    try:
+        with pytest.raises(WeightSyncError) as failure:
+            VLLMWeightSync(stub.url, one_call=True, timeout_s=10).init()
+        message = str(failure.value) + "".join(getattr(failure.value, "__notes__", []))
+        assert "has no attribute 'fastdistill_ping'" in message  # the server's own words
+        assert "--worker-extension-cls fastdistill.sync.vllm_engine.WorkerExtension" in message  # and the fix
+        assert "weight_sync_one_call=False" in message
+    finally:
+        stub.close()
+    with pytest.raises(ValueError, match="one_call=True needs backend='gloo'"):
+        VLLMWeightSync("http://127.0.0.1:1", backend="nccl", one_call=True)
+
+
 class FakeVLLM(StubVLLM):
     """A stub that speaks the whole protocol like one vLLM worker: it joins the trainer's gloo group on
     /init_weight_transfer_engine and receives the broadcast on /update_weights (unless ``fail_update`` is set, in
@@ -357,8 +374,16 @@ class FakeVLLM(StubVLLM):
                 ("POST", "/update_weights"): self._update,
                 ("POST", "/finish_weight_update"): (200, {"message": "Weight update finished"}),
                 ("POST", "/resume"): (200, {"status": "resumed"}),
+                ("POST", "/collective_rpc"): self._rpc,
+                ("POST", "/update_weight_version"): (200, {"success": True}),
             }
         )
+
+    def _rpc(self, body: dict) -> tuple[int, object]:
+        if body["method"] == "fastdistill_ping":
+            return 200, {"results": ["fastdistill"]}
+        assert body["method"] == "fastdistill_update_weights" and set(body["kwargs"]) == {"update_info"}
+        return self._update({"update_info": json.loads(body["kwargs"]["update_info"])})
 
     def _init(self, body: dict) -> tuple[int, object]:
         info = body["init_info"]
@@ -377,6 +402,25 @@ class FakeVLLM(StubVLLM):
             item for chunk in receive_tensors(self.group, manifest, bucket_bytes=self.bucket_bytes) for item in chunk
         ]
         return 200, {"message": "Weights updated"}
+
+
+def test_one_call_protocol_against_a_fake_server():
+    fake = FakeVLLM()
+    model = tiny_model(tied=True)
+    try:
+        with VLLMWeightSync(fake.url, bucket_bytes=8192, timeout_s=10, one_call=True) as sync:
+            metrics = sync.push(model, version=4)
+        assert [path for _, path, _ in fake.calls] == [
+            "/get_world_size", "/collective_rpc", "/init_weight_transfer_engine", "/collective_rpc",
+            "/update_weight_version",
+        ]  # no /pause, no /resume
+        assert fake.calls[-1][2] == {"new_version": "4"}
+        expected = dict(model.named_parameters())
+        assert [name for name, _ in fake.received] == list(expected)
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in fake.received)
+        assert metrics["perf/weight_sync_pause_s"] == 0.0 and metrics["perf/weight_sync_s"] > 0
+    finally:
+        fake.close()
 
 
 def test_protocol_against_a_fake_server():
@@ -563,7 +607,20 @@ def test_a_new_trainer_reinitialises_with_many_small_chunks(untied_server):
 
 
 @pytest.mark.vllm
-def test_push_while_a_long_generation_is_in_flight(untied_server):
+def test_one_call_push_updates_served_logprobs_without_pausing(untied_server):
+    folder, server = untied_server
+    model = load(folder)
+    pauses_before = server.log_path.read_text().count("POST /pause")
+    with VLLMWeightSync(server.url, one_call=True, timeout_s=60) as sync:
+        for version in (31, 32):
+            metrics = push_and_check(sync, server.url, model, version, seed=version)
+            assert metrics["perf/weight_sync_pause_s"] == 0.0
+    assert server.log_path.read_text().count("POST /pause") == pauses_before
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("one_call", [False, True], ids=["pause-keep", "one-call"])
+def test_push_while_a_long_generation_is_in_flight(untied_server, one_call):
     folder, server = untied_server
     model = load(folder)
     max_tokens = 400
@@ -593,7 +650,7 @@ def test_push_while_a_long_generation_is_in_flight(untied_server):
                     first.set()
 
     thread = threading.Thread(target=generate, daemon=True)
-    with VLLMWeightSync(server.url, timeout_s=60) as sync:
+    with VLLMWeightSync(server.url, timeout_s=60, one_call=one_call) as sync:
         thread.start()
         assert first.wait(60), "the generation never started"
         perturb(model, seed=21)

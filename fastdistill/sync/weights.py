@@ -277,7 +277,11 @@ class VLLMWeightSync(WeightSync):
     (a free port when ``None``); the server must reach that address. ``bucket_bytes`` is the size of each packed
     broadcast chunk. ``timeout_s`` bounds the rendezvous, the transfer and each long HTTP call. ``include_tied``
     also sends tied aliases (``lm_head.weight``); not needed with fastdistill's gloo engine, which re-packs tied CPU
-    heads itself. ``dtype`` casts the weights before sending (default: as trained).
+    heads itself. ``dtype`` casts the weights before sending (default: as trained). ``one_call=True`` (gloo only)
+    replaces ``/pause`` → start → update → finish → ``/resume`` by one ``/collective_rpc`` into fastdistill's worker
+    extension, which the engine core runs between two steps: generation does not pause. It needs a server that runs
+    one engine step at a time (vLLM-CPU) launched with ``--worker-extension-cls
+    fastdistill.sync.vllm_engine.WorkerExtension`` (``VLLMServer`` and ``fastdistill serve-student`` add it).
     """
 
     def __init__(
@@ -292,9 +296,12 @@ class VLLMWeightSync(WeightSync):
         timeout_s: float = 600.0,
         include_tied: bool = False,
         dtype: torch.dtype | None = None,
+        one_call: bool = False,
     ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if one_call and backend != "gloo":
+            raise ValueError("one_call=True needs backend='gloo' (GPU engines overlap steps: use vLLM's /pause)")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if timeout_s <= 0:
@@ -308,6 +315,7 @@ class VLLMWeightSync(WeightSync):
         self.timeout_s = timeout_s
         self.include_tied = include_tied
         self.dtype = dtype
+        self.one_call = one_call
         self.world_size: int | None = None
         self._initialized = False
         self._store: Any = None
@@ -329,11 +337,26 @@ class VLLMWeightSync(WeightSync):
         if self.is_sender:
             answer = self._call("GET", "/get_world_size", timeout_s=_CONTROL_TIMEOUT_S)
             self.world_size = int(answer["world_size"]) + 1  # the trainer is rank 0, the workers 1..Wv
+            if self.one_call:
+                self._check_worker_extension()
             if self.backend == "gloo":
                 self._init_gloo()
             else:
                 self._init_nccl()
         self._initialized = True
+
+    def _check_worker_extension(self) -> None:
+        try:
+            answer = self._call("POST", "/collective_rpc", {"method": "fastdistill_ping"}, timeout_s=_CONTROL_TIMEOUT_S)
+        except WeightSyncError as error:
+            error.add_note(
+                "one_call=True needs fastdistill's worker extension in the student server: start it with "
+                "`fastdistill serve-student` or add --worker-extension-cls "
+                "fastdistill.sync.vllm_engine.WorkerExtension (or set weight_sync_one_call=False)"
+            )
+            raise
+        if answer != {"results": ["fastdistill"]}:
+            raise WeightSyncError(f"{self.base_url}/collective_rpc fastdistill_ping answered {answer!r:.200}")
 
     def _init_info(self, port: int) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -412,6 +435,8 @@ class VLLMWeightSync(WeightSync):
         if not self._initialized:
             raise WeightSyncError("push() before init(): call init() once on every rank first")
         manifest = weight_manifest(model, include_tied=self.include_tied, dtype=self.dtype)
+        if self.one_call and self.is_sender:
+            return self._push_in_one_call(model, manifest, version)
         if not self.is_sender:
             if not _ranks_agree(True):  # the sender tells whether the server accepted /pause and /start
                 raise WeightSyncError("the sending rank could not start the weight update (see its error)")
@@ -477,6 +502,42 @@ class VLLMWeightSync(WeightSync):
         return {
             "perf/weight_sync_s": time.perf_counter() - start,
             "perf/weight_sync_pause_s": pause_s,
+            "perf/weight_sync_barrier_s": barrier_s,
+            "perf/weight_sync_transfer_s": transfer_s,
+        }
+
+    def _push_in_one_call(self, model: torch.nn.Module, manifest: list[TensorSpec], version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        if self._group is None:
+            _ranks_agree(False)
+            raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
+        _ranks_agree(True)
+        barrier_s = time.perf_counter() - start
+        update_info = json.dumps({
+            "names": [spec.name for spec in manifest],
+            "dtype_names": [dtype_name(spec.dtype) for spec in manifest],
+            "shapes": [list(spec.shape) for spec in manifest],
+        })
+        weights = iter_named_weights(model, include_tied=self.include_tied, dtype=self.dtype)
+        rpc = {"method": "fastdistill_update_weights", "kwargs": {"update_info": update_info},
+               "timeout": self.timeout_s}
+        try:
+            _run_together(
+                {"/collective_rpc": lambda: self._call("POST", "/collective_rpc", rpc),
+                 "broadcast": self._broadcaster(weights, manifest)},
+                self.timeout_s,
+            )
+        except _TaskFailed as failure:
+            self._group = self._store = None  # a broken broadcast leaves the group unusable
+            error = failure.error if isinstance(failure.error, WeightSyncError) else None
+            error = error or WeightSyncError(f"weight transfer failed in {failure}")
+            error.add_note("the server may hold partially updated weights until the next successful push")
+            raise error from (None if error is failure.error else failure.error)
+        transfer_s = time.perf_counter() - start - barrier_s
+        self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        return {
+            "perf/weight_sync_s": time.perf_counter() - start,
+            "perf/weight_sync_pause_s": 0.0,
             "perf/weight_sync_barrier_s": barrier_s,
             "perf/weight_sync_transfer_s": transfer_s,
         }

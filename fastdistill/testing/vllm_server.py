@@ -157,7 +157,10 @@ class VLLMServer:
     def _weight_transfer_args(self) -> list[str]:
         if self.weight_transfer_backend is None:
             return []
-        return ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
+        args = ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
+        if self.weight_transfer_backend == "gloo":  # one-call updates (VLLMWeightSync(one_call=True))
+            args += ["--worker-extension-cls", "fastdistill.sync.vllm_engine.WorkerExtension"]
+        return args
 
     def environment(self) -> dict[str, str]:
         """The server's environment: ours, the CPU defaults, the role's variables, then ``env`` overrides."""

@@ -116,6 +116,7 @@ class AsyncDistillationConfig:
     weight_sync_backend: str = "auto"  # ours: gloo on CPU, nccl on CUDA, "none" never syncs (tests)
     verify_weight_sync: bool = False  # ours: after each sync compare served log-probs with the trainer's
     weight_sync_overlap: bool = False  # ours: push a snapshot from a thread while the next step runs (1 process)
+    weight_sync_one_call: bool | None = None  # ours: one /collective_rpc instead of /pause…/resume; None: with gloo
     async_mode: bool = True  # ours: False waits for the current weights' samples (a synchronous baseline)
 
     def __post_init__(self) -> None:
@@ -182,6 +183,10 @@ class AsyncDistillationConfig:
                "None, or a number > 0 together with pg_importance_ratio=True")
         _check(not (self.weight_sync_overlap and self.verify_weight_sync), "weight_sync_overlap",
                self.weight_sync_overlap, "False with verify_weight_sync=True (the trainer moves on during the push)")
+        _check(self.weight_sync_one_call in (None, True, False), "weight_sync_one_call", self.weight_sync_one_call,
+               "None (automatic), True or False")
+        _check(not (self.weight_sync_one_call and self.weight_sync_backend == "nccl"), "weight_sync_one_call",
+               self.weight_sync_one_call, "None or False with weight_sync_backend='nccl' (GPU engines overlap steps)")
         _check(not (self.weight_sync_overlap and not self.async_mode), "weight_sync_overlap",
                self.weight_sync_overlap, "False with async_mode=False (a synchronous step waits for the new weights)")
         self._validate_teachers()

@@ -478,7 +478,8 @@ class AsyncDistillationTrainer:
             backend = config.weight_sync_backend
             if backend == "auto":
                 backend = "nccl" if self.dist.device.type == "cuda" else "gloo"
-            self.weight_sync = VLLMWeightSync(config.vllm_server_base_url, backend=backend,
+            one_call = config.weight_sync_one_call if config.weight_sync_one_call is not None else backend == "gloo"
+            self.weight_sync = VLLMWeightSync(config.vllm_server_base_url, backend=backend, one_call=one_call,
                                               is_sender=self.dist.is_main, timeout_s=config.weight_sync_timeout)
         if self.dist.is_main:
             self.token_budget = self._resolve_token_budget()
