@@ -462,11 +462,7 @@ class VLLMWeightSync(WeightSync):
         _ranks_agree(True)
         barrier_s = time.perf_counter() - barrier_start
 
-        update_info = {
-            "names": [spec.name for spec in manifest],
-            "dtype_names": [dtype_name(spec.dtype) for spec in manifest],
-            "shapes": [list(spec.shape) for spec in manifest],
-        }
+        update_info = _update_info(manifest)
         weights = iter_named_weights(model, include_tied=self.include_tied, dtype=self.dtype)
         try:
             # The server's /update_weights returns once it has received everything: both sides must run at once.
@@ -513,13 +509,8 @@ class VLLMWeightSync(WeightSync):
             raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
         _ranks_agree(True)
         barrier_s = time.perf_counter() - start
-        update_info = json.dumps({
-            "names": [spec.name for spec in manifest],
-            "dtype_names": [dtype_name(spec.dtype) for spec in manifest],
-            "shapes": [list(spec.shape) for spec in manifest],
-        })
         weights = iter_named_weights(model, include_tied=self.include_tied, dtype=self.dtype)
-        rpc = {"method": "fastdistill_update_weights", "kwargs": {"update_info": update_info},
+        rpc = {"method": "fastdistill_update_weights", "kwargs": {"update_info": json.dumps(_update_info(manifest))},
                "timeout": self.timeout_s}
         try:
             _run_together(
@@ -590,6 +581,15 @@ class VLLMWeightSync(WeightSync):
             if callable(destroy):
                 destroy()
         self._initialized = False
+
+
+def _update_info(manifest: list[TensorSpec]) -> dict[str, list]:
+    """The ``update_info`` vLLM's ``/update_weights`` takes: parallel lists of names, dtype names and shapes."""
+    return {
+        "names": [spec.name for spec in manifest],
+        "dtype_names": [dtype_name(spec.dtype) for spec in manifest],
+        "shapes": [list(spec.shape) for spec in manifest],
+    }
 
 
 def _ranks_agree(ok: bool) -> bool:
