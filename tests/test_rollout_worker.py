@@ -44,8 +44,10 @@ class StubServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.requests = 0  # POST /v1/completions received
+        self.model_queries = 0  # GET /v1/models received
 
     async def models(self, request: web.Request) -> web.Response:
+        self.model_queries += 1
         return web.json_response({"data": [{"id": self.name, "max_model_len": 512}]})
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -203,6 +205,8 @@ def test_config_accepts_one_url_or_replicas_and_rejects_bad_settings():
         (dict(skip_prompt_ids=frozenset({2, -4})), r"skip_prompt_ids must be prompt ids >= 0, got \['-4'\]"),
         (dict(max_inflight_tasks=4, initial_inflight_tasks=5), r"initial_inflight_tasks must be None or in \[1, "),
         (dict(initial_inflight_tasks=0), "initial_inflight_tasks must be None or in"),
+        (dict(max_lookahead=0), "max_lookahead must be None or an int >= 1, got 0"),
+        (dict(max_lookahead=2.5), "max_lookahead must be None or an int >= 1, got 2.5"),
     ]
     for overrides, message in cases:
         settings = dict(student_url="http://s", teacher_urls={"math": "http://a"}) | overrides
@@ -221,6 +225,30 @@ def test_slow_start_grows_the_in_flight_cap_by_one_per_finished_rollout():
     assert loop.inflight_cap() == 10
     plain = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10), rows, None)
     assert plain.inflight_cap() == 10
+
+
+class _CountedQueue:
+    def __init__(self, size: int, countable: bool = True):
+        self.size, self.countable, self._maxsize = size, countable, 8
+
+    def qsize(self) -> int:
+        if not self.countable:
+            raise NotImplementedError
+        return self.size
+
+
+def test_lookahead_counts_queued_samples_against_the_in_flight_cap():
+    rows = [{"prompt_ids": [1], "teacher_id": "t", "prompt": None}]
+    channels = type("Channels", (), {"samples": _CountedQueue(0)})()
+    loop = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=16, max_lookahead=12),
+                        rows, channels)
+    assert loop.inflight_cap() == 12  # an empty queue: the whole lookahead may be in flight
+    channels.samples.size = 5
+    assert loop.inflight_cap() == 7
+    channels.samples.size = 12
+    assert loop.inflight_cap() == 0  # the trainer has a full lookahead waiting: dispatch nothing
+    channels.samples = _CountedQueue(0, countable=False)  # macOS: assume the queue (maxsize 8) is full
+    assert loop.inflight_cap() == 12 - 8
 
 
 def test_clipped_means_no_eos_at_the_end_or_the_length_limit_without_eos_ids():
@@ -321,6 +349,51 @@ def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
     assert total(first_epoch, "rollout/redispatched_total") >= 1
     assert total(first_epoch, "rollout/dropped_total") >= 2
     assert total(first_epoch, "rollout/vllm_retry_total") >= 2
+
+
+def test_lookahead_bounds_in_flight_plus_queued_rollouts():
+    with StubServer("student", student_stub()) as student, StubServer("teacher", teacher_stub(tag=1000)) as teacher:
+        _check_lookahead(student, teacher)
+
+
+def _check_lookahead(student: StubServer, teacher: StubServer) -> None:
+    rows = dataset(40, teacher_ids=("anything",))
+    worker = RolloutWorker(config(student, {"math": teacher}, max_inflight_tasks=16, max_lookahead=5), rows,
+                           queue_maxsize=3)
+
+    def requests_settle_at(expected: int) -> None:
+        deadline = time.monotonic() + 10
+        while student.requests < expected:
+            assert time.monotonic() < deadline, f"{student.requests} generations, expected {expected}"
+            time.sleep(0.05)
+        time.sleep(0.5)  # and no more follow
+        assert student.requests == expected
+
+    worker.start()
+    try:
+        requests_settle_at(5)  # nothing consumed: the whole lookahead is generated, no more
+        for _ in range(2):
+            worker.samples.get(timeout=5)
+        requests_settle_at(7)  # each sample the trainer takes frees one rollout
+    finally:
+        worker.stop()
+
+
+def test_synchronous_source_serves_waves_of_current_samples_over_kept_connections():
+    from fastdistill.train.source import SynchronousSource
+
+    with StubServer("student", student_stub()) as student, StubServer("teacher", teacher_stub(tag=1000)) as teacher:
+        rows = dataset(6, teacher_ids=("math",))
+        source = SynchronousSource(rows, config(student, {"math": teacher}, shuffle=False), wave_size=3)
+        first = [source.next(model_version=4) for _ in range(3)]
+        assert (student.requests, teacher.requests) == (3, 3)  # one wave, generated and scored at once
+        second = [source.next(model_version=5) for _ in range(3)]
+        source.close()
+        source.close()  # idempotent
+    assert [s.prompt_id for s in first + second] == list(range(6))
+    assert [s.model_version for s in first + second] == [4, 4, 4, 5, 5, 5]  # stamped with the trainer's version
+    assert first[0].input_ids.tolist() == [10, 5, 6, *student_completion([10])]
+    assert student.model_queries == 1  # the clients (and their connections) live for the whole run
 
 
 def test_backpressure_keeps_the_heartbeat_fresh(servers):

@@ -210,6 +210,8 @@ def test_resume_from_a_missing_checkpoint_is_an_error(tmp_path, student_dir, sam
         ({"learning_rate": float("nan")}, "learning_rate must be a finite number > 0"),
         ({"max_steps": 0}, r"max_steps must be -1 \(from epochs\) or >= 1"),
         ({"max_inflight_tasks": 0}, r"max_inflight_tasks must be -1 \(automatic\) or >= 1"),
+        ({"max_lookahead_steps": 0}, r"max_lookahead_steps must be an int >= 1"),
+        ({"max_lookahead_steps": 1.5}, r"max_lookahead_steps must be an int >= 1"),
         ({"weight_sync_one_call": "yes"}, r"weight_sync_one_call must be None \(automatic\), True or False"),
         ({"weight_sync_one_call": True, "weight_sync_backend": "nccl"},
          r"weight_sync_one_call must be None or False with weight_sync_backend='nccl'"),
@@ -233,10 +235,14 @@ def test_config_defaults_follow_trl():
     assert config.teacher_server_urls == {"default": "http://localhost:8001"}
     assert (config.learning_rate, config.beta, config.teacher_top_k, config.max_staleness) == (1e-6, 0.0, 8, 4)
     assert (config.weight_sync_steps, config.max_completion_length) == (1, 2048)
-    assert config.resolved_max_inflight_tasks(world_size=2) == 16  # TRL: 4 steps in flight; ours: 2 in all
-    assert dataclasses.replace(config, max_staleness=1).resolved_max_inflight_tasks(world_size=2) == 16
-    assert dataclasses.replace(config, queue_maxsize=4).resolved_max_inflight_tasks(world_size=2) == 2 * 16 - 4
-    assert dataclasses.replace(config, max_inflight_tasks=7).resolved_max_inflight_tasks(world_size=2) == 7
+    # TRL: 4 steps in flight plus a 1024-sample queue; ours: 3 steps' samples in flight and queued together
+    assert config.resolved_max_lookahead(world_size=2) == config.resolved_max_inflight_tasks(world_size=2) == 3 * 16
+    assert dataclasses.replace(config, max_lookahead_steps=2).resolved_max_lookahead(world_size=2) == 2 * 16
+    assert dataclasses.replace(config, max_staleness=2).resolved_max_lookahead(world_size=2) == 2 * 16
+    assert dataclasses.replace(config, max_staleness=0).resolved_max_lookahead(world_size=2) == 16
+    assert dataclasses.replace(config, queue_maxsize=4).resolved_max_lookahead(world_size=2) == 3 * 16
+    explicit = dataclasses.replace(config, max_inflight_tasks=7)  # TRL's meaning: 7 in flight, the queue aside
+    assert explicit.resolved_max_inflight_tasks(world_size=2) == 7 and explicit.resolved_max_lookahead(2) is None
     assert config.resolved_queue_maxsize(world_size=2) == 16  # one step, not TRL's 1024 (see the docstring)
     assert config.resolved_max_steps(num_prompts=100, world_size=1) == 38  # ceil(3 × 100 / 8)
 

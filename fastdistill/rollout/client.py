@@ -77,6 +77,7 @@ class _VLLMEndpoint:
         self.stats = stats
         self._model_name = model
         self._served_model: ServedModel | None = None
+        self._served_model_lock: asyncio.Lock | None = None  # concurrent first requests ask the server once
         self._session = session
         self._owns_session = session is None
 
@@ -147,13 +148,16 @@ class _VLLMEndpoint:
 
     async def served_model(self) -> ServedModel:
         """The served model's id and ``max_model_len`` from ``GET /v1/models`` (queried once, then cached)."""
-        if self._served_model is None:
-            body = await self._request("GET", "/v1/models")
-            try:
-                entry = body["data"][0]
-                self._served_model = ServedModel(name=str(entry["id"]), max_model_len=int(entry["max_model_len"]))
-            except (KeyError, IndexError, TypeError, ValueError) as error:
-                raise VLLMResponseError(f"{self._where('/v1/models')}: unexpected body {body!r:.300}") from error
+        if self._served_model_lock is None:
+            self._served_model_lock = asyncio.Lock()
+        async with self._served_model_lock:
+            if self._served_model is None:
+                body = await self._request("GET", "/v1/models")
+                try:
+                    entry = body["data"][0]
+                    self._served_model = ServedModel(name=str(entry["id"]), max_model_len=int(entry["max_model_len"]))
+                except (KeyError, IndexError, TypeError, ValueError) as error:
+                    raise VLLMResponseError(f"{self._where('/v1/models')}: unexpected body {body!r:.300}") from error
         return self._served_model
 
     async def tokenize(self, text: str) -> list[int]:

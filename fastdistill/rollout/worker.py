@@ -2,7 +2,8 @@
 
 The parent (:class:`RolloutWorker`) validates the dataset, spawns the child and watches it. The child runs one
 asyncio loop over the dataset (already tokenised rows ``{"prompt_ids": list[int], "teacher_id": str?}``) with at most
-``max_inflight_tasks`` rollouts in flight; one rollout = student generate, then teacher score. Scored samples go into
+``max_inflight_tasks`` rollouts in flight (and, with ``max_lookahead``, at most that many in flight and queued
+together); one rollout = student generate, then teacher score. Scored samples go into
 the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL names, §10.2 of the reference).
 
 Differences from TRL's ``AsyncRolloutWorker`` (reference §5, §14.3): rows are routed to teachers and validated in the
@@ -70,6 +71,10 @@ class RolloutConfig:
     clipped one for ``completions/clipped_ratio`` (without them, a completion is clipped when it has ``max_tokens``
     tokens).
 
+    Lookahead: at most ``max_inflight_tasks`` rollouts are in flight, reached by a slow start from
+    ``initial_inflight_tasks`` (None: at once); ``max_lookahead`` (None: no such bound) caps rollouts in flight plus
+    samples waiting in the queue, so that the worker never runs further ahead of the trainer than that.
+
     Order: ``seed`` seeds the per-epoch shuffle (epoch e uses ``default_rng((seed, e))``); ``start_index`` is the
     resume cursor (a ``prompt_id``, counting across epochs); ``skip_prompt_ids`` are prompt ids the worker never
     dispatches (on resume: prompts beyond the cursor that were already trained).
@@ -94,6 +99,7 @@ class RolloutConfig:
     repetition_penalty: float = 1.0
     max_inflight_tasks: int = 128
     initial_inflight_tasks: int | None = None
+    max_lookahead: int | None = None
     shuffle: bool = True
     seed: int = 0
     start_index: int = 0
@@ -124,6 +130,9 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.start_index < 0:
             raise ValueError(f"start_index must be >= 0, got {self.start_index}")
+        if self.max_lookahead is not None and (not isinstance(self.max_lookahead, (int, np.integer))
+                                               or self.max_lookahead < 1):
+            raise ValueError(f"max_lookahead must be None or an int >= 1, got {self.max_lookahead!r}")
         if self.initial_inflight_tasks is not None and not 1 <= self.initial_inflight_tasks <= self.max_inflight_tasks:
             raise ValueError(f"initial_inflight_tasks must be None or in [1, max_inflight_tasks="
                              f"{self.max_inflight_tasks}], got {self.initial_inflight_tasks}")
@@ -466,12 +475,22 @@ class _RolloutLoop:
 
     def inflight_cap(self) -> int:
         """The in-flight cap: ``max_inflight_tasks``, reached by a slow start from ``initial_inflight_tasks`` that
-        grows by one per finished rollout. A full pipeline from the first moment makes the first samples wait for
-        the whole batch the server decodes together; the slow start delivers the first step's samples as soon as a
-        synchronous wave would."""
-        if self.config.initial_inflight_tasks is None:
-            return self.config.max_inflight_tasks
-        return min(self.config.max_inflight_tasks, self.config.initial_inflight_tasks + self.finished)
+        grows by one per finished rollout, and with ``max_lookahead`` at most that many minus the samples waiting in
+        the queue. A full pipeline from the first moment makes the first samples wait for the whole batch the server
+        decodes together; the slow start delivers the first step's samples as soon as a synchronous wave would."""
+        cap = self.config.max_inflight_tasks
+        if self.config.initial_inflight_tasks is not None:
+            cap = min(cap, self.config.initial_inflight_tasks + self.finished)
+        if self.config.max_lookahead is not None:
+            cap = min(cap, self.config.max_lookahead - self.queued())
+        return cap
+
+    def queued(self) -> int:
+        """Samples waiting in the queue for the trainer (the whole queue where the platform cannot count it)."""
+        try:
+            return self.channels.samples.qsize()
+        except NotImplementedError:  # macOS
+            return self.channels.samples._maxsize
 
     def push_metrics(self, metrics: dict[str, Any]) -> None:
         try:
@@ -548,6 +567,9 @@ class _RolloutLoop:
                     task = asyncio.create_task(self.rollout(prompt_id, row_index, kept))
                     task.prompt_id = prompt_id  # type: ignore[attr-defined]
                     inflight.add(task)
+                if not inflight:  # the queue holds the whole lookahead: wait for the trainer to take some
+                    await asyncio.sleep(_POLL_S)
+                    continue
                 done, inflight = await asyncio.wait(inflight, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     await self.deliver(task, len(inflight))

@@ -94,6 +94,7 @@ class AsyncDistillationConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     max_inflight_tasks: int = -1
+    max_lookahead_steps: int = 3  # ours: with max_inflight_tasks=-1, steps' samples in flight and queued together
     queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
     heartbeat_stale_after_s: float = 300.0
     shuffle: bool = True  # ours: TRL never shuffles
@@ -168,6 +169,8 @@ class AsyncDistillationConfig:
         _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
         _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",
                self.max_inflight_tasks, "-1 (automatic) or >= 1")
+        _check(_is_int(self.max_lookahead_steps) and self.max_lookahead_steps >= 1, "max_lookahead_steps",
+               self.max_lookahead_steps, "an int >= 1")
         _check(self.token_budget is None or _is_int(self.token_budget), "token_budget", self.token_budget,
                "None (the student's max_model_len), <= 0 (fixed count per row) or a token count")
         if self.token_budget is not None and self.token_budget > 0:
@@ -219,15 +222,25 @@ class AsyncDistillationConfig:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size
 
     def resolved_max_inflight_tasks(self, world_size: int) -> int:
-        """When -1: two steps' samples (one if ``max_staleness`` < 2) minus what the queue holds, at least one
-        step's. With the default queue that is one step generating while one step waits for the trainer: double
-        buffering, enough for generation and training to overlap. TRL keeps ``max_staleness`` steps in flight; a
-        deeper lookahead only makes samples staler (``docs/train.md``)."""
+        """The rollout worker's in-flight cap: ``max_inflight_tasks``, or the whole lookahead when -1 (the queued
+        samples then count against it, see :meth:`resolved_max_lookahead`)."""
         if self.max_inflight_tasks != -1:
             return self.max_inflight_tasks
-        step = self.samples_per_step(world_size)
-        lookahead_steps = 2 if self.max_staleness >= 2 else 1
-        return max(step, lookahead_steps * step - self.resolved_queue_maxsize(world_size))
+        return self.resolved_max_lookahead(world_size)
+
+    def resolved_max_lookahead(self, world_size: int) -> int | None:
+        """How many samples the worker may have in flight and queued together: when ``max_inflight_tasks`` is -1,
+        ``max_lookahead_steps`` steps' samples (at most ``max_staleness`` steps, at least one); None with an explicit
+        ``max_inflight_tasks`` (TRL's meaning: that many in flight, the queue aside).
+
+        Counting the queue in the budget (as AsyncOPD's pending-sample semaphore does) lets the whole lookahead
+        generate whenever the trainer keeps up, which gives the student server bigger batches, and holds it back
+        when the trainer falls behind, so samples never get staler than the lookahead allows. TRL keeps
+        ``max_staleness`` steps in flight on top of a 1024-sample queue (``docs/train.md``)."""
+        if self.max_inflight_tasks != -1:
+            return None
+        steps = max(1, min(self.max_lookahead_steps, self.max_staleness))
+        return steps * self.samples_per_step(world_size)
 
     def resolved_queue_maxsize(self, world_size: int) -> int:
         """``queue_maxsize``, or one step's samples when None.

@@ -127,6 +127,8 @@ class SynchronousSource:
     """
 
     def __init__(self, rows: list[dict[str, Any]], rollout_config: Any, wave_size: int):
+        import asyncio
+
         from fastdistill.rollout import prompt_cursor
 
         self.rows = rows
@@ -140,17 +142,33 @@ class SynchronousSource:
         self.wave: list[RolloutSample] = []
         self.metrics: dict[str, list[Any]] = {}
         self.wait_s = 0.0
+        # One event loop and one set of clients for the whole run: their connections are kept alive between waves,
+        # as the worker's are, so the baseline pays no per-step connection setup.
+        self._loop = asyncio.new_event_loop()
+        self._clients: tuple[Any, dict[str, Any]] | None = None
 
     def next(self, model_version: int) -> RolloutSample:
         if not self.wave:
             started = time.perf_counter()
-            self.wave = self._generate([next(self.cursor) for _ in range(self.wave_size)], model_version)
+            batch = [next(self.cursor) for _ in range(self.wave_size)]
+            self.wave = self._loop.run_until_complete(self._generate(batch, model_version))
             self.wait_s += time.perf_counter() - started
         sample = self.wave.pop(0)
         self.metrics.setdefault("sample/staleness_mean", []).append(float(model_version - sample.model_version))
         return sample
 
-    def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample]:
+    def close(self) -> None:
+        """Close the clients' connections and the event loop."""
+        if self._loop.is_closed():
+            return
+        if self._clients is not None:
+            student, teachers = self._clients
+            for client in (student, *teachers.values()):
+                self._loop.run_until_complete(client.close())
+            self._clients = None
+        self._loop.close()
+
+    async def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample]:
         import asyncio
 
         import numpy as np
@@ -158,38 +176,32 @@ class SynchronousSource:
         from fastdistill.rollout import StudentClient, TeacherClient
 
         config = self.config
+        if self._clients is None:
+            teachers = {tid: TeacherClient(urls, retry=config.retry) for tid, urls in config.teacher_urls.items()}
+            self._clients = (StudentClient(config.student_url, retry=config.retry), teachers)
+        student, teachers = self._clients
 
-        async def run() -> list[RolloutSample]:
-            async with StudentClient(config.student_url, retry=config.retry) as student:
-                teachers = {tid: TeacherClient(urls, retry=config.retry) for tid, urls in config.teacher_urls.items()}
-                try:
-                    async def one(prompt_id: int, index: int) -> RolloutSample:
-                        row = self.rows[index]
-                        generation = await student.generate(
-                            row["prompt_ids"], max_tokens=config.max_tokens, temperature=config.temperature,
-                            top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                            repetition_penalty=config.repetition_penalty)
-                        teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
-                        scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
-                                                                  top_k=config.teacher_top_k)
-                        prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
-                        length = len(generation.token_ids)
-                        return RolloutSample(
-                            input_ids=np.concatenate([prompt, generation.token_ids]),
-                            completion_mask=np.concatenate([np.zeros(len(prompt), np.int32),
-                                                            np.ones(length, np.int32)]),
-                            teacher_topk_ids=scores.candidate_ids, teacher_topk_logprobs=scores.logprobs,
-                            rollout_logprobs=generation.logprobs, model_version=model_version,
-                            teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index, prompt=row.get("prompt"),
-                            enqueued_at=time.time(),
-                        )
+        async def one(prompt_id: int, index: int) -> RolloutSample:
+            row = self.rows[index]
+            generation = await student.generate(
+                row["prompt_ids"], max_tokens=config.max_tokens, temperature=config.temperature,
+                top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                repetition_penalty=config.repetition_penalty)
+            teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
+            scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
+                                                      top_k=config.teacher_top_k)
+            prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
+            length = len(generation.token_ids)
+            return RolloutSample(
+                input_ids=np.concatenate([prompt, generation.token_ids]),
+                completion_mask=np.concatenate([np.zeros(len(prompt), np.int32), np.ones(length, np.int32)]),
+                teacher_topk_ids=scores.candidate_ids, teacher_topk_logprobs=scores.logprobs,
+                rollout_logprobs=generation.logprobs, model_version=model_version,
+                teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index, prompt=row.get("prompt"),
+                enqueued_at=time.time(),
+            )
 
-                    return list(await asyncio.gather(*(one(p, i) for p, i in batch)))
-                finally:
-                    for teacher in teachers.values():
-                        await teacher.close()
-
-        return asyncio.run(run())
+        return list(await asyncio.gather(*(one(p, i) for p, i in batch)))
 
     def drain_worker_metrics(self) -> list[dict[str, float]]:
         return []

@@ -557,6 +557,7 @@ class AsyncDistillationTrainer:
             max_inflight_tasks=config.resolved_max_inflight_tasks(self.dist.world_size),
             initial_inflight_tasks=min(config.samples_per_step(self.dist.world_size),
                                        config.resolved_max_inflight_tasks(self.dist.world_size)),
+            max_lookahead=config.resolved_max_lookahead(self.dist.world_size),
             shuffle=config.shuffle,
             seed=config.seed,
             start_index=self.rollout_state.prompt_index,
@@ -595,6 +596,8 @@ class AsyncDistillationTrainer:
         if self.worker is not None:
             self.worker.stop()
             self.worker = None
+        if isinstance(getattr(self, "source", None), SynchronousSource):
+            self.source.close()
         if self.weight_sync is not None:
             self.weight_sync.close()
 
