@@ -29,6 +29,9 @@ REPORTERS = ("tensorboard", "wandb", "trackio")
 SAVE_STRATEGIES = ("steps", "no")
 
 
+DEFAULT_LOOKAHEAD_STEPS = 3  # max_lookahead_steps=None (docs/train.md, "Staleness")
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range, of the wrong type, or unknown."""
 
@@ -94,7 +97,7 @@ class AsyncDistillationConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     max_inflight_tasks: int = -1
-    max_lookahead_steps: int = 3  # ours: with max_inflight_tasks=-1, steps' samples in flight and queued together
+    max_lookahead_steps: int | None = None  # ours: steps' samples in flight and queued together; None: 3
     queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
     heartbeat_stale_after_s: float = 300.0
     shuffle: bool = True  # ours: TRL never shuffles
@@ -169,8 +172,12 @@ class AsyncDistillationConfig:
         _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
         _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",
                self.max_inflight_tasks, "-1 (automatic) or >= 1")
-        _check(_is_int(self.max_lookahead_steps) and self.max_lookahead_steps >= 1, "max_lookahead_steps",
-               self.max_lookahead_steps, "an int >= 1")
+        lookahead = self.max_lookahead_steps
+        _check(lookahead is None or (_is_int(lookahead) and lookahead >= 1), "max_lookahead_steps", lookahead,
+               "None (3 steps) or an int >= 1")
+        _check(self.max_lookahead_steps is None or self.max_inflight_tasks == -1, "max_lookahead_steps",
+               self.max_lookahead_steps, f"None with an explicit max_inflight_tasks={self.max_inflight_tasks} (that "
+               "sets the in-flight cap itself; set one of the two)")
         _check(self.token_budget is None or _is_int(self.token_budget), "token_budget", self.token_budget,
                "None (the student's max_model_len), <= 0 (fixed count per row) or a token count")
         if self.token_budget is not None and self.token_budget > 0:
@@ -230,8 +237,8 @@ class AsyncDistillationConfig:
 
     def resolved_max_lookahead(self, world_size: int) -> int | None:
         """How many samples the worker may have in flight and queued together: when ``max_inflight_tasks`` is -1,
-        ``max_lookahead_steps`` steps' samples (at most ``max_staleness`` steps, at least one); None with an explicit
-        ``max_inflight_tasks`` (TRL's meaning: that many in flight, the queue aside).
+        ``max_lookahead_steps`` (None: 3) steps' samples (at most ``max_staleness`` steps, at least one); None with an
+        explicit ``max_inflight_tasks`` (TRL's meaning: that many in flight, the queue aside).
 
         Counting the queue in the budget (as AsyncOPD's pending-sample semaphore does) lets the whole lookahead
         generate whenever the trainer keeps up, which gives the student server bigger batches, and holds it back
@@ -239,7 +246,7 @@ class AsyncDistillationConfig:
         ``max_staleness`` steps in flight on top of a 1024-sample queue (``docs/train.md``)."""
         if self.max_inflight_tasks != -1:
             return None
-        steps = max(1, min(self.max_lookahead_steps, self.max_staleness))
+        steps = max(1, min(self.max_lookahead_steps or DEFAULT_LOOKAHEAD_STEPS, self.max_staleness))
         return steps * self.samples_per_step(world_size)
 
     def resolved_queue_maxsize(self, world_size: int) -> int:
