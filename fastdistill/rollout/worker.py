@@ -486,11 +486,12 @@ class _RolloutLoop:
         return cap
 
     def queued(self) -> int:
-        """Samples waiting in the queue for the trainer (the whole queue where the platform cannot count it)."""
+        """Samples waiting in the queue for the trainer. Where the platform cannot count a queue (macOS) this is 0:
+        the queue then adds its size to the lookahead instead of stalling the worker."""
         try:
             return self.channels.samples.qsize()
-        except NotImplementedError:  # macOS
-            return self.channels.samples._maxsize
+        except NotImplementedError:
+            return 0
 
     def push_metrics(self, metrics: dict[str, Any]) -> None:
         try:
