@@ -121,7 +121,7 @@ def core_layout() -> tuple[list[int] | None, list[int] | None]:
 
     The student server decodes all the time, while the teacher scores and the trainer steps in bursts, so the
     student gets a half of its own (the split layout of ``benchmarks/bench_e2e.py``). Measured on 2 cores against
-    both servers on one core and the trainer on the other: 1.65x the trained tokens per second, and no weight sync
+    both servers on one core and the trainer on the other: about 1.5x the trained tokens per second, and no weight sync
     waiting for a server that shares its core with the teacher."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 2:
