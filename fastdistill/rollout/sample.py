@@ -8,10 +8,14 @@ TRL's full-length int64 layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fastdistill.rollout.client import Generation, TeacherScores
 
 
 @dataclass(slots=True)
@@ -45,6 +49,27 @@ class RolloutSample:
     completion: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     enqueued_at: float | None = None
+
+    @classmethod
+    def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation, scores: TeacherScores, *,
+                 model_version: int, teacher_id: str, prompt_id: int, dataset_index: int,
+                 prompt: Any = None) -> RolloutSample:
+        """The sample of one rollout: the prompt, the student's :class:`Generation` and the teacher's
+        :class:`TeacherScores` of it, plus where it came from."""
+        prompt_array = np.asarray(prompt_ids, dtype=np.int32)
+        length = generation.token_ids.shape[0]
+        return cls(
+            input_ids=np.concatenate([prompt_array, generation.token_ids]),
+            completion_mask=np.concatenate([np.zeros(prompt_array.shape[0], np.int32), np.ones(length, np.int32)]),
+            teacher_topk_ids=scores.candidate_ids,
+            teacher_topk_logprobs=scores.logprobs,
+            rollout_logprobs=generation.logprobs,
+            model_version=model_version,
+            teacher_id=teacher_id,
+            prompt_id=prompt_id,
+            dataset_index=dataset_index,
+            prompt=prompt,
+        )
 
     @property
     def prompt_length(self) -> int:

@@ -617,22 +617,10 @@ class _RolloutLoop:
             error.kept = kept  # type: ignore[attr-defined]
             raise
         finished = time.monotonic()
-        prompt_ids = np.asarray(row["prompt_ids"], dtype=np.int32)
         completion_length = generation.token_ids.shape[0]
-        sample = RolloutSample(
-            input_ids=np.concatenate([prompt_ids, generation.token_ids]),
-            completion_mask=np.concatenate(
-                [np.zeros(prompt_ids.shape[0], np.int32), np.ones(completion_length, np.int32)]
-            ),
-            teacher_topk_ids=scores.candidate_ids,
-            teacher_topk_logprobs=scores.logprobs,
-            rollout_logprobs=generation.logprobs,
-            model_version=model_version,
-            teacher_id=teacher_id,
-            prompt_id=prompt_id,
-            dataset_index=row_index,
-            prompt=row["prompt"],
-        )
+        sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=model_version,
+                                        teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=row_index,
+                                        prompt=row["prompt"])
         metrics: dict[str, Any] = {
             "rollout/duration_s": finished - started,
             "rollout/score_s": finished - scoring_started,

@@ -175,9 +175,9 @@ class AsyncDistillationConfig:
         lookahead = self.max_lookahead_steps
         _check(lookahead is None or (_is_int(lookahead) and lookahead >= 1), "max_lookahead_steps", lookahead,
                "None (3 steps) or an int >= 1")
-        _check(self.max_lookahead_steps is None or self.max_inflight_tasks == -1, "max_lookahead_steps",
-               self.max_lookahead_steps, f"None with an explicit max_inflight_tasks={self.max_inflight_tasks} (that "
-               "sets the in-flight cap itself; set one of the two)")
+        _check(lookahead is None or self.max_inflight_tasks == -1, "max_lookahead_steps", lookahead,
+               f"None with an explicit max_inflight_tasks={self.max_inflight_tasks} (that sets the in-flight cap "
+               "itself; set one of the two)")
         _check(self.token_budget is None or _is_int(self.token_budget), "token_budget", self.token_budget,
                "None (the student's max_model_len), <= 0 (fixed count per row) or a token count")
         if self.token_budget is not None and self.token_budget > 0:
@@ -254,8 +254,8 @@ class AsyncDistillationConfig:
 
         Rollouts in flight plus queued ones are the trainer's lookahead: with TRL's 1024-sample queue it runs far
         more than ``max_staleness`` steps ahead, and the surplus is generated only to be dropped as stale (35–81 %
-        of samples in the reference run). One queued step plus one in flight keeps samples about two versions
-        old."""
+        of samples in the reference run). Here the queue only bounds what waits: queued samples count against the
+        lookahead budget (:meth:`resolved_max_lookahead`)."""
         return self.queue_maxsize if self.queue_maxsize is not None else self.samples_per_step(world_size)
 
     def resolved_max_steps(self, num_prompts: int, world_size: int) -> int:

@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from fastdistill.data.packing import pack_row
@@ -32,14 +31,8 @@ async def _collect(student_url: str, teacher_urls: Mapping[str, str], rows: Sequ
                                                     seed=seed + index)
                 teacher_id = row.get("teacher_id") or default_teacher
                 scores = await teachers[teacher_id].score(prompt, generation.token_ids, top_k=top_k)
-                length = len(generation.token_ids)
-                return RolloutSample(
-                    input_ids=np.concatenate([np.asarray(prompt, np.int32), generation.token_ids]),
-                    completion_mask=np.concatenate([np.zeros(len(prompt), np.int32), np.ones(length, np.int32)]),
-                    teacher_topk_ids=scores.candidate_ids, teacher_topk_logprobs=scores.logprobs,
-                    rollout_logprobs=generation.logprobs, model_version=-1, teacher_id=teacher_id,
-                    prompt_id=index, dataset_index=index, prompt=row.get("prompt"),
-                )
+                return RolloutSample.assemble(prompt, generation, scores, model_version=-1, teacher_id=teacher_id,
+                                              prompt_id=index, dataset_index=index, prompt=row.get("prompt"))
 
             return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
         finally:

@@ -171,8 +171,6 @@ class SynchronousSource:
     async def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample]:
         import asyncio
 
-        import numpy as np
-
         from fastdistill.rollout import StudentClient, TeacherClient
 
         config = self.config
@@ -190,16 +188,11 @@ class SynchronousSource:
             teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
             scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
                                                       top_k=config.teacher_top_k)
-            prompt = np.asarray(row["prompt_ids"], dtype=np.int32)
-            length = len(generation.token_ids)
-            return RolloutSample(
-                input_ids=np.concatenate([prompt, generation.token_ids]),
-                completion_mask=np.concatenate([np.zeros(len(prompt), np.int32), np.ones(length, np.int32)]),
-                teacher_topk_ids=scores.candidate_ids, teacher_topk_logprobs=scores.logprobs,
-                rollout_logprobs=generation.logprobs, model_version=model_version,
-                teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index, prompt=row.get("prompt"),
-                enqueued_at=time.time(),
-            )
+            sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=model_version,
+                                            teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index,
+                                            prompt=row.get("prompt"))
+            sample.enqueued_at = time.time()
+            return sample
 
         return list(await asyncio.gather(*(one(p, i) for p, i in batch)))
 
