@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import queue
-import sys
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,7 +34,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
+from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMUnavailableError
 from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
@@ -53,6 +55,8 @@ _DISTRIBUTED_ENV = (
     "MASTER_PORT",
     "GROUP_WORLD_SIZE",
 )
+logger = logging.getLogger(__name__)
+
 _POLL_S = 0.05  # how often the child's loop wakes up to beat, check stop and retry a full queue, in seconds
 
 
@@ -76,14 +80,18 @@ class RolloutConfig:
     samples waiting in the queue, so that the worker never runs further ahead of the trainer than that.
 
     Order: ``seed`` seeds the per-epoch shuffle (epoch e uses ``default_rng((seed, e))``); ``start_index`` is the
-    resume cursor (a ``prompt_id``, counting across epochs); ``skip_prompt_ids`` are prompt ids the worker never
-    dispatches (on resume: prompts beyond the cursor that were already trained).
+    resume cursor (a ``prompt_id``, counting across epochs); ``end_index`` (None: endless) is the first prompt id the
+    cursor does not dispatch (the run's last prompt + 1); ``skip_prompt_ids`` are prompt ids the worker never
+    dispatches (on resume: prompts beyond the cursor that were already trained); ``skip_rows`` are dataset rows never
+    dispatched in any epoch (prompts too long for a server).
 
     Failures: a rollout that failed because a server was unavailable (transient errors until ``retry`` gave up) is
     re-dispatched (only the scoring when the generation succeeded), up to ``max_rollout_attempts`` attempts per
     prompt; a request to a server whose replicas are all cooling down waits for the cooldown. A server with no
     successful answer for ``server_down_deadline_s`` seconds since its first failure stops the child with an error
-    naming it.
+    naming it. A prompt given up on (rejected by a server, or out of attempts) is put into the sample queue as a
+    :class:`~fastdistill.rollout.dropped.DroppedPrompt` naming it, the reason and the server's message, so that the
+    consumer can count it as done.
     ``max_consecutive_failures`` rollouts in a row rejected by a server or answered with a malformed body (a
     misconfiguration, not one bad prompt) stop the child with the last error.
     """
@@ -103,7 +111,9 @@ class RolloutConfig:
     shuffle: bool = True
     seed: int = 0
     start_index: int = 0
+    end_index: int | None = None
     skip_prompt_ids: frozenset[int] = frozenset()
+    skip_rows: frozenset[int] = frozenset()
     student_model: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_consecutive_failures: int = 100
@@ -130,6 +140,8 @@ class RolloutConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.start_index < 0:
             raise ValueError(f"start_index must be >= 0, got {self.start_index}")
+        if self.end_index is not None and self.end_index < self.start_index:
+            raise ValueError(f"end_index must be None or >= start_index={self.start_index}, got {self.end_index}")
         if self.max_lookahead is not None and (not isinstance(self.max_lookahead, (int, np.integer))
                                                or self.max_lookahead < 1):
             raise ValueError(f"max_lookahead must be None or an int >= 1, got {self.max_lookahead!r}")
@@ -145,6 +157,7 @@ class RolloutConfig:
         if bad:
             raise ValueError(f"skip_prompt_ids must be prompt ids >= 0, got {sorted(map(repr, bad))[:5]}")
         object.__setattr__(self, "skip_prompt_ids", frozenset(int(i) for i in self.skip_prompt_ids))
+        object.__setattr__(self, "skip_rows", frozenset(int(i) for i in self.skip_rows))
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
 
     def student_replicas(self) -> tuple[str, ...]:
@@ -208,7 +221,7 @@ def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str])
 class _Channels:
     """What parent and child share (all from the spawn context)."""
 
-    samples: Any  # mp.Queue[RolloutSample], bounded
+    samples: Any  # mp.Queue[RolloutSample | DroppedPrompt], bounded
     metrics: Any  # mp.Queue[dict[str, float | tuple[float, float]]], bounded; full means the payload is dropped
     redo: Any  # mp.Queue[list[int]] of prompt ids to dispatch again, unbounded
     errors: Any  # mp.Queue[tuple[str, str, str]] of (type name, message, traceback), maxsize 1
@@ -261,7 +274,7 @@ class RolloutWorker:
 
     @property
     def samples(self) -> Any:
-        """The bounded queue of :class:`RolloutSample`."""
+        """The bounded queue of :class:`RolloutSample`, with a :class:`DroppedPrompt` for every prompt given up on."""
         return self._channels.samples
 
     @property
@@ -516,9 +529,9 @@ class _RolloutLoop:
             self.metrics = _Metrics(stats, self.servers)
             await self.generate_loop()
 
-    def next_prompt(self) -> tuple[int, int, _Kept | None]:
+    def next_prompt(self) -> tuple[int, int, _Kept | None] | None:
         """The next ``(prompt_id, row_index, kept generation)`` to dispatch: redo requests and re-dispatched rollouts
-        first, then the cursor (skipping ids)."""
+        first, then the cursor (skipping ids); None when the cursor reached ``end_index`` and nothing waits."""
         while True:
             try:
                 requested = self.channels.redo.get_nowait()
@@ -536,11 +549,16 @@ class _RolloutLoop:
                     self.orders.pop(next(iter(self.orders)))
                 self.orders[epoch] = epoch_order(len(self.rows), self.config.seed, epoch, self.config.shuffle)
             return prompt_id, int(self.orders[epoch][position]), kept
+        end = self.config.end_index
         while True:
+            if end is not None and self.cursor_next >= end:
+                return None
             prompt_id, row_index = next(self.cursor)
             self.cursor_next = prompt_id + 1
             if prompt_id in self.skip:
                 self.skip.discard(prompt_id)
+                continue
+            if row_index in self.config.skip_rows:
                 continue
             return prompt_id, row_index, None
 
@@ -564,11 +582,15 @@ class _RolloutLoop:
                 self.beat()
                 self.check_servers()
                 while len(inflight) < self.inflight_cap():
-                    prompt_id, row_index, kept = self.next_prompt()
+                    dispatch = self.next_prompt()
+                    if dispatch is None:  # past end_index: only redo requests can come now
+                        break
+                    prompt_id, row_index, kept = dispatch
                     task = asyncio.create_task(self.rollout(prompt_id, row_index, kept))
                     task.prompt_id = prompt_id  # type: ignore[attr-defined]
+                    task.row_index = row_index  # type: ignore[attr-defined]
                     inflight.add(task)
-                if not inflight:  # the queue holds the whole lookahead: wait for the trainer to take some
+                if not inflight:  # the queue holds the whole lookahead, or nothing is left: wait
                     await asyncio.sleep(_POLL_S)
                     continue
                 done, inflight = await asyncio.wait(inflight, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
@@ -597,15 +619,19 @@ class _RolloutLoop:
         started = time.monotonic()
         if kept is None:
             model_version = int(self.channels.model_version.value)
-            generation = await self.student.generate(
-                row["prompt_ids"],
-                max_tokens=self.config.max_tokens,
-                temperature=self.config.temperature,
-                top_p=self.config.top_p,
-                top_k=self.config.top_k,
-                min_p=self.config.min_p,
-                repetition_penalty=self.config.repetition_penalty,
-            )
+            try:
+                generation = await self.student.generate(
+                    row["prompt_ids"],
+                    max_tokens=self.config.max_tokens,
+                    temperature=self.config.temperature,
+                    top_p=self.config.top_p,
+                    top_k=self.config.top_k,
+                    min_p=self.config.min_p,
+                    repetition_penalty=self.config.repetition_penalty,
+                )
+            except VLLMError as error:
+                error.server = "student"  # type: ignore[attr-defined]
+                raise
             kept = _Kept(generation, model_version)
         generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
@@ -613,8 +639,10 @@ class _RolloutLoop:
             scores = await self.teachers[teacher_id].score(
                 row["prompt_ids"], generation.token_ids, top_k=self.config.teacher_top_k
             )
-        except VLLMUnavailableError as error:
-            error.kept = kept  # type: ignore[attr-defined]
+        except VLLMError as error:
+            error.server = f"teacher {teacher_id}"  # type: ignore[attr-defined]
+            if isinstance(error, VLLMUnavailableError):
+                error.kept = kept  # type: ignore[attr-defined]
             raise
         finished = time.monotonic()
         completion_length = generation.token_ids.shape[0]
@@ -645,11 +673,7 @@ class _RolloutLoop:
         prompt_id: int = task.prompt_id  # type: ignore[attr-defined]
         if isinstance(error, VLLMError):
             self.metrics.failed += 1
-            print(
-                f"fastdistill rollout worker: rollout of prompt {prompt_id} failed: {error}",
-                file=sys.stderr,
-                flush=True,
-            )
+            logger.warning("rollout of prompt %d failed: %s", prompt_id, error)
             attempts = self.attempts.get(prompt_id, 0) + 1
             if isinstance(error, VLLMUnavailableError) and attempts < self.config.max_rollout_attempts:
                 self.attempts[prompt_id] = attempts
@@ -658,6 +682,7 @@ class _RolloutLoop:
             else:
                 self.attempts.pop(prompt_id, None)
                 self.metrics.dropped += 1
+                await self.put(self.dropped(prompt_id, task.row_index, error))  # type: ignore[attr-defined]
             if not isinstance(error, VLLMUnavailableError):
                 self.consecutive_failures += 1
             self.push_metrics({**self.metrics.counters(), "rollout/inflight": float(inflight)})
@@ -680,12 +705,24 @@ class _RolloutLoop:
         metrics.update({"rollout/inflight": float(inflight), "rollout/backpressure_s": backpressure_s})
         self.push_metrics(metrics)
 
-    async def put(self, sample: RolloutSample) -> float | None:
-        """Put ``sample`` into the bounded queue, beating while it is full. Returns the seconds waited, or None
-        when a stop request came first (the sample is dropped)."""
+    def dropped(self, prompt_id: int, row_index: int, error: VLLMError) -> DroppedPrompt:
+        """The notice of a prompt given up on after ``error``."""
+        if isinstance(error, VLLMUnavailableError):
+            reason = drop_reasons.UNAVAILABLE
+            message = f"{self.config.max_rollout_attempts} attempts failed; last: {error}"
+        else:
+            reason = drop_reasons.REJECTED
+            message = getattr(error, "server_message", None) or str(error)
+        return DroppedPrompt(prompt_id=prompt_id, dataset_index=row_index, reason=reason, message=message,
+                             server=getattr(error, "server", None))
+
+    async def put(self, sample: RolloutSample | DroppedPrompt) -> float | None:
+        """Put ``sample`` (or a drop notice) into the bounded queue, beating while it is full. Returns the seconds
+        waited, or None when a stop request came first (the sample is dropped)."""
         waiting_since = time.monotonic()
         while True:
-            sample.enqueued_at = time.time()
+            if isinstance(sample, RolloutSample):
+                sample.enqueued_at = time.time()
             try:
                 self.channels.samples.put_nowait(sample)
                 return time.monotonic() - waiting_since

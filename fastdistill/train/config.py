@@ -1,9 +1,8 @@
 """``AsyncDistillationConfig``: every knob of a run, with TRL 1.16's field names and defaults where they exist.
 
 Loadable from YAML plus ``key=value`` overrides (:meth:`AsyncDistillationConfig.from_yaml`). Every field is
-validated at construction with a message that names the field, including the ones TRL leaves unchecked
-(``teacher_top_k``, ``teacher_temperature``, ``weight_sync_steps``, ``max_staleness``, ``queue_maxsize``, …; see
-``reference/trl-async-distillation.md`` §3.3).
+validated at construction with a message that names the field, including the ones TRL 1.16 leaves unchecked
+(``teacher_top_k``, ``teacher_temperature``, ``weight_sync_steps``, ``max_staleness``, ``queue_maxsize``, …).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ class ConfigError(ValueError):
 class AsyncDistillationConfig:
     """Configuration of an asynchronous on-policy distillation run.
 
-    TRL field names and defaults (``reference/trl-async-distillation.md`` §3) unless marked *ours*. Sizes are in
+    TRL 1.16's field names and defaults unless marked *ours*. Sizes are in
     tokens, times in seconds. ``teacher_server_urls`` maps teacher id to a URL or a list of replica URLs.
     """
 
@@ -101,6 +100,7 @@ class AsyncDistillationConfig:
     queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
     heartbeat_stale_after_s: float = 300.0
     shuffle: bool = True  # ours: TRL never shuffles
+    skip_long_prompts: bool = False  # ours: skip prompts that cannot fit a server's max_model_len (else an error)
     # --- loss
     beta: float = 0.0
     teacher_temperature: float = 1.0
@@ -150,6 +150,12 @@ class AsyncDistillationConfig:
         _range(self, "beta", 0.0, 1.0)
         _positive(self, "learning_rate", "teacher_temperature", "temperature", "adam_epsilon", "request_timeout",
                   "weight_sync_timeout", "vllm_server_timeout", "heartbeat_stale_after_s", "num_train_epochs")
+        # The loss would divide the student's logits by T, but the teacher's log-probs come from vLLM's
+        # prompt_logprobs, which are computed from the raw logits whatever the request's temperature: the two sides
+        # would be at different temperatures.
+        _check(self.teacher_temperature == 1.0, "teacher_temperature", self.teacher_temperature,
+               "1.0: served teachers score at temperature 1 (vLLM's prompt_logprobs ignore the request temperature, "
+               "so the student at another temperature would be matched to a temperature-1 teacher)")
         _range(self, "adam_beta1", 0.0, 1.0, high_open=True)
         _range(self, "adam_beta2", 0.0, 1.0, high_open=True)
         _range(self, "top_p", 0.0, 1.0, low_open=True)
@@ -259,7 +265,9 @@ class AsyncDistillationConfig:
         return self.queue_maxsize if self.queue_maxsize is not None else self.samples_per_step(world_size)
 
     def resolved_max_steps(self, num_prompts: int, world_size: int) -> int:
-        """``max_steps``, or ceil(epochs × prompts / (batch × GA × world)) when it is -1."""
+        """``max_steps``, or ceil(epochs × prompts / (batch × GA × world)) when it is -1: exact for the fixed-count
+        batcher, an initial estimate under a token budget (the trainer corrects it as rows are packed and trains every
+        prompt whatever it says)."""
         if self.max_steps != -1:
             return self.max_steps
         per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps * world_size

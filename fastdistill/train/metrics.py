@@ -1,10 +1,10 @@
 """Metric sink of the trainer: TRL's names and reduction rules, a JSONL file, a progress bar and optional trackers.
 
-Values are collected between two :meth:`MetricsLogger.log` calls and reduced per key as TRL does
-(``reference/trl-async-distillation.md`` §10.1): a ``(numerator, denominator)`` pair is a rate Σnum/Σden; otherwise
-the last ``/``-segment, split on ``_``, decides: ``total`` sums, ``max`` / ``min`` take the extreme, anything else
-averages. Unlike TRL, the per-teacher families (``teacher_jsd/<id>`` …) always average, whatever the teacher id is
-called (TRL sums ``teacher_jsd/total``).
+Values are collected between two :meth:`MetricsLogger.log` calls (every step's values, also with ``logging_steps >
+1``) and reduced per key as TRL 1.16 does: a ``(numerator, denominator)`` pair is a rate Σnum/Σden; otherwise the last
+``/``-segment, split on ``_``, decides: ``total`` sums, ``max`` / ``min`` take the extreme, anything else averages.
+Unlike TRL, the per-teacher families (``teacher_jsd/<id>`` …) always average, whatever the teacher id is called (TRL
+sums ``teacher_jsd/total``), and the gauges ``learning_rate`` and ``model_version`` keep their last value.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from typing import Any
 
 PER_TEACHER_FAMILIES = ("teacher_jsd/", "teacher_reverse_kl/", "teacher_entropy/", "teacher_token_frac/",
                         "teacher_score_s/")
+GAUGES = ("learning_rate", "model_version")
 
 
 def reduction(key: str) -> str:
-    """``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` for a metric name."""
+    """``"sum"``, ``"max"``, ``"min"``, ``"last"`` or ``"mean"`` for a metric name."""
+    if key in GAUGES:
+        return "last"
     if key.startswith(PER_TEACHER_FAMILIES):
         return "mean"
     words = key.rsplit("/", 1)[-1].split("_")
@@ -45,6 +48,8 @@ def reduce_values(key: str, values: list[Any]) -> float | None:
     if not numbers:
         return None
     how = reduction(key)
+    if how == "last":
+        return numbers[-1]
     if how == "sum":
         return sum(numbers)
     if how == "max":
@@ -101,6 +106,15 @@ class MetricsLogger:
     def update(self, values: dict[str, float | tuple[float, float]]) -> None:
         for key, value in values.items():
             self.add(key, value)
+
+    def has_values(self) -> bool:
+        """Whether anything was recorded since the last :meth:`log`."""
+        return bool(self._values)
+
+    def set_total(self, total_steps: int) -> None:
+        """Correct the progress bar's step count (the run's length is estimated while it goes)."""
+        if self.is_main and self._progress is not None:
+            self._progress.total = total_steps
 
     def log(self, step: int, extra: dict[str, float] | None = None) -> dict[str, float]:
         """Reduce everything collected since the last call, write it out and return it (empty on other ranks)."""

@@ -1,34 +1,40 @@
-"""Where rank 0 gets scored samples: the rollout worker's queue (with staleness handling) or a fixed list (tests).
+"""Where rank 0 gets scored samples: the rollout worker's queue (with staleness handling), synchronous waves, or a
+fixed list (tests and offline replays).
 
-A source yields :class:`~fastdistill.rollout.RolloutSample` objects that should be trained and keeps the
-queue/staleness metrics (TRL names, ``reference/trl-async-distillation.md`` §10.3). Under ``stale_policy="drop"``
-a sample older than ``max_staleness`` versions is dropped and, when the worker supports it, its prompt is sent back
-to be generated again, so that every prompt is still trained exactly once.
+A source's ``next(model_version)`` returns a :class:`~fastdistill.rollout.RolloutSample` to train, or a
+:class:`~fastdistill.rollout.dropped.DroppedPrompt` for a prompt the rollout gave up on, and keeps the queue and
+staleness metrics under TRL 1.16's names (``sample/staleness_mean``, ``sample/dropped_stale_total``, …). Under
+``stale_policy="drop"`` a sample older than ``max_staleness`` versions is dropped and, when the worker supports it,
+its prompt is sent back to be generated again, so that every prompt is still trained exactly once.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import queue
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from fastdistill.rollout import RolloutSample
+from fastdistill.rollout import RolloutSample, VLLMError, VLLMUnavailableError
+from fastdistill.rollout.dropped import REJECTED, UNAVAILABLE, DroppedPrompt
+from fastdistill.train.collector import SourceExhausted
 
+__all__ = ["ListSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
 
-class SourceExhausted(Exception):
-    """A finite source has no more samples."""
+logger = logging.getLogger(__name__)
 
 
 class ListSource:
-    """Samples from an iterable, in order (tests and offline replays). Never stale."""
+    """Samples (and drop notices) from an iterable, in order (tests and offline replays). Never stale."""
 
-    def __init__(self, samples: Iterable[RolloutSample]):
-        self._samples: Iterator[RolloutSample] = iter(samples)
+    def __init__(self, samples: Iterable[RolloutSample | DroppedPrompt]):
+        self._samples: Iterator[RolloutSample | DroppedPrompt] = iter(samples)
         self.metrics: dict[str, Any] = {}
         self.wait_s = 0.0
 
-    def next(self, model_version: int) -> RolloutSample:
+    def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
         try:
             return next(self._samples)
         except StopIteration as error:
@@ -41,8 +47,8 @@ class ListSource:
 class WorkerSource:
     """Samples from a :class:`~fastdistill.rollout.RolloutWorker` queue on rank 0.
 
-    ``next`` blocks until a usable sample arrives, checking the worker's health every ``poll_s`` seconds (a dead
-    or hung worker raises). ``wait_s`` accumulates the seconds spent blocked on an empty queue.
+    ``next`` blocks until a usable sample (or a drop notice) arrives, checking the worker's health every ``poll_s``
+    seconds (a dead or hung worker raises). ``wait_s`` accumulates the seconds spent blocked on an empty queue.
     """
 
     def __init__(
@@ -52,29 +58,25 @@ class WorkerSource:
         max_staleness: int,
         stale_policy: str,
         heartbeat_stale_after_s: float,
-        accept: Callable[[RolloutSample], bool] | None = None,
         poll_s: float = 1.0,
     ):
         self.worker = worker
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.heartbeat_stale_after_s = heartbeat_stale_after_s
-        self.accept = accept
         self.poll_s = poll_s
         self.metrics: dict[str, list[Any]] = {}
         self.wait_s = 0.0
         self.dropped_stale_total = 0
-        self.discarded_total = 0
 
     def _metric(self, key: str, value: Any) -> None:
         self.metrics.setdefault(key, []).append(value)
 
-    def next(self, model_version: int) -> RolloutSample:
+    def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
         while True:
             sample = self._get()
-            if self.accept is not None and not self.accept(sample):
-                self.discarded_total += 1
-                continue
+            if isinstance(sample, DroppedPrompt):
+                return sample
             staleness = model_version - sample.model_version
             if staleness > self.max_staleness and self.stale_policy == "drop":
                 self.dropped_stale_total += 1
@@ -89,7 +91,7 @@ class WorkerSource:
                 self._metric("sample/time_in_queue_s", max(0.0, time.time() - sample.enqueued_at))
             return sample
 
-    def _get(self) -> RolloutSample:
+    def _get(self) -> RolloutSample | DroppedPrompt:
         started = time.perf_counter()
         try:
             while True:
@@ -123,7 +125,8 @@ class SynchronousSource:
     prompts of the cursor (all in flight at once, through the same clients as the worker) and stamps them with the
     trainer's version. With the fixed-count batcher a wave is exactly one step, so nothing is stale and nothing is
     wasted; generation and training simply never overlap (the baseline the asynchronous pipeline is measured
-    against).
+    against). A prompt whose request a server refuses, or that stays unavailable through the clients' retries, comes
+    out as a :class:`DroppedPrompt`; the cursor stops at ``rollout_config.end_index`` (then :class:`SourceExhausted`).
     """
 
     def __init__(self, rows: list[dict[str, Any]], rollout_config: Any, wave_size: int):
@@ -134,12 +137,15 @@ class SynchronousSource:
         self.rows = rows
         self.config = rollout_config
         self.wave_size = wave_size
+        end = rollout_config.end_index
         self.cursor = (
             (prompt_id, row) for prompt_id, row in prompt_cursor(len(rows), rollout_config.seed,
                                                                  rollout_config.start_index, rollout_config.shuffle)
-            if prompt_id not in rollout_config.skip_prompt_ids
+            if prompt_id not in rollout_config.skip_prompt_ids and row not in rollout_config.skip_rows
         )
-        self.wave: list[RolloutSample] = []
+        if end is not None:
+            self.cursor = itertools.takewhile(lambda item: item[0] < end, self.cursor)
+        self.wave: list[RolloutSample | DroppedPrompt] = []
         self.metrics: dict[str, list[Any]] = {}
         self.wait_s = 0.0
         # One event loop and one set of clients for the whole run: their connections are kept alive between waves,
@@ -147,13 +153,17 @@ class SynchronousSource:
         self._loop = asyncio.new_event_loop()
         self._clients: tuple[Any, dict[str, Any]] | None = None
 
-    def next(self, model_version: int) -> RolloutSample:
+    def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
         if not self.wave:
+            batch = list(itertools.islice(self.cursor, self.wave_size))
+            if not batch:
+                raise SourceExhausted
             started = time.perf_counter()
-            batch = [next(self.cursor) for _ in range(self.wave_size)]
             self.wave = self._loop.run_until_complete(self._generate(batch, model_version))
             self.wait_s += time.perf_counter() - started
         sample = self.wave.pop(0)
+        if isinstance(sample, DroppedPrompt):
+            return sample
         self.metrics.setdefault("sample/staleness_mean", []).append(float(model_version - sample.model_version))
         return sample
 
@@ -168,7 +178,7 @@ class SynchronousSource:
             self._clients = None
         self._loop.close()
 
-    async def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample]:
+    async def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample | DroppedPrompt]:
         import asyncio
 
         from fastdistill.rollout import StudentClient, TeacherClient
@@ -179,15 +189,23 @@ class SynchronousSource:
             self._clients = (StudentClient(config.student_url, retry=config.retry), teachers)
         student, teachers = self._clients
 
-        async def one(prompt_id: int, index: int) -> RolloutSample:
+        async def one(prompt_id: int, index: int) -> RolloutSample | DroppedPrompt:
             row = self.rows[index]
-            generation = await student.generate(
-                row["prompt_ids"], max_tokens=config.max_tokens, temperature=config.temperature,
-                top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                repetition_penalty=config.repetition_penalty)
             teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
-            scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
-                                                      top_k=config.teacher_top_k)
+            server = "student"
+            try:
+                generation = await student.generate(
+                    row["prompt_ids"], max_tokens=config.max_tokens, temperature=config.temperature,
+                    top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                    repetition_penalty=config.repetition_penalty)
+                server = f"teacher {teacher_id}"
+                scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
+                                                          top_k=config.teacher_top_k)
+            except VLLMError as error:
+                reason = UNAVAILABLE if isinstance(error, VLLMUnavailableError) else REJECTED
+                logger.warning("rollout of prompt %d failed: %s", prompt_id, error)
+                return DroppedPrompt(prompt_id=prompt_id, dataset_index=index, reason=reason, server=server,
+                                     message=getattr(error, "server_message", None) or str(error))
             sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=model_version,
                                             teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index,
                                             prompt=row.get("prompt"))

@@ -1,11 +1,12 @@
 """The training loop: rank 0 pulls scored samples, every rank trains its packed row, weights flow back to vLLM.
 
-One step = ``gradient_accumulation_steps`` micro-batches. Rank 0 takes samples from the rollout worker (or any
-source), drops stale ones, fills micro-batches with the batcher (one row per rank) and scatters each rank its rows.
-Every rank packs its rows (no padding, ``position_ids`` restart per sample), runs the backbone with no attention
-mask and the fused sparse-JSD loss on the trained positions, scaled by the window's token count across ranks
-(a token mean over the whole step, SPEC §2). After the optimizer step, every ``weight_sync_steps`` steps the weights
-are pushed into the student's vLLM server and the model version advances.
+One step = ``gradient_accumulation_steps`` micro-batches. Rank 0's :class:`~fastdistill.train.collector.
+WindowCollector` takes samples from the rollout worker (or any source), drops stale ones, fills micro-batches (one row
+per rank) and decides when the run is over; rank 0 scatters each rank its rows. Every rank packs its rows (no
+padding, ``position_ids`` restart per sample), runs the backbone with no attention mask and the fused sparse-JSD loss
+on the trained positions, scaled by the window's token count across ranks (a token mean over the whole step). After
+the optimizer step, every ``weight_sync_steps`` steps the weights are pushed into the student's vLLM server and the
+model version advances.
 
 Launch with ``torchrun --nproc-per-node N`` (FSDP2 ``fully_shard`` per decoder layer and the root; gloo on CPU,
 NCCL on GPU) or as a plain single process (no sharding).
@@ -14,231 +15,55 @@ NCCL on GPU) or as a plain single process (no sharding).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher, balance_by_squared_length
+from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.data.batching import microbatch_metrics as batch_metrics
 from fastdistill.data.packing import PackedRow, pack_row
-from fastdistill.loss import (
-    SparseJSDOutput,
-    narrow_support,
-    reverse_kl_pg_loss,
-    scored_positions,
-    sparse_jsd_loss,
-    window_loss_scale,
-    window_token_count,
-)
+from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
 from fastdistill.rollout import RolloutSample
-from fastdistill.train.checkpoint import (
-    RolloutState,
-    export_hf,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
+from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from fastdistill.train.collector import Window, WindowCollector
+from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.distributed import init_distributed
 from fastdistill.train.metrics import MetricsLogger
-from fastdistill.train.source import ListSource, SourceExhausted, SynchronousSource, WorkerSource
+from fastdistill.train.model import (
+    WRAPPER_PREFIX,
+    DistillationModel,
+    check_master_weights,
+    load_model,
+    load_tokenizer,
+    prepare_student,
+)
+from fastdistill.train.schedule import LRSchedule
+from fastdistill.train.source import ListSource, SynchronousSource, WorkerSource
 
-WRAPPER_PREFIX = "model."  # state-dict prefix that DistillationModel adds in front of the Hugging Face names
+__all__ = ["AsyncDistillationTrainer", "DistillationModel", "load_rows"]
 
+logger = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------------------------------- model
-
-
-def lm_head_settings(model_config: Any) -> tuple[float, float | None]:
-    """``(logit_scale, softcap)`` read from a Hugging Face config, as TRL does (1.0 and None when absent)."""
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    logit_scale = getattr(text_config, "logit_scale", None) or 1.0
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    return float(logit_scale), (float(softcap) if softcap else None)
-
-
-class DistillationModel(nn.Module):
-    """A causal LM plus the fused loss, in one ``forward`` so that FSDP2 gathers the lm_head for the loss.
-
-    ``forward`` takes a packed row and the narrowed support of its trained positions and returns the
-    :class:`~fastdistill.SparseJSDOutput` (loss = sum over scored positions)."""
-
-    def __init__(self, model: nn.Module, config: AsyncDistillationConfig):
-        super().__init__()
-        self.model = model
-        self.logit_scale, self.softcap = lm_head_settings(model.config)
-        self.loss_kwargs = {
-            "beta": config.beta,
-            "temperature": config.teacher_temperature,
-            "add_tail_bucket": config.add_tail_bucket,
-            "tail_mode": config.tail_mode,
-            "num_teachers": len(config.teacher_ids),
-            "backend": config.loss_backend,
-        }
-        self.sampling_temperature = config.temperature
-        self.ratio_clip = config.importance_ratio_clip
-        self.loss_type = config.loss_type
-        self.pg_importance_ratio = config.pg_importance_ratio
-        self.pg_ratio_clip = config.pg_ratio_clip
-
-    def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
-                stale: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
-        """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
-        ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
-        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant)."""
-        causal_lm = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model  # LoRA
-        hidden = causal_lm.base_model(
-            input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
-        ).last_hidden_state
-        hidden = hidden[0].index_select(0, row.target_positions)
-        head = causal_lm.get_output_embeddings()
-        weights, metrics = None, {}
-        if stale is not None and bool(stale.any()):
-            weights, metrics = self._importance_weights(hidden, head, row, stale)
-        if self.loss_type == "reverse_kl_pg":
-            return self._policy_gradient(hidden, head, row, weights, metrics)
-        out = sparse_jsd_loss(
-            hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
-            softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
-        )
-        return out, metrics
-
-    def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
-                         weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
-        """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
-        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics."""
-        match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
-        scored = match.any(dim=1).nonzero().squeeze(1)
-        teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
-        out = reverse_kl_pg_loss(
-            hidden.index_select(0, scored), head.weight, row.actual_ids[scored], teacher[scored], bias=head.bias,
-            logit_scale=self.logit_scale, softcap=self.softcap, temperature=self.loss_kwargs["temperature"],
-            rollout_logprobs=row.rollout_logprobs[scored] if self.pg_importance_ratio else None,
-            ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
-        )
-        with torch.no_grad():
-            estimate = out.reverse_kl
-            per_teacher = torch.zeros(self.loss_kwargs["num_teachers"], 3, dtype=torch.float64, device=hidden.device)
-            per_row = torch.stack([torch.ones_like(estimate), estimate, torch.zeros_like(estimate)], dim=1).double()
-            per_teacher.index_add_(0, row.teacher_index[scored], per_row)
-        count = max(int(out.num_tokens), 1)
-        metrics = {**metrics, "pg/advantage_mean": float(out.advantage_sum) / count,
-                   "pg/advantage_std": math.sqrt(max(0.0, float(out.advantage_sq_sum) / count
-                                                     - (float(out.advantage_sum) / count) ** 2))}
-        if self.pg_importance_ratio:
-            metrics.update({"pg/ratio_mean": float(out.ratio_sum) / count, "pg/ratio_max": float(out.ratio_max),
-                            "pg/clip_frac": float(out.clipped) / count})
-        zero = out.reverse_kl_sum * 0.0
-        return SparseJSDOutput(loss=out.loss, jsd_sum=out.reverse_kl_sum, entropy_sum=zero,
-                               teacher_entropy_sum=zero, num_tokens=out.num_tokens, per_teacher=per_teacher), metrics
-
-    @torch.no_grad()
-    def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
-                            stale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """(M,) weights: 1 on fresh positions, min(exp(log π_θ(y) − μ(y)), clip) on stale ones; π_θ at the
-        sampling temperature over the full vocabulary (top-p/top-k truncation is not modelled)."""
-        index = stale.nonzero().squeeze(1)
-        logprob = torch.empty(index.numel(), dtype=torch.float32, device=hidden.device)
-        for start in range(0, index.numel(), 256):  # bounded (256 × V) logits tiles
-            rows = index[start : start + 256]
-            logits = torch.nn.functional.linear(hidden[rows].float(), head.weight.float(),
-                                                None if head.bias is None else head.bias.float()) * self.logit_scale
-            if self.softcap is not None:
-                logits = self.softcap * torch.tanh(logits / self.softcap)
-            logits = logits / self.sampling_temperature
-            actual = row.actual_ids[rows]
-            logprob[start : start + rows.numel()] = (
-                logits.gather(1, actual[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1))
-        ratio = torch.exp(logprob - row.rollout_logprobs[index].float())
-        weights = torch.ones(stale.shape[0], dtype=torch.float32, device=hidden.device)
-        weights[index] = ratio.clamp(max=self.ratio_clip)
-        metrics = {"sample/importance_ratio_mean": float(ratio.mean()),
-                   "sample/importance_ratio_max": float(ratio.max()),
-                   "sample/importance_clip_frac": float((ratio > self.ratio_clip).float().mean()),
-                   "sample/importance_tokens_total": float(index.numel())}
-        return weights, metrics
-
-
-def default_attention(device: torch.device) -> str:
-    """``flash_attention_2`` on CUDA when flash-attn is installed (varlen kernels over the packed row, boundaries
-    from ``position_ids``), else ``sdpa`` (transformers turns packed ``position_ids`` into a block-diagonal mask)."""
-    import importlib.util
-
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (modules whose class is in ``model._no_split_modules``), each sharded on its own."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
-# ----------------------------------------------------------------------------------------------------- helpers
-
-
-@dataclass
-class Distributed:
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> Distributed:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on GPU), or run as one process."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return Distributed(rank, world_size, device)
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, config: AsyncDistillationConfig, total_steps: int) -> Any:
-    """LambdaLR for linear / cosine decay after warmup, constant, or constant after warmup."""
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if config.lr_scheduler_type in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        if config.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0 - progress
-
-    if config.lr_scheduler_type == "constant":
-        warmup = 0
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+DROPPED_PROMPTS_FILE = "dropped_prompts.jsonl"
+TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"
+METRICS_FILE = "metrics.jsonl"
 
 
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-# ----------------------------------------------------------------------------------------------------- trainer
 
 
 class AsyncDistillationTrainer:
@@ -249,10 +74,16 @@ class AsyncDistillationTrainer:
         train_dataset: rows ``{"prompt": messages | str, "teacher_id"?}`` or ``{"prompt_ids": [...]}``; defaults
             to ``config.train_dataset`` loaded from JSON/JSONL. Needed on rank 0 only.
         model, tokenizer: already loaded ones (else loaded from ``model_name_or_path``).
-        samples: a finite iterable of :class:`~fastdistill.rollout.RolloutSample` to train on instead of a rollout
-            worker (offline replays and tests); no server is contacted unless weight sync is configured.
+        samples: a finite iterable of :class:`~fastdistill.rollout.RolloutSample` (and
+            :class:`~fastdistill.rollout.dropped.DroppedPrompt` notices) to train on instead of a rollout worker
+            (offline replays and tests); no server is contacted unless weight sync is configured.
         weight_sync: an object with ``init()``, ``push(model, version) -> dict`` and ``close()``; default: vLLM's
             weight-transfer API on the student server (``config.weight_sync_backend``).
+        on_step_end: called on rank 0 with ``(step, metrics)`` every time metrics are logged.
+
+    With ``max_steps=-1`` the run trains every prompt of ``num_train_epochs`` epochs once (or lists it in
+    ``<output_dir>/dropped_prompts.jsonl``) and then ends; the learning-rate schedule's length is estimated from the
+    samples per step seen so far and is exact on the last step.
     """
 
     def __init__(
@@ -262,7 +93,7 @@ class AsyncDistillationTrainer:
         train_dataset: Sequence[dict[str, Any]] | None = None,
         model: nn.Module | None = None,
         tokenizer: Any = None,
-        samples: Sequence[RolloutSample] | None = None,
+        samples: Sequence[RolloutSample | DroppedPrompt] | None = None,
         weight_sync: Any = None,
         on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     ):
@@ -275,9 +106,11 @@ class AsyncDistillationTrainer:
         self.output_dir = Path(config.output_dir)
         self.teacher_ids = config.teacher_ids
         self.on_step_end = on_step_end
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.hf_model = model if model is not None else self._load_model()
-        self.model = self._wrap(self.hf_model)  # with LoRA, also replaces self.hf_model by the peft model
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+        hf_model = model if model is not None else load_model(config, self.dist.device)
+        self.master_weights_warning = check_master_weights(hf_model, config)
+        self.model, self.hf_model = prepare_student(hf_model, config, self.dist.device, self.dist.world_size,
+                                                    self._use_bf16())
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
@@ -287,12 +120,14 @@ class AsyncDistillationTrainer:
         if samples is None and self.dist.is_main:
             self.rows = self._tokenized_rows(train_dataset)
         num_prompts = len(samples) if samples is not None else (len(self.rows) if self.rows is not None else 0)
-        num_prompts = self._broadcast(num_prompts)
-        self.num_prompts = num_prompts
-        self.max_steps = config.resolved_max_steps(num_prompts, self.dist.world_size)
+        self.num_prompts = self.dist.broadcast(num_prompts)
+        # With max_steps=-1: an estimate (exact for the fixed-count batcher), corrected as rows are packed.
+        self.max_steps = config.resolved_max_steps(self.num_prompts, self.dist.world_size)
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
-        self.total_prompts = math.ceil(config.num_train_epochs * num_prompts) if config.max_steps == -1 else math.inf
-        self.scheduler = make_scheduler(self.optimizer, config, self.max_steps)
+        self.total_prompts = (math.ceil(config.num_train_epochs * self.num_prompts) if config.max_steps == -1
+                              else None)
+        warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.max_steps)
+        self.scheduler = LRSchedule(self.optimizer, config.lr_scheduler_type, self.max_steps, warmup)
         from fastdistill.train.flops import peak_flops
 
         compute_dtype = torch.bfloat16 if self._use_bf16() else next(self.hf_model.parameters()).dtype
@@ -301,62 +136,21 @@ class AsyncDistillationTrainer:
         # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
         self._divergence_name = "jsd" if config.loss_type == "jsd" else "reverse_kl"
         self.worker = None
+        self.source: Any = None
+        self.collector: WindowCollector | None = None
         self._pending_sync = None  # the background push under weight_sync_overlap
         self._sync_thread = None
         self.step = 0
         self.model_version = 0
         self.rollout_state = RolloutState()
+        self._session_steps = 0  # steps trained by this process (for the step-count estimate)
+        self._session_samples = 0
+        self.dropped_total = 0
 
     # ------------------------------------------------------------------------------------------------ setup
 
-    def _load_tokenizer(self) -> Any:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.config.model_name_or_path,
-                                                  trust_remote_code=self.config.trust_remote_code)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer
-
-    def _load_model(self) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        kwargs = dict(self.config.model_init_kwargs or {})
-        kwargs.setdefault("trust_remote_code", self.config.trust_remote_code)
-        dtype = self.config.dtype
-        kwargs.setdefault("dtype", "auto" if dtype == "auto" else getattr(torch, dtype))
-        kwargs.setdefault("attn_implementation", default_attention(self.dist.device))
-        return AutoModelForCausalLM.from_pretrained(self.config.model_name_or_path, **kwargs)
-
     def _use_bf16(self) -> bool:
         return self.config.bf16 if self.config.bf16 is not None else self.dist.device.type == "cuda"
-
-    def _wrap(self, hf_model: nn.Module) -> nn.Module:
-        hf_model.config.use_cache = False
-        if self.config.lora_r > 0:
-            from fastdistill.train.lora import apply_lora
-
-            hf_model = self.hf_model = apply_lora(
-                hf_model, r=self.config.lora_r, alpha=self.config.lora_alpha, dropout=self.config.lora_dropout,
-                target_modules=self.config.lora_target_modules)
-            if self.config.gradient_checkpointing:
-                hf_model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
-        if self.config.gradient_checkpointing:
-            if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        hf_model.train()
-        wrapped = DistillationModel(hf_model, self.config).to(self.dist.device)
-        if self.dist.world_size > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                      if self._use_bf16() else MixedPrecisionPolicy())
-            for layer in decoder_layers(hf_model):
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(wrapped, mp_policy=policy)
-        return wrapped
 
     def _tokenized_rows(self, rows: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
         from fastdistill.data.prompts import tokenize_prompts
@@ -368,24 +162,19 @@ class AsyncDistillationTrainer:
             rows = load_rows(self.config.train_dataset)
         return tokenize_prompts(rows, self.tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
 
-    def _broadcast(self, value: Any) -> Any:
-        if self.dist.world_size == 1:
-            return value
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0)
-        return holder[0]
-
     # ---------------------------------------------------------------------------------------------- the run
 
     def train(self) -> dict[str, Any]:
-        """Run until every prompt of ``num_train_epochs`` is trained (or ``max_steps``); return a summary."""
+        """Run until every prompt of ``num_train_epochs`` is trained or dropped (or ``max_steps``); return a
+        summary."""
         config = self.config
         resume = self._resume_path()
         if resume is not None:
             state = load_checkpoint(resume, self.model, self.optimizer, self.scheduler)
             self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
             if self.dist.is_main:
-                _truncate_trained_log(self.output_dir / "trained_prompts.jsonl", self.step)
+                for name in (TRAINED_PROMPTS_FILE, DROPPED_PROMPTS_FILE, METRICS_FILE):
+                    truncate_step_log(self.output_dir / name, self.step)
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
             run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
@@ -396,11 +185,15 @@ class AsyncDistillationTrainer:
         try:
             self._start_pipeline()
             last_step_end = time.perf_counter()
-            while self.step < self.max_steps:
-                window = self._next_window()
-                if window is None:
+            while config.max_steps == -1 or self.step < config.max_steps:
+                mine = self._next_window()
+                if mine is None:
                     break
-                record = self._train_step(window)
+                rows, total_steps = mine
+                if total_steps != self.scheduler.total_steps:
+                    self.scheduler.total_steps = total_steps
+                    self.metrics.set_total(total_steps)
+                record = self._train_step(rows)
                 trained_tokens += int(record.get("batch/trained_tokens_per_step", 0))
                 self.step += 1
                 if self.step % config.weight_sync_steps == 0:
@@ -411,13 +204,13 @@ class AsyncDistillationTrainer:
                     record["perf/step_s"], 1e-9)
                 record.update(self._mfu(record))
                 last_step_end = now
-                if self.step % config.logging_steps == 0 or self.step == self.max_steps:
-                    self.metrics.update(record)
-                    logged = self.metrics.log(self.step)
-                    if self.on_step_end is not None and self.dist.is_main:
-                        self.on_step_end(self.step, logged)
+                self.metrics.update(record)  # every step: values between two logging steps are reduced together
+                if self.step % config.logging_steps == 0:
+                    self._log_metrics()
                 if config.save_strategy == "steps" and self.step % config.save_steps == 0:
                     self.save()
+            if self.metrics.has_values():  # the last step, when it is not a logging step
+                self._log_metrics()
             elapsed = time.perf_counter() - started
             if config.export_final_model and config.lora_r > 0:
                 from fastdistill.train.lora import export_merged
@@ -427,17 +220,28 @@ class AsyncDistillationTrainer:
                 export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
         finally:
             stopping = time.perf_counter()
-            self._stop_pipeline()
-            self.metrics.close()
-            self.shutdown_s = time.perf_counter() - stopping
+            try:
+                self._stop_pipeline()
+            finally:
+                self.metrics.close()
+                self.shutdown_s = time.perf_counter() - stopping
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
-                "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
-                "dropped_stale_total": getattr(getattr(self, "source", None), "dropped_stale_total", 0),
-                "trained_tokens": trained_tokens, "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
-                "prompt_index": self.rollout_state.prompt_index}
+                   "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
+                   "dropped_stale_total": getattr(self.source, "dropped_stale_total", 0),
+                   "dropped_prompts_total": self.dropped_total,
+                   "trained_tokens": trained_tokens, "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
+                   "prompt_index": self.rollout_state.prompt_index}
         if self.dist.is_main:
             (self.output_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+            if self.dropped_total:
+                logger.warning("%d prompt(s) were not trained; they are listed in %s", self.dropped_total,
+                               self.output_dir / DROPPED_PROMPTS_FILE)
         return summary
+
+    def _log_metrics(self) -> None:
+        logged = self.metrics.log(self.step)
+        if self.on_step_end is not None and self.dist.is_main:
+            self.on_step_end(self.step, logged)
 
     def _mfu(self, record: dict[str, float]) -> dict[str, float]:
         """``perf/mfu_fwd_bwd`` and ``perf/mfu_wall_clock`` in % of the devices' dense peak (when it is known)."""
@@ -470,8 +274,22 @@ class AsyncDistillationTrainer:
     # ---------------------------------------------------------------------------------------- pipeline parts
 
     def _start_pipeline(self) -> None:
-        """Weight-sync group, cold sync (version → version + 1), then the rollout worker on rank 0."""
+        """Rank 0: server checks and the window collector; all ranks: weight-sync group and cold sync (version →
+        version + 1); then rank 0's source (the rollout worker, synchronous waves or the given samples)."""
         config = self.config
+        skip_rows: frozenset[int] = frozenset()
+        if self.dist.is_main:
+            served = self._check_servers() if self._samples is None else None
+            token_budget = config.token_budget
+            if token_budget is None:  # the student server's max_model_len (no bound for offline samples)
+                token_budget = served["student"].max_model_len if served is not None else 0
+            self.token_budget = token_budget
+            self.collector = WindowCollector(
+                total_prompts=self.total_prompts, world_size=self.dist.world_size,
+                microbatches_per_step=config.gradient_accumulation_steps, make_batcher=self._new_batcher,
+                state=self.rollout_state, token_budget=token_budget if token_budget > 0 else None)
+            if served is not None:
+                skip_rows = self._skip_long_prompts(served)
         if self.weight_sync is None and config.weight_sync_backend != "none" and self._samples is None:
             from fastdistill.sync import VLLMWeightSync
 
@@ -481,25 +299,21 @@ class AsyncDistillationTrainer:
             one_call = config.weight_sync_one_call if config.weight_sync_one_call is not None else backend == "gloo"
             self.weight_sync = VLLMWeightSync(config.vllm_server_base_url, backend=backend, one_call=one_call,
                                               is_sender=self.dist.is_main, timeout_s=config.weight_sync_timeout)
-        if self.dist.is_main:
-            self.token_budget = self._resolve_token_budget()
-            self._batcher = self._new_batcher()
-            self._oversize_prompts: set[int] = set()
-            self._discarded_total = 0
-            self._oversize_reported = 0  # oversize drops already logged (batchers replaced by _flush included)
-            self._oversize_of_old_batchers = 0
         if self.weight_sync is not None:
             self.weight_sync.init()
             self._sync_weights()
-        if self._samples is not None:
-            self.source = ListSource(self._samples) if self.dist.is_main else None
+        if not self.dist.is_main:
             return
-        if self.dist.is_main and not config.async_mode:
-            self._check_servers()
-            self.source = SynchronousSource(self.rows, self._rollout_config(),
+        if self._samples is not None:
+            self.source = ListSource(self._samples)
+        elif not config.async_mode:
+            self.source = SynchronousSource(self.rows, self._rollout_config(skip_rows),
                                             config.samples_per_step(self.dist.world_size))
-        elif self.dist.is_main:
-            self.worker = self._make_worker()
+        else:
+            from fastdistill.rollout import RolloutWorker
+
+            self.worker = RolloutWorker(self._rollout_config(skip_rows), self.rows,
+                                        queue_maxsize=config.resolved_queue_maxsize(self.dist.world_size))
             self.worker.model_version = self.model_version  # the version the cold sync just made the server serve
             self.worker.start()
             self.source = WorkerSource(
@@ -507,35 +321,12 @@ class AsyncDistillationTrainer:
                 heartbeat_stale_after_s=config.heartbeat_stale_after_s,
             )
 
-    def _resolve_token_budget(self) -> int:
-        """``token_budget``, or the student server's ``max_model_len`` when None (0 for offline samples)."""
-        if self.config.token_budget is not None:
-            return self.config.token_budget
-        return self._served_max_model_len() if self._samples is None else 0
-
     def _new_batcher(self) -> Any:
         if self.token_budget > 0:
             return TokenBudgetBatcher(self.token_budget, self.dist.world_size)
         return FixedCountBatcher(self.config.per_device_train_batch_size, self.dist.world_size)
 
-    def _served_max_model_len(self) -> int:
-        from fastdistill.rollout import StudentClient
-
-        async def query() -> int:
-            async with StudentClient(self.config.vllm_server_base_url) as client:
-                await client.wait_until_healthy(self.config.vllm_server_timeout)
-                return (await client.served_model()).max_model_len
-
-        return asyncio.run(query())
-
-    def _make_worker(self) -> Any:
-        from fastdistill.rollout import RolloutWorker
-
-        self._check_servers()
-        return RolloutWorker(self._rollout_config(), self.rows,
-                             queue_maxsize=self.config.resolved_queue_maxsize(self.dist.world_size))
-
-    def _rollout_config(self) -> Any:
+    def _rollout_config(self, skip_rows: frozenset[int] = frozenset()) -> Any:
         from fastdistill.rollout import RetryPolicy, RolloutConfig
 
         config = self.config
@@ -561,45 +352,127 @@ class AsyncDistillationTrainer:
             shuffle=config.shuffle,
             seed=config.seed,
             start_index=self.rollout_state.prompt_index,
+            end_index=self.total_prompts,
             skip_prompt_ids=frozenset(self.rollout_state.trained_after),
+            skip_rows=skip_rows,
             eos_token_ids=eos_ids,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
 
-    def _check_servers(self) -> None:
-        """Before any rollout: the servers are up and every teacher tokenizes like the student."""
+    def _check_servers(self) -> dict[str, Any]:
+        """Before any rollout: the servers are up and every teacher tokenizes like the student. Returns each
+        server's :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids)."""
         from fastdistill.rollout import StudentClient, TeacherClient, check_shared_vocabulary
 
         config = self.config
 
-        async def check() -> None:
+        async def check() -> dict[str, Any]:
             async with StudentClient(config.vllm_server_base_url) as student:
                 await student.wait_until_healthy(config.vllm_server_timeout)
+                served = {"student": await student.served_model()}
                 teachers = {}
                 try:
                     for teacher_id, urls in config.teacher_server_urls.items():
                         teachers[teacher_id] = TeacherClient(urls)
                         await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
+                        served[teacher_id] = await teachers[teacher_id].served_model()
                     await check_shared_vocabulary(student, teachers)
                 finally:
                     for teacher in teachers.values():
                         await teacher.close()
+                return served
 
-        asyncio.run(check())
+        return asyncio.run(check())
+
+    def _skip_long_prompts(self, served: dict[str, Any]) -> frozenset[int]:
+        """Rank 0: the dataset rows whose prompt plus ``max_completion_length`` cannot fit the student's
+        ``max_model_len``, or the row's teacher's (which scores prompt + completion and asks for one more token).
+
+        Without ``skip_long_prompts`` any such row is a :class:`ConfigError`; with it, the rows are never dispatched,
+        each of their prompts in this run counts as done and is listed in ``dropped_prompts.jsonl``."""
+        config = self.config
+        completion = config.max_completion_length
+        teacher_ids = self.teacher_ids
+        limits: dict[int, tuple[str, int, int]] = {}  # row -> (server, needed tokens, its max_model_len)
+        for index, row in enumerate(self.rows):
+            prompt = len(row["prompt_ids"])
+            teacher_id = row.get("teacher_id") if len(teacher_ids) > 1 else teacher_ids[0]
+            checks = [("student", prompt + completion, served["student"].max_model_len),
+                      (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
+            for server, needed, limit in checks:
+                if needed > limit:
+                    limits[index] = (server, needed, limit)
+                    break
+        if not limits:
+            return frozenset()
+        longest = max(limits, key=lambda i: len(self.rows[i]["prompt_ids"]))
+        server, needed, limit = limits[longest]
+        what = (f"{len(limits)} of {len(self.rows)} prompts do not fit the servers: the longest has "
+                f"{len(self.rows[longest]['prompt_ids'])} tokens (row {longest}); with max_completion_length="
+                f"{completion} it needs {needed} tokens, but the {server} server serves max_model_len={limit}")
+        if len(limits) == len(self.rows):
+            raise ConfigError(f"{what}. No prompt can be trained: lower max_completion_length or raise the servers' "
+                              "--max-model-len.")
+        if not config.skip_long_prompts:
+            raise ConfigError(f"{what}. Lower max_completion_length, raise the servers' --max-model-len, or set "
+                              "skip_long_prompts=True to skip these prompts (they are listed in "
+                              f"{DROPPED_PROMPTS_FILE}).")
+        logger.warning("%s; skipping them (skip_long_prompts=True)", what)
+        skip = frozenset(limits)
+        if self.total_prompts is not None:  # their prompts in this run are done, once
+            from fastdistill.rollout import epoch_order
+
+            num_rows = len(self.rows)
+            drops = []
+            for epoch in range(math.ceil(self.total_prompts / num_rows)):
+                order = epoch_order(num_rows, config.seed, epoch, config.shuffle)
+                positions = np.nonzero(np.isin(order, list(skip)))[0]
+                for position in positions:
+                    prompt_id = epoch * num_rows + int(position)
+                    if prompt_id < self.total_prompts and not self.rollout_state.is_trained(prompt_id):
+                        self.rollout_state.add(prompt_id)
+                        row = int(order[position])
+                        server, needed, limit = limits[row]
+                        drops.append(DroppedPrompt(prompt_id=prompt_id, dataset_index=row, reason=TOO_LONG,
+                                                   server=server, message=f"needs {needed} tokens > max_model_len="
+                                                   f"{limit} (prompt + max_completion_length={completion})"))
+            self._record_drops(drops, step=self.step)
+        return skip
+
+    def _record_drops(self, drops: list[DroppedPrompt], step: int) -> None:
+        """Rank 0: log each dropped prompt once and append it to ``dropped_prompts.jsonl`` with the step whose window
+        was being collected (so that a resume from an earlier checkpoint forgets it)."""
+        if not drops:
+            return
+        self.dropped_total += len(drops)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.output_dir / DROPPED_PROMPTS_FILE, "a") as log:
+            for drop in drops:
+                if drop.reason != TOO_LONG:  # those are summarised in one warning
+                    logger.warning("prompt %s (dataset row %d) will not be trained: %s by %s: %s", drop.prompt_id,
+                                   drop.dataset_index, drop.reason, drop.server or "the batcher", drop.message)
+                log.write(json.dumps({"step": step, **drop.to_json()}) + "\n")
 
     def _stop_pipeline(self) -> None:
-        if self._pending_sync is not None:
-            self._pending_sync.result()
-            self._pending_sync = None
-        if self._sync_thread is not None:
-            self._sync_thread.shutdown()
-        if self.worker is not None:
-            self.worker.stop()
-            self.worker = None
-        if isinstance(getattr(self, "source", None), SynchronousSource):
-            self.source.close()
-        if self.weight_sync is not None:
-            self.weight_sync.close()
+        """Stop everything that was started, each part even when an earlier one raises (an error
+        propagates once all have run): the background push, the rollout worker, the synchronous source's clients and
+        the weight-sync group."""
+        with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
+            if self.weight_sync is not None:
+                stack.callback(self.weight_sync.close)
+            if isinstance(self.source, SynchronousSource):
+                stack.callback(self.source.close)
+            if self.worker is not None:
+                stack.callback(self._stop_worker)
+            if self._sync_thread is not None:
+                stack.callback(self._sync_thread.shutdown)
+            if self._pending_sync is not None:
+                pending, self._pending_sync = self._pending_sync, None
+                stack.callback(pending.result)
+
+    def _stop_worker(self) -> None:
+        worker, self.worker = self.worker, None
+        worker.stop()
 
     def _sync_weights(self) -> dict[str, float]:
         if self.weight_sync is None:
@@ -667,76 +540,35 @@ class AsyncDistillationTrainer:
 
     # ---------------------------------------------------------------------------------------- micro-batches
 
-    def _next_window(self) -> list[tuple[list[RolloutSample], bool]] | None:
-        """This rank's rows for the next step: a list of (samples, ghost) per micro-batch; None when done.
+    def _next_window(self) -> tuple[list[tuple[list[RolloutSample], bool]], int] | None:
+        """This rank's rows for the next step, a list of ``(samples, ghost)`` per micro-batch, and the schedule's
+        step count; None when the run is over.
 
         A ghost row (a rank left without samples in a final, partial micro-batch) runs with zero loss weight so that
         every rank makes the same collective calls."""
-        window = self._collect_window() if self.dist.is_main else None
+        per_rank = None
         if self.dist.is_main:
-            self._window_microbatches = window
-            self._window_prompt_ids = sorted(s.prompt_id for mb in window for row in mb for s in row)
-        if self.dist.world_size == 1:
-            return None if not window else [(mb[0], False) for mb in window]
-        scattered: list[Any] = [None]
-        inputs = None
-        if self.dist.is_main:
-            inputs = [None] * self.dist.world_size if not window else [
-                [(mb[rank] or next(r for r in mb if r), not mb[rank]) for mb in window]
-                for rank in range(self.dist.world_size)
-            ]
-        dist.scatter_object_list(scattered, inputs, src=0)
-        return scattered[0]
+            window = self.collector.collect(self.source, self.model_version)
+            self._record_drops(self.collector.take_drops(), step=self.step + 1)
+            self._window = window
+            if window is not None:
+                total_steps = self._planned_steps(window)
+                per_rank = [([(mb[rank] or next(r for r in mb if r), not mb[rank]) for mb in window.microbatches],
+                             total_steps) for rank in range(self.dist.world_size)]
+            else:
+                per_rank = [None] * self.dist.world_size
+        return self.dist.scatter(per_rank)
 
-    def _collect_window(self) -> list[list[list[RolloutSample]]]:
-        """Rank 0: up to ``gradient_accumulation_steps`` micro-batches (each: one list of samples per rank).
-
-        A prompt whose sample is longer than the token budget is dropped by the batcher and never trained (TRL's
-        rule); it counts as done, so that the run still ends after the last trainable prompt."""
-        window: list[list[list[RolloutSample]]] = []
-        collected = 0
-        limit = self._prompt_limit()
-        while len(window) < self.config.gradient_accumulation_steps:
-            done = self.rollout_state.count_below(limit) + sum(1 for p in self._oversize_prompts if p < limit)
-            pending = self._batcher.pending
-            if self.total_prompts - done - collected <= len(pending):
-                if pending:  # the last prompts: a final, partial micro-batch
-                    window.append(self._flush())
-                break
-            try:
-                sample = self.source.next(self.model_version)
-            except SourceExhausted:
-                if pending:
-                    window.append(self._flush())
-                break
-            prompt_id = sample.prompt_id
-            if (prompt_id >= self.total_prompts or self.rollout_state.is_trained(prompt_id)
-                    or prompt_id in self._oversize_prompts or any(s.prompt_id == prompt_id for s in pending)):
-                self._discarded_total += 1
-                continue
-            dropped_before = self._oversize_dropped()
-            microbatch = self._batcher.add(sample)
-            if self._oversize_dropped() > dropped_before:
-                self._oversize_prompts.add(prompt_id)
-            if microbatch is not None:
-                collected += sum(len(row) for row in microbatch)
-                window.append(microbatch)
-        return window
-
-    def _oversize_dropped(self) -> int:
-        """Samples the batchers of this run dropped for exceeding the token budget."""
-        current = self._batcher.dropped_oversize_total if self.token_budget > 0 else 0
-        return self._oversize_of_old_batchers + current
-
-    def _prompt_limit(self) -> int:
-        return self.total_prompts if self.total_prompts != math.inf else 2**62
-
-    def _flush(self) -> list[list[RolloutSample]]:
-        pending = self._batcher.pending
-        self._oversize_of_old_batchers = self._oversize_dropped()
-        self._batcher = self._new_batcher()
-        rows = balance_by_squared_length(pending, self.dist.world_size)
-        return rows + [[] for _ in range(self.dist.world_size - len(rows))]
+    def _planned_steps(self, window: Window) -> int:
+        """Rank 0: the schedule's step count. ``max_steps`` when set; else exact on the last window, and otherwise
+        the steps so far plus the prompts left at the samples per step seen so far in this process."""
+        if self.config.max_steps != -1:
+            return self.config.max_steps
+        if window.last:
+            return self.step + 1
+        samples_per_step = (self._session_samples + window.num_samples) / (self._session_steps + 1)
+        left = self.collector.remaining() - window.num_samples
+        return self.step + 1 + max(1, math.ceil(left / samples_per_step))
 
     # ---------------------------------------------------------------------------------------- one step
 
@@ -780,18 +612,17 @@ class AsyncDistillationTrainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
+        learning_rate = self.scheduler.apply(self.step)
         optimizer_started = time.perf_counter()
         self.optimizer.step()
         optimizer_s = time.perf_counter() - optimizer_started
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.dist.world_size > 1:
-            stats = stats.to(device)
-            dist.all_reduce(stats)
-            stats = stats.cpu()
+        stats = self.dist.all_reduce_sum(stats)
         if self.dist.is_main:
             self._mark_trained()
-        return self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
+        record = self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
+        record["learning_rate"] = learning_rate
+        return record
 
     def _scored_count(self, row: PackedRow, support: tuple[torch.Tensor, ...]) -> int:
         """Positions the loss will score: those with teacher signal (jsd), or whose sampled token the teacher
@@ -812,11 +643,14 @@ class AsyncDistillationTrainer:
     def _mark_trained(self) -> None:
         """Rank 0: record the step's prompts (all ranks' rows) as trained, in memory and in
         ``trained_prompts.jsonl`` (one line per step: the evidence that every prompt is trained exactly once)."""
-        for prompt_id in self._window_prompt_ids:
+        prompt_ids = self._window.prompt_ids
+        for prompt_id in prompt_ids:
             self.rollout_state.add(prompt_id)
+        self._session_steps += 1
+        self._session_samples += len(prompt_ids)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.output_dir / "trained_prompts.jsonl", "a") as log:
-            log.write(json.dumps({"step": self.step + 1, "prompt_ids": self._window_prompt_ids}) + "\n")
+        with open(self.output_dir / TRAINED_PROMPTS_FILE, "a") as log:
+            log.write(json.dumps({"step": self.step + 1, "prompt_ids": prompt_ids}) + "\n")
 
     def _step_record(self, stats: torch.Tensor, window: Any, grad_norm: Any, fwd_bwd_s: float,
                      optimizer_s: float) -> dict[str, float]:
@@ -826,7 +660,6 @@ class AsyncDistillationTrainer:
             self._divergence_name: float(stats[1]) / tokens,
             "entropy": float(stats[2]) / tokens,
             "teacher_entropy": float(stats[3]) / tokens,
-            "learning_rate": self.scheduler.get_last_lr()[0],
             "model_version": float(self.model_version),
             "batch/microbatches_per_step": float(len(window)),
             "batch/forwarded_tokens_per_step": float(stats[4]),
@@ -851,27 +684,32 @@ class AsyncDistillationTrainer:
         return record
 
     def _rank0_metrics(self) -> dict[str, Any]:
+        """Rank 0's share of the step's record: the source's and the worker's metrics, the collector's counters and
+        the window's packing metrics (ghost rows left out)."""
+        counters = self.collector.take_counters()
+        dropped = counters.dropped
         record: dict[str, Any] = {"perf/rollout_wait_s": self.source.wait_s,
-                                  "sample/discarded_total": float(self._discarded_total)}
+                                  "sample/discarded_total": float(counters.discarded_total),
+                                  "sample/dropped_prompts_total": float(sum(dropped.values()))}
+        for reason, count in dropped.items():
+            record[f"sample/dropped_prompts_{reason}_total"] = float(count)
+        if self.token_budget > 0:
+            record["batch/dropped_oversize_total"] = float(dropped.get("oversize", 0))
         self.source.wait_s = 0.0
-        self._discarded_total = 0
         for key, values in self.source.metrics.items():
             for value in values:
                 self.metrics.add(key, value)
         self.source.metrics = {}
         for payload in self.source.drain_worker_metrics():
             self.metrics.update(payload)
-        for microbatch in self._window_microbatches:
-            self.metrics.update(batch_metrics(microbatch, self.token_budget or None))
-        if self.token_budget > 0:
-            dropped = self._oversize_dropped()
-            record["batch/dropped_oversize_total"] = float(dropped - self._oversize_reported)
-            self._oversize_reported = dropped
+        for microbatch in self._window.microbatches:
+            self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
         return record
 
 
-def _truncate_trained_log(path: Path, step: int) -> None:
-    """Drop the lines of steps after ``step`` (trained by a run that died before its next checkpoint)."""
+def truncate_step_log(path: Path, step: int) -> None:
+    """Drop the lines of a JSONL log whose ``step`` is after ``step`` (written by a run that died before its next
+    checkpoint, so a resume from ``step`` writes them again)."""
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]

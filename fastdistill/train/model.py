@@ -1,0 +1,233 @@
+"""The student as the trainer sees it: a Hugging Face causal LM wrapped with the fused loss, loaded, and sharded.
+
+:class:`DistillationModel` runs the backbone and the loss in one ``forward`` so that FSDP2 gathers the lm_head for the
+loss. :func:`load_student` loads the model and tokenizer; :func:`prepare_student` applies LoRA, gradient
+checkpointing, the master-weight rule and FSDP2.
+
+Master weights: full fine-tuning keeps float32 master weights. An AdamW update is about the learning rate (1e-6 is
+common for distillation), far below half a bfloat16 ulp of a typical weight (2^-9 relative: about 4e-5 for a weight
+of 0.02), so bfloat16 master weights mostly never change. bfloat16 compute comes from autocast (one process) or
+FSDP2's ``MixedPrecisionPolicy`` (several ranks) instead, with ``bf16=True`` (the default on CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastdistill.data.packing import PackedRow
+from fastdistill.loss import SparseJSDOutput, reverse_kl_pg_loss, sparse_jsd_loss
+from fastdistill.train.config import AsyncDistillationConfig
+
+logger = logging.getLogger(__name__)
+
+WRAPPER_PREFIX = "model."  # state-dict prefix that DistillationModel adds in front of the Hugging Face names
+
+
+# ----------------------------------------------------------------------------------------------------- model
+
+
+def lm_head_settings(model_config: Any) -> tuple[float, float | None]:
+    """``(logit_scale, softcap)`` read from a Hugging Face config, as TRL does (1.0 and None when absent)."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    logit_scale = getattr(text_config, "logit_scale", None) or 1.0
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return float(logit_scale), (float(softcap) if softcap else None)
+
+
+class DistillationModel(nn.Module):
+    """A causal LM plus the fused loss, in one ``forward`` so that FSDP2 gathers the lm_head for the loss.
+
+    ``forward`` takes a packed row and the narrowed support of its trained positions and returns the
+    :class:`~fastdistill.SparseJSDOutput` (loss = sum over scored positions)."""
+
+    def __init__(self, model: nn.Module, config: AsyncDistillationConfig):
+        super().__init__()
+        self.model = model
+        self.logit_scale, self.softcap = lm_head_settings(model.config)
+        self.loss_kwargs = {
+            "beta": config.beta,
+            "temperature": config.teacher_temperature,
+            "add_tail_bucket": config.add_tail_bucket,
+            "tail_mode": config.tail_mode,
+            "num_teachers": len(config.teacher_ids),
+            "backend": config.loss_backend,
+        }
+        self.sampling_temperature = config.temperature
+        self.ratio_clip = config.importance_ratio_clip
+        self.loss_type = config.loss_type
+        self.pg_importance_ratio = config.pg_importance_ratio
+        self.pg_ratio_clip = config.pg_ratio_clip
+
+    def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
+                stale: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
+        """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
+        ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
+        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant)."""
+        causal_lm = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model  # LoRA
+        hidden = causal_lm.base_model(
+            input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
+        ).last_hidden_state
+        hidden = hidden[0].index_select(0, row.target_positions)
+        head = causal_lm.get_output_embeddings()
+        weights, metrics = None, {}
+        if stale is not None and bool(stale.any()):
+            weights, metrics = self._importance_weights(hidden, head, row, stale)
+        if self.loss_type == "reverse_kl_pg":
+            return self._policy_gradient(hidden, head, row, weights, metrics)
+        out = sparse_jsd_loss(
+            hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
+            softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
+        )
+        return out, metrics
+
+    def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+                         weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
+        """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
+        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics."""
+        match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
+        scored = match.any(dim=1).nonzero().squeeze(1)
+        teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
+        out = reverse_kl_pg_loss(
+            hidden.index_select(0, scored), head.weight, row.actual_ids[scored], teacher[scored], bias=head.bias,
+            logit_scale=self.logit_scale, softcap=self.softcap, temperature=self.loss_kwargs["temperature"],
+            rollout_logprobs=row.rollout_logprobs[scored] if self.pg_importance_ratio else None,
+            ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
+        )
+        with torch.no_grad():
+            estimate = out.reverse_kl
+            per_teacher = torch.zeros(self.loss_kwargs["num_teachers"], 3, dtype=torch.float64, device=hidden.device)
+            per_row = torch.stack([torch.ones_like(estimate), estimate, torch.zeros_like(estimate)], dim=1).double()
+            per_teacher.index_add_(0, row.teacher_index[scored], per_row)
+        count = max(int(out.num_tokens), 1)
+        metrics = {**metrics, "pg/advantage_mean": float(out.advantage_sum) / count,
+                   "pg/advantage_std": math.sqrt(max(0.0, float(out.advantage_sq_sum) / count
+                                                     - (float(out.advantage_sum) / count) ** 2))}
+        if self.pg_importance_ratio:
+            metrics.update({"pg/ratio_mean": float(out.ratio_sum) / count, "pg/ratio_max": float(out.ratio_max),
+                            "pg/clip_frac": float(out.clipped) / count})
+        zero = out.reverse_kl_sum * 0.0
+        return SparseJSDOutput(loss=out.loss, jsd_sum=out.reverse_kl_sum, entropy_sum=zero,
+                               teacher_entropy_sum=zero, num_tokens=out.num_tokens, per_teacher=per_teacher), metrics
+
+    @torch.no_grad()
+    def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+                            stale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """(M,) weights: 1 on fresh positions, min(exp(log π_θ(y) − μ(y)), clip) on stale ones; π_θ at the
+        sampling temperature over the full vocabulary (top-p/top-k truncation is not modelled)."""
+        index = stale.nonzero().squeeze(1)
+        logprob = torch.empty(index.numel(), dtype=torch.float32, device=hidden.device)
+        for start in range(0, index.numel(), 256):  # bounded (256 × V) logits tiles
+            rows = index[start : start + 256]
+            logits = torch.nn.functional.linear(hidden[rows].float(), head.weight.float(),
+                                                None if head.bias is None else head.bias.float()) * self.logit_scale
+            if self.softcap is not None:
+                logits = self.softcap * torch.tanh(logits / self.softcap)
+            logits = logits / self.sampling_temperature
+            actual = row.actual_ids[rows]
+            logprob[start : start + rows.numel()] = (
+                logits.gather(1, actual[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1))
+        ratio = torch.exp(logprob - row.rollout_logprobs[index].float())
+        weights = torch.ones(stale.shape[0], dtype=torch.float32, device=hidden.device)
+        weights[index] = ratio.clamp(max=self.ratio_clip)
+        metrics = {"sample/importance_ratio_mean": float(ratio.mean()),
+                   "sample/importance_ratio_max": float(ratio.max()),
+                   "sample/importance_clip_frac": float((ratio > self.ratio_clip).float().mean()),
+                   "sample/importance_tokens_total": float(index.numel())}
+        return weights, metrics
+
+
+def default_attention(device: torch.device) -> str:
+    """``flash_attention_2`` on CUDA when flash-attn is installed (varlen kernels over the packed row, boundaries
+    from ``position_ids``), else ``sdpa`` (transformers turns packed ``position_ids`` into a block-diagonal mask)."""
+    import importlib.util
+
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (modules whose class is in ``model._no_split_modules``), each sharded on its own."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+# ----------------------------------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(config: AsyncDistillationConfig) -> Any:
+    """The student's tokenizer (its eos token doubles as the pad token when it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name_or_path, trust_remote_code=config.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(config: AsyncDistillationConfig, device: torch.device) -> nn.Module:
+    """The student causal LM in ``config.dtype`` (``model_init_kwargs`` override), with ``default_attention``."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(config.model_init_kwargs or {})
+    kwargs.setdefault("trust_remote_code", config.trust_remote_code)
+    kwargs.setdefault("dtype", "auto" if config.dtype == "auto" else getattr(torch, config.dtype))
+    kwargs.setdefault("attn_implementation", default_attention(device))
+    return AutoModelForCausalLM.from_pretrained(config.model_name_or_path, **kwargs)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def check_master_weights(model: nn.Module, config: AsyncDistillationConfig) -> torch.dtype | None:
+    """Warn loudly when full fine-tuning would train bfloat16/float16 master weights; return their dtype then, else
+    None. (LoRA adapters are created in float32 by peft whatever the base model's dtype.)"""
+    if config.lora_r > 0:
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    low = sorted(str(d).removeprefix("torch.") for d in dtypes if d in LOW_PRECISION)
+    if not low:
+        return None
+    lr = config.learning_rate
+    logger.warning(
+        "Full fine-tuning with %s master weights (dtype=%r): an AdamW update of about lr=%g is far below half a %s "
+        "ulp of a typical weight (2^-9 relative for bfloat16), so most weights will never change. Load float32 master "
+        "weights (dtype: float32) and compute in bfloat16 with bf16: true (autocast on one process, FSDP2 mixed "
+        "precision on several), or train LoRA adapters (lora_r > 0).", "/".join(low), config.dtype, lr, low[0])
+    return next(d for d in dtypes if d in LOW_PRECISION)
+
+
+def prepare_student(hf_model: nn.Module, config: AsyncDistillationConfig, device: torch.device, world_size: int,
+                    bf16: bool) -> tuple[DistillationModel, nn.Module]:
+    """LoRA adapters (``lora_r > 0``), gradient checkpointing, train mode and, with several ranks, FSDP2
+    ``fully_shard`` per decoder layer and on the root (bf16 parameters in compute, fp32 reductions when ``bf16``).
+    Returns the wrapped model and the (possibly peft-wrapped) Hugging Face model."""
+    hf_model.config.use_cache = False
+    if config.lora_r > 0:
+        from fastdistill.train.lora import apply_lora
+
+        hf_model = apply_lora(hf_model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                              target_modules=config.lora_target_modules)
+        if config.gradient_checkpointing:
+            hf_model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
+    if config.gradient_checkpointing:
+        if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_model.train()
+    wrapped = DistillationModel(hf_model, config).to(device)
+    if world_size > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+                  else MixedPrecisionPolicy())
+        for layer in decoder_layers(hf_model):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(wrapped, mp_policy=policy)
+    return wrapped, hf_model
