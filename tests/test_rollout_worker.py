@@ -17,6 +17,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
+from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
 from fastdistill.rollout.http import RetryPolicy  # noqa: E402
 from fastdistill.rollout.worker import (  # noqa: E402
     RolloutConfig,
@@ -325,13 +326,13 @@ def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
     worker = RolloutWorker(config(student, {"math": teachers["math"]}, **settings), rows, queue_maxsize=64)
     worker.start()
     try:
-        good = {}
+        good, dropped = {}, {}
         deadline = time.monotonic() + 20
-        while len(good) < 6:
+        while len(good) + len(dropped) < 8:
             assert time.monotonic() < deadline
             worker.check_health(stale_after_s=10.0)
             sample = worker.samples.get(timeout=5)
-            good[sample.dataset_index] = sample
+            (dropped if isinstance(sample, DroppedPrompt) else good)[sample.dataset_index] = sample
         metrics: list[dict] = []
         deadline = time.monotonic() + 20
         while total(metrics, "rollout/dropped_total") < 2:  # the failures of prompts 2 and 4 land
@@ -342,6 +343,11 @@ def test_failed_rollouts_are_counted_and_the_rest_arrive(servers):
         worker.stop()
     assert sorted(good) == [0, 1, 3, 5, 6, 7]
     assert all(sample.teacher_id == "math" for sample in good.values())
+    # the two given up on arrive as notices naming the prompt, the reason and the server's message
+    assert dropped[2].reason == "unavailable" and dropped[2].server == "student" and dropped[2].prompt_id == 2
+    assert "engine crashed" in dropped[2].message and "2 attempts" in dropped[2].message
+    assert dropped[4].reason == "rejected" and dropped[4].server == "student"
+    assert dropped[4].message == "context too long"
     # Prompt 2 (500, transient): 2 attempts of 2 requests each, so 2 retries, then dropped. Prompt 4 (400): one
     # request, no retry, dropped at once. Counted once per failed attempt.
     first_epoch = [m for m in metrics if "rollout/failed_total" in m]
