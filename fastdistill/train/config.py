@@ -47,7 +47,8 @@ class AsyncDistillationConfig:
     model_name_or_path: str = ""
     output_dir: str = "fastdistill-output"
     train_dataset: str | None = None  # ours: JSON/JSONL file of rows {"prompt": messages | str, "teacher_id"?}
-    eval_dataset: str | None = None  # ours: held-out rows, scored on-policy at evaluation
+    eval_dataset: str | None = None  # JSON/JSONL held-out rows: greedy completions scored at start, eval_steps, end
+    eval_steps: int | None = None  # evaluate every this many steps too (None: at the start and the end only)
     dtype: str = "float32"
     trust_remote_code: bool = False
     model_init_kwargs: dict[str, Any] | None = None
@@ -121,6 +122,14 @@ class AsyncDistillationConfig:
     verify_weight_sync: bool = False  # ours: after each sync compare served log-probs with the trainer's
     weight_sync_overlap: bool = False  # ours: push a snapshot from a thread while the next step runs (1 process)
     weight_sync_one_call: bool | None = None  # ours: one /collective_rpc instead of /pause…/resume; None: with gloo
+    # ours: the trainer address and port the student server's workers join for weight sync; None: the local address
+    # that routes to the server (127.0.0.1 for a loopback server) and a free port
+    weight_sync_master_address: str | None = None
+    weight_sync_port: int | None = None
+    # ours: API keys (bearer tokens), never in repr or to_dict; None: $FASTDISTILL_STUDENT_API_KEY and per teacher
+    # $FASTDISTILL_TEACHER_API_KEY_<ID>, else $FASTDISTILL_TEACHER_API_KEY (fastdistill.auth, docs/serving.md)
+    vllm_server_api_key: str | None = field(default=None, repr=False)
+    teacher_api_keys: dict[str, str] | None = field(default=None, repr=False)
     async_mode: bool = True  # ours: False waits for the current weights' samples (a synchronous baseline)
 
     def __post_init__(self) -> None:
@@ -169,6 +178,8 @@ class AsyncDistillationConfig:
         _check(self.queue_maxsize is None or (_is_int(self.queue_maxsize) and self.queue_maxsize >= 1),
                "queue_maxsize", self.queue_maxsize, "None (automatic) or an int >= 1")
         _at_least(self, 0, "max_staleness", "warmup_steps", "lora_r")
+        _check(self.eval_steps is None or (_is_int(self.eval_steps) and self.eval_steps >= 1), "eval_steps",
+               self.eval_steps, "None (at the start and the end) or an int >= 1")
         _positive(self, "lora_alpha")
         _range(self, "lora_dropout", 0.0, 1.0, high_open=True)
         _check(isinstance(self.lora_target_modules, str) or (isinstance(self.lora_target_modules, list) and all(
@@ -205,6 +216,25 @@ class AsyncDistillationConfig:
                self.weight_sync_one_call, "None or False with weight_sync_backend='nccl' (GPU engines overlap steps)")
         _check(not (self.weight_sync_overlap and not self.async_mode), "weight_sync_overlap",
                self.weight_sync_overlap, "False with async_mode=False (a synchronous step waits for the new weights)")
+        # --- weight-sync rendezvous and API keys (keys from the environment when None; never quoted in errors)
+        address = self.weight_sync_master_address
+        _check(address is None or (isinstance(address, str) and address != "" and not any(c in address for c in " /")),
+               "weight_sync_master_address", address, "None (automatic) or a host name or IP address of the trainer")
+        port = self.weight_sync_port
+        _check(port is None or (_is_int(port) and 1 <= port <= 65535), "weight_sync_port", port,
+               "None (a free port) or an int in [1, 65535]")
+        from fastdistill.auth import check_api_keys, student_api_key_from_env, teacher_api_keys_with_env
+
+        teacher_ids = list(self.teacher_server_urls) if isinstance(self.teacher_server_urls, Mapping) else []
+        if self.vllm_server_api_key is None:
+            self.vllm_server_api_key = student_api_key_from_env()
+        if self.teacher_api_keys is None or isinstance(self.teacher_api_keys, Mapping):
+            self.teacher_api_keys = teacher_api_keys_with_env(teacher_ids, self.teacher_api_keys)
+        try:
+            check_api_keys(self.vllm_server_api_key, self.teacher_api_keys, teacher_ids,
+                           student_field="vllm_server_api_key")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         self._validate_teachers()
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)

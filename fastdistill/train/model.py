@@ -64,10 +64,11 @@ class DistillationModel(nn.Module):
         self.pg_ratio_clip = config.pg_ratio_clip
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
-                stale: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
+                stale: torch.Tensor | None = None, divergence: bool = False) -> tuple[Any, dict[str, float]]:
         """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
         ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
-        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant)."""
+        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant).
+        ``divergence``: the sparse JSD whatever ``loss_type`` is (held-out evaluation)."""
         causal_lm = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model  # LoRA
         hidden = causal_lm.base_model(
             input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
@@ -77,7 +78,7 @@ class DistillationModel(nn.Module):
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
-        if self.loss_type == "reverse_kl_pg":
+        if self.loss_type == "reverse_kl_pg" and not divergence:
             return self._policy_gradient(hidden, head, row, weights, metrics)
         out = sparse_jsd_loss(
             hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,

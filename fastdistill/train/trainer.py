@@ -73,6 +73,8 @@ class AsyncDistillationTrainer:
         config: the run's :class:`AsyncDistillationConfig`.
         train_dataset: rows ``{"prompt": messages | str, "teacher_id"?}`` or ``{"prompt_ids": [...]}``; defaults
             to ``config.train_dataset`` loaded from JSON/JSONL. Needed on rank 0 only.
+        eval_dataset: held-out rows of the same shape; defaults to ``config.eval_dataset``. Evaluated at the start,
+            every ``config.eval_steps`` steps and at the end (see :meth:`evaluate`).
         model, tokenizer: already loaded ones (else loaded from ``model_name_or_path``).
         samples: a finite iterable of :class:`~fastdistill.rollout.RolloutSample` (and
             :class:`~fastdistill.rollout.dropped.DroppedPrompt` notices) to train on instead of a rollout worker
@@ -91,6 +93,7 @@ class AsyncDistillationTrainer:
         config: AsyncDistillationConfig,
         *,
         train_dataset: Sequence[dict[str, Any]] | None = None,
+        eval_dataset: Sequence[dict[str, Any]] | None = None,
         model: nn.Module | None = None,
         tokenizer: Any = None,
         samples: Sequence[RolloutSample | DroppedPrompt] | None = None,
@@ -121,6 +124,9 @@ class AsyncDistillationTrainer:
             self.rows = self._tokenized_rows(train_dataset)
         num_prompts = len(samples) if samples is not None else (len(self.rows) if self.rows is not None else 0)
         self.num_prompts = self.dist.broadcast(num_prompts)
+        self.eval_rows = self._eval_rows(eval_dataset) if self.dist.is_main else None
+        self.has_eval = self.dist.broadcast(bool(self.eval_rows))
+        self._last_eval_step: int | None = None
         # With max_steps=-1: an estimate (exact for the fixed-count batcher), corrected as rows are packed.
         self.max_steps = config.resolved_max_steps(self.num_prompts, self.dist.world_size)
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
@@ -162,6 +168,22 @@ class AsyncDistillationTrainer:
             rows = load_rows(self.config.train_dataset)
         return tokenize_prompts(rows, self.tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
 
+    def _eval_rows(self, rows: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Rank 0: the tokenised held-out rows, each routed to its teacher (None without an eval dataset)."""
+        from fastdistill.data.prompts import tokenize_prompts
+        from fastdistill.rollout.worker import route_rows
+
+        if rows is None:
+            if self.config.eval_dataset is None:
+                return None
+            rows = load_rows(self.config.eval_dataset)
+        tokenized = tokenize_prompts(rows, self.tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
+        try:
+            routes = route_rows(tokenized, self.teacher_ids)
+        except ValueError as error:
+            raise ConfigError(f"eval_dataset: {error}") from error
+        return [{**row, "teacher_id": route} for row, route in zip(tokenized, routes, strict=True)]
+
     # ---------------------------------------------------------------------------------------------- the run
 
     def train(self) -> dict[str, Any]:
@@ -184,6 +206,9 @@ class AsyncDistillationTrainer:
         trained_tokens = 0
         try:
             self._start_pipeline()
+            if self.has_eval and self.step == 0:
+                self.metrics.update(self.evaluate())
+                self._log_metrics()
             last_step_end = time.perf_counter()
             while config.max_steps == -1 or self.step < config.max_steps:
                 mine = self._next_window()
@@ -205,10 +230,17 @@ class AsyncDistillationTrainer:
                 record.update(self._mfu(record))
                 last_step_end = now
                 self.metrics.update(record)  # every step: values between two logging steps are reduced together
-                if self.step % config.logging_steps == 0:
+                last = self.step == self.scheduler.total_steps  # the schedule's length is exact on the last step
+                evaluate = self.has_eval and (last or (config.eval_steps is not None
+                                                       and self.step % config.eval_steps == 0))
+                if evaluate:
+                    self.metrics.update(self.evaluate())
+                if evaluate or self.step % config.logging_steps == 0:
                     self._log_metrics()
                 if config.save_strategy == "steps" and self.step % config.save_steps == 0:
                     self.save()
+            if self.has_eval and self._last_eval_step != self.step:  # a source that ended without notice
+                self.metrics.update(self.evaluate())
             if self.metrics.has_values():  # the last step, when it is not a logging step
                 self._log_metrics()
             elapsed = time.perf_counter() - started
@@ -237,6 +269,55 @@ class AsyncDistillationTrainer:
                 logger.warning("%d prompt(s) were not trained; they are listed in %s", self.dropped_total,
                                self.output_dir / DROPPED_PROMPTS_FILE)
         return summary
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out on-policy evaluation (collective: every rank calls it). Rank 0 asks the student server for a
+        greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
+        it; each rank measures its share with the trainer's current weights. The served weights are those of the last
+        sync (``weight_sync_steps``). Returns ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored
+        token), ``eval/teacher_jsd/<id>`` with several teachers, ``eval/completion_length_mean`` and
+        ``eval/samples_total``."""
+        from fastdistill.train.evaluate import collect_scored_samples
+
+        config = self.config
+        samples = None
+        if self.dist.is_main:
+            samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
+                                             top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
+                                             seed=config.seed)
+        samples = self.dist.broadcast(samples)
+        scored = [s for s in samples if len(s.completion_ids) > 0]
+        world, group = self.dist.world_size, 8
+        mine = scored[self.dist.rank::world]
+        chunks = math.ceil(math.ceil(len(scored) / world) / group) if scored else 0
+        stats = torch.zeros(len(self.teacher_ids), 2, dtype=torch.float64)  # per teacher: tokens, jsd sum
+        was_training = self.hf_model.training
+        self.hf_model.eval()
+        try:
+            for index in range(chunks):
+                chunk = mine[index * group:(index + 1) * group]
+                ghost = not chunk  # every rank runs as many forwards (FSDP gathers are collective)
+                row = pack_row(chunk or scored[:1], self.teacher_ids).to(self.dist.device)
+                ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids,
+                                                config.beta)
+                with torch.autocast(self.dist.device.type, dtype=torch.bfloat16,
+                                    enabled=self._use_bf16() and self.dist.world_size == 1):
+                    out, _ = self.model(row, ids, lps, mask, divergence=True)
+                if not ghost:
+                    stats += out.per_teacher.double().cpu()[:, :2]
+        finally:
+            self.hf_model.train(was_training)
+        stats = self.dist.all_reduce_sum(stats)
+        self._last_eval_step = self.step
+        tokens = float(stats[:, 0].sum())
+        record = {"eval/jsd": float(stats[:, 1].sum()) / max(tokens, 1.0), "eval/samples_total": float(len(samples)),
+                  "eval/completion_length_mean": sum(len(s.completion_ids) for s in samples) / max(len(samples), 1)}
+        if len(self.teacher_ids) > 1:
+            for index, teacher_id in enumerate(self.teacher_ids):
+                if stats[index, 0] > 0:
+                    record[f"eval/teacher_jsd/{teacher_id}"] = float(stats[index, 1] / stats[index, 0])
+        return record
 
     def _log_metrics(self) -> None:
         logged = self.metrics.log(self.step)
