@@ -1,0 +1,182 @@
+"""API keys of the vLLM servers: where they come from, how they are sent, how they stay out of logs, and the
+middleware that makes a vLLM server require one on every route.
+
+A key is read from, in order: the explicit value (config field, command-line flag, constructor argument), then
+these environment variables:
+
+- ``FASTDISTILL_STUDENT_API_KEY``: the student server's key;
+- ``FASTDISTILL_TEACHER_API_KEY_<ID>``: teacher ``<ID>``'s key (the teacher id upper-cased, every character other
+  than ``A-Z`` and ``0-9`` replaced by ``_``: teacher ``"math-v2"`` reads ``FASTDISTILL_TEACHER_API_KEY_MATH_V2``);
+- ``FASTDISTILL_TEACHER_API_KEY``: the key of every teacher without a variable of its own.
+
+An empty variable counts as unset. Clients send the key as ``Authorization: Bearer <key>``.
+
+vLLM's own ``--api-key`` (or ``VLLM_API_KEY``) only guards the paths under ``/v1``, ``/v2``, ``/inference`` and
+``/cohere``: the dev-mode routes a student needs for weight sync (``/collective_rpc``, ``/pause``,
+``/init_weight_transfer_engine``, ``/update_weights``, ``/server_info``, ...) and ``/tokenize`` stay open.
+:class:`RequireAPIKey` guards every route but ``/health`` and ``/ping``; the launcher
+(:class:`fastdistill.serve.VLLMServer`) adds it to every server started with a key. This module imports nothing
+outside the standard library: it runs inside vLLM's API server and in the rollout worker's CUDA-free child.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+STUDENT_KEY_ENV = "FASTDISTILL_STUDENT_API_KEY"
+TEACHER_KEY_ENV = "FASTDISTILL_TEACHER_API_KEY"
+VLLM_KEY_ENV = "VLLM_API_KEY"  # what vLLM's server (and RequireAPIKey) read
+MASK = "***"
+# Fields of fastdistill's configs that hold keys (masked by mask_secrets).
+SECRET_FIELDS = frozenset({"vllm_server_api_key", "teacher_api_keys", "student_api_key", "api_key"})
+# Routes RequireAPIKey leaves open: liveness probes, which the launcher and load balancers poll without a key.
+OPEN_PATHS = frozenset({"/health", "/ping"})
+MIDDLEWARE = "fastdistill.auth.RequireAPIKey"  # the value of vLLM's --middleware flag
+
+_KEY_PATTERN = re.compile(r"[\x21-\x7e]+")  # visible ASCII: a header value without spaces or line breaks
+
+
+def teacher_key_env(teacher_id: str) -> str:
+    """The environment variable of teacher ``teacher_id``'s key: ``FASTDISTILL_TEACHER_API_KEY_<ID>``."""
+    return f"{TEACHER_KEY_ENV}_{re.sub(r'[^A-Z0-9]', '_', teacher_id.upper())}"
+
+
+def _env(name: str, environ: Mapping[str, str] | None) -> str | None:
+    return (os.environ if environ is None else environ).get(name) or None
+
+
+def student_api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """``$FASTDISTILL_STUDENT_API_KEY``, or None when unset or empty."""
+    return _env(STUDENT_KEY_ENV, environ)
+
+
+def teacher_api_key_from_env(teacher_id: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Teacher ``teacher_id``'s key from ``$FASTDISTILL_TEACHER_API_KEY_<ID>``, else ``$FASTDISTILL_TEACHER_API_KEY``,
+    else None."""
+    return _env(teacher_key_env(teacher_id), environ) or _env(TEACHER_KEY_ENV, environ)
+
+
+def teacher_api_keys_with_env(
+    teacher_ids: Iterable[str], explicit: Mapping[str, str] | None, environ: Mapping[str, str] | None = None
+) -> dict[str, str] | None:
+    """Teacher id -> key: the ``explicit`` entries, then the environment for the other teachers; None when no
+    teacher has a key."""
+    keys = dict(explicit or {})
+    for teacher_id in teacher_ids:
+        if keys.get(teacher_id) is None:
+            key = teacher_api_key_from_env(teacher_id, environ)
+            if key is not None:
+                keys[teacher_id] = key
+    return {teacher_id: key for teacher_id, key in keys.items() if key is not None} or None
+
+
+def api_key_problem(key: object) -> str | None:
+    """Why ``key`` cannot be an API key (None when it can). Never quotes the key."""
+    if not isinstance(key, str):
+        return f"a string (got a {type(key).__name__})"
+    if not _KEY_PATTERN.fullmatch(key):
+        return "a non-empty string of visible ASCII characters without spaces (the value is not shown)"
+    return None
+
+
+def check_api_keys(
+    student_key: object,
+    teacher_keys: object,
+    teacher_ids: Iterable[str],
+    *,
+    student_field: str = "student_api_key",
+    teachers_field: str = "teacher_api_keys",
+) -> None:
+    """Raise ``ValueError`` naming the field when the student's key or a teacher's is not a valid key, or
+    ``teacher_keys`` (None or a mapping of teacher id to key) names a teacher that is not in ``teacher_ids``. The
+    messages never quote a key."""
+    if student_key is not None and (problem := api_key_problem(student_key)):
+        raise ValueError(f"{student_field} must be None or {problem}")
+    if teacher_keys is None:
+        return
+    if not isinstance(teacher_keys, Mapping):
+        raise ValueError(f"{teachers_field} must be None or a mapping of teacher id to key, "
+                         f"got a {type(teacher_keys).__name__}")
+    known = list(teacher_ids)
+    for teacher_id, key in teacher_keys.items():
+        if teacher_id not in known:
+            raise ValueError(f"{teachers_field} names teacher {teacher_id!r}, which is not among the teachers {known}")
+        if key is not None and (problem := api_key_problem(key)):
+            raise ValueError(f"{teachers_field}[{teacher_id!r}] must be None or {problem}")
+
+
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """``{"Authorization": "Bearer <key>"}``, or ``{}`` without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``values`` (e.g. a config's ``to_dict()``) with every key in :data:`SECRET_FIELDS` masked: a string
+    becomes ``"***"``, a mapping keeps its keys (teacher ids) with masked values; None stays None."""
+    masked = dict(values)
+    for name in SECRET_FIELDS & masked.keys():
+        value = masked[name]
+        if isinstance(value, Mapping):
+            masked[name] = {key: None if item is None else MASK for key, item in value.items()}
+        elif value is not None:
+            masked[name] = MASK
+    return masked
+
+
+# ------------------------------------------------------------------------------------------------ server side
+
+_Scope = dict[str, Any]
+_Receive = Callable[[], Awaitable[dict[str, Any]]]
+_Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class RequireAPIKey:
+    """ASGI middleware for vLLM's API server (``--middleware fastdistill.auth.RequireAPIKey``): every HTTP or
+    websocket request needs ``Authorization: Bearer <$VLLM_API_KEY>``, except ``OPTIONS`` (CORS preflight) and
+    :data:`OPEN_PATHS`; others get 401 ``{"error": "Unauthorized"}``, as vLLM's own check answers.
+
+    vLLM builds it with the app alone, so the key comes from ``$VLLM_API_KEY`` (comma-separated for several keys).
+    Without one it refuses to start: a guard that guards nothing would be a silent hole.
+    """
+
+    def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]):
+        tokens = [token for token in os.environ.get(VLLM_KEY_ENV, "").split(",") if token]
+        if not tokens:
+            raise RuntimeError(f"{MIDDLEWARE} needs the server's key in ${VLLM_KEY_ENV}")
+        self.app = app
+        self._digests = [hashlib.sha256(token.encode()).digest() for token in tokens]
+
+    def _authorized(self, scope: _Scope) -> bool:
+        value = b""
+        for name, header in scope.get("headers") or []:
+            if name.lower() == b"authorization":
+                value = header
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode("latin-1")).digest()
+        matched = False
+        for expected in self._digests:  # compare with every key: the time taken tells nothing
+            matched |= secrets.compare_digest(digest, expected)
+        return matched
+
+    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in OPEN_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return None
+        body = json.dumps({"error": "Unauthorized"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return None
