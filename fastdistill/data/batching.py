@@ -1,9 +1,9 @@
 """Planning micro-batches: which samples go into which data-parallel rank's packed row.
 
 A micro-batch is ``num_rows`` rows (one per data-parallel rank), each a non-empty list of samples that will be
-packed into one padding-free row. Two planners, with TRL's semantics (``reference/trl-async-distillation.md``
-§6.3-6.4): a token budget per row (the default) and a fixed sample count. Both balance rows by Σ L², because
-attention costs O(L²) per sample and the slowest rank stalls the gradient all-reduce.
+packed into one padding-free row. Two planners, with TRL 1.16's semantics: a token budget per row (the default)
+and a fixed sample count. Both balance rows by Σ L², because attention costs O(L²) per sample and the slowest rank
+stalls the gradient all-reduce.
 
 A sample's length L is its forwarded token count, ``len(sample.input_ids)`` (prompt + completion).
 """
@@ -50,7 +50,7 @@ def balance_by_squared_length(samples: Sequence[RolloutSample], num_rows: int) -
 class TokenBudgetBatcher:
     """Fill ``num_rows`` open rows up to ``token_budget`` tokens each; emit them when a sample fits no row.
 
-    Per sample of length n (TRL §6.4): if ``n > token_budget`` it is dropped and counted in
+    Per sample of length n (as TRL 1.16's ``TokenBudgetBatcher``): if ``n > token_budget`` it is dropped and counted in
     ``dropped_oversize_total``; otherwise, if no open row has room for it, the open micro-batch is emitted and
     a fresh one started; the sample then joins the row with room and the smallest Σ L² (ties: lowest index).
     Emitted rows are all non-empty (an empty row always has room and the smallest load) and hold their samples
@@ -103,7 +103,8 @@ class TokenBudgetBatcher:
 
 class FixedCountBatcher:
     """Collect ``samples_per_row * num_rows`` samples, then emit them split by :func:`balance_by_squared_length`
-    (TRL §6.3). No token bound: row sizes, and so peak memory, follow the samples' lengths."""
+    (as TRL 1.16's ``FixedCountBatcher``). No token bound: row sizes, and so peak memory, follow the samples'
+    lengths."""
 
     def __init__(self, samples_per_row: int, num_rows: int):
         _check_positive_int("samples_per_row", samples_per_row)
@@ -127,7 +128,7 @@ class FixedCountBatcher:
 
 
 def microbatch_metrics(microbatch: MicroBatch, token_budget: int | None) -> dict[str, float]:
-    """Sample and packing metrics of one micro-batch, with TRL's names and definitions (§10.4).
+    """Sample and packing metrics of one micro-batch, with TRL 1.16's names and definitions.
 
     Tokens are counted per sample: forwarded = ``len(input_ids)``, trained = ``completion_mask.sum()``.
     - ``sample/forwarded_tokens_mean`` / ``_max``, ``sample/trained_tokens_mean``: per sample;

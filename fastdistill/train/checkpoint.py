@@ -8,7 +8,7 @@ Layout of ``<output_dir>/checkpoint-<step>/``:
 - ``rng_state_<rank>.pt``: python / numpy / torch RNG states of every rank;
 - ``rollout_state.json``: TRL's keys ``prompt_index`` (first prompt not yet trained) and ``model_version``, plus ours,
   ``trained_prompt_ids_after`` (prompts beyond ``prompt_index`` already trained), so that a resume trains every
-  prompt exactly once (TRL replays everything after its first hole, ``reference`` §11).
+  prompt exactly once (TRL 1.16 resumes at its first untrained prompt and replays everything after it).
 
 A checkpoint is written to ``checkpoint-<step>.tmp`` and renamed once every rank is done, so a run killed while
 saving leaves the previous checkpoint as the latest one.

@@ -290,7 +290,7 @@ class AsyncDistillationConfig:
 
         Rollouts in flight plus queued ones are the trainer's lookahead: with TRL's 1024-sample queue it runs far
         more than ``max_staleness`` steps ahead, and the surplus is generated only to be dropped as stale (35–81 %
-        of samples in the reference run). Here the queue only bounds what waits: queued samples count against the
+        of samples in a TRL 1.16 run on CPU). Here the queue only bounds what waits: queued samples count against the
         lookahead budget (:meth:`resolved_max_lookahead`)."""
         return self.queue_maxsize if self.queue_maxsize is not None else self.samples_per_step(world_size)
 

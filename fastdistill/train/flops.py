@@ -1,6 +1,6 @@
 """Model FLOPs utilisation: FLOPs per trained token and the accelerator's dense peak, where it is known.
 
-``flops_per_token`` follows TRL's convention (``reference/trl-async-distillation.md`` §10.8): forward + backward =
+``flops_per_token`` follows TRL 1.16's convention: forward + backward =
 3 × forward, with ``L · (attention + MLP) + 2 · V · h`` forward FLOPs per token (attention scores counted for a
 sequence of ``seq_len``). ``peak_flops`` returns None on CPU and on unknown accelerators, so MFU is simply not
 logged there instead of being made up.
