@@ -4,15 +4,24 @@
 - ``fastdistill serve-teacher MODEL`` / ``serve-student MODEL``: start vLLM with the flags each role needs (anything
   after ``--`` goes to vLLM unchanged);
 - ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo.
+
+Messages go through the ``fastdistill`` logger, to stderr, prefixed ``fastdistill:``.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastdistill.serve import VLLMServer
+
+logger = logging.getLogger(__name__)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -20,36 +29,49 @@ def _train(args: argparse.Namespace) -> int:
 
     config = AsyncDistillationConfig.from_yaml(args.config, args.overrides)
     summary = AsyncDistillationTrainer(config).train()
-    print(f"fastdistill: trained {summary['steps']} steps, model version {summary['model_version']}, "
-          f"{summary['trained_tokens_per_s']:.1f} trained tokens/s; output in {config.output_dir}")
+    logger.info("trained %d steps, model version %d, %.1f trained tokens/s; output in %s", summary["steps"],
+                summary["model_version"], summary["trained_tokens_per_s"], config.output_dir)
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from fastdistill.testing.vllm_server import VLLMServer
+def _api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else the role's environment variable (``FASTDISTILL_STUDENT_API_KEY`` /
+    ``FASTDISTILL_TEACHER_API_KEY``); ``VLLM_API_KEY`` is read by the launcher after these."""
+    from fastdistill.auth import STUDENT_KEY_ENV, TEACHER_KEY_ENV
 
-    extra = list(args.vllm_args)
-    backend = None
-    if args.role == "student" and args.weight_transfer != "none":
-        backend = args.weight_transfer
+    if args.api_key is not None:
+        return args.api_key
+    return os.environ.get(STUDENT_KEY_ENV if args.role == "student" else TEACHER_KEY_ENV) or None
+
+
+def build_server(args: argparse.Namespace) -> VLLMServer:
+    """The :class:`fastdistill.serve.VLLMServer` that ``serve-<role>`` starts (raises ValueError on bad settings)."""
     import torch
 
-    dtype = args.dtype or ("auto" if torch.cuda.is_available() else "float32")
+    from fastdistill.serve import VLLMServer
+
+    backend = args.weight_transfer if args.role == "student" and args.weight_transfer != "none" else None
+    cuda = torch.cuda.is_available()
+    dtype = args.dtype or ("auto" if cuda else "float32")
+    return VLLMServer(args.model, role=args.role, host=args.host, port=args.port, dtype=dtype, cpu=not cuda,
+                      max_model_len=args.max_model_len, extra_args=list(args.vllm_args),
+                      weight_transfer_backend=backend, cpus=args.cpus, api_key=_api_key(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
-        server = VLLMServer(args.model, role=args.role, host=args.host, port=args.port, dtype=dtype,
-                            max_model_len=args.max_model_len, extra_args=extra, weight_transfer_backend=backend,
-                            cpus=args.cpus)
+        server = build_server(args)
     except ValueError as error:
-        print(f"fastdistill: {error}", file=sys.stderr)
+        logger.error("%s", error)
         return 2
-    command = server.command()
     pinned = f"taskset -c {','.join(map(str, args.cpus))} " if args.cpus else ""
-    print("fastdistill: " + pinned + " ".join(command), file=sys.stderr, flush=True)
+    guarded = " (API key in $VLLM_API_KEY)" if server.api_key else ""
+    logger.info("%s%s%s", pinned, " ".join(server.command()), guarded)
     if args.dry_run:
         return 0
     if args.cpus:
         os.sched_setaffinity(0, args.cpus)  # vLLM and all its processes inherit it
-    return subprocess.call(command, env=server.environment())
+    return subprocess.call(server.command(), env=server.environment())
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -81,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_train)
 
     for role in ("teacher", "student"):
+        variable = f"FASTDISTILL_{role.upper()}_API_KEY"
         serve = commands.add_parser(f"serve-{role}", help=f"start a vLLM server configured as a {role}")
         serve.add_argument("model", help="model folder or hub id")
         serve.add_argument("--host", default="127.0.0.1")
@@ -90,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("--max-model-len", type=int, default=4096)
         serve.add_argument("--cpus", type=_cpu_list, default=None,
                            help="pin the whole server to these cores, e.g. 0 or 0,2-3 (OpenMP threads follow)")
+        serve.add_argument("--api-key", default=None,
+                           help=f"require this key on every route but /health (default: ${variable}, then "
+                                "$VLLM_API_KEY); prefer the variable: arguments show in the process list")
         if role == "student":
             serve.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "none"), default="auto",
                                help="weight-transfer engine (auto: nccl with CUDA, gloo without)")
@@ -102,6 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true")
     demo.set_defaults(handler=_demo)
     return parser
+
+
+def _log_to_stderr() -> logging.Handler:
+    """Send the ``fastdistill`` logger's INFO and above to the current stderr, prefixed ``fastdistill:``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fastdistill: %(message)s"))
+    root = logging.getLogger("fastdistill")
+    root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,10 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         args.weight_transfer = "nccl" if torch.cuda.is_available() else "gloo"
     from fastdistill.train.config import ConfigError
 
+    handler = _log_to_stderr()
     try:
         return args.handler(args)
     except ConfigError as error:
         parser.exit(2, f"fastdistill: config error: {error}\n")
+    finally:
+        logging.getLogger("fastdistill").removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Run the trainer on synthetic samples (a helper for tests that need separate processes, e.g. torchrun).
 
-``python tests/run_trainer.py SPEC.json``: SPEC holds ``student_dir``, ``output_dir``, ``num_samples``, ``seed`` and
-``config`` (fields of AsyncDistillationConfig). The samples are scored by a tiny teacher built from ``seed``, so
-every process (and every rank) sees the same ones.
+``python tests/run_trainer.py spec.json``: the spec holds ``student_dir``, ``output_dir``, ``num_samples``, ``seed`` and
+``config`` (fields of AsyncDistillationConfig), optionally ``eval_samples`` (that many more samples form the held-out
+set; the servers' part of the evaluation is replaced by them). The samples are scored by a tiny teacher built from
+``seed``, so every process (and every rank) sees the same ones.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     config = AsyncDistillationConfig(model_name_or_path=spec["student_dir"], output_dir=spec["output_dir"],
                                      **spec["config"])
-    samples = teacher_and_samples(spec["num_samples"], spec["seed"], config.teacher_ids)
-    trainer = AsyncDistillationTrainer(config, samples=samples)
+    held_out = spec.get("eval_samples", 0)
+    samples = teacher_and_samples(spec["num_samples"] + held_out, spec["seed"], config.teacher_ids)
+    samples, eval_samples = samples[: spec["num_samples"]], samples[spec["num_samples"]:]
+    eval_rows = None
+    if held_out:  # the held-out samples stand in for what the servers would answer
+        import fastdistill.train.evaluate as evaluate
+
+        evaluate.collect_scored_samples = lambda *args, **kwargs: eval_samples
+        eval_rows = [{"prompt_ids": s.input_ids[: s.prompt_length].tolist(), "teacher_id": s.teacher_id}
+                     for s in eval_samples]
+    trainer = AsyncDistillationTrainer(config, samples=samples, eval_dataset=eval_rows)
     summary = trainer.train()
     if trainer.dist.is_main:
         print(json.dumps(summary))

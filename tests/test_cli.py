@@ -56,3 +56,41 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "fastdistill"
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "serve-teacher" in result.stdout and "demo" in result.stdout
+
+
+def test_serve_passes_enforce_eager_only_on_cpu(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["serve-teacher", "some/model", "--dry-run"]) == 0
+    cpu = capsys.readouterr().err
+    assert "--enforce-eager" in cpu and "--dtype float32" in cpu and "--distributed-executor-backend uni" in cpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU server captures CUDA graphs
+    assert main(["serve-student", "some/model", "--dry-run"]) == 0
+    gpu = capsys.readouterr().err
+    assert "--enforce-eager" not in gpu and "--dtype auto" in gpu and "uni" not in gpu
+    assert '--weight-transfer-config {"backend": "nccl"}' in gpu
+
+
+def test_serve_takes_an_api_key_and_keeps_it_out_of_the_command(capsys, monkeypatch):
+    from fastdistill.cli import build_parser, build_server
+
+    for name in ("FASTDISTILL_STUDENT_API_KEY", "FASTDISTILL_TEACHER_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["serve-student", "some/model", "--host", "0.0.0.0", "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "fastdistill: refusing to start a dev-mode vLLM student server (VLLM_SERVER_DEV_MODE=1) on host '0.0.0.0' "
+        "without an API key")
+    assert main(["serve-student", "some/model", "--host", "0.0.0.0", "--api-key", "cli-key", "--dry-run"]) == 0
+    printed = capsys.readouterr().err
+    assert "--middleware fastdistill.auth.RequireAPIKey" in printed and "cli-key" not in printed
+    assert printed.rstrip().endswith("(API key in $VLLM_API_KEY)")
+    monkeypatch.setenv("FASTDISTILL_STUDENT_API_KEY", "env-student-key")
+    monkeypatch.setenv("FASTDISTILL_TEACHER_API_KEY", "env-teacher-key")
+    for role, key in (("student", "env-student-key"), ("teacher", "env-teacher-key")):
+        args = build_parser().parse_args([f"serve-{role}", "some/model", "--host", "0.0.0.0"])
+        args.vllm_args = []
+        if role == "student":
+            args.weight_transfer = "gloo"
+        server = build_server(args)
+        assert server.environment()["VLLM_API_KEY"] == key and key not in " ".join(server.command())

@@ -34,7 +34,8 @@ from fastdistill.rollout import (  # noqa: E402
     VocabularyMismatchError,
     check_shared_vocabulary,
 )
-from fastdistill.testing.vllm_server import VLLMServer, VLLMServerError, free_port, require_vllm  # noqa: E402
+from fastdistill.serve import VLLMServer, VLLMServerError  # noqa: E402
+from fastdistill.testing.vllm_server import free_port, require_vllm  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -257,6 +258,11 @@ def test_launcher_runs_the_cpu_model_in_the_engine_process_unless_told_otherwise
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in default_layout.extra_env
     gpu = VLLMServer(tmp_path, role="teacher", cpu=False)
     assert "uni" not in gpu.command() and "VLLM_TARGET_DEVICE" not in gpu.extra_env
+
+
+def test_launcher_runs_eager_on_cpu_and_captures_cuda_graphs_on_gpu(tmp_path):
+    assert "--enforce-eager" in VLLMServer(tmp_path, role="student", cpu=True).command()
+    assert "--enforce-eager" not in VLLMServer(tmp_path, role="student", cpu=False).command()
 
 
 def test_launcher_pins_every_server_process_to_the_given_cores(tmp_path):

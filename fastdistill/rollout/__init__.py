@@ -8,6 +8,7 @@ from fastdistill.rollout.client import (
     TeacherScores,
     parse_prompt_logprobs,
 )
+from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import (
     RequestStats,
     RetryPolicy,
@@ -16,19 +17,14 @@ from fastdistill.rollout.http import (
     VLLMResponseError,
     VLLMUnavailableError,
 )
+from fastdistill.rollout.order import epoch_order, prompt_cursor, route_rows, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
-from fastdistill.rollout.worker import (
-    RolloutConfig,
-    RolloutWorker,
-    ServerDownError,
-    epoch_order,
-    prompt_cursor,
-    row_of_prompt,
-)
+from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, ServerDownError
 
 __all__ = [
+    "DroppedPrompt",
     "Generation",
     "ReplicaPool",
     "RequestStats",
@@ -50,5 +46,6 @@ __all__ = [
     "epoch_order",
     "parse_prompt_logprobs",
     "prompt_cursor",
+    "route_rows",
     "row_of_prompt",
 ]

@@ -1,8 +1,9 @@
 """Asynchronous clients for the two vLLM calls of a rollout: student generation and teacher scoring.
 
-Both speak vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts (the wire format of TRL's
-``AsyncDistillationTrainer``, see ``reference/trl-async-distillation.md`` §5.4-§5.6), and return numpy arrays:
-int32 token ids and float32 natural-log probabilities.
+Both speak vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts (the request and answer format
+TRL's ``AsyncDistillationTrainer`` uses: ``return_token_ids`` and ``logprobs`` for generation, ``prompt_logprobs``
+with ``max_tokens=1`` for scoring), and return numpy arrays: int32 token ids and float32 natural-log probabilities.
+A server started with an API key gets it as ``Authorization: Bearer <key>`` on every request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
+from fastdistill.auth import api_key_problem, bearer_headers
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMResponseError, request_json_pooled
 from fastdistill.rollout.replicas import ReplicaPool
 
@@ -58,7 +60,8 @@ class _VLLMEndpoint:
 
     ``base_url`` is one URL or several replica URLs of the same model (see :class:`ReplicaPool`: least-in-flight
     balancing, a failed replica is skipped for ``replica_cooldown_s`` and retries fail over to another one).
-    ``stats`` (optional) collects retry and failover counts.
+    ``stats`` (optional) collects retry and failover counts. ``api_key`` is the servers' key (``--api-key``), sent
+    as a bearer token with every request; it never appears in a repr or an error message.
     """
 
     def __init__(
@@ -70,7 +73,11 @@ class _VLLMEndpoint:
         session: aiohttp.ClientSession | None = None,
         replica_cooldown_s: float = 2.0,
         stats: RequestStats | None = None,
+        api_key: str | None = None,
     ):
+        if api_key is not None and (problem := api_key_problem(api_key)):
+            raise ValueError(f"api_key must be {problem}")
+        self._headers = bearer_headers(api_key)
         self.pool = ReplicaPool(base_url, cooldown_s=replica_cooldown_s, max_cooldown_s=max(30.0, replica_cooldown_s))
         self.base_url = self.pool.urls[0]  # the first replica; ``urls`` lists them all
         self.retry = retry if retry is not None else RetryPolicy()
@@ -85,6 +92,10 @@ class _VLLMEndpoint:
     def urls(self) -> tuple[str, ...]:
         """Every replica's base URL."""
         return self.pool.urls
+
+    def __repr__(self) -> str:
+        key = "***" if self._headers else None
+        return f"{type(self).__name__}({list(self.urls)!r}, model={self._model_name!r}, api_key={key})"
 
     def _where(self, path: str) -> str:
         """``path`` on this server, for messages: one URL, or the path and the replica list."""
@@ -123,6 +134,7 @@ class _VLLMEndpoint:
             retry=self.retry,
             rejection_hint=rejection_hint,
             stats=self.stats,
+            headers=self._headers,
         )
 
     async def wait_until_healthy(self, timeout_s: float = 300.0, poll_interval_s: float = 1.0) -> None:
@@ -135,12 +147,12 @@ class _VLLMEndpoint:
             while True:
                 try:
                     async with session.get(
-                        url + "/health", timeout=aiohttp.ClientTimeout(total=poll_interval_s * 5)
+                        url + "/health", timeout=aiohttp.ClientTimeout(total=poll_interval_s * 5), headers=self._headers
                     ) as response:
                         if response.status == 200:
                             break
                         last_problem = f"HTTP {response.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                except (TimeoutError, aiohttp.ClientError) as error:
                     last_problem = repr(error)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{url}/health not ready after {timeout_s:.0f} s (last: {last_problem})")

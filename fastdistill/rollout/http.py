@@ -11,7 +11,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,16 @@ class RetryPolicy:
         return capped * random.uniform(0.5, 1.0)
 
 
+def _unauthorized_hint(sent_key: bool) -> str:
+    if sent_key:
+        return "The server refused the API key sent: the client's key differs from the server's."
+    return (
+        "The server requires an API key: give the client api_key= (training config: vllm_server_api_key and "
+        "teacher_api_keys, or the environment variables FASTDISTILL_STUDENT_API_KEY and "
+        "FASTDISTILL_TEACHER_API_KEY[_<ID>])."
+    )
+
+
 def _is_transient_status(status: int) -> bool:
     return status == 429 or status >= 500
 
@@ -121,33 +131,6 @@ class RequestStats:
     failovers: int = 0
 
 
-async def request_json(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: str,
-    *,
-    payload: dict[str, Any] | None = None,
-    retry: RetryPolicy,
-    rejection_hint: Callable[[int, str], str | None] | None = None,
-    stats: RequestStats | None = None,
-) -> Any:
-    """Send one request to ``url`` and return the decoded JSON body, retrying transient failures as ``retry`` says.
-
-    ``rejection_hint(status, server_message)`` may return an extra line for the :class:`VLLMRequestError`
-    raised on a non-transient 4xx (e.g. which server flag to change).
-    """
-    return await request_json_pooled(
-        session,
-        method,
-        ReplicaPool(url, cooldown_s=0.0, max_cooldown_s=0.0),
-        "",
-        payload=payload,
-        retry=retry,
-        rejection_hint=rejection_hint,
-        stats=stats,
-    )
-
-
 async def request_json_pooled(
     session: aiohttp.ClientSession,
     method: str,
@@ -158,8 +141,13 @@ async def request_json_pooled(
     retry: RetryPolicy,
     rejection_hint: Callable[[int, str], str | None] | None = None,
     stats: RequestStats | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Any:
-    """Like :func:`request_json`, with each attempt sent to ``replica.url + path`` for a replica of ``pool``.
+    """Send one request to ``replica.url + path`` for a replica of ``pool`` and return the decoded JSON body,
+    retrying transient failures as ``retry`` says; ``headers`` (e.g. the API key's) go with every attempt.
+
+    ``rejection_hint(status, server_message)`` may return an extra line for the :class:`VLLMRequestError` raised on a
+    non-transient 4xx (e.g. which server flag to change); a 401 without one says how to give the key.
 
     A transient failure puts that replica down for a cooldown; when another replica is up the retry goes there at
     once (a failover, no backoff), otherwise after the usual backoff. A request that finds every replica down waits
@@ -186,7 +174,7 @@ async def request_json_pooled(
             await asyncio.sleep(wait_s)
         url = replica.url + path
         try:
-            async with session.request(method, url, json=payload, timeout=timeout) as response:
+            async with session.request(method, url, json=payload, timeout=timeout, headers=headers) as response:
                 body = await response.read()
                 if response.status < 400:
                     pool.record_success(replica)
@@ -197,13 +185,10 @@ async def request_json_pooled(
                 pool.record_success(replica)  # the server is up; it rejected this request
                 message = _server_message(text)
                 hint = rejection_hint(response.status, message) if rejection_hint else None
+                if hint is None and response.status == 401:
+                    hint = _unauthorized_hint(sent_key=bool(headers and "Authorization" in headers))
                 raise VLLMRequestError(url, response.status, message, hint)
-        except (
-            aiohttp.ClientConnectionError,
-            aiohttp.ClientPayloadError,
-            asyncio.TimeoutError,
-            _TransientHTTPStatus,
-        ) as error:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPStatus) as error:
             last_error = error
             failed = replica
             pool.record_failure(replica, error)

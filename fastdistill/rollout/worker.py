@@ -4,9 +4,9 @@ The parent (:class:`RolloutWorker`) validates the dataset, spawns the child and 
 asyncio loop over the dataset (already tokenised rows ``{"prompt_ids": list[int], "teacher_id": str?}``) with at most
 ``max_inflight_tasks`` rollouts in flight (and, with ``max_lookahead``, at most that many in flight and queued
 together); one rollout = student generate, then teacher score. Scored samples go into
-the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL names, §10.2 of the reference).
+the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL 1.16's names).
 
-Differences from TRL's ``AsyncRolloutWorker`` (reference §5, §14.3): rows are routed to teachers and validated in the
+Differences from TRL 1.16's ``AsyncRolloutWorker``: rows are routed to teachers and validated in the
 parent before anything starts; every server may be several replicas (balanced, with failover); a rollout that fails
 with a :class:`VLLMError` is counted (``rollout/failed_total``) instead of killing the worker, and re-dispatched when
 the cause was an unavailable server; a server that stays unreachable past ``server_down_deadline_s`` is a clear
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -34,10 +33,12 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from fastdistill.auth import check_api_keys
 from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMUnavailableError
+from fastdistill.rollout.order import epoch_order, prompt_cursor, route_rows
 from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
 
@@ -68,7 +69,8 @@ class RolloutConfig:
     replica URLs serving the same model; requests go to the replica with the fewest in flight, a replica that fails
     with a transient error is skipped for ``replica_cooldown_s`` (doubling while it keeps failing) and the request
     fails over to another replica. ``student_model`` is the ``model`` field of generation requests (default: the
-    id the student's ``/v1/models`` reports).
+    id the student's ``/v1/models`` reports). ``student_api_key`` and ``teacher_api_keys`` (teacher id -> key) are the
+    servers' API keys, sent as bearer tokens (None: no key); they are left out of the repr.
 
     Sampling: ``teacher_top_k`` is K (the teacher arrays are K+1 wide); ``max_tokens`` bounds the completion length
     in tokens; ``eos_token_ids`` (add the pad id if generation can end on it) tell a finished completion from a
@@ -121,6 +123,8 @@ class RolloutConfig:
     server_down_deadline_s: float = 600.0
     replica_cooldown_s: float = 2.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    student_api_key: str | None = field(default=None, repr=False)
+    teacher_api_keys: Mapping[str, str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.teacher_urls:
@@ -128,6 +132,7 @@ class RolloutConfig:
         normalize_urls(self.student_url, "student_url")
         for teacher_id, urls in self.teacher_urls.items():
             normalize_urls(urls, f"teacher {teacher_id!r}")
+        check_api_keys(self.student_api_key, self.teacher_api_keys, self.teacher_urls)
         positive = (
             "teacher_top_k",
             "max_tokens",
@@ -167,54 +172,6 @@ class RolloutConfig:
     def teacher_replicas(self, teacher_id: str) -> tuple[str, ...]:
         """The replica URLs of teacher ``teacher_id``."""
         return normalize_urls(self.teacher_urls[teacher_id], f"teacher {teacher_id!r}")
-
-
-def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """Row indices (num_rows,) in the order epoch ``epoch`` visits them: a permutation seeded by (seed, epoch)."""
-    if not shuffle:
-        return np.arange(num_rows)
-    return np.random.default_rng((seed, epoch)).permutation(num_rows)
-
-
-def prompt_cursor(num_rows: int, seed: int, start_index: int = 0, shuffle: bool = True) -> Iterator[tuple[int, int]]:
-    """Endless ``(prompt_id, row_index)`` pairs from ``prompt_id = start_index`` on; epoch = prompt_id // num_rows."""
-    first_epoch, offset = divmod(start_index, num_rows)
-    for epoch in itertools.count(first_epoch):
-        order = epoch_order(num_rows, seed, epoch, shuffle)
-        for position in range(offset, num_rows):
-            yield epoch * num_rows + position, int(order[position])
-        offset = 0
-
-
-def row_of_prompt(prompt_id: int, num_rows: int, seed: int, shuffle: bool = True) -> int:
-    """The dataset row that ``prompt_id`` visits (the inverse view of :func:`prompt_cursor`)."""
-    epoch, position = divmod(prompt_id, num_rows)
-    return int(epoch_order(num_rows, seed, epoch, shuffle)[position])
-
-
-def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str]) -> list[str]:
-    """The teacher id of every row; raise ValueError naming the known ids for a missing or unknown one.
-
-    With a single teacher every row goes to it, whatever its ``teacher_id`` says. Also checks ``prompt_ids``.
-    """
-    if not dataset:
-        raise ValueError("the dataset is empty")
-    routes = []
-    for index, row in enumerate(dataset):
-        prompt_ids = row.get("prompt_ids")
-        if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or len(prompt_ids) == 0:
-            raise ValueError(f"row {index}: prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.100}")
-        if len(teacher_ids) == 1:
-            routes.append(teacher_ids[0])
-            continue
-        teacher_id = row.get("teacher_id")
-        if teacher_id not in teacher_ids:
-            raise ValueError(
-                f"row {index} has teacher_id={teacher_id!r}, which is not a configured teacher; "
-                f"expected one of {sorted(teacher_ids)}"
-            )
-        routes.append(teacher_id)
-    return routes
 
 
 @dataclass
@@ -279,7 +236,7 @@ class RolloutWorker:
 
     @property
     def metrics_queue(self) -> Any:
-        """Queue of metric dicts (dropped when full): TRL's keys (reference §10.2) and ours, one dict per finished or
+        """Queue of metric dicts (dropped when full): TRL 1.16's keys and ours, one dict per finished or
         failed rollout. ``*_total`` values are counts since the previous dict (sum them); ``rollout/generated_tok_s``
         is a ``(tokens, seconds)`` pair since the previous sample (its rate is Σ tokens / Σ seconds)."""
         return self._channels.metrics
@@ -518,10 +475,13 @@ class _RolloutLoop:
         async with aiohttp.ClientSession(connector=connector) as session:
             common = dict(retry=self.config.retry, session=session, replica_cooldown_s=self.config.replica_cooldown_s)
             self.student = StudentClient(
-                self.config.student_replicas(), model=self.config.student_model, stats=stats, **common
+                self.config.student_replicas(), model=self.config.student_model, stats=stats,
+                api_key=self.config.student_api_key, **common
             )
+            teacher_keys = self.config.teacher_api_keys or {}
             self.teachers = {
-                teacher_id: TeacherClient(self.config.teacher_replicas(teacher_id), stats=stats, **common)
+                teacher_id: TeacherClient(self.config.teacher_replicas(teacher_id), stats=stats,
+                                          api_key=teacher_keys.get(teacher_id), **common)
                 for teacher_id in self.config.teacher_urls
             }
             self.servers = {"student": self.student.pool}

@@ -1,19 +1,20 @@
 """Weight sync from the trainer into the student's vLLM server through vLLM's weight-transfer API.
 
 ``VLLMWeightSync`` drives the HTTP sequence and the broadcast (``gloo`` into fastdistill's plugin engine on CPU
-servers, ``nccl`` into vLLM's engine on GPU servers); ``served_logprob_gap`` checks that a sync took.
+servers, ``nccl`` into vLLM's engine on GPU servers); ``weight_sync_from_config`` builds it from a training config;
+``served_logprob_gap`` checks that a sync took.
+
+Modules: ``naming`` (what is sent: names, manifests, ``NamedTensors``), ``http`` (the calls to the server),
+``channels`` (the gloo / NCCL broadcast groups), ``transport`` (gloo chunking, both ends), ``network``
+(rendezvous addresses), ``weights`` (the sync itself), ``verify``, ``factory``; ``vllm_engine`` and
+``vllm_plugin`` run inside vLLM.
 """
 
-from fastdistill.sync.weights import (
-    NamedTensors,
-    VLLMWeightSync,
-    WeightSync,
-    WeightSyncError,
-    hf_name,
-    iter_named_weights,
-    served_logprob_gap,
-    weight_manifest,
-)
+from fastdistill.sync.errors import WeightSyncError
+from fastdistill.sync.factory import weight_sync_from_config
+from fastdistill.sync.naming import NamedTensors, hf_name, iter_named_weights, snapshot_weights, weight_manifest
+from fastdistill.sync.verify import served_logprob_gap
+from fastdistill.sync.weights import VLLMWeightSync, WeightSync
 
 __all__ = [
     "NamedTensors",
@@ -23,5 +24,7 @@ __all__ = [
     "hf_name",
     "iter_named_weights",
     "served_logprob_gap",
+    "snapshot_weights",
     "weight_manifest",
+    "weight_sync_from_config",
 ]

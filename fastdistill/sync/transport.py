@@ -9,7 +9,6 @@ travels alone in a chunk of its own size.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from fastdistill.sync.network import LOOPBACK, is_loopback_host, local_address_towards
 
 ALIGN_BYTES = 64
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -128,24 +129,20 @@ def plan_chunks(manifest: Manifest, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
 # ------------------------------------------------------------------------------------------------ the group
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _gloo_device(master_address: str) -> dist.ProcessGroupGloo.Device:
-    # Loopback: bind to 127.0.0.1 on every rank, so a hostname resolving to some other interface cannot break a
-    # same-host group. Across hosts: $GLOO_SOCKET_IFNAME if set, else gloo's hostname-based default.
-    if _is_loopback(master_address):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    """The interface this rank's gloo connections use. Loopback: 127.0.0.1 on every rank, so a hostname resolving to
+    some other interface cannot break a same-host group. Across hosts: ``$GLOO_SOCKET_IFNAME`` if set, else the
+    local address that routes to ``master_address`` (gloo's own default follows the hostname, which container
+    images often map to 127.0.0.1, unreachable from another host)."""
+    if is_loopback_host(master_address):
+        return dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     if interface:
         return dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
-    return dist.ProcessGroupGloo.create_default_device()
+    try:
+        return dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))
+    except OSError:
+        return dist.ProcessGroupGloo.create_default_device()
 
 
 def create_store(

@@ -304,7 +304,10 @@ class AsyncDistillationConfig:
         return max(1, math.ceil(self.num_train_epochs * num_prompts / per_step))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a plain dict, API keys masked (what trackers and saved configs get)."""
+        from fastdistill.auth import mask_secrets
+
+        return mask_secrets(dataclasses.asdict(self))
 
     # --------------------------------------------------------------------------------------------------- loading
 

@@ -18,10 +18,12 @@ from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RolloutSample, StudentClient, TeacherClient
 
 
-async def _collect(student_url: str, teacher_urls: Mapping[str, str], rows: Sequence[Mapping[str, Any]],
-                   top_k: int, max_tokens: int, temperature: float, seed: int) -> list[RolloutSample]:
-    async with StudentClient(student_url) as student:
-        teachers = {tid: TeacherClient(url) for tid, url in teacher_urls.items()}
+async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
+                   top_k: int, max_tokens: int, temperature: float, seed: int, student_api_key: str | None,
+                   teacher_api_keys: Mapping[str, str] | None) -> list[RolloutSample]:
+    keys = teacher_api_keys or {}
+    async with StudentClient(student_url, api_key=student_api_key) as student:
+        teachers = {tid: TeacherClient(url, api_key=keys.get(tid)) for tid, url in teacher_urls.items()}
         try:
             default_teacher = next(iter(teachers))
 
@@ -42,17 +44,21 @@ async def _collect(student_url: str, teacher_urls: Mapping[str, str], rows: Sequ
 
 def collect_scored_samples(
     student_url: str,
-    teacher_urls: Mapping[str, str],
+    teacher_urls: Mapping[str, Any],
     rows: Sequence[Mapping[str, Any]],
     *,
     top_k: int,
     max_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
+    student_api_key: str | None = None,
+    teacher_api_keys: Mapping[str, str] | None = None,
 ) -> list[RolloutSample]:
     """One scored sample per row ``{"prompt_ids", "teacher_id"?}``: the student server's completion (greedy by
-    default) scored by the row's teacher (the first teacher when the row names none)."""
-    return asyncio.run(_collect(student_url, teacher_urls, rows, top_k, max_tokens, temperature, seed))
+    default) scored by the row's teacher (the first teacher when the row names none). ``teacher_urls`` maps teacher
+    id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`."""
+    return asyncio.run(_collect(student_url, teacher_urls, rows, top_k, max_tokens, temperature, seed,
+                                student_api_key, teacher_api_keys))
 
 
 @torch.no_grad()

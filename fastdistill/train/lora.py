@@ -2,17 +2,22 @@
 
 The server keeps serving a plain model: every sync sends ``W + scaling · B A`` for each adapted layer under the
 base model's Hugging Face names (what TRL calls its merged-sync fallback), so no LoRA support is needed in vLLM and
-nothing changes in the weight-transfer path. The merge is computed on the fly, one layer at a time, without
-modifying the trained weights; with FSDP2 each tensor is gathered with ``full_tensor()`` (collective, every rank).
+nothing changes in the weight-transfer path. The merge is computed on the fly, one tensor at a time as the sync
+streams it (:func:`merged_weights`), without modifying the trained weights; with FSDP2 each tensor is gathered with
+``full_tensor()`` (collective: every rank iterates in lockstep).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from fastdistill.sync.naming import NamedTensors
+from fastdistill.sync.transport import TensorSpec
 
 PEFT_PREFIX = "base_model.model."
 
@@ -40,18 +45,31 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if callable(full_tensor) else tensor).detach()
 
 
+def _base_name(name: str) -> str:
+    """A peft parameter name as the base model's Hugging Face name."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer", "")
+
+
+def _base_parameters(peft_model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, param) for name, param in peft_model.named_parameters() if ".lora_" not in name]
+
+
+def merged_weight_manifest(peft_model: nn.Module) -> list[TensorSpec]:
+    """Names, dtypes and full shapes of what :func:`merged_named_weights` yields, in order, without merging."""
+    return [TensorSpec(_base_name(name), p.dtype, tuple(p.shape)) for name, p in _base_parameters(peft_model)]
+
+
 @torch.no_grad()
-def merged_named_weights(peft_model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def merged_named_weights(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` of the base model with every active adapter merged in: ``W + scaling · B @ A``.
 
-    Names are the base model's (``model.layers.0.self_attn.q_proj.weight``); adapter parameters are not sent."""
+    A generator: each merged tensor is computed when the consumer asks for it, so no more than one exists at a time
+    unless the consumer keeps them. Names are the base model's (``model.layers.0.self_attn.q_proj.weight``); adapter
+    parameters are not yielded. Unmerged tensors are detached views of the parameters, not copies."""
     from peft.tuners.lora import LoraLayer
 
     layers = {name: module for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
-    weights = []
-    for name, param in peft_model.named_parameters():
-        if ".lora_" in name:
-            continue
+    for name, param in _base_parameters(peft_model):
         tensor = _full(param)
         if name.endswith(".base_layer.weight"):
             layer = layers[name.removesuffix(".base_layer.weight")]
@@ -60,8 +78,14 @@ def merged_named_weights(peft_model: nn.Module) -> list[tuple[str, torch.Tensor]
                     continue
                 delta = _full(layer.lora_B[adapter].weight) @ _full(layer.lora_A[adapter].weight)
                 tensor = tensor + layer.scaling[adapter] * delta.to(tensor.dtype)
-        weights.append((name.removeprefix(PEFT_PREFIX).replace(".base_layer", ""), tensor.clone()))
-    return weights
+                del delta
+        yield _base_name(name), tensor
+        del tensor
+
+
+def merged_weights(peft_model: nn.Module) -> NamedTensors:
+    """The merged weights as a stream for :meth:`VLLMWeightSync.push`: each push merges one tensor at a time."""
+    return NamedTensors.stream(lambda: merged_named_weights(peft_model), merged_weight_manifest(peft_model))
 
 
 def export_merged(peft_model: nn.Module, tokenizer: Any, path: str | Path, is_main: bool) -> Path | None:

@@ -64,6 +64,8 @@ class LRSchedule:
                 "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.total_steps = int(state["total_steps"])
-        self.warmup_steps = int(state["warmup_steps"])
+        """Restore a :meth:`state_dict`; the state of a torch ``LambdaLR`` (older checkpoints) keeps this schedule's
+        length and warmup and takes its base learning rates."""
+        self.total_steps = int(state.get("total_steps", self.total_steps))
+        self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
         self.base_lrs = [float(lr) for lr in state["base_lrs"]]

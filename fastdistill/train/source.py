@@ -185,8 +185,11 @@ class SynchronousSource:
 
         config = self.config
         if self._clients is None:
-            teachers = {tid: TeacherClient(urls, retry=config.retry) for tid, urls in config.teacher_urls.items()}
-            self._clients = (StudentClient(config.student_url, retry=config.retry), teachers)
+            keys = config.teacher_api_keys or {}
+            teachers = {tid: TeacherClient(urls, retry=config.retry, api_key=keys.get(tid))
+                        for tid, urls in config.teacher_urls.items()}
+            self._clients = (StudentClient(config.student_url, retry=config.retry, api_key=config.student_api_key),
+                             teachers)
         student, teachers = self._clients
 
         async def one(prompt_id: int, index: int) -> RolloutSample | DroppedPrompt:

@@ -171,7 +171,7 @@ class AsyncDistillationTrainer:
     def _eval_rows(self, rows: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         """Rank 0: the tokenised held-out rows, each routed to its teacher (None without an eval dataset)."""
         from fastdistill.data.prompts import tokenize_prompts
-        from fastdistill.rollout.worker import route_rows
+        from fastdistill.rollout import route_rows
 
         if rows is None:
             if self.config.eval_dataset is None:
@@ -285,7 +285,8 @@ class AsyncDistillationTrainer:
         if self.dist.is_main:
             samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
                                              top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
-                                             seed=config.seed)
+                                             seed=config.seed, student_api_key=config.vllm_server_api_key,
+                                             teacher_api_keys=config.teacher_api_keys)
         samples = self.dist.broadcast(samples)
         scored = [s for s in samples if len(s.completion_ids) > 0]
         world, group = self.dist.world_size, 8
@@ -371,15 +372,11 @@ class AsyncDistillationTrainer:
                 state=self.rollout_state, token_budget=token_budget if token_budget > 0 else None)
             if served is not None:
                 skip_rows = self._skip_long_prompts(served)
-        if self.weight_sync is None and config.weight_sync_backend != "none" and self._samples is None:
-            from fastdistill.sync import VLLMWeightSync
+        if self.weight_sync is None and self._samples is None:
+            from fastdistill.sync import weight_sync_from_config
 
-            backend = config.weight_sync_backend
-            if backend == "auto":
-                backend = "nccl" if self.dist.device.type == "cuda" else "gloo"
-            one_call = config.weight_sync_one_call if config.weight_sync_one_call is not None else backend == "gloo"
-            self.weight_sync = VLLMWeightSync(config.vllm_server_base_url, backend=backend, one_call=one_call,
-                                              is_sender=self.dist.is_main, timeout_s=config.weight_sync_timeout)
+            self.weight_sync = weight_sync_from_config(config, device_type=self.dist.device.type,
+                                                       is_sender=self.dist.is_main)
         if self.weight_sync is not None:
             self.weight_sync.init()
             self._sync_weights()
@@ -437,6 +434,8 @@ class AsyncDistillationTrainer:
             skip_prompt_ids=frozenset(self.rollout_state.trained_after),
             skip_rows=skip_rows,
             eos_token_ids=eos_ids,
+            student_api_key=config.vllm_server_api_key,
+            teacher_api_keys=config.teacher_api_keys,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
 
@@ -446,15 +445,16 @@ class AsyncDistillationTrainer:
         from fastdistill.rollout import StudentClient, TeacherClient, check_shared_vocabulary
 
         config = self.config
+        teacher_keys = config.teacher_api_keys or {}
 
         async def check() -> dict[str, Any]:
-            async with StudentClient(config.vllm_server_base_url) as student:
+            async with StudentClient(config.vllm_server_base_url, api_key=config.vllm_server_api_key) as student:
                 await student.wait_until_healthy(config.vllm_server_timeout)
                 served = {"student": await student.served_model()}
                 teachers = {}
                 try:
                     for teacher_id, urls in config.teacher_server_urls.items():
-                        teachers[teacher_id] = TeacherClient(urls)
+                        teachers[teacher_id] = TeacherClient(urls, api_key=teacher_keys.get(teacher_id))
                         await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
                         served[teacher_id] = await teachers[teacher_id].served_model()
                     await check_shared_vocabulary(student, teachers)
@@ -569,12 +569,12 @@ class AsyncDistillationTrainer:
         return timings
 
     def _servable(self) -> Any:
-        """What the server should serve: the model itself, or with LoRA its merged weights (``NamedTensors``)."""
+        """What the server should serve: the model itself, or with LoRA its merged weights (a stream that merges one
+        tensor at a time)."""
         if self.config.lora_r > 0:
-            from fastdistill.sync import NamedTensors
-            from fastdistill.train.lora import merged_named_weights
+            from fastdistill.train.lora import merged_weights
 
-            return NamedTensors(merged_named_weights(self.hf_model))
+            return merged_weights(self.hf_model)
         return self.hf_model
 
     def _sync_weights_in_background(self) -> dict[str, float]:
@@ -583,14 +583,12 @@ class AsyncDistillationTrainer:
         push's timings plus how long this step waited for it (``perf/weight_sync_wait_s``)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from fastdistill.sync import NamedTensors, iter_named_weights
+        from fastdistill.sync import snapshot_weights
 
         started = time.perf_counter()
         timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
         timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
-        servable = self._servable()
-        snapshot = servable if isinstance(servable, NamedTensors) else NamedTensors(
-            [(name, tensor.clone()) for name, tensor in iter_named_weights(servable)])
+        snapshot = snapshot_weights(self._servable())  # the LoRA stream is lazy: merge now, not during training
         self.model_version += 1
         version = self.model_version
         if self._sync_thread is None:
@@ -615,7 +613,8 @@ class AsyncDistillationTrainer:
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:
-            return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes)
+            return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes,
+                                      api_key=self.config.vllm_server_api_key)
         finally:
             self.hf_model.train(was_training)
 

@@ -1,0 +1,290 @@
+"""Launch a real vLLM OpenAI-compatible server as a subprocess (CPU or GPU) and tear it down reliably.
+
+What ``fastdistill serve-student`` / ``serve-teacher`` run, and what the demo, benchmarks and tests start servers
+with. The server runs in its own process group, so stopping it also stops vLLM's engine-core child processes.
+The interpreter that runs vLLM is ``python`` if given, else ``$FASTDISTILL_VLLM_PYTHON``, else ``sys.executable``:
+vLLM may live in a separate virtual environment from the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
+from fastdistill.sync.network import is_loopback_host
+
+Role = Literal["teacher", "student"]
+
+# Teachers return many prompt log-probs per position, after temperature. Students expose vLLM's RL routes
+# (pause/resume, weight transfer) that only exist in dev mode, and report the sampled distribution's log-probs.
+_ROLE_ARGS: dict[Role, list[str]] = {
+    "teacher": ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs"],
+    "student": ["--logprobs-mode", "processed_logprobs"],
+}
+_ROLE_ENV: dict[Role, dict[str, str]] = {
+    "teacher": {},
+    "student": {"VLLM_SERVER_DEV_MODE": "1"},
+}
+# On CPU, vLLM runs the model in a third process by default whose shared-memory queues busy-poll for a second after
+# every message: the model process and the engine core spin on two cores between the steps of a small model. The
+# uni-process executor runs the model inside the engine core instead (vLLM-CPU only allows it with this variable).
+_CPU_ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+_CPU_ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
+
+
+class VLLMServerError(RuntimeError):
+    """The server process exited or did not become healthy in time; the message ends with its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def vllm_python() -> str:
+    """The interpreter that runs vLLM: ``$FASTDISTILL_VLLM_PYTHON`` or the current one."""
+    return os.environ.get("FASTDISTILL_VLLM_PYTHON") or sys.executable
+
+
+def _temporary_log_path(role: Role) -> Path:
+    descriptor, path = tempfile.mkstemp(prefix=f"vllm-{role}-", suffix=".log")
+    os.close(descriptor)
+    return Path(path)
+
+
+def _signal_group(group_id: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group_id, sig)
+    except ProcessLookupError:
+        pass
+
+
+class VLLMServer:
+    """A vLLM server for ``model_dir`` in the given ``role``, on ``host:port`` (default: a free port of 127.0.0.1).
+
+    Use as a context manager (``with VLLMServer(dir, role="teacher") as server: server.url``) or call
+    :meth:`start` / :meth:`stop`. ``start`` returns once ``GET /health`` answers 200, or raises
+    :class:`VLLMServerError` with the log tail if the process dies or ``startup_timeout_s`` passes.
+    The log goes to ``log_path`` (a temporary file by default).
+
+    ``cpu=True`` (the default when torch sees no CUDA device) sets ``VLLM_TARGET_DEVICE=cpu`` and
+    ``VLLM_CPU_KVCACHE_SPACE=kv_cache_space_gib`` unless the caller's environment already sets them, passes
+    ``--enforce-eager`` (a GPU server keeps capturing CUDA graphs) and runs the model inside the engine-core process
+    (``one_process``, see ``docs/rollout.md``). ``weight_transfer_backend`` (e.g. ``"gloo"`` on CPU, ``"nccl"`` on
+    GPU) adds ``--weight-transfer-config '{"backend": ...}'`` so the student can receive weights through vLLM's
+    weight-transfer API. ``cpus`` pins every process of the server (API server, engine core, model) to those CPU
+    cores and sizes its OpenMP threads to match, so that it cannot take cores meant for the trainer or another server.
+
+    ``api_key`` (default: ``VLLM_API_KEY`` from ``env`` or the environment) goes to vLLM as ``$VLLM_API_KEY`` (not on
+    the command line, where the process list would show it) together with ``--middleware
+    fastdistill.auth.RequireAPIKey``, which requires it on every route but ``/health`` (vLLM's own check leaves the
+    dev-mode routes open). A dev-mode server (the student role, or ``VLLM_SERVER_DEV_MODE=1``) on a host other than
+    loopback without a key is refused: anyone who reaches it could replace its weights.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        role: Role,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        cpu: bool | None = None,
+        kv_cache_space_gib: int = 1,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 300.0,
+        weight_transfer_backend: str | None = None,
+        cpus: Sequence[int] | None = None,
+        one_process: bool | None = None,
+        api_key: str | None = None,
+    ):
+        if role not in _ROLE_ARGS:
+            raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
+        if cpus is not None:
+            cpus = sorted(set(cpus))
+            allowed = sorted(os.sched_getaffinity(0))
+            if not cpus or not set(cpus) <= set(allowed):
+                raise ValueError(f"cpus must be a non-empty subset of the cores this process may use {allowed}, "
+                                 f"got {cpus}")
+        if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra_args):
+            raise ValueError("pass the API key as api_key= (fastdistill serve-*: --api-key before `--`, or its "
+                             "environment variable), not among vLLM's arguments: there the process list shows it and "
+                             "vLLM leaves its dev-mode routes open")
+        self.model_dir = Path(model_dir)
+        self.role = role
+        self.python = python or vllm_python()
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.cpu = cpu if cpu is not None else not torch.cuda.is_available()
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.log_path = Path(log_path) if log_path else _temporary_log_path(role)
+        self.startup_timeout_s = startup_timeout_s
+        self.weight_transfer_backend = weight_transfer_backend
+        self.cpus = cpus
+        self.one_process = one_process if one_process is not None else self.cpu
+        self.api_key = api_key or self.extra_env.get(VLLM_KEY_ENV) or os.environ.get(VLLM_KEY_ENV) or None
+        if self.api_key is not None and (problem := api_key_problem(self.api_key)):
+            raise ValueError(f"the API key must be {problem}")
+        self._refuse_open_dev_mode()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        return (f"VLLMServer({str(self.model_dir)!r}, role={self.role!r}, url={self.url!r}, "
+                f"api_key={'***' if self.api_key else None})")
+
+    def _refuse_open_dev_mode(self) -> None:
+        if self.api_key or self.environment().get("VLLM_SERVER_DEV_MODE") != "1" or is_loopback_host(self.host):
+            return
+        variable = "FASTDISTILL_STUDENT_API_KEY" if self.role == "student" else "FASTDISTILL_TEACHER_API_KEY"
+        raise ValueError(
+            f"refusing to start a dev-mode vLLM {self.role} server (VLLM_SERVER_DEV_MODE=1) on host {self.host!r} "
+            "without an API key: its dev-mode routes (/collective_rpc, the weight-transfer routes, /pause) would let "
+            f"anyone who reaches it replace its weights. Give it a key (--api-key or ${variable}; the trainer then "
+            "needs the same key), or serve on 127.0.0.1"
+        )
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234``."""
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        """The full command line that launches the server (never holds the API key)."""
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            *(["--enforce-eager"] if self.cpu else []),
+            *_ROLE_ARGS[self.role],
+            *self._weight_transfer_args(),
+            *(["--middleware", MIDDLEWARE] if self.api_key else []),
+            *(_CPU_ONE_PROCESS_ARGS if self.one_process and "--distributed-executor-backend" not in self.extra_args
+              else []),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def _weight_transfer_args(self) -> list[str]:
+        if self.weight_transfer_backend is None:
+            return []
+        args = ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer_backend})]
+        if self.weight_transfer_backend == "gloo":  # one-call updates (VLLMWeightSync(one_call=True))
+            args += ["--worker-extension-cls", "fastdistill.sync.vllm_engine.WorkerExtension"]
+        return args
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours, the CPU defaults, the role's variables, ``env`` overrides, the key."""
+        environment = dict(os.environ)
+        if self.cpu:
+            environment.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            environment.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_space_gib))
+        if self.one_process:
+            environment.update(_CPU_ONE_PROCESS_ENV)
+        if self.cpus is not None:
+            environment["OMP_NUM_THREADS"] = str(len(self.cpus))
+            if self.cpu:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+        environment.update(_ROLE_ENV[self.role])
+        environment.update(self.extra_env)
+        if self.api_key:
+            environment[VLLM_KEY_ENV] = self.api_key
+        return environment
+
+    def _pin(self) -> None:
+        os.sched_setaffinity(0, self.cpus)  # in the child before exec: inherited by all of vLLM's processes
+
+    def start(self) -> VLLMServer:
+        """Launch the process and wait until it is healthy; on any failure stop it and raise."""
+        if self.process is not None:
+            raise VLLMServerError(f"server already started (pid {self.process.pid})")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,
+                preexec_fn=self._pin if self.cpus is not None else None,
+            )
+        try:
+            self._wait_until_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_until_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"vLLM {self.role} server exited with code {self.process.returncode} during startup.\n"
+                    f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise VLLMServerError(
+            f"vLLM {self.role} server not healthy after {self.startup_timeout_s:.0f} s at {self.url}.\n"
+            f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as error:
+            return f"<cannot read log: {error}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, wait up to ``grace_s`` seconds, then SIGKILL whatever is left."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        _signal_group(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(process.pid, signal.SIGKILL)  # a stuck leader, or engine-core children that outlived it
+        process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,97 @@
+"""LoRA weight sync streams merged weights: one merged tensor at a time, equal to peft's own merge."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from fastdistill.sync import NamedTensors, iter_named_weights, snapshot_weights, weight_manifest  # noqa: E402
+from fastdistill.tiny import build_model, build_tokenizer, tiny_config  # noqa: E402
+from fastdistill.train.lora import (  # noqa: E402
+    apply_lora,
+    merged_named_weights,
+    merged_weight_manifest,
+    merged_weights,
+)
+
+
+@pytest.fixture(scope="module")
+def lora_model() -> torch.nn.Module:
+    """A tiny Qwen3 with rank-4 adapters on every linear layer, B randomised so that the merge changes W."""
+    tokenizer = build_tokenizer()
+    model = build_model(tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id), seed=0).float()
+    peft_model = apply_lora(model, r=4, alpha=8.0, dropout=0.0, target_modules="all-linear")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    return peft_model.eval()
+
+
+def peft_merge(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The oracle: peft's merge_and_unload on a copy."""
+    return copy.deepcopy(peft_model).merge_and_unload().state_dict()
+
+
+def test_merged_weights_equal_peft_merge_and_only_one_exists_at_a_time(lora_model):
+    reference = peft_merge(lora_model)
+    base = {name.replace(".base_layer", ""): tensor for name, tensor in lora_model.get_base_model().state_dict().items()
+            if ".lora_" not in name}
+    assert set(base) == set(reference)
+    assert any(not torch.equal(reference[name], base[name]) for name in reference)  # the adapters change weights
+    stream = merged_named_weights(lora_model)
+    assert inspect.isgenerator(stream)  # nothing is merged before the consumer asks
+    alive = peak = 0
+    seen = []
+
+    def released() -> None:
+        nonlocal alive
+        alive -= 1
+
+    for name, tensor in stream:
+        alive += 1
+        peak = max(peak, alive)
+        weakref.finalize(tensor, released)
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-7)
+        seen.append(name)
+        del tensor
+    assert sorted(seen) == sorted(reference)
+    assert peak == 1, f"{peak} yielded tensors were alive at once"
+
+
+def test_merged_manifest_and_stream_feed_the_sync_path(lora_model):
+    reference = peft_merge(lora_model)
+    manifest = merged_weight_manifest(lora_model)
+    assert [spec.name for spec in manifest] == [name for name, _ in merged_named_weights(lora_model)]
+    assert all(spec.shape == tuple(reference[spec.name].shape) and spec.dtype == reference[spec.name].dtype
+               for spec in manifest)
+    streamed = merged_weights(lora_model)
+    assert isinstance(streamed, NamedTensors)
+    assert weight_manifest(streamed) == manifest
+    assert {spec.dtype for spec in weight_manifest(streamed, dtype=torch.bfloat16)} == {torch.bfloat16}
+    for _ in range(2):  # every pass merges afresh
+        sent = dict(iter_named_weights(streamed, dtype=torch.bfloat16))
+        assert set(sent) == set(reference)
+        assert all(torch.equal(sent[name], reference[name].to(torch.bfloat16)) for name in sent)
+
+
+def test_a_snapshot_of_the_stream_does_not_follow_later_training(lora_model):
+    streamed = merged_weights(lora_model)
+    snapshot = snapshot_weights(streamed)
+    before = {name: tensor.clone() for name, tensor in snapshot}
+    name, param = next((n, p) for n, p in lora_model.named_parameters() if "lora_B" in n)
+    try:
+        with torch.no_grad():
+            param.add_(1.0)
+        assert all(torch.equal(tensor, before[n]) for n, tensor in snapshot)
+        assert any(not torch.equal(tensor, before[n]) for n, tensor in iter_named_weights(streamed))
+    finally:
+        with torch.no_grad():
+            param.sub_(1.0)
