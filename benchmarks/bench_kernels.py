@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -211,7 +211,7 @@ def machine_info(device: torch.device, peak_tflops: float | None) -> dict:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
             "bf16_matmul_peak_tflops": peak_tflops, "python": sys.version.split()[0],
             "versions": {p: version(p) for p in ("torch", "triton", "trl", "liger-kernel", "cut-cross-entropy")},
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

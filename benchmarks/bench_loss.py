@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 IMPLS = ("dense", "trl", "ours")
@@ -243,7 +243,7 @@ def machine_info(args: argparse.Namespace, device: str | None) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": args.threads, "device": device,
             "python": sys.version.split()[0], "torch": version("torch"), "trl": version("trl"),
-            "fastdistill": version("fastdistill"), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "fastdistill": version("fastdistill"), "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

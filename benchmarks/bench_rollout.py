@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -242,7 +242,7 @@ def build_checkpoints(folder: Path) -> tuple[Path, Path, list[list[int]]]:
 
 def bench_vllm(inflights: list[int], samples: int, max_tokens: int, top_k: int) -> dict:
     """Samples/s and scored tokens/s through the worker against real tiny vLLM servers, per in-flight cap."""
-    from fastdistill.testing.vllm_server import VLLMServer, vllm_python
+    from fastdistill.serve import VLLMServer, vllm_python
 
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         student_dir, teacher_dir, prompts = build_checkpoints(Path(tmp))
@@ -317,7 +317,7 @@ def machine() -> dict:
     except OSError:
         load = float("nan")
     return {
-        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -1,8 +1,8 @@
 """One run of TRL 1.16's ``AsyncDistillationTrainer`` against running vLLM servers (a helper of bench_e2e.py).
 
-``python benchmarks/e2e_trl_run.py SPEC.json``: SPEC holds ``student_dir``, ``prompts`` (chat prompts), the server
-URLs, ``output_dir`` and the shared settings. TRL runs with the shims documented in
-``reference/trl-e2e-cpu.md``: no peak-FLOPs probe on CPU, SDPA attention, an injected gloo weight transfer (here
+``python benchmarks/e2e_trl_run.py spec.json``: the spec holds ``student_dir``, ``prompts`` (chat prompts), the server
+URLs, ``output_dir`` and the shared settings. TRL runs with four shims (numbered in the code
+below): no peak-FLOPs probe on CPU, SDPA attention, an injected gloo weight transfer (here
 built on fastdistill's own transport; TRL's is NCCL-only), and TRL's "is vLLM installed" guard answered yes (its
 worker only speaks HTTP; vLLM lives in its own venv here). Writes ``<output_dir>/trl_result.json`` with the trained
 tokens, the stale-dropped samples, the wall time of ``train()`` and the time from the last logged step to its end.
@@ -59,7 +59,7 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     trl_trainer.get_peak_flops_per_device = lambda *args, **kwargs: None  # shim 1: no CUDA device name on CPU
     # shim 4: TRL's worker refuses to start unless vLLM is importable, though it only speaks HTTP; vLLM lives in its
-    # own venv here (the reference run had TRL inside the vLLM venv instead)
+    # own venv here (the anchor run had TRL inside the vLLM venv instead)
     trl_worker.is_vllm_available = lambda *args, **kwargs: True
     output_dir = Path(spec["output_dir"])
     config = AsyncDistillationConfig(

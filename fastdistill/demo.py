@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+logger = logging.getLogger(__name__)
 
 WORDS = ["cat", "dog", "sun", "tree", "bird", "fish", "milk", "star", "moon", "lamp", "book", "rain", "frog",
          "ship", "wolf", "bear", "cake", "door", "leaf", "rose"]
@@ -161,7 +164,7 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
     """The whole demo; returns the report (also written to ``output_dir/report.json``)."""
     from transformers.utils import logging as hf_logging
 
-    from fastdistill.testing.vllm_server import VLLMServer
+    from fastdistill.serve import VLLMServer
     from fastdistill.train import AsyncDistillationConfig, AsyncDistillationTrainer
     from fastdistill.train.evaluate import collect_scored_samples, divergence_per_token
 
@@ -180,17 +183,16 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     teacher = build_model(tiny_config(len(tokenizer), hidden_size=128, intermediate_size=256, **special), seed=seed)
     student = build_model(tiny_config(len(tokenizer), **special), seed=seed + 1)
-    print(f"[demo] task: {len(train_examples)} training prompts, {len(held_out)} held out; vocabulary "
-          f"{len(tokenizer)}; teacher {teacher.num_parameters():,} parameters, student "
-          f"{student.num_parameters():,}", flush=True)
+    logger.info("task: %d training prompts, %d held out; vocabulary %d; teacher %s parameters, student %s",
+                len(train_examples), len(held_out), len(tokenizer), f"{teacher.num_parameters():,}",
+                f"{student.num_parameters():,}")
 
     phase = time.perf_counter()
     losses = train_on_answers(teacher, tokenizer, [(ex.question, ex.answer) for ex in examples],
                               steps=settings.teacher_steps, batch=settings.teacher_batch, lr=settings.teacher_lr,
                               rng=rng)
     teacher_s = time.perf_counter() - phase
-    print(f"[demo] teacher trained in {teacher_s:.0f} s: loss {losses[0]:.2f} -> {sum(losses[-10:]) / 10:.3f}",
-          flush=True)
+    logger.info("teacher trained in %.0f s: loss %.2f -> %.3f", teacher_s, losses[0], sum(losses[-10:]) / 10)
     teacher_dir = save_pretrained_dir(teacher.eval(), tokenizer, output_dir / "models" / "teacher")
     student_dir = save_pretrained_dir(student, tokenizer, output_dir / "models" / "student")
 
@@ -205,8 +207,8 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
     teacher_server = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log", cpus=shared_cores)
     with student_server, teacher_server:
         servers_s = time.perf_counter() - phase
-        print(f"[demo] vLLM servers up in {servers_s:.0f} s: student {student_server.url}, teacher "
-              f"{teacher_server.url}", flush=True)
+        logger.info("vLLM servers up in %.0f s: student %s, teacher %s", servers_s, student_server.url,
+                    teacher_server.url)
         if shared_cores:
             os.sched_setaffinity(0, shared_cores)
         torch.set_num_threads(1)
@@ -221,8 +223,8 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
         jsd_before = held_out_jsd(student)
         accuracy_before = server_accuracy(student_server.url, tokenizer, held_out, held_rows)
         teacher_accuracy = server_accuracy(teacher_server.url, tokenizer, held_out, held_rows)
-        print(f"[demo] before: held-out jsd {jsd_before:.3f} nats/token, student accuracy {accuracy_before:.0%} "
-              f"(teacher {teacher_accuracy:.0%})", flush=True)
+        logger.info("before: held-out jsd %.3f nats/token, student accuracy %.0f%% (teacher %.0f%%)", jsd_before,
+                    100 * accuracy_before, 100 * teacher_accuracy)
 
         config = AsyncDistillationConfig(
             model_name_or_path=str(student_dir), output_dir=str(output_dir / "run"),
@@ -282,6 +284,7 @@ def _yaml(values: dict[str, Any]) -> str:
 
 
 def print_report(report: dict[str, Any], output_dir: Path) -> None:
+    """The demo's result, on stdout (the program's output; progress goes to the ``fastdistill.demo`` logger)."""
     t = report["time_s"]
     print(f"[demo] held-out jsd {report['jsd_before']:.3f} -> {report['jsd_after']:.3f} nats/token "
           f"({report['jsd_reduction']:.0%} lower); accuracy {report['accuracy_before']:.0%} -> "
@@ -302,15 +305,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a tiny run that only shows the pipeline works (tests)")
     args = parser.parse_args(argv)
+    _show_progress()
     report = run_demo(args.output_dir, QUICK if args.quick else DemoSettings(), seed=args.seed)
     print_report(report, args.output_dir)
     if args.quick:
         return 0
     if not (report["jsd_after"] <= 0.5 * report["jsd_before"] and report["accuracy_after"] > report["accuracy_before"]):
-        print("[demo] FAILED: distillation did not halve the held-out divergence and raise the accuracy",
-              file=sys.stderr)
+        logger.error("FAILED: distillation did not halve the held-out divergence and raise the accuracy")
         return 1
     return 0
+
+
+def _show_progress() -> None:
+    """Show the ``fastdistill`` loggers' INFO messages on stderr, unless a handler already does (``fastdistill demo``
+    runs under the CLI's; ``python -m fastdistill.demo`` has none)."""
+    package = logging.getLogger("fastdistill")
+    if package.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fastdistill: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET or package.level > logging.INFO:
+        package.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,41 @@ def rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: s
     scale = expected.abs().max().clamp_min(1e-12)
     err = (actual - expected).abs().max() / scale
     assert err <= rtol, f"{what}: max error {float(err):.3e} relative to max |expected| {float(scale):.3e} > {rtol}"
+
+
+def divergence_term_scale(hidden, weight, bias, logit_scale, softcap, ids, teacher_lps, mask, beta, temperature,
+                          add_tail_bucket, *_) -> torch.Tensor:
+    """(N,) float64: per row, Σ over the buckets of w·a·(1 + |log a| + |log b|) for each weighted KL(a‖b) that the
+    β-divergence of TRL's ``_chunked_jsd_loss`` (same positional arguments) is made of — β=0: KL(p‖q), β=1: KL(q‖p),
+    else β·KL(p‖m) + (1−β)·KL(q‖m) with m = βp + (1−β)q.
+
+    These terms are far larger than the divergence itself when the student is close to the teacher, so an fp32
+    evaluation of the divergence is only good to a few eps32 times this (see :func:`fp32_divergence_slack`)."""
+    logits = hidden.detach().double() @ weight.detach().double().t()
+    if bias is not None:
+        logits = logits + bias.detach().double()
+    logits = logits * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    student = (logits / temperature).log_softmax(-1).gather(1, ids.long().clamp_min(0)).masked_fill(~mask, -torch.inf)
+    teacher = teacher_lps.double().masked_fill(~mask, -torch.inf)
+    if add_tail_bucket:
+        def with_tail(lps):
+            return torch.cat([lps, torch.log(-torch.expm1(lps.logsumexp(-1, keepdim=True).clamp(max=-1e-7)))], -1)
+
+        student, teacher = with_tail(student), with_tail(teacher)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], -1)
+    else:
+        student, teacher = student.log_softmax(-1), teacher.log_softmax(-1)
+    p, q = teacher.exp().where(mask, 0.0), student.exp().where(mask, 0.0)
+    log_m = (beta * p + (1 - beta) * q).clamp_min(1e-300).log()
+    kls = {0.0: [(1.0, p, teacher, student)], 1.0: [(1.0, q, student, teacher)]}.get(
+        beta, [(beta, p, teacher, log_m), (1 - beta, q, student, log_m)])
+    return sum((w * a * (1 + la.abs() + lb.abs())).where(mask, 0.0).sum(-1) for w, a, la, lb in kls)
+
+
+def fp32_divergence_slack(term_scale: torch.Tensor) -> float:
+    """Absolute slack between two fp32 evaluations of a mean divergence over rows with these term scales
+    (:func:`divergence_term_scale`): 8·eps32 per unit, a handful of roundings per term (exp, mixture, log,
+    difference, product, weighted sum) on each side."""
+    return 8 * torch.finfo(torch.float32).eps * float(term_scale.mean()) if term_scale.numel() else 0.0

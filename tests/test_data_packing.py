@@ -60,6 +60,11 @@ def make_sample(
     )
 
 
+def sample_offsets(samples) -> list[int]:
+    """[0, o_1, ..., T]: where each sample starts in the packed row, from the samples' own lengths."""
+    return np.cumsum([0] + [len(sample.input_ids) for sample in samples]).tolist()
+
+
 def test_layout_of_a_hand_made_row():
     rng = np.random.default_rng(0)
     a = make_sample(rng, 2, 3, teacher_id="b", prompt_id=7, model_version=4)
@@ -70,7 +75,6 @@ def test_layout_of_a_hand_made_row():
     assert row.input_ids.dtype == torch.int64 and row.input_ids.shape == (1, 11)
     assert row.input_ids[0].tolist() == [*a.input_ids, *b.input_ids, *c.input_ids]
     assert row.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4]
-    assert row.cu_seqlens.dtype == torch.int32 and row.cu_seqlens.tolist() == [0, 5, 6, 11]
     # a's completion tokens sit at 2, 3, 4 (predicted from 1, 2, 3); c's at 6+3, 6+4 (predicted from 8, 9).
     assert row.target_positions.dtype == torch.int64 and row.target_positions.tolist() == [1, 2, 3, 8, 9]
     assert row.actual_ids.tolist() == [*a.input_ids[2:], *c.input_ids[3:]]
@@ -103,7 +107,8 @@ def test_completion_positions_with_mask_zero_are_forwarded_not_trained():
 
 def _trl_collator_view(samples_per_row, teacher_ids):
     """TRL 1.16's DataCollatorForRollout on the same samples, then compute_loss's strip-padding + next-token shift
-    (reference §7.1): per row, the positions j where completion_mask[j+1] == 1 and the shifted arrays there."""
+    ("drop the first element, shift by one"): per row, the positions j where completion_mask[j+1] == 1 and the
+    shifted arrays there."""
     from trl.experimental.async_distillation.async_distillation_trainer import DataCollatorForRollout
 
     mapping = {t: i for i, t in enumerate(teacher_ids)} if len(teacher_ids) > 1 else None
@@ -179,7 +184,7 @@ def test_each_target_predicts_its_own_samples_completion_token(shapes, seed):
     rng = np.random.default_rng(seed)
     samples = [make_sample(rng, p, n, 2, prompt_id=i) for i, (p, n) in enumerate(shapes)]
     row = pack_row(samples, ["t0"])
-    cu = row.cu_seqlens.long()
+    cu = sample_offsets(samples)
     for m in range(row.num_trained):
         t, s = int(row.target_positions[m]), int(row.token_sample[m])
         assert cu[s] <= t and t + 1 < cu[s + 1]
@@ -243,7 +248,7 @@ def test_packed_forward_equals_each_sample_alone(packed_case, attn_implementatio
             0
         ]
     alone = _alone(model, samples)
-    cu = row.cu_seqlens.tolist()
+    cu = sample_offsets(samples)
     for s, hidden in enumerate(alone):
         assert (packed[cu[s] : cu[s + 1]] - hidden).abs().max() <= 1e-5, s
 
@@ -272,7 +277,7 @@ def test_an_attention_mask_lets_packed_samples_attend_to_each_other(packed_case,
             use_cache=False,
         ).last_hidden_state[0]
     alone = _alone(model, samples)
-    cu = row.cu_seqlens.tolist()
+    cu = sample_offsets(samples)
     assert (masked[: cu[1]] - alone[0]).abs().max() <= 1e-5  # the first sample has nothing before it
     for s in range(1, len(samples)):
         assert (masked[cu[s] : cu[s + 1]] - alone[s]).abs().max() > 1e-2, s

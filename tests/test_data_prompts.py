@@ -20,7 +20,7 @@ def test_chat_prompt_uses_the_template_with_a_generation_prompt(tokenizer):
     assert tokenizer.decode(out["prompt_ids"]) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     )
-    # The call TRL's rollout worker makes (reference §5.3), token for token.
+    # The call TRL 1.16's rollout worker makes, token for token.
     assert out["prompt_ids"] == tokenizer.apply_chat_template(messages, return_dict=False, add_generation_prompt=True)
     assert out["prompt"] is messages and "teacher_id" not in out
 

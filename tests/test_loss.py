@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 from loss_cases import make_case, rel_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fastdistill import narrow_support, sparse_jsd_loss
 from fastdistill.loss.api import torch_sparse_jsd
@@ -212,8 +214,48 @@ def test_narrow_support_matches_the_documented_regimes():
     assert lh[0].tolist() == pytest.approx([-0.1, -3.0])
 
 
-def test_chunked_path_memory_does_not_grow_with_rows():
-    """Work tiles are sized by the vocabulary, not by N (the benchmark measures this end to end)."""
+class _LargestTensor(TorchDispatchMode):
+    """The largest tensor (in elements) that any aten op returns while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+def _largest_tensor(N: int, V: int, backend: str) -> int:
+    """Largest tensor created by the loss, forward and gradients, on N rows over a vocabulary of V."""
+    g = torch.Generator().manual_seed(0)
+    D, K = 16, 4
+    h = torch.randn(N, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (N, K), generator=g)
+    lps = torch.log_softmax(torch.randn(N, K, generator=g), -1) - 0.5
+    with _LargestTensor() as largest:
+        out = sparse_jsd_loss(h, w, ids, lps, ids >= 0, backend=backend)
+        torch.autograd.grad(out.loss, (h, w))
+    return largest.numel
+
+
+def test_chunked_path_never_creates_a_rows_by_vocabulary_tensor():
+    """Every tensor the torch path creates (the logits tiles included, forward and gradients) is at most one
+    chunk_rows × V tile, whatever N; the dense reference, for contrast, materialises the N × V logits."""
+    from fastdistill.loss.chunked import default_chunk_rows
+
+    V = 2048
+    tile = default_chunk_rows(V, torch.float32) * V  # 256 rows
+    for N in (512, 1024):  # 2 and 4 tiles
+        assert _largest_tensor(N, V, "torch") == tile < N * V
+    assert _largest_tensor(256, V, "reference") >= 256 * V  # the probe does see an N × V tensor
+
+
+def test_chunk_rows_follow_the_vocabulary():
+    """Work tiles are sized by the vocabulary, not by N."""
     from fastdistill.loss.chunked import default_chunk_rows
 
     assert default_chunk_rows(32768, torch.float32) == default_chunk_rows(32768, torch.float32, 32 * 2**20) == 256

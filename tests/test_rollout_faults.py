@@ -18,21 +18,34 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from test_rollout_worker import FAST_RETRY, TOP_K, StubServer, dataset, student_stub, teacher_stub  # noqa: E402
+from test_rollout_worker import (  # noqa: E402
+    DEADLINE_S,
+    FAST_RETRY,
+    HEALTHY_S,
+    TOP_K,
+    StubServer,
+    dataset,
+    student_stub,
+    teacher_stub,
+)
 
 from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutWorker  # noqa: E402
-from fastdistill.testing.vllm_server import VLLMServer, free_port, require_vllm, start_together  # noqa: E402
+from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
+from fastdistill.serve import VLLMServer  # noqa: E402
+from fastdistill.testing.vllm_server import free_port, require_vllm, start_together  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 
 
 class Drain:
     """Pulls a worker's samples and metrics in a background thread so that it never blocks on a full queue.
 
-    ``samples`` is a list of (arrival monotonic time, sample); ``metrics`` a list of dicts."""
+    ``samples`` is a list of (arrival monotonic time, sample); ``dropped`` the drop notices (:class:`DroppedPrompt`)
+    that arrive in the same queue; ``metrics`` a list of dicts."""
 
     def __init__(self, worker: RolloutWorker):
         self.worker = worker
         self.samples: list[tuple[float, object]] = []
+        self.dropped: list[DroppedPrompt] = []
         self.metrics: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -41,9 +54,14 @@ class Drain:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self.samples.append((time.monotonic(), self.worker.samples.get(timeout=0.05)))
+                item = self.worker.samples.get(timeout=0.05)
             except queue.Empty:
                 pass
+            else:
+                if isinstance(item, DroppedPrompt):
+                    self.dropped.append(item)
+                else:
+                    self.samples.append((time.monotonic(), item))
             while True:
                 try:
                     self.metrics.append(self.worker.metrics_queue.get_nowait())
@@ -66,9 +84,20 @@ def wait_for(condition, timeout_s: float, what: str, workers: tuple[RolloutWorke
     deadline = time.monotonic() + timeout_s
     while not condition():
         for worker in workers:
-            worker.check_health(stale_after_s=30.0)
+            worker.check_health(stale_after_s=HEALTHY_S)
         assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
         time.sleep(0.1)
+
+
+def beats_within(worker: RolloutWorker, limit_s: float) -> bool:
+    """Whether ``check_health(stale_after_s=limit_s)`` passes now; other failures raise."""
+    try:
+        worker.check_health(stale_after_s=limit_s)
+    except RuntimeError as error:
+        if "heartbeat stale" not in str(error):
+            raise
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ stub servers
@@ -98,13 +127,14 @@ def test_garbage_bodies_are_counted_failures_and_a_400_is_not_retried():
         worker.start()
         drain = Drain(worker)
         try:
-            wait_for(lambda: drain.since(0) >= 9, 20, "three epochs of the 3 good prompts", (worker,))
-            worker.check_health(stale_after_s=30.0)
+            wait_for(lambda: drain.since(0) >= 9, DEADLINE_S, "three epochs of the 3 good prompts", (worker,))
+            worker.check_health(stale_after_s=HEALTHY_S)
         finally:
             drain.close()
             worker.stop()
     rows_seen = Counter(sample.dataset_index for _, sample in drain.samples)
     assert set(rows_seen) == {0, 2, 4}
+    assert {(notice.dataset_index, notice.reason) for notice in drain.dropped} == {(1, "rejected"), (3, "rejected")}
     assert drain.total("rollout/failed_total") >= 2 and drain.total("rollout/dropped_total") >= 2
     assert drain.total("rollout/redispatched_total") == 0 and drain.total("rollout/vllm_retry_total") == 0
     epochs = max(rows_seen.values())  # one rollout in flight: row 3 was dispatched at most once more than this
@@ -135,7 +165,8 @@ def test_a_teacher_outage_rescores_the_kept_generation_without_generating_again(
         worker.start()
         drain = Drain(worker)
         try:
-            wait_for(lambda: {sample.prompt_id for _, sample in drain.samples} >= {0, 1, 2, 3}, 20, "4 samples")
+            wait_for(lambda: {x.prompt_id for _, x in drain.samples} >= {0, 1, 2, 3}, DEADLINE_S, "4 samples",
+                     (worker,))
         finally:
             drain.close()
             worker.stop()
@@ -151,15 +182,11 @@ def test_a_hung_child_is_detected_by_its_stale_heartbeat():
         )
         worker.start()
         try:
-            time.sleep(0.5)
-            worker.check_health(stale_after_s=1.0)
+            wait_for(lambda: beats_within(worker, 1.0), DEADLINE_S, "a running child (a beat under 1 s old)")
             os.kill(worker.pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
+            # stopped, it cannot beat: the same 1 s limit now fails (the deadline only bounds a broken test)
             with pytest.raises(RuntimeError, match=r"heartbeat stale: last beat .* \(limit 1 s\).*alive but"):
-                while time.monotonic() - stopped_at < 10:
-                    worker.check_health(stale_after_s=1.0)
-                    time.sleep(0.05)
-            assert time.monotonic() - stopped_at < 10
+                wait_for(lambda: worker.check_health(stale_after_s=1.0), DEADLINE_S, "the stale heartbeat error")
         finally:
             os.kill(worker.pid, signal.SIGCONT)
             worker.stop()
@@ -178,7 +205,7 @@ def test_a_server_down_past_the_deadline_stops_the_child_with_a_clear_error():
                 match=r"(?s)ServerDownError: teacher 'math' at http://127.0.0.1:\d+ has answered nothing successfully "
                 r"for \d+ s, longer than server_down_deadline_s=1; last error: .*Connect",
             ):
-                wait_for(lambda: False, 20, "the deadline error", (worker,))
+                wait_for(lambda: False, DEADLINE_S, "the deadline error", (worker,))
         finally:
             worker.stop()
 
@@ -236,8 +263,8 @@ def test_teacher_killed_mid_run_fails_over_counts_failures_hits_the_deadline_and
             wait_for(lambda: False, 120, "the strict worker's deadline error", (strict,))
         wait_for(lambda: alone_drain.total("rollout/failed_total") >= 2, 120, "counted failures", (alone,))
         wait_for(lambda: replicated_drain.since(killed_at) >= 3, 180, "samples through the other replica")
-        alone.check_health(stale_after_s=30.0)  # failing, not dead
-        replicated.check_health(stale_after_s=30.0)
+        alone.check_health(stale_after_s=HEALTHY_S)  # failing, not dead
+        replicated.check_health(stale_after_s=HEALTHY_S)
         replicated_drain.close()
         replicated.stop()  # its job is done; it would slow the teacher's restart on this small machine
 

@@ -66,11 +66,11 @@ class StubServer:
 
     def __enter__(self) -> StubServer:
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(DEADLINE_S)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(DEADLINE_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

@@ -2,11 +2,13 @@
 
 Layout (S samples, sample s with prompt length P_s ≥ 1 and completion length L_s, starting at row offset o_s):
 - ``input_ids`` is the samples' ``input_ids`` concatenated, T = Σ (P_s + L_s) tokens, no padding;
-- ``position_ids`` restart at 0 for every sample; ``cu_seqlens`` = [0, o_1, ..., T] (flash-attention varlen);
+- ``position_ids`` restart at 0 for every sample: they carry the sample boundaries (transformers' masks and its
+  flash-attention varlen path read them from there);
 - completion token j of sample s sits at ``o_s + P_s + j`` and is predicted by the hidden state at
   ``o_s + P_s + j − 1``: that index is a *target position*, paired with the teacher's candidate row j.
-This is TRL's "drop the first element, shift by one" layout (``reference/trl-async-distillation.md`` §7.1)
-with the untrained positions (prompts, and the cross-sample boundary) never materialised.
+This is the layout of TRL 1.16's ``compute_loss`` ("drop the first element, shift by one": the logits at j score
+the token at j + 1, kept where the completion mask at j + 1 is set) with the untrained positions (prompts, and the
+cross-sample boundary) never materialised.
 
 The backbone must be called with these ``position_ids``, ``use_cache=False`` and NO attention mask: transformers
 isolates packed samples only when it can infer them from ``position_ids`` (``masking_utils``), which it skips
@@ -31,7 +33,6 @@ class PackedRow:
 
     input_ids: torch.Tensor  # int64 (1, T)
     position_ids: torch.Tensor  # int64 (1, T), restarting at 0 per sample
-    cu_seqlens: torch.Tensor  # int32 (S+1,), sample boundaries
     target_positions: torch.Tensor  # int64 (M,), t whose hidden state predicts input_ids[t+1], a completion token
     candidate_ids: torch.Tensor  # int64 (M, K+1), teacher candidates for that token, -1 = empty
     candidate_logprobs: torch.Tensor  # float32 (M, K+1), teacher log-probs (nats), -inf = empty
@@ -98,19 +99,19 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str]) -> Pa
             )
 
     lengths = np.array([sample.input_ids.shape[0] for sample in samples], dtype=np.int64)
-    cu_seqlens = np.zeros(len(samples) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu_seqlens[1:])
-    total = int(cu_seqlens[-1])
+    offsets = np.zeros(len(samples) + 1, dtype=np.int64)  # [0, o_1, ..., T]
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
 
     input_ids = np.concatenate([sample.input_ids for sample in samples]).astype(np.int64)
-    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], lengths)
     prompt_lengths = np.array([sample.prompt_length for sample in samples], dtype=np.int64)
     completion_lengths = lengths - prompt_lengths
     # Row index of every completion token (sample by sample), then only those with completion_mask 1.
     completion_starts = np.zeros(len(samples), dtype=np.int64)
     np.cumsum(completion_lengths[:-1], out=completion_starts[1:])
     token_at = np.arange(int(completion_lengths.sum()), dtype=np.int64) + np.repeat(
-        cu_seqlens[:-1] + prompt_lengths - completion_starts, completion_lengths
+        offsets[:-1] + prompt_lengths - completion_starts, completion_lengths
     )
     keep = np.concatenate([sample.completion_mask[sample.prompt_length :] == 1 for sample in samples])
     token_at = token_at[keep]
@@ -120,7 +121,6 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str]) -> Pa
     return PackedRow(
         input_ids=torch.from_numpy(input_ids)[None],
         position_ids=torch.from_numpy(position_ids)[None],
-        cu_seqlens=torch.from_numpy(cu_seqlens.astype(np.int32)),
         target_positions=torch.from_numpy(token_at - 1),
         candidate_ids=torch.from_numpy(
             np.concatenate([sample.teacher_topk_ids for sample in samples]).astype(np.int64)[keep]

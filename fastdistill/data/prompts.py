@@ -1,7 +1,8 @@
 """Dataset rows to token-id prompts, the form the rollout worker consumes (``{"prompt_ids", "teacher_id"?}``).
 
-Chat prompts go through the tokenizer's chat template with ``add_generation_prompt=True`` exactly as TRL's rollout
-worker does (``reference/trl-async-distillation.md`` §5.3), so a prompt tokenised here matches TRL's token for token.
+Chat prompts go through the tokenizer's chat template exactly as TRL 1.16's rollout worker does
+(``apply_chat_template(prompt, return_dict=False, add_generation_prompt=True, **chat_template_kwargs)``), so a prompt
+tokenised here matches TRL's token for token.
 Tokenising once up front (instead of per rollout, as TRL does) keeps the tokenizer out of the worker process.
 """
 

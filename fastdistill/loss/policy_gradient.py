@@ -7,8 +7,8 @@ For a sampled token y at a state with student hidden state h:
 
 E_{y ~ π_θ}[∇L] (w = 1) = Σ_y π_θ(y)(log π_θ(y) − log π_T(y)) ∇log π_θ(y) = ∇ KL(π_θ ‖ π_T): the gradient of the
 reverse KL at the visited state, using only the teacher's log-prob of the sampled token. Recomputing the advantage
-with the learner's weights (instead of the stale rollout's) is what makes it robust to asynchrony (AsyncOPD,
-``reference/asyncopd-and-vllm.md``). ``w`` optionally corrects for the rollout policy μ ≠ π_θ.
+with the learner's weights (instead of the stale rollout's) is what makes it robust to asynchrony (the AsyncOPD
+paper's estimator). ``w`` optionally corrects for the rollout policy μ ≠ π_θ.
 
 The full-vocabulary log-sum-exp is taken in bounded row chunks under activation checkpointing, so at most one
 ``(chunk, V)`` logits tile is alive, in forward and in backward.

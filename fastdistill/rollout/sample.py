@@ -1,6 +1,6 @@
 """What one rollout produces: the prompt, the student's completion and the teacher's candidates for it.
 
-Field names follow TRL's ``RolloutSample`` (``reference/trl-async-distillation.md`` §6.1) where they exist, with two
+Field names follow TRL 1.16's ``RolloutSample`` (its async distillation trainer's sample) where they exist, with two
 layout changes that keep the pickled sample small: token arrays are int32 (not int64), and the teacher arrays cover
 completion positions only (TRL pads every prompt row with -1 / -inf). :meth:`RolloutSample.to_trl_layout` rebuilds
 TRL's full-length int64 layout.
