@@ -10,11 +10,8 @@ this machine). The other tests use in-process stubs.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import ipaddress
 import json
-import socket
-import struct
 import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
@@ -42,8 +39,9 @@ from fastdistill.rollout import (  # noqa: E402
     TeacherClient,
     VLLMRequestError,
 )
-from fastdistill.serve import VLLMServer, free_port  # noqa: E402
+from fastdistill.serve import VLLMServer  # noqa: E402
 from fastdistill.sync import VLLMWeightSync, WeightSyncError, served_logprob_gap, weight_sync_from_config  # noqa: E402
+from fastdistill.testing.stubs import interface_ipv4_addresses, serve_and_call  # noqa: E402
 from fastdistill.testing.vllm_server import require_vllm  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
@@ -201,21 +199,7 @@ def run_keyed_stub(client_call) -> tuple[object, list[str | None]]:
             return web.json_response({"error": "Unauthorized"}, status=401)
         return web.json_response(GENERATION)
 
-    async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            return await client_call(f"http://127.0.0.1:{port}")
-        except Exception as error:  # the tests assert on the exception
-            return error
-        finally:
-            await runner.cleanup()
-
-    return asyncio.run(main()), seen
+    return serve_and_call(handler, client_call), seen
 
 
 def generate_with(api_key: str | None):
@@ -301,13 +285,7 @@ def test_launcher_refuses_an_open_dev_mode_server(tmp_path, monkeypatch):
 def non_loopback_ipv4() -> str | None:
     """An IPv4 address of one of this machine's interfaces other than loopback, from the kernel's interface table
     (SIOCGIFADDR), independently of routing."""
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-        address = socket.inet_ntoa(packed[20:24])
+    for address in interface_ipv4_addresses():
         if not ipaddress.ip_address(address).is_loopback:
             return address
     return None

@@ -35,6 +35,7 @@ from fastdistill.rollout import (  # noqa: E402
     check_shared_vocabulary,
 )
 from fastdistill.serve import VLLMServer, VLLMServerError  # noqa: E402
+from fastdistill.testing.stubs import serve_and_call  # noqa: E402
 from fastdistill.testing.vllm_server import free_port, require_vllm  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 
@@ -304,21 +305,7 @@ def run_against_stub(responses: list[Handler], client_call: Callable[[str], Awai
         received += 1
         return await responses[min(received, len(responses)) - 1](request)
 
-    async def main():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            return await client_call(f"http://127.0.0.1:{port}")
-        except Exception as error:  # the tests assert on the exception
-            return error
-        finally:
-            await runner.cleanup()
-
-    outcome = asyncio.run(main())
+    outcome = serve_and_call(handler, client_call)
     return outcome, received
 
 

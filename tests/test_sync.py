@@ -9,15 +9,12 @@ that need a differently configured server are replayed by a local stub (bodies r
 from __future__ import annotations
 
 import copy
-import fcntl
 import io
 import ipaddress
 import json
 import multiprocessing as mp
 import os
 import re
-import socket
-import struct
 import subprocess
 import threading
 import time
@@ -49,6 +46,7 @@ from fastdistill.sync.transport import (
     receive_tensors,
     send_tensors,
 )
+from fastdistill.testing.stubs import interface_ipv4_addresses
 from fastdistill.testing.vllm_server import free_port, require_vllm, start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
@@ -536,7 +534,7 @@ def test_the_rendezvous_address_is_loopback_or_the_interface_that_routes_to_the_
     assert rendezvous_address("http://127.0.0.1:8000") == "127.0.0.1"
     assert rendezvous_address("http://localhost:8000/") == "127.0.0.1"
     assert rendezvous_address("http://[::1]:8000") == "127.0.0.1"
-    own = [a for a in interface_addresses() if not ipaddress.ip_address(a).is_loopback]
+    own = [a for a in interface_ipv4_addresses() if not ipaddress.ip_address(a).is_loopback]
     if own:  # a server on this host, reached through its own address: the route goes out through that interface
         assert rendezvous_address(f"http://{own[0]}:8000") == own[0]
     with pytest.raises(OSError):
@@ -550,19 +548,6 @@ def test_the_rendezvous_address_is_loopback_or_the_interface_that_routes_to_the_
     with pytest.raises(WeightSyncError, match=re.escape("set weight_sync_master_address (VLLMWeightSync("
                                                         "master_address=...)) to this trainer's address")):
         VLLMWeightSync("http://no-such-host.invalid:1", timeout_s=5)._new_channel()
-
-
-def interface_addresses() -> list[str]:
-    """IPv4 addresses of this machine's interfaces, from the kernel's interface table (SIOCGIFADDR)."""
-    addresses = []
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-        addresses.append(socket.inet_ntoa(packed[20:24]))
-    return addresses
 
 
 def test_push_before_init_and_bad_arguments():

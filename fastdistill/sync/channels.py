@@ -46,10 +46,8 @@ def open_together(rendezvous: Callable[[], Any], post_init: Callable[[], Any], n
         raise WeightSyncError(f"weight sync failed in {failure}") from failure.error
 
 
-class GlooChannel:
-    """A gloo group hosted by the trainer at ``master_address:master_port`` (a free port when ``None``)."""
-
-    backend = "gloo"
+class _Channel:
+    """What both channels hold: where the trainer hosts the group, the broadcast bucket size and the timeout."""
 
     def __init__(self, master_address: str, master_port: int | None, *, bucket_bytes: int, timeout_s: float):
         self.master_address = master_address
@@ -62,6 +60,12 @@ class GlooChannel:
     @property
     def is_open(self) -> bool:
         return self._group is not None
+
+
+class GlooChannel(_Channel):
+    """A gloo group hosted by the trainer at ``master_address:master_port`` (a free port when ``None``)."""
+
+    backend = "gloo"
 
     def open(self, world_size: int, post_init: PostInit) -> None:
         """Host the store, then join the group while the server's workers join through ``post_init``."""
@@ -97,21 +101,10 @@ class GlooChannel:
         self.drop()
 
 
-class NcclChannel:
+class NcclChannel(_Channel):
     """vLLM's NCCL group (``nccl_common.trainer_init``) on the current CUDA device."""
 
     backend = "nccl"
-
-    def __init__(self, master_address: str, master_port: int | None, *, bucket_bytes: int, timeout_s: float):
-        self.master_address = master_address
-        self.master_port = master_port
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self._group: Any = None
-
-    @property
-    def is_open(self) -> bool:
-        return self._group is not None
 
     def open(self, world_size: int, post_init: PostInit) -> None:
         """Rendezvous through vLLM's helper while the server's workers join through ``post_init``."""
