@@ -10,11 +10,18 @@ On a CUDA machine (bf16, Qwen-like shapes: D ∈ {896, 1536, 3584}, V = 151936, 
   cce           Cut Cross-Entropy's ``linear_cross_entropy`` on the top-1 candidate (same matmul work, CE loss)
   torch         fastdistill's memory-bounded torch path (not in the default GPU sweep)
 It prints forward / backward time, TFLOP/s counting 8·N·D·V for forward + backward, MFU against a measured bf16
-``torch.mm`` peak, and the peak memory allocated beyond the inputs. A missing package is reported, not fatal;
-K-independent implementations (liger, cce) are measured once per (N, D).
+``torch.mm`` peak, and the peak memory allocated beyond the inputs. K-independent implementations (liger, cce) are
+measured once per (N, D).
 
-Without CUDA it sets TRITON_INTERPRET=1 and runs one tiny config in Triton's CPU interpreter, comparing the kernels'
-loss and gradients with the torch path (``--quick`` keeps it to a few seconds).
+Correctness gate: before timing an implementation on a config, its loss and gradients (dh, dW) on the first
+``--gate-rows`` rows are compared with a float64 evaluation of the loss it computes, from the same (rounded) inputs;
+tolerances follow the input dtype (:func:`gate_tolerances`). One that disagrees is not timed: its row reads
+"incorrect", with the differences. A missing third-party package is reported, not fatal; the fastdistill kernels
+not being importable is fatal (exit 2), and an ``ours-*`` row that is incorrect or fails makes the exit status 1
+(after the table and the JSON are written).
+
+Without CUDA it sets TRITON_INTERPRET=1 and runs one tiny config in Triton's CPU interpreter, gate included, and
+also compares the kernels' loss and gradients with the torch path (``--quick`` keeps it to a few seconds).
 
     python benchmarks/bench_kernels.py                  # full GPU sweep (< 5 min on an H100-class GPU)
     python benchmarks/bench_kernels.py --quick          # tiny smoke config (CPU: interpreter)
@@ -37,6 +44,7 @@ from pathlib import Path
 import torch
 
 IMPLS = ("ours-det", "ours-fused", "ours-filter", "trl", "liger", "cce", "torch")
+OURS = ("ours-det", "ours-fused", "ours-filter")
 GPU_IMPLS = ("ours-det", "ours-fused", "ours-filter", "trl", "liger", "cce")
 CPU_IMPLS = ("ours-det", "ours-fused", "torch")
 K_INDEPENDENT = ("liger", "cce")
@@ -44,6 +52,12 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_kernels.json
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
 FILTER_EPS = 2.0**-12
 MiB = 2**20
+TEACHER_SEED = 1  # liger's dense teacher hidden states
+GATE_ROWS = {"cuda": 256, "cpu": 32}
+
+
+class KernelsUnavailable(RuntimeError):
+    """The fastdistill kernels (the ``ours-*`` rows) cannot be imported: the benchmark cannot do its job."""
 
 
 def make_inputs(N: int, D: int, V: int, K: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -59,11 +73,28 @@ def make_inputs(N: int, D: int, V: int, K: int, dtype: torch.dtype, device: torc
     return hidden, weight, ids, lps, torch.ones(N, S, dtype=torch.bool, device=device)
 
 
-def loss_fn(impl: str, hidden, weight, ids, lps, mask):
-    """A closure computing the 0-dim loss of ``impl`` on these inputs (raises ImportError when not installed)."""
-    if impl.startswith("ours"):
+def import_kernels():
+    """``fastdistill_kernels.fused_sparse_jsd``, or :class:`KernelsUnavailable` saying how to install it."""
+    try:
         from fastdistill_kernels import fused_sparse_jsd
+    except ImportError as e:
+        raise KernelsUnavailable(f"the ours-* rows need the fastdistill kernels, which do not import ({e!r}); "
+                                 "install the package with `pip install -e '.[gpu]'` (CPU: '.[test]')") from e
+    return fused_sparse_jsd
 
+
+def teacher_hidden(hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Liger's dense teacher input: seeded normal hidden states shaped like ``hidden``, rounded to ``dtype``
+    (default: hidden's), the same for every call."""
+    g = torch.Generator(device=hidden.device).manual_seed(TEACHER_SEED)
+    return torch.randn(hidden.shape, generator=g, device=hidden.device).to(dtype or hidden.dtype)
+
+
+def loss_fn(impl: str, hidden, weight, ids, lps, mask):
+    """A closure computing the 0-dim loss of ``impl`` on these inputs (raises ImportError when a third-party
+    package is not installed, :class:`KernelsUnavailable` for the ours-* rows)."""
+    if impl in OURS:
+        fused_sparse_jsd = import_kernels()
         kw = dict(backward_mode="deterministic") if impl == "ours-det" else dict(backward_mode="fused")
         if impl == "ours-filter":
             kw["filter_eps"] = FILTER_EPS
@@ -81,9 +112,10 @@ def loss_fn(impl: str, hidden, weight, ids, lps, mask):
     if impl == "liger":
         from liger_kernel.transformers import LigerFusedLinearJSD
 
-        jsd = LigerFusedLinearJSD(jsd_beta=0.0, temperature=1.0)
-        teacher_hidden = torch.randn_like(hidden, requires_grad=False)
-        return lambda: jsd(hidden, weight, teacher_hidden, weight.detach())
+        jsd = LigerFusedLinearJSD(jsd_beta=0.0, temperature=1.0)  # beta=0: forward KL(teacher‖student), row mean
+        teacher = teacher_hidden(hidden)
+        # shift_labels is a required positional argument in liger-kernel 0.8.5 (None: every row counts)
+        return lambda: jsd(hidden, weight, teacher, weight.detach(), None)
     if impl == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
@@ -91,18 +123,90 @@ def loss_fn(impl: str, hidden, weight, ids, lps, mask):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
+def reference_loss(impl: str, hidden, weight, ids, lps, input_dtype: torch.dtype) -> torch.Tensor:
+    """The loss ``impl`` computes, in float64 on float64 ``hidden`` ``(n, D)`` and ``weight`` ``(V, D)`` that hold
+    the benchmark's inputs (in ``input_dtype``: K+1 distinct ids per row, every slot used, β = 0). ours-* and
+    torch: forward KL over the candidates + the exact tail; trl: the same with TRL's clamped student tail; liger:
+    the dense forward KL against :func:`teacher_hidden` (rounded to ``input_dtype`` as liger gets it) through the
+    same lm_head, averaged over rows; cce: cross-entropy on the top-1."""
+    logp = torch.log_softmax(hidden @ weight.t(), dim=1)
+    if impl == "liger":
+        teacher = teacher_hidden(hidden, input_dtype).to(hidden.dtype)
+        t = torch.log_softmax(teacher @ weight.detach().t(), dim=1)  # liger's teacher weight carries no gradient
+        return (t.exp() * (t - logp)).sum() / hidden.shape[0]
+    if impl == "cce":
+        return -logp.gather(1, ids[:, :1]).sum()
+    clamp = math.exp(-1e-7)  # TRL's clamp of the supported mass (teacher side always, student side in trl mode)
+    p = logp.gather(1, ids).exp()
+    q = lps.to(logp.dtype).exp()
+    if impl == "trl":
+        p_tail = 1.0 - p.sum(dim=1).clamp(max=clamp)
+    else:
+        p_tail = logp.scatter(1, ids, float("-inf")).logsumexp(dim=1).exp()
+    q_tail = 1.0 - q.sum(dim=1).clamp(max=clamp)
+    p, q = torch.cat([p, p_tail[:, None]], dim=1), torch.cat([q, q_tail[:, None]], dim=1)
+    return (torch.special.xlogy(q, q) - torch.special.xlogy(q, p)).sum()
+
+
+def gate_tolerances(dtype: torch.dtype) -> dict[str, float]:
+    """Relative tolerances of the correctness gate for inputs in ``dtype`` (eps = its machine epsilon). loss:
+    4·eps (at least 1e-5): a loss returned in the input dtype is itself rounded to eps/2, and chunk sums kept in it
+    add a few more. grad: 4·eps (at least 1e-4) on ‖g − ref‖₂ / ‖ref‖₂: the gradients come back in the input dtype,
+    and half-precision kernels round dL/dlogits to it before their GEMMs (bf16: 3.1 %, fp16: 0.39 %, fp32: 1e-4)."""
+    eps = torch.finfo(dtype).eps
+    return {"loss": max(4 * eps, 1e-5), "grad": max(4 * eps, 1e-4)}
+
+
+def correctness_gate(impl: str, inputs, rows: int) -> dict:
+    """``impl``'s loss, dh and dW on the first ``rows`` rows against :func:`reference_loss` in float64 from the same
+    rounded inputs. Returns ``{"ok", "rows", "rel_diff": {loss, dh, dW}, "tol"}``."""
+    hidden, weight, ids, lps, mask = inputs
+    n = min(rows, hidden.shape[0])
+    h = hidden[:n].detach().clone().requires_grad_(True)
+    fn = loss_fn(impl, h, weight, ids[:n], lps[:n], mask[:n])
+    loss = fn()
+    got = (loss.detach(), *torch.autograd.grad(loss, (h, weight)))
+    del loss
+    h64 = h.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    ref_loss = reference_loss(impl, h64, w64, ids[:n], lps[:n], hidden.dtype)
+    ref = (ref_loss.detach(), *torch.autograd.grad(ref_loss, (h64, w64)))
+    del ref_loss, h64, w64
+    rel = {name: rel_l2(g, r) for name, g, r in zip(("loss", "dh", "dW"), got, ref, strict=True)}
+    tol = gate_tolerances(hidden.dtype)
+    ok = rel["loss"] <= tol["loss"] and max(rel["dh"], rel["dW"]) <= tol["grad"]
+    return {"ok": bool(ok), "rows": n, "rel_diff": rel, "tol": tol}
+
+
+def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖got − ref‖₂ / ‖ref‖₂ in float64 (NaN-safe: a non-finite ``got`` gives inf)."""
+    got, ref = got.detach().double(), ref.detach().double()
+    if not bool(torch.isfinite(got).all()):
+        return math.inf
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def measure(impl: str, inputs, repeats: int, warmup: int, device: torch.device) -> dict:
-    """Median forward / backward seconds, the loss, and the peak memory allocated beyond the inputs (CUDA)."""
+def measure(impl: str, inputs, repeats: int, warmup: int, device: torch.device, gate_rows: int = 1) -> dict:
+    """The correctness gate on ``gate_rows`` rows, then (only if it passed) median forward / backward seconds, the
+    loss, and the peak memory allocated beyond the inputs (CUDA). Raises :class:`KernelsUnavailable` for an ours-*
+    row without the kernels."""
     hidden, weight = inputs[0], inputs[1]
     try:
         fn = loss_fn(impl, *inputs)
-    except ImportError as e:
+    except ImportError as e:  # KernelsUnavailable is not an ImportError: it propagates
         return {"status": "missing", "error": repr(e)}
+    try:
+        gate = correctness_gate(impl, inputs, gate_rows)
+    except Exception as e:  # an OOM or a broken package must not end the sweep
+        return {"status": "failed", "error": f"correctness gate: {e!r}"[:2000]}
+    if not gate["ok"]:
+        return {"status": "incorrect", "gate": gate,
+                "error": f"disagrees with the float64 reference: {json.dumps(gate['rel_diff'])} > {gate['tol']}"}
     cuda = device.type == "cuda"
     fwd, bwd, loss = [], [], None
     try:
@@ -131,7 +235,7 @@ def measure(impl: str, inputs, repeats: int, warmup: int, device: torch.device) 
     finally:
         hidden.grad = weight.grad = None
     return {"status": "ok", "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd), "loss": loss,
-            "peak_mb": peak_mb}
+            "peak_mb": peak_mb, "gate": gate}
 
 
 def matmul_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
@@ -152,9 +256,9 @@ def matmul_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -
 
 def compare_with_torch_path(inputs, device: torch.device) -> dict:
     """Relative differences of the kernels (both backward modes) from the torch path: loss, dh, dW."""
-    from fastdistill_kernels import fused_sparse_jsd
-
     from fastdistill import sparse_jsd_loss
+
+    fused_sparse_jsd = import_kernels()
 
     hidden, weight, ids, lps, mask = inputs
 
@@ -226,8 +330,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (Triton compiles here)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    p.add_argument("--gate-rows", type=int, help="rows of the correctness gate (default: GPU 256, CPU 32; >= 1)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
+    args.gate_rows = args.gate_rows or GATE_ROWS["cuda" if cuda else "cpu"]
+    if args.gate_rows < 1:
+        p.error("--gate-rows must be >= 1: the benchmark does not time unchecked implementations")
     small = args.quick or not cuda
     args.N = args.N or ([512] if args.quick and cuda else [64] if small else [4096, 16384])
     args.D = args.D or ([896] if args.quick and cuda else [48] if small else [896, 1536, 3584])
@@ -240,11 +348,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep, print the table, write the JSON; returns the exit status (1: an ours-* row is not ok)."""
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before fastdistill_kernels (and its @triton.jit) loads
+    if any(impl in OURS for impl in args.impls):
+        import_kernels()  # fail before any measurement, not after a sweep
     peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     rows = []
     for D in args.D:
@@ -257,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
                     if impl in K_INDEPENDENT and impl in shared:
                         by_impl[impl] = {**shared[impl], "measured_at_K": args.K[0]}
                         continue
-                    by_impl[impl] = measure(impl, inputs, args.repeats, args.warmup, device)
+                    by_impl[impl] = measure(impl, inputs, args.repeats, args.warmup, device, args.gate_rows)
                     add_rates(by_impl[impl], N, D, args.V, peak)
                     if impl in K_INDEPENDENT:
                         shared[impl] = by_impl[impl]
@@ -278,7 +389,26 @@ def main(argv: list[str] | None = None) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")
+    return report_ours_failures(rows)
+
+
+def report_ours_failures(rows: list[dict]) -> int:
+    """Print every ours-* measurement that is not ok to stderr; 1 if there is one, else 0."""
+    bad = [(r, impl, m) for r in rows for impl, m in r["impls"].items() if impl in OURS and m["status"] != "ok"]
+    for r, impl, m in bad:
+        print(f"ERROR: {impl} at N={r['N']} D={r['D']} V={r['V']} K={r['K']}: {m['status']}: {m.get('error', '')}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """:func:`main` with :class:`KernelsUnavailable` turned into a clear message and exit status 2."""
+    try:
+        return main(argv)
+    except KernelsUnavailable as e:
+        print(f"ERROR: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -5,15 +5,20 @@ Implementations, all on the same seeded fp32 inputs:
   trl    TRL's own ``_chunked_jsd_loss`` (checkpointed 256-row chunks), imported from the installed package;
   ours   ``fastdistill.sparse_jsd_loss(..., backend="torch")``.
 
-Every (implementation, config) measurement runs in a fresh subprocess (``--worker IMPL``), so the peak-memory
-numbers of one run never leak into another. Peak memory increase = high-water mark during the runs minus the
-memory in use right after the inputs were built (RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA).
-Workers run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB: by default glibc keeps freed blocks of up to
-32 MiB on its heap, and RSS would then measure allocator retention rather than the tensors alive at the peak.
+Every (implementation, config, allocator setting) measurement runs in a fresh subprocess (``--worker IMPL``), so
+the peak-memory numbers of one run never leak into another. Peak memory increase = high-water mark during the
+runs minus the memory in use right after the inputs were built and one tiny warm-up call (RSS on CPU,
+``torch.cuda.max_memory_allocated`` on CUDA). Each measurement is taken under two allocator settings:
+  glibc-default         the environment users run with (glibc's dynamic mmap/trim thresholds: freed blocks of up
+                        to 32 MiB may stay on its heap, so RSS can include allocator retention);
+  mmap-threshold-1MiB   ``MALLOC_MMAP_THRESHOLD_=1048576``: large blocks are mmap'd and returned on free, so RSS
+                        tracks the tensors alive at the peak.
 
     python benchmarks/bench_loss.py                     # default sweep, D=512 K=8, V∈{8192,32768}, N∈{2048,4096,8192}
     python benchmarks/bench_loss.py --quick             # tiny shapes, a few seconds
     python benchmarks/bench_loss.py --N 4096 --V 32768 --impls trl ours --json /tmp/out.json
+    python benchmarks/bench_loss.py --allocator glibc-default   # one allocator setting only
+    python benchmarks/bench_loss.py --cold              # also a single call per fresh process, no warm-up at all
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ IMPLS = ("dense", "trl", "ours")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_loss.json"
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
 MiB = 2**20
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MiB)}  # large blocks are mmap'd and returned to the OS on free
+# Environment of the workers per allocator setting (on top of the parent's, minus any glibc malloc settings).
+ALLOCATORS = {
+    "glibc-default": {},
+    "mmap-threshold-1MiB": {"MALLOC_MMAP_THRESHOLD_": str(MiB)},  # large blocks mmap'd, returned to the OS on free
+}
 
 
 # ----------------------------------------------------------------------------------------------------- worker side
@@ -124,7 +133,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     N, V = args.N[0], args.V[0]
-    rec = {"impl": args.worker, "N": N, "D": args.D, "V": V, "K": args.K, "device": str(device)}
+    rec = {"impl": args.worker, "N": N, "D": args.D, "V": V, "K": args.K, "device": str(device), "cold": args.cold}
     try:
         fn = loss_fn(args.worker, args.tail_mode)
     except ImportError as e:
@@ -132,8 +141,10 @@ def run_worker(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         rec["device_name"] = torch.cuda.get_device_name(device)
     # One tiny fwd+bwd first: one-time process setup (thread pools, autograd engine, BLAS workspaces) is not
-    # part of the loss's memory, so it happens before the baseline.
-    fn(*make_inputs(4, args.D, 4 * (args.K + 1), args.K, args.seed, device)).backward()
+    # part of the loss's memory, so it happens before the baseline. A cold run skips it (and any warm-up): it
+    # measures a single call in a fresh process, one-time setup included.
+    if not args.cold:
+        fn(*make_inputs(4, args.D, 4 * (args.K + 1), args.K, args.seed, device)).backward()
     h, w, ids, lps, mask = make_inputs(N, args.D, V, args.K, args.seed, device)
 
     cuda = device.type == "cuda"
@@ -169,20 +180,50 @@ def run_worker(args: argparse.Namespace) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- parent side
-def measure(impl: str, N: int, V: int, args: argparse.Namespace) -> dict:
-    """Run one measurement in a fresh subprocess (or skip dense when it would not fit ``--dense-max-gb``)."""
-    rec = {"impl": impl, "N": N, "D": args.D, "V": V, "K": args.K}
+def worker_env(allocator: str) -> dict[str, str]:
+    """The parent's environment without glibc malloc settings, plus those of ``allocator`` (see ALLOCATORS)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    return {**env, **ALLOCATORS[allocator]}
+
+
+def measure(impl: str, N: int, V: int, args: argparse.Namespace, allocator: str = "glibc-default",
+            cold: bool = False) -> dict:
+    """Run one measurement in a fresh subprocess under ``allocator`` (or skip dense when it would not fit
+    ``--dense-max-gb``); ``cold``: one call, no warm-up of any kind (one-time process setup included)."""
+    rec = {"impl": impl, "N": N, "D": args.D, "V": V, "K": args.K, "allocator": allocator}
     if impl == "dense" and 4 * N * V * 4 > args.dense_max_gb * 2**30:
         return {**rec, "status": "skipped", "error": f"~4 N×V fp32 tiles exceed --dense-max-gb {args.dense_max_gb}"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--N", str(N), "--V", str(V),
            "--D", str(args.D), "--K", str(args.K), "--threads", str(args.threads), "--repeats", str(args.repeats),
            "--warmup", str(args.warmup), "--seed", str(args.seed), "--device", args.device,
            "--tail-mode", args.tail_mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **WORKER_ENV})
+    if cold:
+        cmd[cmd.index("--repeats") + 1], cmd[cmd.index("--warmup") + 1] = "1", "0"
+        cmd.append("--cold")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(allocator))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {**rec, "status": "failed", "error": f"rc={proc.returncode}: {proc.stderr[-2000:]}"}
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "allocator": allocator}
+
+
+def measure_config(N: int, V: int, args: argparse.Namespace, allocators: list[str]) -> dict:
+    """Every implementation on one config under every allocator setting (interleaved, so drift hits all alike)."""
+    by_alloc: dict[str, dict] = {a: {} for a in allocators}
+    cold: dict[str, dict] = {a: {} for a in allocators}
+    for impl in args.impls:
+        for allocator in allocators:
+            for is_cold, into in ((False, by_alloc), (True, cold)) if args.cold else ((False, by_alloc),):
+                m = measure(impl, N, V, args, allocator, cold=is_cold)
+                if m["status"] not in ("ok", "skipped"):
+                    print(f"[{impl} N={N} V={V} {allocator}{' cold' if is_cold else ''}] {m['status']}: "
+                          f"{m.get('error', '')}", file=sys.stderr)
+                into[allocator][impl] = m
+    out = {a: {"impls": by_impl, "summary": summarize(by_impl)} for a, by_impl in by_alloc.items()}
+    if args.cold:
+        for a, by_impl in cold.items():
+            out[a]["cold"] = {"impls": by_impl, "summary": summarize(by_impl)}
+    return {"N": N, "D": args.D, "V": V, "K": args.K, "allocators": out}
 
 
 def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
@@ -211,8 +252,11 @@ def cell(m: dict | None, key: str, spec: str) -> str:
     return format(m[key], spec) if m["status"] == "ok" else m["status"][:4]
 
 
-def print_tables(rows: list[dict], impls: list[str]) -> None:
-    """Timing/memory table, then the memory-flatness table (peak increase minus the dh + dW buffers)."""
+def print_tables(rows: list[dict], impls: list[str], allocator: str) -> None:
+    """Timing/memory table, then the memory-flatness table (peak increase minus the dh + dW buffers), of the
+    measurements under one allocator setting."""
+    print(f"\n== allocator: {allocator} {ALLOCATORS[allocator] or '(glibc defaults)'}")
+    rows = [{**r, **r["allocators"][allocator]} for r in rows if allocator in r["allocators"]]
     head = f"{'N':>6} {'D':>5} {'V':>6} {'K':>3} " + " ".join(f"{i + ' s':>9} {i + ' MB':>9}" for i in impls)
     print(head + f" {'o/trl t':>8} {'o/trl mem':>9} {'o/dns t':>8} {'o/dns mem':>9} {'relΔloss':>9}")
     for r in rows:
@@ -223,7 +267,16 @@ def print_tables(rows: list[dict], impls: list[str]) -> None:
         print(line + f" {fmt(s['ours_over_trl_time'], '.3f'):>8} {fmt(s['ours_over_trl_mem'], '.3f'):>9}"
               f" {fmt(s['ours_over_dense_time'], '.3f'):>8} {fmt(s['ours_over_dense_mem'], '.3f'):>9}"
               f" {fmt(s['loss_rel_diff_ours_trl'], '.1e'):>9}")
-    print("\nMemory flatness: extra_over_grads_MB = peak increase - (N·D + V·D)·4 B (dh, dW); flat in N = O(1) extra")
+    cold = [r for r in rows if "cold" in r]
+    if cold:
+        print("Cold: a single call in a fresh process, no warm-up (one-time process setup included)")
+        print(f"{'N':>6} {'V':>6} " + " ".join(f"{i + ' s':>9} {i + ' MB':>9}" for i in impls) + f" {'o/trl mem':>9}")
+        for r in cold:
+            ms = [r["cold"]["impls"].get(i) for i in impls]
+            print(f"{r['N']:>6} {r['V']:>6} "
+                  + " ".join(f"{cell(m, 'median_s', '.3f'):>9} {cell(m, 'peak_mb', '.1f'):>9}" for m in ms)
+                  + f" {fmt(r['cold']['summary']['ours_over_trl_mem'], '.3f'):>9}")
+    print("Memory flatness: extra_over_grads_MB = peak increase - (N·D + V·D)·4 B (dh, dW); flat in N = O(1) extra")
     print(f"{'N':>6} {'D':>5} {'V':>6} {'K':>3} " + " ".join(f"{i + ' extra MB':>15}" for i in impls))
     for r in rows:
         print(f"{r['N']:>6} {r['D']:>5} {r['V']:>6} {r['K']:>3} "
@@ -261,7 +314,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--tail-mode", choices=("exact", "trl"), default="exact", help="fastdistill's student tail")
     p.add_argument("--dense-max-gb", type=float, default=6.0, help="skip dense when 4·N·V·4 B exceeds this")
+    p.add_argument("--allocator", choices=("both", *ALLOCATORS), default="both",
+                   help="glibc malloc setting(s) of the workers (default: both, each in its own fresh process)")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
+    p.add_argument("--cold", action="store_true", help="also measure one call in a fresh process without any "
+                   "warm-up (one-time process setup included; the parent adds these rows)")
     p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.N = args.N or ([64, 128] if args.quick else [2048, 4096, 8192])
@@ -275,19 +332,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         print(json.dumps(run_worker(args)), flush=True)
         return
-    rows = []
-    for V in args.V:
-        for N in args.N:
-            by_impl = {impl: measure(impl, N, V, args) for impl in args.impls}
-            for m in by_impl.values():
-                if m["status"] not in ("ok", "skipped"):
-                    print(f"[{m['impl']} N={N} V={V}] {m['status']}: {m.get('error', '')}", file=sys.stderr)
-            rows.append({"N": N, "D": args.D, "V": V, "K": args.K, "impls": by_impl, "summary": summarize(by_impl)})
-    print_tables(rows, args.impls)
-    device = next((m["device"] for r in rows for m in r["impls"].values() if "device" in m), None)
+    allocators = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
+    rows = [measure_config(N, V, args, allocators) for V in args.V for N in args.N]
+    for allocator in allocators:
+        print_tables(rows, args.impls, allocator)
+    device = next((m["device"] for r in rows for a in r["allocators"].values() for m in a["impls"].values()
+                   if "device" in m), None)
     result = {"machine": machine_info(args, device),
               "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "json")},
-              "worker_env": WORKER_ENV, "rows": rows}
+              "worker_env": {a: ALLOCATORS[a] for a in allocators}, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.json}")

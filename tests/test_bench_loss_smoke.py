@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss.py"
 def test_bench_loss_quick(tmp_path):
     out = tmp_path / "bench.json"
     # tail_mode="trl" makes ours compute the same clamped student tail as dense and TRL, so the losses match.
-    # One quick config (N=64) keeps this fast: each worker is a fresh interpreter, and importing trl takes seconds.
+    # One quick config (N=64) keeps this fast: each worker is a fresh interpreter (3 implementations × 2 allocator
+    # settings), and importing trl takes seconds.
     cmd = [sys.executable, str(SCRIPT), "--quick", "--N", "64", "--impls", "dense", "trl", "ours", "--repeats", "1",
            "--tail-mode", "trl", "--device", "cpu", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -24,16 +25,36 @@ def test_bench_loss_quick(tmp_path):
 
     assert result["machine"]["torch"]
     assert [(r["N"], r["D"], r["V"], r["K"]) for r in result["rows"]] == [(64, 32, 512, 8)]
+    # both allocator settings, each measured in its own fresh worker process
+    assert result["worker_env"] == {"glibc-default": {}, "mmap-threshold-1MiB": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
     for row in result["rows"]:
-        impls = row["impls"]
-        assert set(impls) == {"dense", "trl", "ours"}
-        for name, m in impls.items():
-            assert m["status"] == "ok", (name, m)
-            assert len(m["times_s"]) == 1
-            assert math.isfinite(m["median_s"]) and m["median_s"] > 0
-            assert math.isfinite(m["peak_mb"]) and math.isfinite(m["extra_over_grads_mb"])
-            assert math.isfinite(m["loss"]) and m["loss"] > 0
-        dense_loss = impls["dense"]["loss"]
-        for name in ("trl", "ours"):
-            assert math.isclose(impls[name]["loss"], dense_loss, rel_tol=1e-4), (name, impls[name]["loss"], dense_loss)
-        assert row["summary"]["loss_rel_diff_ours_trl"] < 1e-4
+        assert set(row["allocators"]) == {"glibc-default", "mmap-threshold-1MiB"}
+        for allocator, measured in row["allocators"].items():
+            impls = measured["impls"]
+            assert set(impls) == {"dense", "trl", "ours"}
+            for name, m in impls.items():
+                assert m["status"] == "ok", (allocator, name, m)
+                assert m["allocator"] == allocator
+                assert len(m["times_s"]) == 1
+                assert math.isfinite(m["median_s"]) and m["median_s"] > 0
+                assert math.isfinite(m["peak_mb"]) and math.isfinite(m["extra_over_grads_mb"])
+                assert math.isfinite(m["loss"]) and m["loss"] > 0
+            dense_loss = impls["dense"]["loss"]
+            for name in ("trl", "ours"):
+                assert math.isclose(impls[name]["loss"], dense_loss, rel_tol=1e-4), (name, impls[name]["loss"])
+            assert measured["summary"]["loss_rel_diff_ours_trl"] < 1e-4
+    assert "allocator: glibc-default" in proc.stdout and "allocator: mmap-threshold-1MiB" in proc.stdout
+
+
+def test_workers_get_exactly_the_allocator_setting(monkeypatch):
+    """The glibc-default workers run without any malloc tuning inherited from the parent's environment."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_loss
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
+    default = bench_loss.worker_env("glibc-default")
+    assert not any(k.startswith("MALLOC_") for k in default) and "GLIBC_TUNABLES" not in default
+    assert bench_loss.worker_env("mmap-threshold-1MiB")["MALLOC_MMAP_THRESHOLD_"] == "1048576"

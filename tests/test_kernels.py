@@ -1,29 +1,43 @@
-"""The Triton kernels (fastdistill_kernels) under Triton's CPU interpreter, against the float64 dense reference.
+"""The Triton kernels (fastdistill_kernels): under Triton's CPU interpreter without a GPU, compiled on a GPU.
 
-Shapes are tiny and tiles are 32×64×32 (the interpreter's default tiles) so that N, V and D are never multiples of
-a tile and several tiles, vocabulary splits and workspace chunks are exercised.
+Without CUDA (or with ``TRITON_INTERPRET=1``) the kernels run in the interpreter on CPU tensors, against the float64
+dense reference. Shapes are tiny and tiles are 32×64×32 (the interpreter's default tiles) so that N, V and D are
+never multiples of a tile and several tiles, vocabulary splits and workspace chunks are exercised.
+
+With CUDA (and no ``TRITON_INTERPRET=1``) the interpreter tests are skipped and the ``cuda_compiled`` tests run the
+compiled kernels on the GPU: loss, entropies, dh, dW and db against the torch path, every backward mode and dtype.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported: kernels run on the CPU
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported: kernels run on the CPU
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
 
-from fastdistill_kernels import TileConfig, fused_sparse_jsd  # noqa: E402
+import fastdistill_kernels  # noqa: E402
+from fastdistill_kernels import TileConfig, backward, config, fused_sparse_jsd, ops  # noqa: E402
 from loss_cases import make_case, rel_close  # noqa: E402
 
 import fastdistill.loss.api as api  # noqa: E402
 from fastdistill import sparse_jsd_loss  # noqa: E402
 from fastdistill.loss.support import canonical_mask  # noqa: E402
+
+on_interpreter = pytest.mark.skipif(not INTERPRETER, reason="CPU tensors through the kernels need TRITON_INTERPRET=1 "
+                                    "(on a GPU the cuda_compiled tests cover the kernels)")
+cuda_compiled = pytest.mark.skipif(not CUDA or INTERPRETER, reason="the compiled kernels need a CUDA GPU "
+                                   "(and TRITON_INTERPRET unset)")
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels" / "fastdistill_kernels"
 FIELDS = ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum")
@@ -76,6 +90,7 @@ API_GRID = [
 ]
 
 
+@on_interpreter
 @pytest.mark.parametrize("beta,tail,mode,softcap,T,dtype", API_GRID)
 def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, dtype):
     """Through sparse_jsd_loss: padded, duplicated and masked slots, rows without signal, bias, two teachers."""
@@ -100,6 +115,7 @@ def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, 
         rel_close(g, r, grad_rtol, name)
 
 
+@on_interpreter
 @pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_modes_with_per_row_upstream_gradients(backward_mode, dtype):
@@ -133,6 +149,7 @@ def _concentrated_case(N=40, D=48, V=512, K=8, seed=5):
     return h, w, b, ids, lps, torch.ones(N, K, dtype=torch.bool)
 
 
+@on_interpreter
 @pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
 def test_gradient_filter_error_stays_within_its_bound(backward_mode):
     """Each skipped entry has |dL/dx| < eps·|g_row|, so |Δdh[n, d]| ≤ eps·|g_n|·Σ_v |W[v, d]|,
@@ -157,6 +174,7 @@ def test_gradient_filter_error_stays_within_its_bound(backward_mode):
     assert ((db_f - db).abs() <= eps * weights.abs().sum() + slack).all()
 
 
+@on_interpreter
 def test_rows_whose_candidates_cover_the_vocabulary():
     """No non-candidate column: the exact tail bucket is absent (tail log-sum-exp over an empty set)."""
     g = torch.Generator().manual_seed(3)
@@ -177,6 +195,7 @@ def test_rows_whose_candidates_cover_the_vocabulary():
             rel_close(a, r, FP32_RTOL, name)
 
 
+@on_interpreter
 def test_scalar_upstream_gradient_and_only_requested_gradients():
     case = _case(seed=8)
     ids, lps, mask = case.narrowed(0.3)
@@ -190,6 +209,7 @@ def test_scalar_upstream_gradient_and_only_requested_gradients():
     torch.testing.assert_close(h.grad, 2.5 * h1.grad)
 
 
+@on_interpreter
 def test_token_weights_match_the_torch_path():
     case = _case(seed=9)
     ids, lps, mask = case.narrowed(0.0)
@@ -203,6 +223,7 @@ def test_token_weights_match_the_torch_path():
         rel_close(a, r, FP32_RTOL, name)
 
 
+@on_interpreter
 def test_no_scored_rows_gives_zero_loss_connected_to_graph():
     case = _case(seed=1)
     for n in (0, 4):  # no rows at all; rows without any usable slot
@@ -227,6 +248,7 @@ def test_auto_backend_keeps_cpu_tensors_on_the_torch_path(monkeypatch):
     assert torch.isfinite(sparse_jsd_loss(h, w, *case.narrowed(0.0), bias=b).loss)
 
 
+@on_interpreter
 def test_triton_backend_errors_are_clear(monkeypatch):
     case = _case(seed=2)
     args = (*case.leaves()[:2], *case.narrowed(0.0))
@@ -241,6 +263,7 @@ def test_triton_backend_errors_are_clear(monkeypatch):
         sparse_jsd_loss(*args, backend="triton")
 
 
+@on_interpreter
 def test_op_rejects_bad_settings():
     case = _case(seed=2)
     h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
@@ -250,6 +273,7 @@ def test_op_rejects_bad_settings():
         fused_sparse_jsd(h, w, ids, lps, valid, filter_eps=0.0)
 
 
+@on_interpreter
 def test_loads_through_the_hugging_face_kernels_library():
     kernels = pytest.importorskip("kernels", reason="the Hugging Face `kernels` package is not installed")
     module = kernels.get_local_kernel(KERNELS_DIR)
@@ -259,3 +283,274 @@ def test_loads_through_the_hugging_face_kernels_library():
     loaded = module.fused_sparse_jsd(h, w, ids, lps, valid, bias=b).divergence
     direct = fused_sparse_jsd(h, w, ids, lps, valid, bias=b).divergence
     torch.testing.assert_close(loaded, direct, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ dW without addmm
+@on_interpreter
+def test_dw_fallback_without_mixed_precision_addmm_matches_float64(monkeypatch):
+    """Torch releases without ``addmm(..., out_dtype=float32)`` take fp32 GEMMs of upcast column blocks: same
+    result as one float64 product of the half-precision operands, to fp32 rounding, whatever the block size."""
+    g = torch.Generator().manual_seed(0)
+    dx = torch.randn(40, 300, generator=g).bfloat16()
+    h = torch.randn(40, 48, generator=g).bfloat16()
+    expected = 0.5 + dx.double().t() @ h.double()
+    for block in (40 * 7, 40 * 300, 1):  # uneven blocks, one block, one column per block
+        dw = torch.full((300, 48), 0.5)
+        backward.accumulate_dw_upcast(dw, dx, h, block_elems=block)
+        rel_close(dw, expected, 1e-6, f"dW, blocks of {block} elements")
+
+
+@on_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deterministic_backward_forced_onto_the_fallback(monkeypatch, dtype):
+    """The whole op with the mixed-precision GEMM reported missing and tiny upcast blocks (several per chunk)."""
+    calls, blocks = [], []
+    upcast = backward.accumulate_dw_upcast
+    monkeypatch.setattr(backward, "mixed_addmm_supported", lambda device, dtype: calls.append(dtype) or False)
+    monkeypatch.setattr(backward, "UPCAST_BLOCK_ELEMS", 64 * 50)  # 50 columns of a 64-row workspace chunk
+    monkeypatch.setattr(backward, "accumulate_dw_upcast", lambda *a: blocks.append(a[-1]) or upcast(*a))
+    case = _case(seed=21)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, dtype)
+    out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode="deterministic")
+    grads = _grads(out.divergence.sum(), (h, w, b))
+    ref_rows, ref_leaves = _reference_rows(h, w, b, ids, lps, valid)
+    for name, got, ref in zip(("dh", "dW", "db"), grads, _grads(ref_rows.sum(), ref_leaves), strict=True):
+        rel_close(got, ref, BF16_GRAD_RTOL, name)
+    assert calls and set(calls) == {dtype}, "the deterministic backward did not ask about the mixed-precision GEMM"
+    assert blocks and set(blocks) == {64 * 50}  # V = 300: 6 blocks per chunk
+
+
+def test_mixed_addmm_detection(monkeypatch):
+    """Detected once per device by trying it: absent on CPU, absent where torch lacks the overload (simulated),
+    present on CUDA with torch >= 2.8."""
+    detect = backward.mixed_addmm_supported.__wrapped__  # uncached
+    assert detect(torch.device("cpu"), torch.bfloat16) is False
+    assert detect(torch.device("cpu"), torch.float16) is False
+    real = torch.addmm
+
+    def old_addmm(*args, **kwargs):
+        if "out_dtype" in kwargs:
+            raise TypeError("addmm() received an invalid combination of arguments - got (..., out_dtype=...)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", old_addmm)
+    assert detect(torch.device("cpu"), torch.bfloat16) is False
+    if CUDA:
+        assert detect(torch.device("cuda"), torch.bfloat16) is False
+        monkeypatch.setattr(torch, "addmm", real)
+        version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        for dtype in (torch.bfloat16, torch.float16):
+            assert detect(torch.device("cuda"), dtype) is (version >= (2, 8)), dtype
+
+
+# ------------------------------------------------------------------------------------------------ device guard
+@on_interpreter
+def test_every_launch_runs_under_the_tensors_device_guard(monkeypatch):
+    """Triton launches on the current CUDA device: forward and backward launches run inside
+    ``torch.cuda.device(hidden.device)``. Pretend the tensors are CUDA ones and record the guard."""
+    entered, depth = [], [0]
+
+    class Recorder:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            depth[0] += 1
+
+        def __exit__(self, *exc):
+            depth[0] -= 1
+
+    def inside_guard(fn):
+        def wrapped(hidden, *args, **kwargs):
+            assert depth[0] == 1 and entered[-1] == hidden.device, "kernel launched outside the device guard"
+            return fn(hidden, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(config, "is_cuda_device", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    monkeypatch.setattr(ops, "forward_stats", inside_guard(ops.forward_stats))
+    monkeypatch.setattr(ops, "backward_grads", inside_guard(ops.backward_grads))
+    case = _case(seed=5)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
+    out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b)
+    out.divergence.sum().backward()
+    assert entered == [h.device, h.device] and depth[0] == 0
+
+
+def test_device_guard_is_a_no_op_off_cuda(monkeypatch):
+    def refuse(device):
+        raise AssertionError("torch.cuda.device must not be entered for CPU tensors")
+
+    monkeypatch.setattr(torch.cuda, "device", refuse)
+    with config.device_guard(torch.device("cpu")):
+        pass
+
+
+@cuda_compiled
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_a_second_gpu_while_the_first_is_current():
+    case = _case(seed=6)
+    results = []
+    for device in ("cuda:0", "cuda:1"):
+        torch.cuda.set_device(0)
+        h, w, b, ids, lps, valid = (x.to(device) for x in _scored_inputs(case, 0.0, torch.float32))
+        h, w, b = (x.detach().requires_grad_(True) for x in (h, w, b))
+        out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b)
+        results.append([out.divergence.cpu(), *(g.cpu() for g in _grads(out.divergence.sum(), (h, w, b)))])
+    for a, r in zip(*results, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ "auto" routing
+def _route(monkeypatch, backend="auto"):
+    """Which path sparse_jsd_loss takes for tensors that claim to be on CUDA: "triton" or "torch"."""
+    taken, real_torch = [], api.torch_sparse_jsd
+    monkeypatch.setattr(api, "_is_cuda", lambda x: True)  # CPU tensors that claim to be CUDA ones
+    monkeypatch.setattr(api, "_triton_sparse_jsd", lambda *a, **k: taken.append("triton") or real_torch(*a, **k))
+    monkeypatch.setattr(api, "torch_sparse_jsd", lambda *a, **k: taken.append("torch") or real_torch(*a, **k))
+    case = _case(seed=2)
+    sparse_jsd_loss(*case.leaves()[:2], *case.narrowed(0.0), backend=backend)
+    return taken[0]
+
+
+def test_auto_keeps_cuda_tensors_off_the_kernels_until_they_are_validated(monkeypatch):
+    monkeypatch.delenv("FASTDISTILL_TRITON", raising=False)
+    monkeypatch.setattr(fastdistill_kernels, "KERNELS_VALIDATED_ON_GPU", False)
+    assert _route(monkeypatch) == "torch"
+    assert _route(monkeypatch, backend="triton") == "triton"  # explicit selection always works
+    monkeypatch.setenv("FASTDISTILL_TRITON", "1")  # opt in
+    assert _route(monkeypatch) == "triton"
+    monkeypatch.delenv("FASTDISTILL_TRITON")
+    monkeypatch.setattr(fastdistill_kernels, "KERNELS_VALIDATED_ON_GPU", True)  # after a passing GPU check
+    assert _route(monkeypatch) == "triton"
+    monkeypatch.setenv("FASTDISTILL_TRITON", "0")  # opt out
+    assert _route(monkeypatch) == "torch"
+
+
+def test_the_kernels_are_not_marked_validated_yet():
+    """Flip this (and KERNELS_VALIDATED_ON_GPU) only with a passing benchmarks/gpu_check.py run recorded."""
+    assert fastdistill_kernels.KERNELS_VALIDATED_ON_GPU is False
+
+
+# ------------------------------------------------------------------------------------------------ compiled on a GPU
+GPU_VARIANTS = [
+    # beta, add_tail_bucket, tail_mode, softcap, temperature, bias
+    (0.0, True, "exact", None, 1.0, True),
+    (0.3, True, "trl", 4.0, 0.7, False),
+    (1.0, True, "exact", 4.0, 1.3, True),
+    (0.3, False, "exact", None, 1.0, True),
+]
+GPU_LOSS_RTOL = 5e-5  # two fp32 evaluations (kernels, torch path), each within 1e-5 of float64 in the CPU tests
+GPU_GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: BF16_GRAD_RTOL, torch.float16: BF16_GRAD_RTOL}
+
+
+def _gpu_case(seed, dtype, beta, bias, N=333, D=192, V=5003, K=8):
+    """CUDA leaves in ``dtype`` and the canonical slots of the scored rows; N, D, V are no tile multiples."""
+    case = make_case(seed=seed, N=N, D=D, V=V, K=K, empty_rows=0)
+    h, w, b, ids, lps, valid = _scored_inputs(case, beta, dtype)
+    leaves = [x.detach().cuda().requires_grad_(True) for x in (h, w, b)]
+    return (*leaves[:2], leaves[2] if bias else None, ids.cuda(), lps.cuda(), valid.cuda())
+
+
+@cuda_compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
+@pytest.mark.parametrize("beta,tail,mode,softcap,T,bias", GPU_VARIANTS)
+def test_compiled_kernels_match_the_torch_path(dtype, backward_mode, beta, tail, mode, softcap, T, bias):
+    """Loss, entropies, dh, dW and db of the compiled kernels against the torch path on the same CUDA inputs, with
+    per-row upstream gradients (negative and zero included)."""
+    h, w, b, ids, lps, valid = _gpu_case(seed=int(10 * beta) + 3, dtype=dtype, beta=beta, bias=bias)
+    kw = dict(beta=beta, temperature=T, softcap=softcap, add_tail_bucket=tail, tail_mode=mode, logit_scale=1.5)
+    weights = torch.linspace(-1.0, 3.0, h.shape[0], device="cuda")
+    weights[3] = 0.0
+    out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode=backward_mode, **kw)
+    leaves = [x for x in (h, w, b) if x is not None]
+    grads = torch.autograd.grad((out.divergence * weights).sum(), leaves)
+    refs = [x.detach().clone().requires_grad_(True) for x in leaves]
+    rb = refs[2] if b is not None else None
+    ref = sparse_jsd_loss(refs[0], refs[1], ids, lps, valid, bias=rb, backend="torch", **kw)
+    rel_close(out.divergence.sum(), ref.jsd_sum, GPU_LOSS_RTOL, "loss")
+    rel_close(out.entropy.sum(), ref.entropy_sum, GPU_LOSS_RTOL, "entropy")
+    rel_close(out.teacher_entropy.sum(), ref.teacher_entropy_sum, GPU_LOSS_RTOL, "teacher entropy")
+    positive = weights.clamp_min(0)  # the torch path takes non-negative token weights: split the upstream gradient
+    ref_pos = sparse_jsd_loss(refs[0], refs[1], ids, lps, valid, bias=rb, backend="torch", token_weights=positive,
+                              **kw).loss
+    ref_neg = sparse_jsd_loss(refs[0], refs[1], ids, lps, valid, bias=rb, backend="torch",
+                              token_weights=positive - weights, **kw).loss
+    ref_grads = torch.autograd.grad(ref_pos - ref_neg, refs)
+    for name, g, r, x in zip(("dh", "dW", "db"), grads, ref_grads, leaves, strict=False):
+        assert g.dtype == x.dtype
+        rel_close(g, r, GPU_GRAD_RTOL[dtype], name)
+
+
+@cuda_compiled
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_deterministic_backward_forced_onto_the_dw_fallback(monkeypatch, dtype):
+    """Torch releases without the mixed-precision addmm: the upcast-block fallback gives the same dW as the
+    addmm path (both sum exact half-precision products in fp32) and the same dh and db."""
+    h, w, b, ids, lps, valid = _gpu_case(seed=11, dtype=dtype, beta=0.0, bias=True)
+
+    def grads():
+        out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode="deterministic")
+        return _grads(out.divergence.sum(), (h, w, b))
+
+    native = grads()
+    monkeypatch.setattr(backward, "mixed_addmm_supported", lambda device, dtype: False)
+    monkeypatch.setattr(backward, "UPCAST_BLOCK_ELEMS", 1024 * 700)  # several blocks per workspace chunk
+    one_ulp = 2 * torch.finfo(dtype).eps  # fp32 sums in another order, then rounded to the dtype
+    for name, got, ref in zip(("dh", "dW", "db"), grads(), native, strict=True):
+        rel_close(got, ref, one_ulp, name)
+
+
+@cuda_compiled
+@pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
+def test_compiled_gradient_filter_error_stays_within_its_bound(backward_mode):
+    """The interpreter test's bound, on the compiled kernels (fp32)."""
+    h, w, b, ids, lps, valid = (x.cuda() for x in _concentrated_case())
+    h, w, b = (x.detach().requires_grad_(True) for x in (h, w, b))
+    weights = torch.linspace(0.5, 2.0, h.shape[0], device="cuda")
+    eps = 1e-3
+
+    def run(filter_eps):
+        out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode=backward_mode, filter_eps=filter_eps)
+        return _grads((out.divergence * weights).sum(), (h, w, b))
+
+    (dh_f, dw_f, db_f), (dh, dw, db) = run(eps), run(None)
+    slack = 1e-5
+    assert ((dh_f - dh).abs() <= eps * weights.abs()[:, None] * w.detach().abs().sum(dim=0) + slack).all()
+    assert ((dw_f - dw).abs() <= eps * (weights.abs()[:, None] * h.detach().abs()).sum(dim=0) + slack).all()
+    assert ((db_f - db).abs() <= eps * weights.abs().sum() + slack).all()
+
+
+@cuda_compiled
+@pytest.mark.parametrize("beta,tail,mode,softcap,T,dtype", API_GRID + [(0.3, True, "exact", 4.0, 0.7, torch.float16)])
+def test_compiled_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, dtype):
+    """The interpreter's API grid on the GPU: padded, duplicated and masked slots, empty rows, bias, two teachers."""
+    case = _case(seed=int(beta * 10) + int(T * 7), empty_rows=3)
+    ids, lps, mask = (x.cuda() for x in case.narrowed(beta))
+    kw = dict(beta=beta, temperature=T, softcap=softcap, add_tail_bucket=tail, tail_mode=mode, logit_scale=1.5,
+              teacher_index=case.teacher_index.cuda(), num_teachers=2)
+    h, w, b = (x.detach().cuda().requires_grad_(True) for x in case.leaves(dtype))
+    out = sparse_jsd_loss(h, w, ids, lps, mask, bias=b, backend="triton", **kw)
+    grads = _grads(out.loss, (h, w, b))
+    hr, wr, br = (x.detach().double().requires_grad_(True) for x in (h, w, b))
+    ref = sparse_jsd_loss(hr, wr, ids, lps, mask, bias=br, backend="reference", **kw)
+    for f in FIELDS:
+        rel_close(getattr(out, f), getattr(ref, f), GPU_LOSS_RTOL, f)
+    for name, g, r in zip(("dh", "dW", "db"), grads, _grads(ref.loss, (hr, wr, br)), strict=True):
+        rel_close(g, r, GPU_GRAD_RTOL[dtype], name)
+
+
+@cuda_compiled
+@pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
+def test_compiled_kernels_at_a_qwen_vocabulary(backward_mode):
+    """bf16 at Qwen2.5's vocabulary (V = 151936, many vocabulary splits and workspace columns) and D = 896."""
+    h, w, b, ids, lps, valid = _gpu_case(seed=7, dtype=torch.bfloat16, beta=0.0, bias=False, N=512, D=896,
+                                         V=151936, K=8)
+    out = fused_sparse_jsd(h, w, ids, lps, valid, backward_mode=backward_mode)
+    grads = _grads(out.divergence.sum(), (h, w))
+    hr, wr = (x.detach().clone().requires_grad_(True) for x in (h, w))
+    ref = sparse_jsd_loss(hr, wr, ids, lps, valid, backend="torch")
+    rel_close(out.divergence.sum(), ref.loss, GPU_LOSS_RTOL, "loss")
+    for name, g, r in zip(("dh", "dW"), grads, _grads(ref.loss, (hr, wr)), strict=True):
+        rel_close(g, r, BF16_GRAD_RTOL, name)

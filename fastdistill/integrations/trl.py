@@ -8,7 +8,7 @@ patch_trl()   # every AsyncDistillationTrainer from now on uses fastdistill's lo
 TRL's ``_compute_loss`` looks ``_chunked_jsd_loss`` up in its module at every call, so swapping that module attribute
 is enough: batching, normalisation and metrics stay TRL's. The replacement uses ``tail_mode="trl"`` (TRL's clamped
 student tail), so the loss, its gradients and the metrics equal TRL's; it is faster and never holds more than one
-bounded logits tile (the Triton kernels on CUDA, the torch path elsewhere).
+bounded logits tile (``backend="auto"``: see :func:`fastdistill.sparse_jsd_loss`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from .support import _check_beta, canonical_mask
 BACKENDS = ("auto", "torch", "reference", "triton")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TAIL_MODES = ("exact", "trl")
+TRITON_ENV = "FASTDISTILL_TRITON"  # "1": backend="auto" uses the kernels on CUDA before they are marked validated
 
 
 @dataclass
@@ -80,10 +81,12 @@ def sparse_jsd_loss(
             or ``"trl"`` (TRL's subtraction with clamp). The teacher tail is always the clamped subtraction.
         teacher_index: ``(N,)`` integer teacher index per position for per-teacher statistics, or None.
         num_teachers: number of teachers (rows of ``per_teacher``).
-        backend: ``"auto"`` (the Triton kernels for CUDA tensors in float32/bfloat16/float16 when triton is
-            installed, else the torch path), ``"torch"`` (memory-bounded torch path), ``"reference"`` (dense
-            float64-capable oracle; materialises N×V), ``"triton"`` (the fused kernels: CUDA tensors, or CPU
-            tensors under ``TRITON_INTERPRET=1``).
+        backend: ``"auto"`` (the torch path; the Triton kernels for CUDA tensors in float32/bfloat16/float16 only
+            when triton is installed **and** the kernels are enabled: they have not yet been validated on a real
+            GPU, so today that takes ``FASTDISTILL_TRITON=1``, see :func:`triton_enabled_for_auto`),
+            ``"torch"`` (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises
+            N×V), ``"triton"`` (the fused kernels, always: CUDA tensors, or CPU tensors under
+            ``TRITON_INTERPRET=1``).
         token_weights: ``(N,)`` non-negative constants, or None: ``loss = Σ w_i · div_i`` (e.g. importance ratios
             for stale samples). The metrics (``jsd_sum``, ``per_teacher``, …) stay unweighted.
 
@@ -109,9 +112,27 @@ def sparse_jsd_loss(
 
 
 def _triton_is_default(hidden, weight) -> bool:
-    """``backend="auto"`` takes the kernels for CUDA tensors in a kernel dtype when triton is installed."""
-    return (hidden.is_cuda and hidden.dtype in TRITON_DTYPES and weight.dtype in TRITON_DTYPES
-            and importlib.util.find_spec("triton") is not None)
+    """``backend="auto"`` takes the kernels for CUDA tensors in a kernel dtype when triton is installed and the
+    kernels are enabled for "auto" (:func:`triton_enabled_for_auto`)."""
+    return (_is_cuda(hidden) and hidden.dtype in TRITON_DTYPES and weight.dtype in TRITON_DTYPES
+            and triton_enabled_for_auto() and importlib.util.find_spec("triton") is not None)
+
+
+def _is_cuda(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on a CUDA device (a separate function so tests can route without a GPU)."""
+    return x.is_cuda
+
+
+def triton_enabled_for_auto() -> bool:
+    """Whether ``backend="auto"`` may route CUDA tensors to the Triton kernels: ``FASTDISTILL_TRITON=1`` opts in,
+    ``FASTDISTILL_TRITON=0`` opts out, and otherwise only once the kernels are marked validated on a real GPU
+    (``fastdistill_kernels.KERNELS_VALIDATED_ON_GPU``, False until ``benchmarks/gpu_check.py`` has passed)."""
+    flag = os.environ.get(TRITON_ENV, "").strip()
+    if flag in ("0", "1"):
+        return flag == "1"
+    from fastdistill_kernels import KERNELS_VALIDATED_ON_GPU
+
+    return bool(KERNELS_VALIDATED_ON_GPU)
 
 
 def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None,

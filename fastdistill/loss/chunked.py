@@ -44,14 +44,48 @@ def default_chunk_rows(vocab_size: int, dtype: torch.dtype, tile_bytes: int = DE
     return max(1, min(MAX_CHUNK_ROWS, tile_bytes // (vocab_size * elem)))
 
 
-def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor):
-    """Final student logits ``softcap(scale·(h Wᵀ + b)) / T`` into ``out`` ``(c, V)``."""
+class Workspace:
+    """The buffers every chunk of one call reuses, allocated once: the ``(rows, V)`` logits tile, two
+    ``(BLOCK_ROWS, V)`` scratch blocks, ``(rows, D)`` buffers for the chunk's hidden states in the compute dtype
+    (only when they are not in it) and scaled by ``logit_scale / T`` (only without a softcap), and a ``(V,)``
+    column-sum buffer (only for the bias gradient). Per chunk only O(rows·S) tensors are allocated, so the
+    allocator does not churn through tile-sized temporaries whatever its thresholds (glibc's defaults included)."""
+
+    def __init__(self, rows: int, vocab: int, hidden: torch.Tensor, dtype: torch.dtype, cfg: LossConfig,
+                 need_db: bool):
+        def buf(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=hidden.device)
+
+        self.tile = buf(rows, vocab)
+        self.scratch = (buf(min(BLOCK_ROWS, rows), vocab), buf(min(BLOCK_ROWS, rows), vocab))
+        self.cast = buf(rows, hidden.shape[1]) if hidden.dtype != dtype else None
+        self.scaled = buf(rows, hidden.shape[1]) if cfg.softcap is None else None
+        self.colsum = buf(vocab) if need_db else None
+
+    def hidden_chunk(self, h: torch.Tensor) -> torch.Tensor:
+        """The chunk's hidden states ``h`` ``(c, D)`` in the compute dtype (a copy into the cast buffer if needed)."""
+        return h if self.cast is None else self.cast[: h.shape[0]].copy_(h)
+
+
+def logit_bias(b: torch.Tensor | None, cfg: LossConfig) -> torch.Tensor | None:
+    """The bias as :func:`_student_logits` adds it: times ``logit_scale / T`` without a softcap (computed once
+    per call, not per chunk)."""
+    if b is None or cfg.softcap is not None:
+        return b
+    return b * (cfg.logit_scale / cfg.temperature)
+
+
+def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor,
+                    operand: torch.Tensor | None = None):
+    """Final student logits ``softcap(scale·(h Wᵀ + b)) / T`` into ``out`` ``(c, V)``; ``b`` comes from
+    :func:`logit_bias`. ``operand`` ``(c, D)``, if given, receives the scaled hidden states (no temporary)."""
     if cfg.softcap is None:
         alpha = cfg.logit_scale / cfg.temperature  # fold the scalars into the (c, D) operand, not the (c, V) tile
+        a = h * alpha if operand is None else torch.mul(h, alpha, out=operand)
         if b is None:
-            torch.mm(h * alpha, w.t(), out=out)
+            torch.mm(a, w.t(), out=out)
         else:
-            torch.addmm(b * alpha, h * alpha, w.t(), out=out)
+            torch.addmm(b, a, w.t(), out=out)
         return out
     if b is None:
         torch.mm(h, w.t(), out=out)
@@ -163,17 +197,17 @@ def sparse_jsd_rows(
     # the first chunk writes dw, later ones accumulate into it (no zero-fill pass over V×D)
     dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_dw else None
     db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
-    z_tile = torch.empty(c_rows, V, dtype=cdt, device=dev)
-    scratch = tuple(torch.empty(min(BLOCK_ROWS, c_rows), V, dtype=cdt, device=dev) for _ in range(2))
+    ws = Workspace(c_rows, V, hidden, cdt, cfg, need_db)
+    b_logits = logit_bias(b, cfg)
 
     for start in range(0, n, c_rows):
         end = min(start + c_rows, n)
         rows = slice(start, end)
         c = end - start
-        h = hidden[rows].to(cdt)
-        z = z_tile[:c]
-        _student_logits(h, w, b, cfg, out=z)
-        z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], cfg, scratch)
+        h = ws.hidden_chunk(hidden[rows])
+        z = ws.tile[:c]
+        _student_logits(h, w, b_logits, cfg, out=z, operand=None if ws.scaled is None else ws.scaled[:c])
+        z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], cfg, ws.scratch)
         div[rows], tent[rows], grads = _row_losses(
             z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad,
             None if row_weights is None else row_weights[rows],
@@ -198,5 +232,5 @@ def sparse_jsd_rows(
             else:
                 dw.addmm_(z.t(), h)
         if need_db:
-            db.add_(z.sum(dim=0))
+            db.add_(torch.sum(z, dim=0, out=ws.colsum))
     return div, ent, tent, dh, dw, db

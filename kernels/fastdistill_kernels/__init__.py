@@ -10,6 +10,11 @@ from importlib import import_module
 
 from .buckets import bucket_divergence, logit_gradients
 
+# False until a run of benchmarks/gpu_check.py on a real GPU has passed (the compiled kernels against the torch path,
+# every mode and dtype). While False, fastdistill's ``backend="auto"`` keeps CUDA tensors on the torch path unless
+# FASTDISTILL_TRITON=1; ``backend="triton"`` always selects the kernels.
+KERNELS_VALIDATED_ON_GPU = False
+
 _LAZY = {
     "BACKWARD_MODES": ".backward",
     "CandidateCSR": ".csr",
@@ -21,7 +26,7 @@ _LAZY = {
     "fused_sparse_jsd": ".ops",
 }
 
-__all__ = ["bucket_divergence", "logit_gradients", *_LAZY]
+__all__ = ["KERNELS_VALIDATED_ON_GPU", "bucket_divergence", "logit_gradients", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -18,6 +18,8 @@ row|`` contributes nothing; tiles holding candidates are never skipped.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -147,11 +149,40 @@ def backward_grads(hidden, weight, bias, csr: CandidateCSR, m_nc, coef_nc, cand_
     return dh, dw, db
 
 
+# fp32 elements of one upcast block of the dW fallback (64 MiB): bounds its extra memory whatever V and the chunk.
+UPCAST_BLOCK_ELEMS = 2**24
+
+
 def _accumulate_dw(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor) -> None:
     """``dw += dxᵀ @ h`` into the fp32 accumulator ``dw`` for half-precision or fp32 operands."""
     if dx.dtype == torch.float32:
         dw.addmm_(dx.t(), h)
-    elif dx.is_cuda:  # half-precision GEMM with an fp32 output (cuBLAS accumulates in fp32)
+    elif mixed_addmm_supported(dx.device, dx.dtype):  # half-precision GEMM, fp32 output (cuBLAS sums in fp32)
         torch.addmm(dw, dx.t(), h, out_dtype=torch.float32, out=dw)
-    else:  # CPU has no mixed-precision GEMM: upcast the (small, test-sized) operands
-        dw.addmm_(dx.t().float(), h.float())
+    else:
+        accumulate_dw_upcast(dw, dx, h, UPCAST_BLOCK_ELEMS)
+
+
+def accumulate_dw_upcast(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor,
+                         block_elems: int = UPCAST_BLOCK_ELEMS) -> None:
+    """``dw += dxᵀ @ h`` as fp32 GEMMs of upcast operands, ``dx`` ``(c, V)`` taken in column blocks of at most
+    ``block_elems`` elements. Half-precision products are exact in fp32 and the sums are fp32 either way, so this
+    matches the mixed-precision GEMM's numerics; only an fp32 copy of ``h`` and of one block is extra memory."""
+    h32 = h.float()
+    cols = max(1, block_elems // max(1, dx.shape[0]))
+    for v0 in range(0, dx.shape[1], cols):
+        dw[v0:v0 + cols].addmm_(dx[:, v0:v0 + cols].t().float(), h32)
+
+
+@functools.cache
+def mixed_addmm_supported(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``torch.addmm(dw, a, b, out_dtype=torch.float32, out=dw)`` works for ``dtype`` operands and an fp32
+    ``dw`` on ``device`` (the ``addmm.dtype_out`` overload: CUDA in torch >= 2.8; absent on CPU and in older
+    releases). Tried once per (device, dtype) on 2×2 tensors, and the result checked."""
+    try:
+        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
+        out = torch.ones(2, 2, device=device)
+        torch.addmm(out, a.to(dtype), a.to(dtype), out_dtype=torch.float32, out=out)
+        return out.dtype == torch.float32 and torch.equal(out.cpu(), torch.ones(2, 2) + a.cpu() @ a.cpu())
+    except (TypeError, RuntimeError):  # unknown keyword (old torch), or no kernel for this backend / dtype
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -12,6 +13,17 @@ import triton
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def is_cuda_device(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch on a CUDA device (a separate function so tests can pretend)."""
+    return device.type == "cuda"
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Context in which Triton launches on ``device``: Triton launches on the *current* CUDA device, not on the
+    tensors' one, so every launch runs inside ``torch.cuda.device(device)``. A no-op off CUDA (CPU, interpreter)."""
+    return torch.cuda.device(device) if is_cuda_device(device) else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 
 from .backward import BACKWARD_MODES, backward_grads
 from .buckets import bucket_divergence, logit_gradients
-from .config import TileConfig, default_config, interpreting
+from .config import TileConfig, default_config, device_guard, interpreting
 from .csr import CandidateCSR, build_candidate_csr
 from .forward import forward_stats
 
@@ -60,8 +60,9 @@ class FusedSparseJSD(torch.autograd.Function):
             z_cand, lse, m_nc, s_nc, div, entropy, teacher_entropy = (
                 hidden.new_zeros(0, dtype=torch.float32) for _ in range(7))  # distinct tensors: outputs differ
         else:
-            stats = forward_stats(hidden, weight, bias, csr, ids.shape[1], logit_scale=settings.logit_scale,
-                                  softcap=settings.softcap, temperature=settings.temperature, cfg=cfg)
+            with device_guard(hidden.device):  # Triton launches on the current device, not the tensors'
+                stats = forward_stats(hidden, weight, bias, csr, ids.shape[1], logit_scale=settings.logit_scale,
+                                      softcap=settings.softcap, temperature=settings.temperature, cfg=cfg)
             z_cand, lse, m_nc, s_nc, entropy = stats.z_cand, stats.lse, stats.m_nc, stats.s_nc, stats.entropy
             div, teacher_entropy = bucket_divergence(z_cand, lse, stats.lse_nc, teacher_logprobs, valid,
                                                      covers_vocab, **settings.bucket_kwargs())
@@ -87,11 +88,12 @@ class FusedSparseJSD(torch.autograd.Function):
         coef_nc, cand_grad = logit_gradients(z_cand, lse, m_nc, s_nc, teacher_logprobs, valid, covers_vocab,
                                              grad_rows, **s.bucket_kwargs())
         csr = CandidateCSR(offsets=offsets, rows=rows, cols=cols, slots=slots, n_vocab_tiles=ctx.n_vocab_tiles)
-        dh, dw, db = backward_grads(
-            hidden, weight, bias, csr, m_nc, coef_nc.contiguous(), cand_grad.contiguous(), grad_rows.abs(),
-            logit_scale=s.logit_scale, softcap=s.softcap, temperature=s.temperature, mode=ctx.backward_mode,
-            filter_eps=ctx.filter_eps, need_dh=need_dh, need_dw=need_dw, need_db=need_db, cfg=ctx.cfg,
-        )
+        with device_guard(hidden.device):  # autograd may run backward on another current device
+            dh, dw, db = backward_grads(
+                hidden, weight, bias, csr, m_nc, coef_nc.contiguous(), cand_grad.contiguous(), grad_rows.abs(),
+                logit_scale=s.logit_scale, softcap=s.softcap, temperature=s.temperature, mode=ctx.backward_mode,
+                filter_eps=ctx.filter_eps, need_dh=need_dh, need_dw=need_dw, need_db=need_db, cfg=ctx.cfg,
+            )
         grads = [None if g is None else g.to(x.dtype)
                  for g, x in zip((dh, dw, db), (hidden, weight, bias), strict=True)]
         return (*grads, None, None, None, None, None, None, None)

@@ -1,0 +1,407 @@
+"""One-call GPU check: on a machine with one CUDA GPU and only Python, install, test, benchmark, write one JSON.
+
+Steps, in order, each in its own process group with its own timeout, all within ``--budget-s`` (default 480 s):
+
+  environment         nvidia-smi (GPU, driver, memory) and this Python.
+  install             a venv (``--system-site-packages``: a preinstalled torch is reused) with torch (``--torch-spec``,
+                      default ``torch>=2.6``: PyPI's Linux wheels are CUDA builds), triton, trl 1.16.0, liger-kernel,
+                      cut-cross-entropy, pytest and fastdistill itself (editable). Offline machines:
+                      ``--pip-args "--no-index --find-links /wheels"``, or ``--python`` for a ready interpreter.
+  kernel-tests        ``pytest tests/test_kernels.py`` without TRITON_INTERPRET: the compiled kernels on the GPU
+                      against the torch path and the float64 reference, every backward mode and dtype.
+  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 against TRL, Liger and CCE, each
+                      behind its correctness gate (an implementation that disagrees is not timed).
+  packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
+                      row (position_ids restarting per sample, no attention mask) against each sample alone.
+  bench-16384         the same benchmark at N=16384, K=8 and K=64 (Liger and CCE measured once).
+  vllm-sync           optional, only when vllm is importable: a real GPU vLLM student server on the same GPU and a
+                      weight push into it, checked through served log-probs. vLLM's ``ipc`` weight-transfer backend
+                      (the only one that puts trainer and server on one device: NCCL cannot put two ranks on one
+                      GPU) is NOT supported by fastdistill's sync yet (``VLLMWeightSync`` speaks ``gloo`` and ``nccl``);
+                      this step therefore pushes over ``gloo`` (weights staged through CPU memory), which exercises
+                      the HTTP sequence and a real GPU engine, but not the ipc path.
+
+Steps that do not fit the remaining budget are recorded as skipped. The JSON (``--json``) is rewritten after every
+step, so a run cut short still leaves what it measured. Exit status 0 when every step that ran passed.
+
+``--dry-run`` runs on a CPU what it can, so that the script cannot rot: argument parsing, the install plan (printed,
+not run), a few CPU kernel tests under the interpreter, ``bench_kernels.py --quick`` (interpreter smoke), the
+packed-attention check with SDPA on the CPU, the vllm step's import probe, and the JSON.
+
+    bash benchmarks/gpu_check.sh                      # = python3 benchmarks/gpu_check.py
+    python3 benchmarks/gpu_check.py --python .venv/bin/python --json /tmp/gpu_check.json
+    python3 benchmarks/gpu_check.py --dry-run         # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve()
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "gpu_check.json"
+DEFAULT_VENV = ROOT / ".venv-gpu-check"
+BENCH_D, BENCH_V = 3584, 152064
+BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "trl", "liger", "cce")
+BENCH_SHAPES = {"bench-4096": ([4096], [8]), "bench-16384": ([16384], [8, 64])}
+PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
+# Per-step time limits (seconds); the global budget cuts them further.
+STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 150, "bench-4096": 100, "packed-attention": 60,
+               "bench-16384": 160, "vllm-sync": 150}
+STEPS = tuple(STEP_LIMITS)
+MIN_STEP_S = 15  # a step with less time than this left is skipped
+RESERVE_S = 5  # kept for writing the JSON
+TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
+DRY_RUN_KERNEL_TESTS = "auto_keeps or device_guard or mixed_addmm_detection or not_marked_validated"
+IPC_NOTE = ("fastdistill's weight sync (VLLMWeightSync) supports the 'gloo' and 'nccl' backends, not vLLM's 'ipc' "
+            "backend; NCCL cannot put two ranks on one GPU, so the same-GPU check pushes over gloo (CPU staging).")
+
+
+# ------------------------------------------------------------------------------------------------ orchestration
+@dataclass
+class Context:
+    """What every step needs: the settings, the interpreter that runs the work, the deadline, the output folder."""
+
+    args: argparse.Namespace
+    python: str
+    deadline: float
+    workdir: Path
+    results: dict = field(default_factory=dict)
+
+    def time_left(self) -> float:
+        """Seconds until the deadline, minus the reserve for writing the JSON."""
+        return self.deadline - time.monotonic() - RESERVE_S
+
+
+def step_timeout(name: str, time_left: float, dry_run: bool) -> float | None:
+    """The time limit of step ``name``: its own limit cut to what is left, or None when under MIN_STEP_S remain."""
+    limit = min(STEP_LIMITS[name] if not dry_run else 120, time_left)
+    return None if limit < MIN_STEP_S else limit
+
+
+def run_command(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
+                cwd: Path = ROOT) -> dict:
+    """Run ``cmd`` in its own process group; on timeout end that group (only what this step started)."""
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    except OSError as e:  # e.g. the venv's python after a failed install
+        return {"cmd": shlex.join(cmd), "rc": -1, "timed_out": False, "seconds": 0.0, "output_tail": repr(e)}
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # workers stop what they started (a vLLM server) on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        timed_out = True
+    return {"cmd": shlex.join(cmd), "rc": proc.returncode, "timed_out": timed_out,
+            "seconds": round(time.monotonic() - t0, 2), "output_tail": (out or "")[-4000:]}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET (compiled kernels), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def write_json(ctx: Context, started: float) -> None:
+    """Write the results so far (atomically: a reader never sees half a file)."""
+    ctx.results["elapsed_s"] = round(time.monotonic() - started, 1)
+    ran = [s for s in ctx.results["steps"].values() if s["status"] != "skipped"]
+    ctx.results["ok"] = bool(ran) and all(s["status"] == "ok" for s in ran)
+    path: Path = ctx.args.json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(ctx.results, indent=2))
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+def step_environment(ctx: Context, timeout_s: float) -> dict:
+    """nvidia-smi's view of the GPU(s), and the Python running this script."""
+    info = {"status": "ok", "python": sys.version.split()[0], "platform": platform.platform()}
+    if shutil.which("nvidia-smi") is None:
+        info["gpus"] = []
+        info["detail"] = "nvidia-smi not found" + (" (dry run)" if ctx.args.dry_run else "")
+        if not ctx.args.dry_run:
+            info["status"] = "failed"
+        return info
+    query = "--query-gpu=name,driver_version,memory.total,compute_cap"
+    res = run_command(["nvidia-smi", query, "--format=csv,noheader"], timeout_s)
+    info["gpus"] = [line.strip() for line in res["output_tail"].splitlines() if line.strip()]
+    if res["rc"] != 0:
+        info.update(status="failed", detail=res["output_tail"][-500:])
+    return info
+
+
+def install_commands(ctx: Context) -> list[list[str]]:
+    """The commands that build the check's venv (also what a dry run prints)."""
+    venv_python = str(ctx.args.venv / "bin" / "python")
+    pip = [venv_python, "-m", "pip", "install", "--quiet", *shlex.split(ctx.args.pip_args)]
+    torch_pip = [*pip, *(["--index-url", ctx.args.torch_index_url] if ctx.args.torch_index_url else [])]
+    return [
+        [sys.executable, "-m", "venv", "--system-site-packages", str(ctx.args.venv)],
+        [*torch_pip, ctx.args.torch_spec],
+        [*pip, *PACKAGES],
+        [*pip, "-e", str(ROOT)],  # fastdistill and its dependencies (transformers, ...); torch is already satisfied
+        [venv_python, "-c", "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, "
+                            "torch.cuda.is_available() and torch.cuda.get_device_name())"],
+    ]
+
+
+def step_install(ctx: Context, timeout_s: float) -> dict:
+    """Create the venv and install what the check needs (or, dry run / ``--python``, only say what it would do)."""
+    commands = install_commands(ctx)
+    if ctx.args.dry_run or ctx.args.python:
+        why = "dry run" if ctx.args.dry_run else f"--python {ctx.args.python}"
+        return {"status": "skipped", "detail": why, "planned": [shlex.join(c) for c in commands]}
+    deadline = time.monotonic() + timeout_s
+    done = []
+    for cmd in commands:
+        if cmd[1:3] == ["-m", "venv"] and (ctx.args.venv / "bin" / "python").exists():
+            continue
+        res = run_command(cmd, max(1.0, deadline - time.monotonic()))
+        done.append(res)
+        if res["rc"] != 0:
+            hint = ("creating the venv failed: install your distribution's venv package (e.g. python3-venv) or pass "
+                    "--python with an interpreter that has torch" if cmd[1:3] == ["-m", "venv"] else "")
+            return {"status": "timeout" if res["timed_out"] else "failed", "detail": hint, "commands": done}
+    ctx.python = commands[-1][0]
+    return {"status": "ok", "commands": done, "versions": done[-1]["output_tail"].strip()}
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    """tests / failures / errors / skipped / passed from a pytest JUnit XML report."""
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def step_kernel_tests(ctx: Context, timeout_s: float) -> dict:
+    """The kernel tests: compiled on the GPU (dry run: a few interpreter tests on the CPU)."""
+    report = ctx.workdir / "kernel-tests.xml"
+    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", f"--junitxml={report}"]
+    env = clean_env()
+    if ctx.args.dry_run:
+        cmd += ["-k", DRY_RUN_KERNEL_TESTS]
+        env["TRITON_INTERPRET"] = "1"
+    res = run_command(cmd, timeout_s, env=env)
+    if not report.exists():
+        return {"status": "timeout" if res["timed_out"] else "failed", **res}
+    counts = junit_counts(report)
+    ok = res["rc"] == 0 and counts["passed"] > 0
+    return {"status": "ok" if ok else ("timeout" if res["timed_out"] else "failed"), "counts": counts, **res}
+
+
+def bench_command(ctx: Context, name: str, out: Path) -> list[str]:
+    """bench_kernels.py for step ``name`` (dry run: the CPU interpreter smoke config)."""
+    cmd = [ctx.python, str(ROOT / "benchmarks" / "bench_kernels.py"), "--json", str(out)]
+    if ctx.args.dry_run:  # the interpreter: tiny, one kernel variant, no repeats
+        return [*cmd, "--quick", "--impls", "ours-det", "torch", "--N", "32", "--D", "32", "--V", "256", "--K", "4",
+                "--repeats", "1", "--warmup", "0", "--gate-rows", "16"]
+    n, k = BENCH_SHAPES[name]
+    return [*cmd, "--N", *map(str, n), "--D", str(BENCH_D), "--V", str(BENCH_V), "--K", *map(str, k),
+            "--impls", *BENCH_IMPLS, "--repeats", "2", "--warmup", "1", "--dtype", "bfloat16"]
+
+
+def step_bench(ctx: Context, name: str, timeout_s: float) -> dict:
+    """One bench_kernels.py run; its rows (gate results included) go into the JSON."""
+    out = ctx.workdir / f"{name}.json"
+    env = clean_env(TRITON_INTERPRET="1") if ctx.args.dry_run else clean_env()
+    res = run_command(bench_command(ctx, name, out), timeout_s, env=env)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    summary = {f"N={r['N']} K={r['K']} {impl}": m["status"] for r in rows for impl, m in r["impls"].items()}
+    status = "ok" if res["rc"] == 0 and rows else ("timeout" if res["timed_out"] else "failed")
+    return {"status": status, "summary": summary, "rows": rows, **res}
+
+
+def step_worker(ctx: Context, name: str, timeout_s: float) -> dict:
+    """Run one of this script's worker steps (``--run-step``) in the check's interpreter; it prints one JSON line."""
+    cmd = [ctx.python, str(SCRIPT), "--run-step", name, "--timeout-s", str(int(timeout_s))]
+    if ctx.args.dry_run:
+        cmd.append("--dry-run")
+    res = run_command(cmd, timeout_s + 10, env=clean_env())
+    lines = [line for line in res["output_tail"].splitlines() if line.startswith("{")]
+    if res["rc"] != 0 or not lines:
+        return {"status": "timeout" if res["timed_out"] else "failed", **res}
+    return {**json.loads(lines[-1]), "seconds": res["seconds"]}
+
+
+def run_step(ctx: Context, name: str) -> dict:
+    """Dispatch step ``name`` within what is left of the budget."""
+    timeout_s = step_timeout(name, ctx.time_left(), ctx.args.dry_run)
+    if timeout_s is None:
+        return {"status": "skipped", "detail": f"out of budget ({max(0.0, ctx.time_left()):.0f} s left)"}
+    if name == "environment":
+        return step_environment(ctx, timeout_s)
+    if name == "install":
+        return step_install(ctx, timeout_s)
+    if name == "kernel-tests":
+        return step_kernel_tests(ctx, timeout_s)
+    if name.startswith("bench-"):
+        if ctx.args.dry_run and name != "bench-4096":
+            return {"status": "skipped", "detail": "dry run: one CPU smoke config only"}
+        return step_bench(ctx, name, timeout_s)
+    return step_worker(ctx, name, timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------ worker steps
+def packed_attention_check(attn_implementation: str, device: str, dtype_name: str) -> dict:
+    """A tiny Qwen3: hidden states of a packed row (position_ids restarting per sample, no attention mask)
+    against each sample run alone, and against SDPA on the same packed row. Returns max abs differences."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.tiny import tiny_config
+
+    dtype = getattr(torch, dtype_name)
+    lengths = [7, 1, 12, 5, 9]
+    torch.manual_seed(0)
+    ids = [torch.randint(3, 300, (n,), device=device) for n in lengths]
+    packed_ids = torch.cat(ids)[None]
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+
+    def hidden(impl: str, input_ids, position_ids=None):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(300), attn_implementation=impl).to(device, dtype).eval()
+        with torch.no_grad():
+            return model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+
+    packed = hidden(attn_implementation, packed_ids, positions)
+    alone = torch.cat([hidden(attn_implementation, x[None]) for x in ids])
+    sdpa = hidden("sdpa", packed_ids, positions)
+    scale = float(alone.abs().max())
+    return {"attn_implementation": attn_implementation, "device": device, "dtype": dtype_name, "lengths": lengths,
+            "max_abs_diff_vs_alone": float((packed - alone).abs().max()),
+            "max_abs_diff_vs_sdpa": float((packed - sdpa).abs().max()), "scale": scale}
+
+
+def worker_packed_attention(args: argparse.Namespace) -> dict:
+    """flash_attention_2 in bf16 on the GPU when flash-attn is importable; dry run: SDPA in fp32 on the CPU."""
+    import importlib.util
+
+    if args.dry_run:
+        result = packed_attention_check("sdpa", "cpu", "float32")
+        tol = 1e-5 * max(1.0, result["scale"])
+    elif importlib.util.find_spec("flash_attn") is None:
+        return {"status": "skipped", "detail": "flash-attn is not importable (pip install flash-attn)"}
+    else:
+        result = packed_attention_check("flash_attention_2", "cuda", "bfloat16")
+        tol = 2.0**-6 * max(1.0, result["scale"])  # a few bf16 roundings of the activations
+    ok = max(result["max_abs_diff_vs_alone"], result["max_abs_diff_vs_sdpa"]) <= tol
+    return {"status": "ok" if ok else "failed", "tolerance": tol, **result}
+
+
+def worker_vllm_sync(args: argparse.Namespace) -> dict:
+    """A GPU vLLM student server on this GPU, a gloo weight push, served log-probs before and after."""
+    import importlib.util
+
+    base = {"ipc_supported": False, "note": IPC_NOTE}
+    if importlib.util.find_spec("vllm") is None:
+        return {**base, "status": "skipped", "detail": "vllm is not importable (optional step)"}
+    if args.dry_run:
+        return {**base, "status": "skipped", "detail": "dry run: vllm importable, no server started"}
+    import torch
+
+    from fastdistill.serve import VLLMServer
+    from fastdistill.sync import VLLMWeightSync
+    from fastdistill.sync.verify import served_logprob_gap
+    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = build_model(config).float().eval()
+    probes = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 60))]
+    with tempfile.TemporaryDirectory() as folder:
+        save_pretrained_dir(model, tokenizer, folder)
+        server = VLLMServer(folder, role="student", python=sys.executable, cpu=False, weight_transfer_backend="gloo",
+                            extra_args=["--enforce-eager", "--gpu-memory-utilization", "0.2"],
+                            startup_timeout_s=max(30.0, args.timeout_s - 40))
+        with server, VLLMWeightSync(server.url, backend="gloo", timeout_s=60) as sync:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            before = served_logprob_gap(server.url, model, probes)
+            timings = sync.push(model, 1)
+            after = served_logprob_gap(server.url, model, probes)
+    ok = after <= 1e-2 < before  # fp32 server on a GPU (TF32 may be on): coarser than the CPU's ~1e-6
+    return {**base, "status": "ok" if ok else "failed", "backend": "gloo", "gap_before": before, "gap_after": after,
+            "timings_s": timings}
+
+
+WORKERS = {"packed-attention": worker_packed_attention, "vllm-sync": worker_vllm_sync}
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line settings (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU: exercise every step's plumbing, install nothing")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    p.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of the whole check")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="run only these steps")
+    p.add_argument("--python", help="use this interpreter (torch with CUDA, triton, ...) instead of building a venv")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the venv the install step builds or reuses")
+    p.add_argument("--torch-spec", default="torch>=2.6", help="pip requirement for torch (a CUDA build)")
+    p.add_argument("--torch-index-url", help="pip index for torch, e.g. https://download.pytorch.org/whl/cu126")
+    p.add_argument("--pip-args", default="", help="extra pip arguments, e.g. '--no-index --find-links /wheels'")
+    p.add_argument("--run-step", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--timeout-s", type=float, default=120.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.budget_s <= RESERVE_S + MIN_STEP_S:
+        p.error(f"--budget-s must exceed {RESERVE_S + MIN_STEP_S} s")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check (or one worker step with ``--run-step``); returns the exit status."""
+    args = parse_args(argv)
+    if args.run_step:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds `with server:` blocks: no orphaned vLLM server
+        print(json.dumps(WORKERS[args.run_step](args)), flush=True)
+        return 0
+    started = time.monotonic()
+    python = args.python or (sys.executable if args.dry_run else str(args.venv / "bin" / "python"))
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
+        ctx = Context(args=args, python=python, deadline=started + args.budget_s, workdir=Path(workdir))
+        ctx.results = {"schema": 1, "date": datetime.now(UTC).isoformat(timespec="seconds"), "dry_run": args.dry_run,
+                       "budget_s": args.budget_s, "python": python, "notes": [IPC_NOTE], "steps": {}}
+        for name in STEPS:
+            if name not in args.steps:
+                continue
+            print(f"[gpu_check] {name} ...", flush=True)
+            result = run_step(ctx, name)
+            ctx.results["steps"][name] = result
+            print(f"[gpu_check] {name}: {result['status']} {result.get('detail', '')}".rstrip(), flush=True)
+            write_json(ctx, started)
+    print(f"[gpu_check] wrote {args.json} in {ctx.results['elapsed_s']} s: {'ok' if ctx.results['ok'] else 'FAILED'}")
+    return 0 if ctx.results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
