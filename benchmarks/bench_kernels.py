@@ -26,6 +26,10 @@ also compares the kernels' loss and gradients with the torch path (``--quick`` k
     python benchmarks/bench_kernels.py                  # full GPU sweep (< 5 min on an H100-class GPU)
     python benchmarks/bench_kernels.py --quick          # tiny smoke config (CPU: interpreter)
     python benchmarks/bench_kernels.py --N 4096 --D 896 --K 8 --impls ours-det trl cce
+
+It also prints a roofline model of the two designs (``benchmarks/roofline.py``: fastdistill's no-logits kernels at
+8·N·D·V FLOPs against a chunked-logits design at 6·N·D·V), at the run's shapes on a GPU and at the GPU sweep's shapes
+elsewhere, and writes it to the JSON under ``"roofline"``.
 """
 
 from __future__ import annotations
@@ -348,6 +352,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def roofline_shapes(args: argparse.Namespace, cuda: bool) -> list[tuple[int, int, int, int]]:
+    """``(N, D, V, S)`` for the roofline model: the run's configs on a GPU, the GPU sweep's otherwise."""
+    if cuda:
+        return [(N, D, args.V, K + 1) for D in args.D for N in args.N for K in args.K]
+    return [(N, 3584, 151936, K + 1) for N in (4096, 16384) for K in (8, 64)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep, print the table, write the JSON; returns the exit status (1: an ours-* row is not ok)."""
     args = parse_args(argv)
@@ -384,8 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         if "rel_diff_vs_torch_path" in r:
             print(f"N={r['N']} D={r['D']} K={r['K']} kernels vs torch path (max rel. diff): "
                   f"{json.dumps(r['rel_diff_vs_torch_path'])}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from roofline import print_roofline, roofline_rows
+
+    roofline = roofline_rows(roofline_shapes(args, device.type == "cuda"), elem_bytes=args.dtype.itemsize)
+    print_roofline(roofline)
     settings = {k: (str(v).removeprefix("torch.") if k == "dtype" else v) for k, v in vars(args).items() if k != "json"}
-    result = {"machine": machine_info(device, peak), "settings": settings, "rows": rows}
+    result = {"machine": machine_info(device, peak), "settings": settings, "rows": rows, "roofline": roofline}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

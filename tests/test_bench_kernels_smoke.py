@@ -151,3 +151,21 @@ def test_an_incorrect_ours_row_makes_the_exit_status_1(capsys):
     assert "ours-det at N=1 D=2 V=3 K=4: incorrect" in capsys.readouterr().err
     rows[0]["impls"]["ours-det"] = {"status": "ok"}
     assert bench.report_ours_failures(rows) == 0
+
+
+def test_roofline_counts_follow_the_designs():
+    """8·N·D·V matmul FLOPs without logits, 6·N·D·V with chunked logits; the no-logits design's extra memory does
+    not grow with N·V, the chunked one's holds a chunk of logits."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from roofline import chunked_logits_cost, no_logits_cost, roofline_rows
+
+    N, D, V, S = 16384, 3584, 152064, 9
+    kernels, chunked = no_logits_cost(N, D, V, S), chunked_logits_cost(N, D, V, S, chunk_rows=4096)
+    assert kernels.flops == 8 * N * D * V and chunked.flops == 6 * N * D * V
+    # the fp32 dW read-modify-writes, once per 128-row block: 128 · V · D · 8 bytes
+    assert kernels.bytes > 128 * V * D * 8
+    assert chunked.extra_memory - kernels.extra_memory == 4096 * V * 2  # one chunk of bf16 logits; both hold dW, dh
+    assert no_logits_cost(2 * N, D, V, S).extra_memory - kernels.extra_memory == N * D * 4  # dh only
+    rows = roofline_rows([(N, D, V, S)])
+    assert [r["design"] for r in rows] == ["no-logits", "chunked-logits"]
+    assert all(r["ms_H200"] > 0 for r in rows)
