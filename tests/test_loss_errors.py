@@ -60,7 +60,7 @@ BAD = [
     (dict(softcap=float("nan")), "softcap must be None or a finite number > 0"),
     (dict(add_tail_bucket=1), "add_tail_bucket must be a bool"),
     (dict(tail_mode="subtract"), "tail_mode must be one of \\('exact', 'trl'\\)"),
-    (dict(backend="cuda"), "backend must be one of \\('auto', 'torch', 'reference', 'triton'\\)"),
+    (dict(backend="cuda"), "backend must be one of \\('auto', 'torch', 'reference', 'triton', 'triton-chunked'\\)"),
     (dict(num_teachers=0), "num_teachers must be an int >= 1"),
     (dict(teacher_index=torch.zeros(3, dtype=torch.long)), "teacher_index must have shape \\(4,\\)"),
     (dict(teacher_index=torch.zeros(4)), "teacher_index must be an integer tensor"),

@@ -12,7 +12,7 @@ import torch
 from .chunked import LossConfig, sparse_jsd_rows
 from .support import _check_beta, canonical_mask
 
-BACKENDS = ("auto", "torch", "reference", "triton")
+BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TAIL_MODES = ("exact", "trl")
 TRITON_ENV = "FASTDISTILL_TRITON"  # "1": backend="auto" uses the kernels on CUDA before they are marked validated
@@ -86,7 +86,9 @@ def sparse_jsd_loss(
             GPU, so today that takes ``FASTDISTILL_TRITON=1``, see :func:`triton_enabled_for_auto`),
             ``"torch"`` (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises
             N×V), ``"triton"`` (the fused kernels, always: CUDA tensors, or CPU tensors under
-            ``TRITON_INTERPRET=1``).
+            ``TRITON_INTERPRET=1``), ``"triton-chunked"`` (6·N·D·V FLOPs: cuBLAS logits per chunk of ≤ 4096 rows
+            within 2 GiB, two Triton passes over them, gradients in the forward; only ``loss`` is differentiable,
+            see :func:`fastdistill_kernels.chunked_logits_sparse_jsd`; same devices as ``"triton"``).
         token_weights: ``(N,)`` non-negative constants, or None: ``loss = Σ w_i · div_i`` (e.g. importance ratios
             for stale samples). The metrics (``jsd_sum``, ``per_teacher``, …) stay unweighted.
 
@@ -104,6 +106,9 @@ def sparse_jsd_loss(
         return reference_sparse_jsd(hidden, weight, ids, lps, mask, bias=bias, cfg=cfg,
                                     teacher_index=teacher_index, num_teachers=num_teachers,
                                     token_weights=token_weights)
+    if backend == "triton-chunked":
+        return _triton_chunked_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
+                                          token_weights)
     if backend == "triton" or (backend == "auto" and _triton_is_default(hidden, weight)):
         return _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
                                   token_weights)
@@ -138,16 +143,7 @@ def triton_enabled_for_auto() -> bool:
 def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None,
                        num_teachers=1, token_weights=None) -> SparseJSDOutput:
     """The fused Triton kernels on validated inputs: canonical slots, scored rows only, then the kernel op."""
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("backend='triton' needs the triton package: pip install 'fastdistill[gpu]'")
-    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"backend='triton' got {hidden.device.type} tensors: use CUDA tensors, or set "
-                         "TRITON_INTERPRET=1 (before fastdistill_kernels is imported) to run the kernels in Triton's "
-                         "CPU interpreter")
-    for name, x in (("hidden", hidden), ("weight", weight)):
-        if x.dtype not in TRITON_DTYPES:
-            raise ValueError(f"backend='triton' takes float32, bfloat16 or float16 {name}, got {x.dtype}; "
-                             "use backend='torch' for other dtypes")
+    _check_triton_inputs(hidden, weight, "triton")
     from fastdistill_kernels import fused_sparse_jsd
 
     hidden, ids, lps, valid, teacher_index, token_weights = _scored_rows(hidden, ids, lps, mask, teacher_index,
@@ -158,6 +154,37 @@ def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, te
     )
     loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
     return summarize(loss, div.detach(), ent, tent, teacher_index, num_teachers)
+
+
+def _check_triton_inputs(hidden, weight, backend: str) -> None:
+    """The Triton backends' requirements: triton installed, CUDA tensors (or the interpreter), a kernel dtype."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"backend={backend!r} needs the triton package: pip install 'fastdistill[gpu]'")
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend={backend!r} got {hidden.device.type} tensors: use CUDA tensors, or set "
+                         "TRITON_INTERPRET=1 (before fastdistill_kernels is imported) to run the kernels in Triton's "
+                         "CPU interpreter")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if x.dtype not in TRITON_DTYPES:
+            raise ValueError(f"backend={backend!r} takes float32, bfloat16 or float16 {name}, got {x.dtype}; "
+                             "use backend='torch' for other dtypes")
+
+
+def _triton_chunked_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None,
+                               num_teachers=1, token_weights=None, chunk_rows: int | None = None) -> SparseJSDOutput:
+    """The chunked-logits Triton path (6·N·D·V FLOPs) on validated inputs; ``chunk_rows`` overrides the chunk."""
+    _check_triton_inputs(hidden, weight, "triton-chunked")
+    from fastdistill_kernels import chunked_logits_sparse_jsd
+
+    hidden, ids, lps, valid, teacher_index, token_weights = _scored_rows(hidden, ids, lps, mask, teacher_index,
+                                                                        token_weights)
+    out = chunked_logits_sparse_jsd(
+        hidden, weight, ids, lps, valid, bias=bias, logit_scale=cfg.logit_scale, softcap=cfg.softcap, beta=cfg.beta,
+        temperature=cfg.temperature, add_tail_bucket=cfg.add_tail_bucket, tail_mode=cfg.tail_mode,
+        row_weights=token_weights, chunk_rows=chunk_rows,
+    )
+    return summarize(out.loss, out.divergence.detach(), out.entropy, out.teacher_entropy, teacher_index,
+                     num_teachers)
 
 
 def torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None, num_teachers=1,

@@ -20,7 +20,7 @@ import yaml
 LOSS_TYPES = ("jsd", "reverse_kl_pg")
 STALE_POLICIES = ("drop", "importance")
 TAIL_MODES = ("exact", "trl")
-LOSS_BACKENDS = ("auto", "torch", "reference", "triton")
+LOSS_BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
