@@ -267,7 +267,7 @@ def record_launches(variant: Variant, shape: Shape, target: Target) -> list[Laun
         mock.patch.object(fwd, "_forward_kernel", _LaunchRecorder(fwd._forward_kernel, backend, launches)),
         mock.patch.object(bwd, "_backward_kernel", _LaunchRecorder(bwd._backward_kernel, backend, launches)),
         mock.patch.object(ops, "build_candidate_csr", _meta_csr),
-        mock.patch.object(ops, "default_config", lambda device: cfg.default_config(cuda)),
+        mock.patch.object(ops, "default_config", lambda device, *a: cfg.default_config(cuda, *a)),
         mock.patch.object(fwd, "vocab_splits", lambda c, rb, vt, device: cfg.vocab_splits(c, rb, vt, cuda)),
         mock.patch("torch.cuda.get_device_properties", lambda device=None: props),
     )
@@ -524,7 +524,8 @@ def collect_units(variants: list[Variant], shapes: list[Shape], targets: list[Ta
                   first_chunk_only: bool = False) -> tuple[list[Unit], dict[str, Launch], list[dict]]:
     """Record every variant's launches per shape and target; group them into distinct compiled kernels.
     ``first_chunk_only`` keeps, per call and kernel, only the first launch's specialisation (the deterministic
-    backward's later row chunks may specialise ``first_row_block`` differently; they compile to the same code).
+    backward's later row chunks could specialise ``first_row_block`` differently before it was marked
+    ``do_not_specialize``; they compile to the same code).
 
     Returns ``(units, launch_of, calls)``: a sample launch per unit id, and per (variant, shape, target) call the
     unit ids it launches."""
@@ -665,7 +666,8 @@ def markdown_section(report: dict, command: str) -> str:
         "",
         "Every variant `fused_sparse_jsd` can launch, recorded through the real dispatcher on meta tensors and "
         "specialised as `JITFunction.run` would on the GPU (pointer dtypes, 16-divisible ints, constexprs; default "
-        "GPU tiles 128×128×64, 8 warps, 3 stages; vocabulary splits for 108 / 132 SMs), compiled with "
+        "GPU tiles 128×128×64 for half precision, 128×64×32 for fp32, 8 warps, 3 stages; vocabulary splits for "
+        "108 / 132 SMs), compiled with "
         "`triton.compiler.compile` for `GPUTarget(\"cuda\", 80|90, 32)`. One row per compiled kernel. smem = "
         "dynamic + static shared bytes per block (limits: sm80 166912, sm90 232448); regs and spill bytes from "
         "ptxas `-v`; TC = tensor-core SASS instructions (HGMMA = wgmma on sm90, HMMA = mma.sync on sm80); "

@@ -137,6 +137,26 @@ def test_backward_modes_with_per_row_upstream_gradients(backward_mode, dtype):
         rel_close(g, r, grad_rtol, name)
 
 
+@on_interpreter
+def test_forward_in_row_block_slabs_matches_one_launch(monkeypatch):
+    """Row blocks sit on grid axis 1 (at most 65,535 on CUDA): more are launched in slabs from first_row_block.
+    Slabs of one row block give exactly the single launch's results."""
+    from fastdistill_kernels import forward
+    case = _case(seed=21)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
+    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=3, workspace_rows=32)
+    one = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, config=config)
+    launches = []
+    kernel = forward._forward_kernel
+    monkeypatch.setattr(forward, "MAX_GRID_Y", 1)
+    monkeypatch.setattr(forward, "_forward_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        launches.append(grid), kernel[grid])[1]})())
+    slabs = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, config=config)
+    assert len(launches) == -(-h.shape[0] // 32) > 1 and all(g[1] == 1 for g in launches)
+    for a, c in zip(one, slabs, strict=True):
+        assert torch.equal(a, c)
+
+
 def _concentrated_case(N=40, D=48, V=512, K=8, seed=5):
     """Candidates drawn from the first 64 ids only, and a bias that puts almost all of the student's mass there:
     every other vocabulary tile holds only tiny gradients."""
@@ -224,14 +244,15 @@ def test_token_weights_match_the_torch_path():
 
 
 @on_interpreter
-def test_no_scored_rows_gives_zero_loss_connected_to_graph():
+@pytest.mark.parametrize("backend", ["triton", "triton-chunked"])
+def test_no_scored_rows_gives_zero_loss_connected_to_graph(backend):
     case = _case(seed=1)
     for n in (0, 4):  # no rows at all; rows without any usable slot
         h, w, b = case.leaves()
         h = h[:n].detach().requires_grad_(True)
         ids = torch.full((n, 3), -1)
         lps = torch.full((n, 3), -torch.inf)
-        out = sparse_jsd_loss(h, w, ids, lps, ids >= 0, bias=b, backend="triton")
+        out = sparse_jsd_loss(h, w, ids, lps, ids >= 0, bias=b, backend=backend)
         assert float(out.loss.detach()) == 0.0 and int(out.num_tokens) == 0 and out.loss.requires_grad
         out.loss.backward()
         for g in (h.grad, w.grad, b.grad):

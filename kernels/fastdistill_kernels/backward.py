@@ -8,7 +8,9 @@ Grid ``(row block, vocabulary tile)``. Per tile (see :func:`fastdistill_kernels.
 
 Two ways to accumulate:
   "fused":          dh[rows] += dx @ W[cols] and dW[cols] += dxᵀ @ h[rows] with fp32 atomics, D looped in
-                    BLOCK_D chunks; no workspace, non-deterministic summation order.
+                    BLOCK_D chunks; no workspace, non-deterministic summation order. The atomics are relaxed
+                    (independent adds that need no ordering; the kernel's completion orders them for the
+                    consumer), so they compile to fence-free reductions (RED) rather than acq_rel ATOM + MEMBAR.
   "deterministic":  the kernel writes dx for a chunk of rows into a (chunk, V) workspace in the GEMM dtype, then
                     torch GEMMs dh = dx @ W and dW += dxᵀ @ h (fp32 accumulator).
 
@@ -31,7 +33,9 @@ from .tiles import logit_tile
 BACKWARD_MODES = ("deterministic", "fused")
 
 
-@triton.jit
+# first_row_block is the row chunk's offset (0, 8, 16, … row blocks): not specialised, or chunks whose offset is a
+# multiple of 16 and the others would compile to two kernels with identical code.
+@triton.jit(do_not_specialize=["first_row_block"])
 def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, COEF_NC, CAND_GRAD, ROW_SCALE,
                      DH, DW, DB, WORKSPACE,
                      N, V, D, S, n_vocab_tiles, first_row_block, logit_scale, softcap, inv_temp, filter_eps,
@@ -85,7 +89,7 @@ def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, C
                     if UPCAST:
                         w = w.to(tl.float32)
                     tl.atomic_add(DH + rows[:, None] * D + d[None, :], tl.dot(dx_op, w, input_precision=DOT_PRECISION),
-                                  mask=in_rows[:, None] & (d[None, :] < D))
+                                  mask=in_rows[:, None] & (d[None, :] < D), sem="relaxed")
                 if NEED_DW:
                     h = tl.load(H + rows[:, None] * D + d[None, :], mask=in_rows[:, None] & (d[None, :] < D),
                                 other=0.0)
@@ -93,9 +97,9 @@ def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, C
                         h = h.to(tl.float32)
                     tl.atomic_add(DW + cols[:, None] * D + d[None, :],
                                   tl.dot(tl.trans(dx_op), h, input_precision=DOT_PRECISION),
-                                  mask=(cols[:, None] < V) & (d[None, :] < D))
+                                  mask=(cols[:, None] < V) & (d[None, :] < D), sem="relaxed")
             if NEED_DB:
-                tl.atomic_add(DB + cols, tl.sum(dx, axis=0), mask=cols < V)
+                tl.atomic_add(DB + cols, tl.sum(dx, axis=0), mask=cols < V, sem="relaxed")
     else:
         local_rows = rows - first_row_block * BLOCK_ROWS
         tl.store(WORKSPACE + local_rows[:, None] * V + cols[None, :], tl.where(keep, dx, 0.0), mask=inside)

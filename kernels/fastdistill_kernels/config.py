@@ -54,9 +54,19 @@ INTERPRETER_TILES = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_
                                num_warps=4, num_stages=1)
 
 
-def default_config(device: torch.device) -> TileConfig:
-    """Fixed tiles for ``device``: the interpreter's small ones on CPU, bf16 tensor-core tiles on a GPU."""
-    return INTERPRETER_TILES if device.type != "cuda" else TileConfig()
+# GPU tiles for 4-byte (fp32) operands: the half-precision tiles would need 212,992–295,936 B of shared memory per
+# block in the fused backward (over sm_80's 166,912 B and sm_90's 232,448 B, so the launch fails). Halving the
+# vocabulary tile and the hidden-dimension step fits every fp32 variant on both (≤ 148,480 B, see
+# docs/kernels-compile.md) and keeps the tensor-core tiles without spills in the forward.
+FP32_TILES = TileConfig(block_vocab=64, block_d=32)
+
+
+def default_config(device: torch.device, dtype: torch.dtype | None = None) -> TileConfig:
+    """Fixed tiles for ``device`` and the operand ``dtype``: the interpreter's small ones on CPU; on a GPU the
+    half-precision tensor-core tiles, or :data:`FP32_TILES` for 4-byte operands."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    return FP32_TILES if dtype is not None and dtype.itemsize >= 4 else TileConfig()
 
 
 def vocab_splits(cfg: TileConfig, n_row_blocks: int, n_vocab_tiles: int, device: torch.device) -> tuple[int, int]:
@@ -73,8 +83,10 @@ def vocab_splits(cfg: TileConfig, n_row_blocks: int, n_vocab_tiles: int, device:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: fp32 inputs follow ``torch.get_float32_matmul_precision()`` (tf32 only when
-    torch itself allows it); half-precision inputs are exact products accumulated in fp32 either way."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
+    """``tl.dot`` input precision. fp32 inputs follow ``torch.get_float32_matmul_precision()``: "tf32" when torch
+    itself allows it, else "tf32x3" (three tf32 tensor-core products, ≈ fp32 accuracy; "ieee" fp32 has no tensor
+    cores and spilled heavily). The interpreter accepts "tf32x3" and computes exact fp32 products for every
+    precision. Half-precision inputs are exact products accumulated in fp32 either way ("ieee")."""
+    if dtype == torch.float32:
+        return "tf32" if torch.get_float32_matmul_precision() != "highest" else "tf32x3"
     return "ieee"

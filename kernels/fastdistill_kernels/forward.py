@@ -1,8 +1,8 @@
 """Forward kernel: per-row log-sum-exps (all / non-candidate columns), entropy and candidate logits.
 
-Grid ``(row block, vocabulary split)``. Each program walks its split's vocabulary tiles, recomputes the logits
-tile ``h @ Wᵀ`` in fp32 and folds it into online statistics. Each split writes its partials to ``(N, splits)``
-buffers and a small torch epilogue merges them: no locks, no atomics, deterministic.
+Grid ``(vocabulary split, row block)``, the split on the fast axis. Each program walks its split's vocabulary
+tiles, recomputes the logits tile ``h @ Wᵀ`` in fp32 and folds it into online statistics. Each split writes its
+partials to ``(N, splits)`` buffers and a small torch epilogue merges them: no locks, no atomics, deterministic.
 """
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ from .config import TileConfig, dot_precision, interpreting, vocab_splits
 from .csr import CandidateCSR
 from .tiles import logit_tile
 
+MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["first_row_block"])
 def _forward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS,
                     Z_CAND, PART_MAX, PART_SUM, PART_ENT, PART_MAX_NC, PART_SUM_NC,
-                    N, V, D, S, n_vocab_tiles, tiles_per_split, n_splits, logit_scale, softcap, inv_temp,
+                    N, V, D, S, n_vocab_tiles, tiles_per_split, n_splits, first_row_block,
+                    logit_scale, softcap, inv_temp,
                     BLOCK_ROWS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
-    row_block = tl.program_id(0)
-    split = tl.program_id(1)
+    # The vocabulary split is the fast grid axis: the programs resident at a time cover a few row blocks (their
+    # hidden states stay in L2) × every split, rather than every row block of one split (all of H cycling L2).
+    # More row blocks than grid axis 1 takes (65,535) are launched in slabs starting at first_row_block.
+    split = tl.program_id(0)
+    row_block = first_row_block + tl.program_id(1)
     rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     neg_inf = float("-inf")
     # Online statistics, shifted by the running max m: s = Σ e^(z−m), t = Σ e^(z−m)·(z−m).
@@ -112,15 +118,16 @@ def forward_stats(hidden, weight, bias, csr: CandidateCSR, n_slots: int, *, logi
     z_cand = torch.zeros(n, n_slots, dtype=torch.float32, device=dev)
     parts = [torch.empty(n, splits, dtype=torch.float32, device=dev) for _ in range(5)]
     part_max, part_sum, part_ent, part_max_nc, part_sum_nc = parts
-    _forward_kernel[(n_row_blocks, splits)](
-        hidden, weight, bias, csr.offsets, csr.rows, csr.cols, csr.slots,
-        z_cand, part_max, part_sum, part_ent, part_max_nc, part_sum_nc,
-        n, v, d, n_slots, csr.n_vocab_tiles, tiles_per_split, splits,
-        float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
-        BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(),
-        DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    for first in range(0, n_row_blocks, MAX_GRID_Y):  # one launch unless there are more than 65,535 row blocks
+        _forward_kernel[(splits, min(n_row_blocks - first, MAX_GRID_Y))](
+            hidden, weight, bias, csr.offsets, csr.rows, csr.cols, csr.slots,
+            z_cand, part_max, part_sum, part_ent, part_max_nc, part_sum_nc,
+            n, v, d, n_slots, csr.n_vocab_tiles, tiles_per_split, splits, first,
+            float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
+            BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(),
+            DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     # Merge the splits. Every split saw at least one column, so part_max is finite.
     m = part_max.amax(dim=1)
     scale = torch.exp(part_max - m[:, None])

@@ -33,10 +33,9 @@ import triton.language as tl
 
 from .backward import accumulate_dw_upcast, mixed_addmm_supported
 from .buckets import bucket_divergence, logit_gradients
-from .config import device_guard, interpreting
+from .config import device_guard
+from .ops import validate_loss_inputs
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TAIL_MODES = ("exact", "trl")
 MAX_CHUNK_ROWS = 4096  # rows per chunk at most (Liger and the design: 4096-row chunks of logits)
 DEFAULT_CHUNK_BYTES = 2**31  # the (C, V) raw-logits buffer takes at most 2 GiB: bf16 at V = 152064 → C = 4096
 GPU_BLOCK_V, GPU_NUM_WARPS = 2048, 8  # vocabulary columns per step of a row program on a GPU
@@ -387,22 +386,7 @@ def chunked_logits_sparse_jsd(
 
 
 def _validate(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode, row_weights, chunk_rows):
-    if hidden.device.type == "cpu" and not interpreting():
-        raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 to run them on the CPU")
-    for name, x in (("hidden", hidden), ("weight", weight)):
-        if x.dtype not in DTYPES:
-            raise ValueError(f"{name} must be float32, bfloat16 or float16 for the Triton kernels, got {x.dtype}")
-    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"hidden (N, D) and weight (V, D) disagree: {tuple(hidden.shape)}, {tuple(weight.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if not (ids.shape == teacher_logprobs.shape == valid.shape) or ids.dim() != 2 or ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"ids, teacher_logprobs and valid must all be (N={hidden.shape[0]}, S), got "
-                         f"{tuple(ids.shape)}, {tuple(teacher_logprobs.shape)}, {tuple(valid.shape)}")
-    if valid.dtype != torch.bool:
-        raise ValueError(f"valid must be a bool tensor, got {valid.dtype}")
-    if tail_mode not in TAIL_MODES:
-        raise ValueError(f"tail_mode must be one of {TAIL_MODES}, got {tail_mode!r}")
+    validate_loss_inputs(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode)
     if row_weights is not None and row_weights.shape != (hidden.shape[0],):
         raise ValueError(f"row_weights must have shape ({hidden.shape[0]},), got {tuple(row_weights.shape)}")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):

@@ -133,7 +133,7 @@ def fused_sparse_jsd(
         backward_mode: "deterministic" (dL/dx workspace + GEMMs) or "fused" (fp32 atomics, no workspace).
         filter_eps: skip backward tiles whose every |dL/dx| < filter_eps · |row's upstream gradient| (tiles with
             candidates are always kept); None = exact.
-        config: tile sizes; default: :func:`fastdistill_kernels.config.default_config` for the device.
+        config: tile sizes; default: :func:`fastdistill_kernels.config.default_config` for the device and dtype.
 
     Returns:
         :class:`RowLosses`; ``divergence.sum()`` is the loss, and any per-row weighting of it backpropagates.
@@ -146,12 +146,14 @@ def fused_sparse_jsd(
     out = FusedSparseJSD.apply(
         hidden.to(dtype).contiguous(), weight.to(dtype).contiguous(), None if bias is None else bias.contiguous(),
         ids, teacher_logprobs.float(), valid, settings, backward_mode, filter_eps,
-        config or default_config(hidden.device),
+        config or default_config(hidden.device, dtype),
     )
     return RowLosses(*out)
 
 
-def _validate(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode, backward_mode, filter_eps):
+def validate_loss_inputs(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode) -> None:
+    """Raise ValueError for inputs no Triton entry point takes: device, dtypes, shapes, ``valid``'s dtype, tail
+    mode (shared by :func:`fused_sparse_jsd` and the chunked-logits path)."""
     if hidden.device.type == "cpu" and not interpreting():
         raise ValueError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 to run them on the CPU")
     for name, x in (("hidden", hidden), ("weight", weight)):
@@ -168,6 +170,10 @@ def _validate(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode, bac
         raise ValueError(f"valid must be a bool tensor, got {valid.dtype}")
     if tail_mode not in TAIL_MODES:
         raise ValueError(f"tail_mode must be one of {TAIL_MODES}, got {tail_mode!r}")
+
+
+def _validate(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode, backward_mode, filter_eps):
+    validate_loss_inputs(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode)
     if backward_mode not in BACKWARD_MODES:
         raise ValueError(f"backward_mode must be one of {BACKWARD_MODES}, got {backward_mode!r}")
     if filter_eps is not None and not (math.isfinite(filter_eps) and filter_eps > 0):
