@@ -4,6 +4,7 @@ On a CUDA machine (bf16, Qwen-like shapes: D ∈ {896, 1536, 3584}, V = 151936, 
   ours-det      fastdistill_kernels.fused_sparse_jsd, deterministic backward (dL/dx workspace + GEMMs)
   ours-fused    the same with the fused backward (fp32 atomics, no workspace)
   ours-filter   fused backward with gradient filtering (filter_eps = 2^-12, CCE's bf16 default)
+  ours-chunked  the 6·N·D·V variant (``chunked_logits_sparse_jsd``: cuBLAS logits per row chunk, two Triton passes)
   trl           TRL's ``_chunked_jsd_loss`` (checkpointed 256-row chunks), same sparse loss
   liger         Liger's ``LigerFusedLinearJSD`` (dense teacher: a second hidden state through the same lm_head;
                 it computes its gradients inside the forward, so its "fwd" holds most of the work)
@@ -47,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-IMPLS = ("ours-det", "ours-fused", "ours-filter", "trl", "liger", "cce", "torch")
-OURS = ("ours-det", "ours-fused", "ours-filter")
-GPU_IMPLS = ("ours-det", "ours-fused", "ours-filter", "trl", "liger", "cce")
-CPU_IMPLS = ("ours-det", "ours-fused", "torch")
+IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "trl", "liger", "cce", "torch")
+OURS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked")
+GPU_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "trl", "liger", "cce")
+CPU_IMPLS = ("ours-det", "ours-fused", "ours-chunked", "torch")
 K_INDEPENDENT = ("liger", "cce")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
@@ -97,6 +98,11 @@ def teacher_hidden(hidden: torch.Tensor, dtype: torch.dtype | None = None) -> to
 def loss_fn(impl: str, hidden, weight, ids, lps, mask):
     """A closure computing the 0-dim loss of ``impl`` on these inputs (raises ImportError when a third-party
     package is not installed, :class:`KernelsUnavailable` for the ours-* rows)."""
+    if impl == "ours-chunked":
+        import_kernels()  # the same package: fail loudly when it is not importable
+        from fastdistill_kernels import chunked_logits_sparse_jsd
+
+        return lambda: chunked_logits_sparse_jsd(hidden, weight, ids, lps, mask).loss
     if impl in OURS:
         fused_sparse_jsd = import_kernels()
         kw = dict(backward_mode="deterministic") if impl == "ours-det" else dict(backward_mode="fused")

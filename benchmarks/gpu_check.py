@@ -56,7 +56,7 @@ SCRIPT = Path(__file__).resolve()
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "gpu_check.json"
 DEFAULT_VENV = ROOT / ".venv-gpu-check"
 BENCH_D, BENCH_V = 3584, 152064
-BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "trl", "liger", "cce")
+BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "trl", "liger", "cce")
 BENCH_SHAPES = {"bench-4096": ([4096], [8]), "bench-16384": ([16384], [8, 64])}
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds); the global budget cuts them further.

@@ -99,7 +99,8 @@ def test_installed_liger_runs_and_passes_the_gate():
     assert gate["ok"], gate
 
 
-@pytest.mark.parametrize("impl,tail_mode", [("torch", "exact"), ("ours-det", "exact"), ("trl", "trl")])
+@pytest.mark.parametrize("impl,tail_mode", [("torch", "exact"), ("ours-det", "exact"), ("ours-chunked", "exact"),
+                                            ("trl", "trl")])
 def test_float64_gate_reference_is_the_reference_backend(impl, tail_mode):
     """The gate's vectorised float64 oracle equals fastdistill's dense reference (independent code)."""
     bench = _bench()
