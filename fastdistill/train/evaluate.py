@@ -1,13 +1,16 @@
 """Held-out evaluation through the servers: the student answers, the teacher scores, the trainer's model measures.
 
 ``collect_scored_samples`` runs the same two calls as a rollout (student generation, teacher scoring) for a list of
-prompts; ``divergence_per_token`` computes the sparse generalized JSD of a model on those samples without a
-gradient. Greedy decoding (``temperature=0``) makes before/after comparisons deterministic.
+prompts; ``divergence_stats`` measures a model's sparse generalized JSD on those samples without a gradient (its share
+of them on one rank of several), and ``eval_record`` turns the sums into the ``eval/...`` metrics. The trainer's
+``eval_steps`` evaluation, ``fastdistill eval`` (:func:`evaluate_saved_model`) and the demo all go through these.
+Greedy decoding (``temperature=0``) makes before/after comparisons deterministic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,3 +81,56 @@ def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample
                           bias=None if head.bias is None else head.bias.float(), beta=beta, temperature=temperature,
                           add_tail_bucket=add_tail_bucket)
     return float(out.jsd_sum) / max(int(out.num_tokens), 1)
+
+
+def divergence_stats(model: torch.nn.Module, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
+                     beta: float, device: torch.device, rank: int = 0, world_size: int = 1, group: int = 8,
+                     bf16: bool = False) -> torch.Tensor:
+    """(num_teachers, 2) float64 ``[scored tokens, jsd sum]`` per teacher of this rank's share of ``samples``
+    (every ``world_size``-th one from ``rank``), ``group`` samples per packed row.
+
+    ``model`` is a :class:`~fastdistill.train.model.DistillationModel` (its ``divergence=True`` forward). Every rank
+    runs the same number of forwards (a rank with fewer samples runs zero-weight copies) because FSDP's gathers are
+    collective; samples without a completion token are skipped. Sum the result over ranks."""
+    scored = [s for s in samples if len(s.completion_ids) > 0]
+    mine = scored[rank::world_size]
+    chunks = math.ceil(math.ceil(len(scored) / world_size) / group) if scored else 0
+    stats = torch.zeros(len(teacher_ids), 2, dtype=torch.float64)
+    for index in range(chunks):
+        chunk = mine[index * group:(index + 1) * group]
+        row = pack_row(chunk or scored[:1], list(teacher_ids)).to(device)
+        ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, beta)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out, _ = model(row, ids, lps, mask, divergence=True)
+        if chunk:
+            stats += out.per_teacher.detach().double().cpu()[:, :2]
+    return stats
+
+
+def completion_texts(samples: Sequence[RolloutSample], tokenizer: Any) -> list[str]:
+    """Each sample's completion decoded without special tokens and stripped of surrounding white space."""
+    return [tokenizer.decode(s.completion_ids.tolist(), skip_special_tokens=True).strip() for s in samples]
+
+
+def eval_record(stats: torch.Tensor, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
+                answers: Sequence[str | None] | None = None, tokenizer: Any = None) -> dict[str, float]:
+    """The ``eval/...`` metrics from summed :func:`divergence_stats` (all ranks) and the samples (in row order):
+    ``eval/jsd`` (nats per scored token), ``eval/teacher_jsd/<id>`` with several teachers,
+    ``eval/completion_length_mean``, ``eval/samples_total`` and, when rows carry a reference ``answer``,
+    ``eval/exact_match``: the fraction of those rows whose greedy completion, decoded, equals the answer (both stripped
+    of surrounding white space)."""
+    tokens = float(stats[:, 0].sum())
+    record = {"eval/jsd": float(stats[:, 1].sum()) / max(tokens, 1.0), "eval/samples_total": float(len(samples)),
+              "eval/completion_length_mean": sum(len(s.completion_ids) for s in samples) / max(len(samples), 1)}
+    if len(teacher_ids) > 1:
+        for index, teacher_id in enumerate(teacher_ids):
+            if stats[index, 0] > 0:
+                record[f"eval/teacher_jsd/{teacher_id}"] = float(stats[index, 1] / stats[index, 0])
+    if answers is not None and any(a is not None for a in answers):
+        if tokenizer is None:
+            raise ValueError("exact-match needs the tokenizer to decode the completions")
+        texts = completion_texts(samples, tokenizer)
+        graded = [text == str(answer).strip() for text, answer in zip(texts, answers, strict=True)
+                  if answer is not None]
+        record["eval/exact_match"] = sum(graded) / len(graded)
+    return record

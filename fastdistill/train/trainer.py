@@ -50,6 +50,7 @@ from fastdistill.train.model import (
 )
 from fastdistill.train.schedule import LRSchedule
 from fastdistill.train.source import ListSource, SynchronousSource, WorkerSource
+from fastdistill.train.timing import PhaseClock
 
 __all__ = ["AsyncDistillationTrainer", "DistillationModel", "load_rows"]
 
@@ -152,6 +153,8 @@ class AsyncDistillationTrainer:
         self._session_steps = 0  # steps trained by this process (for the step-count estimate)
         self._session_samples = 0
         self.dropped_total = 0
+        self.clock = PhaseClock()  # where the run's seconds go (train_summary.json "time_s", perf/*_s per step)
+        self._window_wait_s = 0.0  # rank 0: seconds the last window collection waited for rollouts
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -182,7 +185,9 @@ class AsyncDistillationTrainer:
             routes = route_rows(tokenized, self.teacher_ids)
         except ValueError as error:
             raise ConfigError(f"eval_dataset: {error}") from error
-        return [{**row, "teacher_id": route} for row, route in zip(tokenized, routes, strict=True)]
+        answers = [_reference_answer(index, row) for index, row in enumerate(rows)]
+        return [{**row, "teacher_id": route, "answer": answer}
+                for row, route, answer in zip(tokenized, routes, answers, strict=True)]
 
     # ---------------------------------------------------------------------------------------------- the run
 
@@ -203,15 +208,24 @@ class AsyncDistillationTrainer:
             initial_step=self.step,
         )
         started = time.perf_counter()
+        clock = self.clock
+        clock.start()
+        clock.take_step()
         trained_tokens = 0
         try:
-            self._start_pipeline()
+            with clock.phase("startup"):
+                self._start_pipeline()
             if self.has_eval and self.step == 0:
-                self.metrics.update(self.evaluate())
-                self._log_metrics()
+                with clock.phase("eval"):
+                    self.metrics.update(self.evaluate())
+                with clock.phase("logging"):
+                    self._log_metrics()
+            clock.take_step()  # a step's phases run from the previous step's end to its own
             last_step_end = time.perf_counter()
             while config.max_steps == -1 or self.step < config.max_steps:
-                mine = self._next_window()
+                with clock.phase("collect"):
+                    mine = self._next_window()
+                clock.move("collect", "rollout_wait", self._window_wait_s)
                 if mine is None:
                     break
                 rows, total_steps = mine
@@ -228,41 +242,50 @@ class AsyncDistillationTrainer:
                 record["perf/trained_tok_s_wall_clock"] = record.get("batch/trained_tokens_per_step", 0) / max(
                     record["perf/step_s"], 1e-9)
                 record.update(self._mfu(record))
+                record.update(self._phase_record(record["perf/step_s"]))
                 last_step_end = now
                 self.metrics.update(record)  # every step: values between two logging steps are reduced together
                 last = self.step == self.scheduler.total_steps  # the schedule's length is exact on the last step
                 evaluate = self.has_eval and (last or (config.eval_steps is not None
                                                        and self.step % config.eval_steps == 0))
                 if evaluate:
-                    self.metrics.update(self.evaluate())
+                    with clock.phase("eval"):
+                        self.metrics.update(self.evaluate())
                 if evaluate or self.step % config.logging_steps == 0:
-                    self._log_metrics()
+                    with clock.phase("logging"):
+                        self._log_metrics()
                 if config.save_strategy == "steps" and self.step % config.save_steps == 0:
-                    self.save()
+                    with clock.phase("checkpoint"):
+                        self.save()
             if self.has_eval and self._last_eval_step != self.step:  # a source that ended without notice
-                self.metrics.update(self.evaluate())
+                with clock.phase("eval"):
+                    self.metrics.update(self.evaluate())
             if self.metrics.has_values():  # the last step, when it is not a logging step
-                self._log_metrics()
+                with clock.phase("logging"):
+                    self._log_metrics()
             elapsed = time.perf_counter() - started
-            if config.export_final_model and config.lora_r > 0:
-                from fastdistill.train.lora import export_merged
+            with clock.phase("export"):
+                if config.export_final_model and config.lora_r > 0:
+                    from fastdistill.train.lora import export_merged
 
-                export_merged(self.hf_model, self.tokenizer, self.output_dir / "final", self.dist.is_main)
-            elif config.export_final_model:
-                export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
+                    export_merged(self.hf_model, self.tokenizer, self.output_dir / "final", self.dist.is_main)
+                elif config.export_final_model:
+                    export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
         finally:
             stopping = time.perf_counter()
             try:
-                self._stop_pipeline()
+                with clock.phase("shutdown"):
+                    self._stop_pipeline()
             finally:
                 self.metrics.close()
                 self.shutdown_s = time.perf_counter() - stopping
+                clock.stop()
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
                    "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
                    "dropped_stale_total": getattr(self.source, "dropped_stale_total", 0),
                    "dropped_prompts_total": self.dropped_total,
                    "trained_tokens": trained_tokens, "trained_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
-                   "prompt_index": self.rollout_state.prompt_index}
+                   "prompt_index": self.rollout_state.prompt_index, "time_s": self.clock.totals()}
         if self.dist.is_main:
             (self.output_dir / "train_summary.json").write_text(json.dumps(summary, indent=1))
             if self.dropped_total:
@@ -276,49 +299,34 @@ class AsyncDistillationTrainer:
         greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
         it; each rank measures its share with the trainer's current weights. The served weights are those of the last
         sync (``weight_sync_steps``). Returns ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored
-        token), ``eval/teacher_jsd/<id>`` with several teachers, ``eval/completion_length_mean`` and
-        ``eval/samples_total``."""
-        from fastdistill.train.evaluate import collect_scored_samples
+        token), ``eval/teacher_jsd/<id>`` with several teachers, ``eval/completion_length_mean``,
+        ``eval/samples_total`` and ``eval/exact_match`` when the rows carry an ``answer``
+        (:func:`~fastdistill.train.evaluate.eval_record`)."""
+        from fastdistill.train import evaluate as held_out
 
         config = self.config
         samples = None
         if self.dist.is_main:
-            samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
-                                             top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
-                                             seed=config.seed, student_api_key=config.vllm_server_api_key,
-                                             teacher_api_keys=config.teacher_api_keys)
+            samples = held_out.collect_scored_samples(
+                config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
+                top_k=config.teacher_top_k, max_tokens=config.max_completion_length, seed=config.seed,
+                student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys)
         samples = self.dist.broadcast(samples)
-        scored = [s for s in samples if len(s.completion_ids) > 0]
-        world, group = self.dist.world_size, 8
-        mine = scored[self.dist.rank::world]
-        chunks = math.ceil(math.ceil(len(scored) / world) / group) if scored else 0
-        stats = torch.zeros(len(self.teacher_ids), 2, dtype=torch.float64)  # per teacher: tokens, jsd sum
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:
-            for index in range(chunks):
-                chunk = mine[index * group:(index + 1) * group]
-                ghost = not chunk  # every rank runs as many forwards (FSDP gathers are collective)
-                row = pack_row(chunk or scored[:1], self.teacher_ids).to(self.dist.device)
-                ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids,
-                                                config.beta)
-                with torch.autocast(self.dist.device.type, dtype=torch.bfloat16,
-                                    enabled=self._use_bf16() and self.dist.world_size == 1):
-                    out, _ = self.model(row, ids, lps, mask, divergence=True)
-                if not ghost:
-                    stats += out.per_teacher.double().cpu()[:, :2]
+            stats = held_out.divergence_stats(
+                self.model, samples, self.teacher_ids, beta=config.beta, device=self.dist.device,
+                rank=self.dist.rank, world_size=self.dist.world_size,
+                bf16=self._use_bf16() and self.dist.world_size == 1)
         finally:
             self.hf_model.train(was_training)
         stats = self.dist.all_reduce_sum(stats)
         self._last_eval_step = self.step
-        tokens = float(stats[:, 0].sum())
-        record = {"eval/jsd": float(stats[:, 1].sum()) / max(tokens, 1.0), "eval/samples_total": float(len(samples)),
-                  "eval/completion_length_mean": sum(len(s.completion_ids) for s in samples) / max(len(samples), 1)}
-        if len(self.teacher_ids) > 1:
-            for index, teacher_id in enumerate(self.teacher_ids):
-                if stats[index, 0] > 0:
-                    record[f"eval/teacher_jsd/{teacher_id}"] = float(stats[index, 1] / stats[index, 0])
-        return record
+        if not self.dist.is_main:
+            return {}
+        answers = [row.get("answer") for row in self.eval_rows]
+        return held_out.eval_record(stats, samples, self.teacher_ids, answers=answers, tokenizer=self.tokenizer)
 
     def _log_metrics(self) -> None:
         logged = self.metrics.log(self.step)
@@ -336,6 +344,15 @@ class AsyncDistillationTrainer:
         total_peak = self.peak_flops * self.dist.world_size
         return {"perf/mfu_fwd_bwd": 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
                 "perf/mfu_wall_clock": 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}
+
+    def _phase_record(self, step_s: float) -> dict[str, float]:
+        """``perf/<phase>_s`` for the phases of this step's window (from the previous step's end: its evaluation,
+        logging and checkpoint, then this step's collection, packing, ... weight sync) and ``perf/other_s``, the
+        step's seconds no phase measured, so that they add up to ``perf/step_s``."""
+        phases = self.clock.take_step()
+        record = {f"perf/{name}_s": seconds for name, seconds in phases.items()}
+        record["perf/other_s"] = step_s - sum(phases.values())
+        return record
 
     def _resume_path(self) -> Path | None:
         value = self.config.resume_from_checkpoint
@@ -560,12 +577,14 @@ class AsyncDistillationTrainer:
             return {}
         if self.config.weight_sync_overlap and self.model_version > 0:
             return self._sync_weights_in_background()
-        timings = dict(self.weight_sync.push(self._servable(), self.model_version + 1) or {})
+        with self.clock.phase("weight_sync"):
+            timings = dict(self.weight_sync.push(self._servable(), self.model_version + 1) or {})
         self.model_version += 1
         if self.worker is not None:
             self.worker.model_version = self.model_version
         if self.config.verify_weight_sync and self.rows:
-            timings["sync/served_logprob_gap"] = self._served_gap()
+            with self.clock.phase("sync_verify"):
+                timings["sync/served_logprob_gap"] = self._served_gap()
         return timings
 
     def _servable(self) -> Any:
@@ -586,9 +605,10 @@ class AsyncDistillationTrainer:
         from fastdistill.sync import snapshot_weights
 
         started = time.perf_counter()
-        timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
-        timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
-        snapshot = snapshot_weights(self._servable())  # the LoRA stream is lazy: merge now, not during training
+        with self.clock.phase("weight_sync"):  # waiting for the previous push, then the snapshot
+            timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
+            timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
+            snapshot = snapshot_weights(self._servable())  # the LoRA stream is lazy: merge now, not during training
         self.model_version += 1
         version = self.model_version
         if self._sync_thread is None:
@@ -627,8 +647,11 @@ class AsyncDistillationTrainer:
         A ghost row (a rank left without samples in a final, partial micro-batch) runs with zero loss weight so that
         every rank makes the same collective calls."""
         per_rank = None
+        self._window_wait_s = 0.0
         if self.dist.is_main:
+            waited = self.source.wait_s
             window = self.collector.collect(self.source, self.model_version)
+            self._window_wait_s = self.source.wait_s - waited
             self._record_drops(self.collector.take_drops(), step=self.step + 1)
             self._window = window
             if window is not None:
@@ -655,14 +678,16 @@ class AsyncDistillationTrainer:
     def _train_step(self, window: list[tuple[list[RolloutSample], bool]]) -> dict[str, float]:
         config = self.config
         device = self.dist.device
+        clock = self.clock
         rows, supports, counts = [], [], []
-        for samples, ghost in window:
-            row = pack_row(samples, self.teacher_ids).to(device)
-            support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, config.beta)
-            rows.append(row)
-            supports.append(support)
-            counts.append(0 if ghost else self._scored_count(row, support))
-        window_tokens = window_token_count(counts)
+        with clock.phase("pack"):
+            for samples, ghost in window:
+                row = pack_row(samples, self.teacher_ids).to(device)
+                support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, config.beta)
+                rows.append(row)
+                supports.append(support)
+                counts.append(0 if ghost else self._scored_count(row, support))
+            window_tokens = window_token_count(counts)  # a collective with several ranks
         scale = window_loss_scale(window_tokens)
         num_teachers = len(self.teacher_ids)
         # Σ over this rank: [tokens, jsd, entropy, teacher entropy, forwarded tokens, trained tokens, samples,
@@ -687,20 +712,24 @@ class AsyncDistillationTrainer:
             stats[6] += row.num_samples
             stats[7:] += out.per_teacher.detach().double().cpu().flatten()
         fwd_bwd_s = time.perf_counter() - fwd_bwd_started
+        clock.add("fwd_bwd", fwd_bwd_s)
         grad_norm = None
-        if config.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+        with clock.phase("grad_clip"):
+            if config.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
         learning_rate = self.scheduler.apply(self.step)
         optimizer_started = time.perf_counter()
         self.optimizer.step()
-        optimizer_s = time.perf_counter() - optimizer_started
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.dist.all_reduce_sum(stats)
-        if self.dist.is_main:
-            self._mark_trained()
-        record = self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
+        optimizer_s = time.perf_counter() - optimizer_started
+        clock.add("optimizer", optimizer_s)
+        with clock.phase("bookkeeping"):  # the step's statistics, trained-prompt log and metrics
+            stats = self.dist.all_reduce_sum(stats)
+            if self.dist.is_main:
+                self._mark_trained()
+            record = self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
         record["learning_rate"] = learning_rate
         return record
 
@@ -785,6 +814,14 @@ class AsyncDistillationTrainer:
         for microbatch in self._window.microbatches:
             self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
         return record
+
+
+def _reference_answer(index: int, row: Any) -> str | None:
+    """An eval row's optional ``answer`` (the reference text for ``eval/exact_match``)."""
+    answer = row.get("answer") if hasattr(row, "get") else None
+    if answer is not None and not isinstance(answer, str):
+        raise ConfigError(f"eval_dataset: row {index}: 'answer' must be a string, got {answer!r:.100}")
+    return answer
 
 
 def truncate_step_log(path: Path, step: int) -> None:
