@@ -3,6 +3,8 @@
 - ``fastdistill train --config run.yaml [key=value ...]``: one training run (wrap with ``torchrun`` for several ranks);
 - ``fastdistill serve-teacher MODEL`` / ``serve-student MODEL``: start vLLM with the flags each role needs (anything
   after ``--`` goes to vLLM unchanged);
+- ``fastdistill eval --model DIR --student-url URL --teacher-url URL --dataset FILE``: held-out evaluation of a saved
+  model (the student server must serve it), written as JSON;
 - ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo.
 
 Messages go through the ``fastdistill`` logger, to stderr, prefixed ``fastdistill:``.
@@ -31,6 +33,60 @@ def _train(args: argparse.Namespace) -> int:
     summary = AsyncDistillationTrainer(config).train()
     logger.info("trained %d steps, model version %d, %.1f trained tokens/s; output in %s", summary["steps"],
                 summary["model_version"], summary["trained_tokens_per_s"], config.output_dir)
+    return 0
+
+
+def _teacher_urls(values: list[str]) -> dict[str, str | list[str]]:
+    """``--teacher-url`` values (``URL`` or ``ID=URL``, repeatable; one id twice lists replicas) as the config's
+    ``teacher_server_urls``."""
+    from fastdistill.train.config import ConfigError
+
+    urls: dict[str, list[str]] = {}
+    for value in values:
+        teacher_id, sep, url = value.partition("=")
+        if not sep:
+            teacher_id, url = "default", value
+        if not teacher_id or not url:
+            raise ConfigError(f"--teacher-url {value!r} must look like URL or ID=URL")
+        urls.setdefault(teacher_id, []).append(url)
+    return {tid: found[0] if len(found) == 1 else found for tid, found in urls.items()}
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from fastdistill.train import AsyncDistillationConfig
+    from fastdistill.train.config import ConfigError
+    from fastdistill.train.evaluate import evaluate_saved_model
+    from fastdistill.train.trainer import load_rows
+
+    overrides = list(args.overrides)
+    if args.model is not None:
+        overrides.append(f"model_name_or_path={args.model}")
+    if args.student_url is not None:
+        overrides.append(f"vllm_server_base_url={args.student_url}")
+    if args.dataset is not None:
+        overrides.append(f"eval_dataset={args.dataset}")
+    config = AsyncDistillationConfig.from_yaml(args.config, overrides)
+    if args.teacher_url:
+        config.teacher_server_urls = _teacher_urls(args.teacher_url)
+        config.teacher_api_keys = None  # re-read for the new teacher ids
+        config.validate()
+    model = config.model_name_or_path
+    if model.startswith((os.sep, ".")) and not Path(model).is_dir():  # a path (not a hub id) that is not a folder
+        raise ConfigError(f"model folder {model!r} does not exist")
+    if config.eval_dataset is None:
+        raise ConfigError("no held-out rows: pass --dataset FILE (or set eval_dataset in the config)")
+    try:
+        rows = load_rows(config.eval_dataset)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"eval_dataset: {error}") from error
+    result = evaluate_saved_model(config, rows, show_completions=not args.no_completions)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1))
+    shown = {k: v for k, v in result.items() if k.startswith("eval/")}
+    logger.info("%s: %s; wrote %s", config.model_name_or_path,
+                ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), args.output)
     return 0
 
 
@@ -121,6 +177,24 @@ def build_parser() -> argparse.ArgumentParser:
                                help="weight-transfer engine (auto: nccl with CUDA, gloo without)")
         serve.add_argument("--dry-run", action="store_true", help="print the command and exit")
         serve.set_defaults(handler=_serve, role=role)
+
+    evaluate = commands.add_parser(
+        "eval", help="held-out evaluation of a saved model: greedy answers from the student server (which must serve "
+        "that model), scored by the teachers, divergence measured with the model; JSON out")
+    evaluate.add_argument("--model", default=None, help="the saved model folder (default: the config's "
+                          "model_name_or_path)")
+    evaluate.add_argument("--student-url", default=None, help="the vLLM server serving --model")
+    evaluate.add_argument("--teacher-url", action="append", default=[],
+                          help="URL or ID=URL of a teacher (repeat for several teachers or replicas)")
+    evaluate.add_argument("--dataset", default=None, help="held-out rows: JSON/JSONL with 'prompt' (and optionally "
+                          "'teacher_id', 'answer' for exact-match accuracy)")
+    evaluate.add_argument("--config", type=Path, default=None, help="YAML file of AsyncDistillationConfig fields "
+                          "(teacher_top_k, max_completion_length, beta, ... and the servers)")
+    evaluate.add_argument("--output", type=Path, default=Path("eval.json"), help="where to write the JSON result")
+    evaluate.add_argument("--no-completions", action="store_true", help="leave the decoded completions out of the "
+                          "JSON")
+    evaluate.add_argument("overrides", nargs="*", help="field=value (parsed as YAML), e.g. max_completion_length=64")
+    evaluate.set_defaults(handler=_eval)
 
     demo = commands.add_parser("demo", help="end-to-end distillation of tiny models through real vLLM servers")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_output"))

@@ -202,6 +202,33 @@ def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
     # fp32 on both sides, packed differently: sums of a few hundred terms agree to ~1e-5 relative
     assert records[-1]["eval/jsd"] == pytest.approx(expected, rel=1e-4)
 
+    # `fastdistill eval` on the exported model gives the same divergence; rows with an answer are graded on the
+    # decoded greedy completion (the first row's answer is the server's own completion, the second's is wrong)
+    tokenizer = build_tokenizer()
+    first = tokenizer.decode(samples[0].completion_ids.tolist(), skip_special_tokens=True).strip()
+    graded = [{**held_out[0], "answer": f" {first} "}, {**held_out[1], "answer": "not the answer"}, held_out[2]]
+    graded_path = tmp_path / "graded.jsonl"
+    graded_path.write_text("".join(json.dumps(row) + "\n" for row in graded))
+    student_dir, _, _ = servers
+    evaluate = [str(Path(sys.executable).parent / "fastdistill"), "eval", "--student-url", student.url,
+                "--teacher-url", teacher.url, "--dataset", str(graded_path), "teacher_top_k=4",
+                "max_completion_length=8", "seed=42"]
+    result = subprocess.run([*evaluate, "--model", str(run / "final"), "--output", str(tmp_path / "eval.json")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["eval/jsd"] == pytest.approx(expected, rel=1e-4)
+    assert report["eval/exact_match"] == 0.5 and report["eval/samples_total"] == 3.0
+    assert report["served_logprob_gap"] < 1e-4  # the server serves the exported weights
+    assert [c["completion"] for c in report["completions"]][0] == first
+    assert "does not seem to serve" not in result.stderr
+    # the untrained student's folder is not what the server serves: the result says so
+    result = subprocess.run([*evaluate, "--model", str(student_dir), "--output", str(tmp_path / "before.json")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "before.json").read_text())["served_logprob_gap"] > 0.1
+    assert "does not seem to serve" in result.stderr
+
 
 def test_overlapped_weight_sync_serves_the_last_steps_weights(tmp_path, servers):
     """weight_sync_overlap=True: pushes run in the background, the run still ends with the final weights served

@@ -172,22 +172,16 @@ class AsyncDistillationTrainer:
         return tokenize_prompts(rows, self.tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
 
     def _eval_rows(self, rows: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        """Rank 0: the tokenised held-out rows, each routed to its teacher (None without an eval dataset)."""
-        from fastdistill.data.prompts import tokenize_prompts
-        from fastdistill.rollout import route_rows
+        """Rank 0: the tokenised held-out rows, each routed to its teacher, with their optional ``answer`` (None
+        without an eval dataset)."""
+        from fastdistill.train.evaluate import prepare_eval_rows
 
         if rows is None:
             if self.config.eval_dataset is None:
                 return None
             rows = load_rows(self.config.eval_dataset)
-        tokenized = tokenize_prompts(rows, self.tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
-        try:
-            routes = route_rows(tokenized, self.teacher_ids)
-        except ValueError as error:
-            raise ConfigError(f"eval_dataset: {error}") from error
-        answers = [_reference_answer(index, row) for index, row in enumerate(rows)]
-        return [{**row, "teacher_id": route, "answer": answer}
-                for row, route, answer in zip(tokenized, routes, answers, strict=True)]
+        return prepare_eval_rows(rows, self.tokenizer, self.teacher_ids,
+                                 chat_template_kwargs=self.config.chat_template_kwargs)
 
     # ---------------------------------------------------------------------------------------------- the run
 
@@ -814,14 +808,6 @@ class AsyncDistillationTrainer:
         for microbatch in self._window.microbatches:
             self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
         return record
-
-
-def _reference_answer(index: int, row: Any) -> str | None:
-    """An eval row's optional ``answer`` (the reference text for ``eval/exact_match``)."""
-    answer = row.get("answer") if hasattr(row, "get") else None
-    if answer is not None and not isinstance(answer, str):
-        raise ConfigError(f"eval_dataset: row {index}: 'answer' must be a string, got {answer!r:.100}")
-    return answer
 
 
 def truncate_step_log(path: Path, step: int) -> None:
