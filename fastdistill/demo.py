@@ -1,14 +1,16 @@
 """``fastdistill demo``: asynchronous on-policy distillation of a tiny student from a tiny teacher, end to end on CPU.
 
-1. Builds a toy chat task in code (single-digit additions, counting, spelling short words backwards), a byte-level
-   BPE tokenizer with a chat template, a TEACHER trained on the task with cross-entropy (seconds on 2 cores), and a
-   fresh STUDENT with the same vocabulary.
+1. Builds a toy chat task in code (single-digit additions, counting, spelling short words backwards, each asked in
+   three phrasings), a byte-level BPE tokenizer with a chat template, a TEACHER trained on every prompt with
+   cross-entropy, and a fresh, smaller STUDENT with the same vocabulary. Held-out prompts are phrasings the student
+   never trains on (of facts it meets in other phrasings).
 2. Starts two real vLLM servers: the teacher (``--max-logprobs -1``) and the student (dev mode, fastdistill's
    ``gloo`` weight-transfer engine), with several cores pinned to one half of them and the trainer to the other.
-3. Measures the student on held-out prompts (jsd per token on its own greedy answers as scored by the teacher, and
-   exact-answer accuracy), runs :class:`~fastdistill.train.AsyncDistillationTrainer` (rollout worker, queue,
-   staleness, fused loss, weight sync after every step), and measures again.
-4. Writes ``<output-dir>/report.json`` and ``<output-dir>/curves.png`` and prints where the time went.
+3. Runs :class:`~fastdistill.train.AsyncDistillationTrainer` (rollout worker, queue, staleness, fused loss, weight
+   sync after every step) with the held-out prompts as its ``eval_dataset``: at step 0, every ``eval_steps`` and at
+   the end it measures the jsd per token of the student's greedy answers as scored by the teacher and their
+   exact-answer accuracy (``eval/jsd``, ``eval/exact_match``).
+4. Writes ``<output-dir>/report.json`` and ``<output-dir>/curves.png`` and prints where every second went.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -46,27 +49,51 @@ class Example:
 class DemoSettings:
     """Sizes and step counts of one demo run."""
 
-    teacher_steps: int = 200
+    teacher_steps: int = 300
     teacher_batch: int = 32
     teacher_lr: float = 3e-3
-    held_out: int = 24
-    distill_epochs: float = 40.0
+    student_hidden_size: int = 96
+    student_intermediate_size: int = 192
+    held_out: int = 32
+    distill_epochs: float = 10.0
     batch_size: int = 16
     learning_rate: float = 3e-3
+    warmup_ratio: float = 0.05
     top_k: int = 8
     max_completion_length: int = 16
     max_staleness: int = 4
+    eval_points: int = 8
 
 
-QUICK = DemoSettings(teacher_steps=40, held_out=8, distill_epochs=1.0, batch_size=8)
+QUICK = DemoSettings(teacher_steps=40, held_out=8, distill_epochs=0.3, batch_size=8, eval_points=2)
+
+PHRASINGS = {
+    "add": ("What is {a} + {b}?", "Add {a} and {b}.", "{a} plus {b} makes?"),
+    "count": ("Count to {n}.", "Count from 1 to {n}.", "List the numbers 1 to {n}."),
+    "reverse": ("Spell '{w}' backwards.", "Reverse the word '{w}'.", "Write '{w}' in reverse."),
+}
 
 
-def toy_task() -> list[Example]:
-    """Single-digit additions, counting to n and spelling short words backwards (129 examples)."""
-    additions = [Example(f"What is {a} + {b}?", str(a + b)) for a in range(10) for b in range(10)]
-    counts = [Example(f"Count to {n}.", " ".join(str(i) for i in range(1, n + 1))) for n in range(1, 10)]
-    reversals = [Example(f"Spell '{word}' backwards.", word[::-1]) for word in WORDS]
-    return additions + counts + reversals
+def toy_task() -> list[list[Example]]:
+    """Single-digit additions, counting to n and spelling short words backwards: 129 facts, each a list of the same
+    question in three phrasings with one answer (387 examples)."""
+    facts = [[Example(q.format(a=a, b=b), str(a + b)) for q in PHRASINGS["add"]] for a in range(10) for b in range(10)]
+    facts += [[Example(q.format(n=n), " ".join(str(i) for i in range(1, n + 1))) for q in PHRASINGS["count"]]
+              for n in range(1, 10)]
+    facts += [[Example(q.format(w=word), word[::-1]) for q in PHRASINGS["reverse"]] for word in WORDS]
+    return facts
+
+
+def split_task(facts: list[list[Example]], held_out: int, rng: random.Random) -> tuple[list[Example], list[Example]]:
+    """(training examples, held-out examples): one phrasing of ``held_out`` facts is held out; the student trains on
+    every other prompt, so a held-out prompt asks a fact it has only met in other words."""
+    chosen = set(rng.sample(range(len(facts)), held_out))
+    train, held = [], []
+    for index, phrasings in enumerate(facts):
+        kept = rng.randrange(len(phrasings)) if index in chosen else None
+        for which, example in enumerate(phrasings):
+            (held if which == kept else train).append(example)
+    return train, held
 
 
 def prompt_ids(tokenizer: Any, example: Example) -> list[int]:
@@ -102,20 +129,17 @@ def train_on_answers(model: torch.nn.Module, tokenizer: Any, pairs: list[tuple[s
     return losses
 
 
-def server_accuracy(student_url: str, tokenizer: Any, examples: list[Example], rows: list[dict]) -> float:
-    """Fraction of prompts whose greedy completion from the server decodes to exactly the reference answer."""
-    import asyncio
+def server_accuracy(url: str, tokenizer: Any, rows: list[dict[str, Any]], max_tokens: int) -> float:
+    """Exact-answer accuracy of a server's greedy completions of ``rows`` (``{"prompt_ids", "answer"}``), graded
+    like the trainer's ``eval/exact_match`` (the server scores its own answers: only the completions matter)."""
+    import torch
 
-    from fastdistill.rollout import StudentClient
+    from fastdistill.train.evaluate import collect_scored_samples, eval_record
 
-    async def answers() -> list[list[int]]:
-        async with StudentClient(student_url) as client:
-            results = await asyncio.gather(*(client.generate(row["prompt_ids"], max_tokens=16, temperature=0.0)
-                                             for row in rows))
-            return [r.token_ids.tolist() for r in results]
-
-    decoded = [tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in asyncio.run(answers())]
-    return sum(a == ex.answer for a, ex in zip(decoded, examples, strict=True)) / len(examples)
+    samples = collect_scored_samples(url, {"default": url}, rows, top_k=1, max_tokens=max_tokens)
+    record = eval_record(torch.zeros(1, 2, dtype=torch.float64), samples, ["default"],
+                         answers=[row["answer"] for row in rows], tokenizer=tokenizer)
+    return record["eval/exact_match"]
 
 
 def core_layout() -> tuple[list[int] | None, list[int] | None]:
@@ -133,25 +157,35 @@ def core_layout() -> tuple[list[int] | None, list[int] | None]:
     return cores[:half], cores[half:]
 
 
-def plot_curves(history: list[dict[str, float]], held_out: list[tuple[int, float]], path: Path) -> None:
-    """Training jsd per step and held-out jsd before/after, plus throughput, in one PNG."""
+def plot_curves(history: list[dict[str, float]], teacher_accuracy: float, path: Path) -> None:
+    """Training and held-out jsd per step, held-out accuracy against the teacher's, and throughput, in one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] for h in history]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(steps, [h.get("jsd", float("nan")) for h in history], label="train jsd/token (on-policy samples)")
-    left.plot([s for s, _ in held_out], [v for _, v in held_out], "o--", label="held-out jsd/token")
+    steps = [h["step"] for h in history if "jsd" in h]
+    evals = [h for h in history if "eval/jsd" in h]
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    left.plot(steps, [h["jsd"] for h in history if "jsd" in h], label="train jsd/token (on-policy samples)")
+    left.plot([h["step"] for h in evals], [h["eval/jsd"] for h in evals], "o--", label="held-out jsd/token")
     left.set_xlabel("optimizer step")
     left.set_ylabel("nats per token")
     left.set_yscale("log")
     left.legend()
     left.set_title("divergence to the teacher")
-    right.plot(steps, [h.get("perf/trained_tok_s_wall_clock", float("nan")) for h in history],
+    middle.plot([h["step"] for h in evals], [100 * h.get("eval/exact_match", float("nan")) for h in evals], "o-",
+                label="student (greedy)")
+    middle.axhline(100 * teacher_accuracy, linestyle="--", color="gray", label="teacher")
+    middle.set_ylim(-2, 102)
+    middle.set_xlabel("optimizer step")
+    middle.set_ylabel("% exact answers")
+    middle.legend()
+    middle.set_title("held-out accuracy")
+    right.plot(steps, [h.get("perf/trained_tok_s_wall_clock", float("nan")) for h in history if "jsd" in h],
                label="trained tokens/s")
-    right.plot(steps, [h.get("sample/staleness_mean", float("nan")) for h in history], label="staleness (versions)")
+    right.plot(steps, [h.get("sample/staleness_mean", float("nan")) for h in history if "jsd" in h],
+               label="staleness (versions)")
     right.set_xlabel("optimizer step")
     right.legend()
     right.set_title("throughput and staleness")
@@ -166,7 +200,6 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
 
     from fastdistill.serve import VLLMServer
     from fastdistill.train import AsyncDistillationConfig, AsyncDistillationTrainer
-    from fastdistill.train.evaluate import collect_scored_samples, divergence_per_token
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -175,19 +208,21 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
     rng = random.Random(seed)
     torch.manual_seed(seed)
 
-    examples = toy_task()
+    facts = toy_task()
+    examples = [example for phrasings in facts for example in phrasings]
     corpus = ["user", "assistant"] + [text for ex in examples for text in (ex.question, ex.answer)]
     tokenizer = build_tokenizer(corpus)
-    shuffled = rng.sample(examples, len(examples))
-    held_out, train_examples = shuffled[: settings.held_out], shuffled[settings.held_out:]
+    train_examples, held_out = split_task(facts, settings.held_out, rng)
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
     teacher = build_model(tiny_config(len(tokenizer), hidden_size=128, intermediate_size=256, **special), seed=seed)
-    student = build_model(tiny_config(len(tokenizer), **special), seed=seed + 1)
-    logger.info("task: %d training prompts, %d held out; vocabulary %d; teacher %s parameters, student %s",
-                len(train_examples), len(held_out), len(tokenizer), f"{teacher.num_parameters():,}",
-                f"{student.num_parameters():,}")
+    student = build_model(tiny_config(len(tokenizer), hidden_size=settings.student_hidden_size,
+                                      intermediate_size=settings.student_intermediate_size, **special), seed=seed + 1)
+    logger.info("task: %d training prompts, %d held-out prompts (new phrasings); vocabulary %d; teacher %s "
+                "parameters, student %s", len(train_examples), len(held_out), len(tokenizer),
+                f"{teacher.num_parameters():,}", f"{student.num_parameters():,}")
 
     phase = time.perf_counter()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
     losses = train_on_answers(teacher, tokenizer, [(ex.question, ex.answer) for ex in examples],
                               steps=settings.teacher_steps, batch=settings.teacher_batch, lr=settings.teacher_lr,
                               rng=rng)
@@ -197,7 +232,7 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
     student_dir = save_pretrained_dir(student, tokenizer, output_dir / "models" / "student")
 
     train_rows = [{"prompt": [{"role": "user", "content": ex.question}]} for ex in train_examples]
-    held_rows = [{"prompt_ids": prompt_ids(tokenizer, ex)} for ex in held_out]
+    held_rows = [{"prompt": [{"role": "user", "content": ex.question}], "answer": ex.answer} for ex in held_out]
     student_cores, shared_cores = core_layout()
     logs = output_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -213,45 +248,39 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
             os.sched_setaffinity(0, shared_cores)
         torch.set_num_threads(1)
         teacher_urls = {"default": teacher_server.url}
-
-        def held_out_jsd(model: torch.nn.Module) -> float:
-            samples = collect_scored_samples(student_server.url, teacher_urls, held_rows, top_k=settings.top_k,
-                                             max_tokens=settings.max_completion_length)
-            return divergence_per_token(model, samples, ["default"])
-
-        student.eval()
-        jsd_before = held_out_jsd(student)
-        accuracy_before = server_accuracy(student_server.url, tokenizer, held_out, held_rows)
-        teacher_accuracy = server_accuracy(teacher_server.url, tokenizer, held_out, held_rows)
-        logger.info("before: held-out jsd %.3f nats/token, student accuracy %.0f%% (teacher %.0f%%)", jsd_before,
-                    100 * accuracy_before, 100 * teacher_accuracy)
-
+        phase = time.perf_counter()
+        held_ids = [{"prompt_ids": prompt_ids(tokenizer, ex), "answer": ex.answer} for ex in held_out]
+        teacher_accuracy = server_accuracy(teacher_server.url, tokenizer, held_ids, settings.max_completion_length)
+        teacher_eval_s = time.perf_counter() - phase
+        steps_estimate = math.ceil(settings.distill_epochs * len(train_rows) / settings.batch_size)
         config = AsyncDistillationConfig(
             model_name_or_path=str(student_dir), output_dir=str(output_dir / "run"),
             vllm_server_base_url=student_server.url, teacher_server_urls=teacher_urls,
-            learning_rate=settings.learning_rate, lr_scheduler_type="constant",
-            num_train_epochs=settings.distill_epochs,
-            per_device_train_batch_size=settings.batch_size, token_budget=0, teacher_top_k=settings.top_k,
-            max_completion_length=settings.max_completion_length, max_staleness=settings.max_staleness,
-            gradient_checkpointing=False, save_strategy="no", export_final_model=False, seed=seed,
-            heartbeat_stale_after_s=60.0, verify_weight_sync=True, disable_tqdm=not sys.stderr.isatty(),
+            learning_rate=settings.learning_rate, lr_scheduler_type="cosine", warmup_ratio=settings.warmup_ratio,
+            num_train_epochs=settings.distill_epochs, per_device_train_batch_size=settings.batch_size,
+            token_budget=0, teacher_top_k=settings.top_k, max_completion_length=settings.max_completion_length,
+            max_staleness=settings.max_staleness, gradient_checkpointing=False, save_strategy="no",
+            export_final_model=False, seed=seed, heartbeat_stale_after_s=60.0, verify_weight_sync=True,
+            disable_tqdm=not sys.stderr.isatty(), eval_steps=max(1, steps_estimate // settings.eval_points),
         )
         (output_dir / "config.yaml").write_text(_yaml(config.to_dict()))
-        trainer = AsyncDistillationTrainer(config, train_dataset=train_rows, tokenizer=tokenizer)
+        trainer = AsyncDistillationTrainer(config, train_dataset=train_rows, eval_dataset=held_rows,
+                                           tokenizer=tokenizer)
         summary = trainer.train()
         history = trainer.metrics.history
-        trainer.hf_model.eval()
-        jsd_after = held_out_jsd(trainer.hf_model)
-        accuracy_after = server_accuracy(student_server.url, tokenizer, held_out, held_rows)
     runtime = time.perf_counter() - started
+    evals = [h for h in history if "eval/jsd" in h]
+    first, last = evals[0], evals[-1]
     mean = lambda key: _mean([h[key] for h in history if key in h])  # noqa: E731
     report = {
-        "jsd_before": jsd_before,
-        "jsd_after": jsd_after,
-        "jsd_reduction": 1.0 - jsd_after / jsd_before if jsd_before > 0 else 0.0,
-        "accuracy_before": accuracy_before,
-        "accuracy_after": accuracy_after,
+        "jsd_before": first["eval/jsd"],
+        "jsd_after": last["eval/jsd"],
+        "jsd_reduction": 1.0 - last["eval/jsd"] / first["eval/jsd"] if first["eval/jsd"] > 0 else 0.0,
+        "accuracy_before": first["eval/exact_match"],
+        "accuracy_after": last["eval/exact_match"],
         "teacher_accuracy": teacher_accuracy,
+        "held_out_curve": [{"step": h["step"], "jsd": h["eval/jsd"], "accuracy": h["eval/exact_match"]}
+                           for h in evals],
         "trained_tokens_per_s": summary["trained_tokens_per_s"],
         "steps": summary["steps"],
         "model_version": summary["model_version"],
@@ -260,16 +289,14 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
         "max_served_logprob_gap": max((h.get("sync/served_logprob_gap", 0.0) for h in history), default=None),
         "time_s": {
             "total": runtime, "teacher_training": teacher_s, "server_startup": servers_s,
-            "distillation": summary["train_seconds"],
-            "rollout_wait": sum(h.get("perf/rollout_wait_s", 0.0) for h in history),
-            "forward_backward": sum(h.get("perf/fwd_bwd_s", 0.0) for h in history),
-            "optimizer": sum(h.get("perf/optimizer_s", 0.0) for h in history),
-            "weight_sync": sum(h.get("perf/weight_sync_s", 0.0) for h in history),
+            "teacher_accuracy": teacher_eval_s, "distillation": summary["time_s"]["total"],
+            "rest": runtime - teacher_s - servers_s - teacher_eval_s - summary["time_s"]["total"],
         },
+        "distillation_time_s": summary["time_s"],
         "settings": settings.__dict__,
     }
     (output_dir / "report.json").write_text(json.dumps(report, indent=2))
-    plot_curves(history, [(0, jsd_before), (summary["steps"], jsd_after)], output_dir / "curves.png")
+    plot_curves(history, teacher_accuracy, output_dir / "curves.png")
     return report
 
 
@@ -283,19 +310,32 @@ def _yaml(values: dict[str, Any]) -> str:
     return yaml.safe_dump(values, sort_keys=False)
 
 
+# How the distillation phases are named in the report (the trainer's PhaseClock names).
+PHASE_NAMES = {"fwd_bwd": "forward+backward", "weight_sync": "weight sync", "sync_verify": "sync verification",
+               "rollout_wait": "waiting for rollouts", "collect": "batching", "pack": "packing",
+               "optimizer": "optimizer", "grad_clip": "grad clipping", "bookkeeping": "step metrics",
+               "logging": "logging", "eval": "held-out evaluation", "startup": "start-up", "shutdown": "shut-down",
+               "export": "export", "checkpoint": "checkpoints", "other": "unmeasured Python"}
+
+
 def print_report(report: dict[str, Any], output_dir: Path) -> None:
     """The demo's result, on stdout (the program's output; progress goes to the ``fastdistill.demo`` logger)."""
     t = report["time_s"]
     print(f"[demo] held-out jsd {report['jsd_before']:.3f} -> {report['jsd_after']:.3f} nats/token "
           f"({report['jsd_reduction']:.0%} lower); accuracy {report['accuracy_before']:.0%} -> "
           f"{report['accuracy_after']:.0%} (teacher {report['teacher_accuracy']:.0%})")
+    curve = ", ".join(f"{p['step']}: {p['jsd']:.2f}/{p['accuracy']:.0%}" for p in report["held_out_curve"])
+    print(f"[demo] held-out jsd/accuracy by step: {curve}")
     print(f"[demo] {report['steps']} steps, {report['trained_tokens_per_s']:.0f} trained tokens/s, mean staleness "
           f"{report['staleness_mean']:.2f} versions, {report['dropped_stale_total']:.0f} stale samples dropped, "
           f"max served-vs-trainer log-prob gap after a sync {report['max_served_logprob_gap']:.1e}")
     print(f"[demo] time: total {t['total']:.0f} s = teacher training {t['teacher_training']:.0f} s + server startup "
-          f"{t['server_startup']:.0f} s + distillation {t['distillation']:.0f} s (waiting for rollouts "
-          f"{t['rollout_wait']:.1f} s, forward+backward {t['forward_backward']:.1f} s, optimizer {t['optimizer']:.1f} "
-          f"s, weight sync {t['weight_sync']:.1f} s) + evaluation")
+          f"{t['server_startup']:.0f} s + teacher accuracy {t['teacher_accuracy']:.1f} s + distillation "
+          f"{t['distillation']:.0f} s + setup {t['rest']:.1f} s")
+    phases = {k: v for k, v in report["distillation_time_s"].items() if k != "total"}
+    parts = ", ".join(f"{PHASE_NAMES.get(k, k)} {v:.1f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
+                      if v >= 0.05)
+    print(f"[demo] distillation {report['distillation_time_s']['total']:.0f} s = {parts}")
     print(f"[demo] wrote {output_dir / 'report.json'} and {output_dir / 'curves.png'}")
 
 
@@ -310,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report, args.output_dir)
     if args.quick:
         return 0
-    if not (report["jsd_after"] <= 0.5 * report["jsd_before"] and report["accuracy_after"] > report["accuracy_before"]):
-        logger.error("FAILED: distillation did not halve the held-out divergence and raise the accuracy")
+    if not (report["jsd_after"] <= 0.5 * report["jsd_before"]
+            and report["accuracy_after"] >= 0.8 * report["teacher_accuracy"]):
+        logger.error("FAILED: distillation did not halve the held-out divergence and reach 80%% of the teacher's "
+                     "accuracy")
         return 1
     return 0
 

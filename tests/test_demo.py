@@ -25,6 +25,14 @@ def test_quick_demo_writes_its_report_and_plot(tmp_path):
     assert report["steps"] >= 10 and report["trained_tokens_per_s"] > 0
     assert report["max_served_logprob_gap"] <= 1e-4  # every sync checked against the trainer's own log-probs
     assert report["jsd_after"] < report["jsd_before"]
+    # the held-out curve: step 0, every eval_steps (half the run in --quick) and the end
+    assert [p["step"] for p in report["held_out_curve"]][0] == 0 and len(report["held_out_curve"]) >= 3
+    assert report["held_out_curve"][-1]["step"] == report["steps"]
+    # every second is attributed: the demo's parts add up to its total, the trainer's phases to the distillation
+    times, phases = report["time_s"], report["distillation_time_s"]
+    assert sum(v for k, v in times.items() if k != "total") == pytest.approx(times["total"], rel=1e-9)
+    assert sum(v for k, v in phases.items() if k != "total") == pytest.approx(phases["total"], rel=1e-9)
+    assert phases["total"] == times["distillation"] and phases["other"] < phases["total"]
     png = (tmp_path / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "held-out jsd" in result.stdout
