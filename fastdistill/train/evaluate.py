@@ -65,15 +65,16 @@ def collect_scored_samples(
 def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                          beta: float = 0.0, temperature: float = 1.0, add_tail_bucket: bool = True) -> float:
     """Mean over scored completion tokens of the sparse generalized JSD between ``model`` (a Hugging Face causal
-    LM) and the teacher candidates of ``samples`` (nats/token)."""
+    LM) and the teacher candidates of ``samples`` (nats/token); candidates beyond the model's vocabulary are folded
+    into the teacher's tail (:func:`~fastdistill.data.pack_row`)."""
     samples = [s for s in samples if len(s.completion_ids) > 0]
     if not samples:
         raise ValueError("no sample has a completion token to score")
-    row = pack_row(samples, teacher_ids).to(next(model.parameters()).device)
+    head = model.get_output_embeddings()
+    row = pack_row(samples, teacher_ids, vocab_size=head.weight.shape[0]).to(next(model.parameters()).device)
     hidden = model.base_model(input_ids=row.input_ids, position_ids=row.position_ids,
                               use_cache=False).last_hidden_state[0]
     ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, beta)
-    head = model.get_output_embeddings()
     out = sparse_jsd_loss(hidden.index_select(0, row.target_positions).float(), head.weight.float(), ids, lps, mask,
                           bias=None if head.bias is None else head.bias.float(), beta=beta, temperature=temperature,
                           add_tail_bucket=add_tail_bucket)
