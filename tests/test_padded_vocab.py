@@ -272,3 +272,68 @@ def test_trainer_counts_folded_candidates_and_warns_once_per_teacher(tmp_path, c
                         "beyond the student's. Those candidates are folded into the teacher's tail bucket (the "
                         "student cannot produce them) and counted in sample/teacher_out_of_vocab_total; warned once "
                         "per teacher."]
+
+
+# ------------------------------------------------------------------------------------------------ real vLLM
+
+
+@pytest.fixture(scope="module")
+def padded_servers(tmp_path_factory):
+    """(student folder, student server with gloo weight transfer, padded teacher server): one tokenizer, a student
+    with 512 vocabulary rows and a teacher with 640 whose padding lm_head rows reach its top-K."""
+    from fastdistill.serve import VLLMServer
+    from fastdistill.testing.vllm_server import require_vllm, start_together
+
+    require_vllm()
+    tokenizer = build_tokenizer()
+    assert len(tokenizer) < 512
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    student_dir = save_pretrained_dir(build_model(tiny_config(512, **special), seed=1), tokenizer,
+                                      tmp_path_factory.mktemp("student"))
+    teacher_dir = save_pretrained_dir(padded_teacher(tokenizer, 640 - len(tokenizer), seed=2), tokenizer,
+                                      tmp_path_factory.mktemp("padded-teacher"))
+    logs = tmp_path_factory.mktemp("logs")
+    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
+    teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
+    start_together(student, teacher)
+    try:
+        yield student_dir, student, teacher
+    finally:
+        student.stop()
+        teacher.stop()
+
+
+@pytest.mark.vllm
+def test_a_padded_vllm_teacher_passes_the_vocabulary_check_and_trains_a_student(tmp_path, padded_servers, caplog):
+    """The startup check accepts the padded teacher (same tokenizer; a different tokenizer is refused by
+    test_vocabulary_check_against_real_servers), its served top-K holds ids beyond the student's 512 rows, and a
+    short run folds them, counts them, warns once and trains with a finite loss."""
+    import asyncio
+
+    from fastdistill.rollout import StudentClient, TeacherClient, check_shared_vocabulary
+
+    student_dir, student, teacher = padded_servers
+
+    async def check() -> None:
+        async with StudentClient(student.url) as student_client, TeacherClient(teacher.url) as teacher_client:
+            await check_shared_vocabulary(student_client, {"padded": teacher_client})
+
+    asyncio.run(check())  # no VocabularyMismatchError
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i + 1}."}]} for i in range(8)]
+    config = AsyncDistillationConfig(
+        model_name_or_path=str(student_dir), output_dir=str(tmp_path / "run"), vllm_server_base_url=student.url,
+        teacher_server_urls={"padded": teacher.url}, per_device_train_batch_size=4, num_train_epochs=1,
+        learning_rate=1e-3, token_budget=0, max_completion_length=8, teacher_top_k=4, gradient_checkpointing=False,
+        disable_tqdm=True, save_strategy="no", export_final_model=False, heartbeat_stale_after_s=60.0,
+    )
+    with caplog.at_level(logging.WARNING, logger="fastdistill.train.trainer"):
+        summary = AsyncDistillationTrainer(config, train_dataset=rows).train()
+    assert summary["steps"] == 2 and summary["model_version"] == 3  # the cold sync, then one per step
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    assert sum(r["sample/teacher_out_of_vocab_total"] for r in records) > 0
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
+    warnings = [r.getMessage() for r in caplog.records if "folded into the teacher's tail" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("teacher 'padded' returned candidate ids up to ")
+    assert "the student's vocabulary has 512 tokens" in warnings[0]
