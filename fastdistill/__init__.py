@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SparseJSDOutput",
+    "fold_out_of_vocab",
     "narrow_support",
     "scored_positions",
     "sparse_jsd_loss",

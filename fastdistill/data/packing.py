@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..loss.support import fold_out_of_vocab
 from ..rollout.sample import RolloutSample
 
 
@@ -42,6 +43,9 @@ class PackedRow:
     token_sample: torch.Tensor  # int64 (M,), which sample (0..S-1) each target belongs to
     model_versions: torch.Tensor  # int64 (S,), policy version each sample was generated with
     prompt_ids: list[int]  # (S,), each sample's prompt_id
+    # candidates at or beyond pack_row's vocab_size, removed from candidate_ids (F = how many slots were folded)
+    folded_ids: torch.Tensor  # int64 (F,), their ids
+    folded_teacher: torch.Tensor  # int64 (F,), their teacher index
 
     @property
     def num_tokens(self) -> int:
@@ -70,16 +74,27 @@ class PackedRow:
         return dataclasses.replace(self, **moved)
 
 
-def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str]) -> PackedRow:
+def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
+             vocab_size: int | None = None) -> PackedRow:
     """Concatenate ``samples`` into one :class:`PackedRow` (layout in the module docstring).
 
     ``teacher_ids`` lists every teacher id in a fixed order; ``teacher_index`` refers to it. Completion positions
-    whose ``completion_mask`` is 0 are forwarded but not targets (as in TRL). Raises ValueError for an empty list,
-    a malformed sample (array shapes or dtypes that disagree, an empty prompt, a prompt position marked as
-    completion), a ``teacher_id`` not in ``teacher_ids``, or candidate widths (K+1) that differ between samples.
+    whose ``completion_mask`` is 0 are forwarded but not targets (as in TRL).
+
+    ``vocab_size``: the student's vocabulary size (its lm_head rows), or None. Teacher candidates at or beyond it
+    (a teacher whose embedding is padded beyond the student's serves such ids) are folded: their slots become
+    empty (-1 / -inf, see :func:`fastdistill.fold_out_of_vocab`), so their teacher mass goes to the tail bucket,
+    and they are listed in ``folded_ids`` / ``folded_teacher``.
+
+    Raises ValueError for an empty list, a malformed sample (array shapes or dtypes that disagree, an empty prompt,
+    a prompt position marked as completion), a ``teacher_id`` not in ``teacher_ids``, candidate widths (K+1) that
+    differ between samples, or a trained completion token at or beyond ``vocab_size``.
     """
     if len(samples) == 0:
         raise ValueError("pack_row needs at least one sample, got an empty list")
+    if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
+                                   or vocab_size < 1):
+        raise ValueError(f"vocab_size must be None or an int >= 1, got {vocab_size!r}")
     teacher_to_index = _teacher_index_map(teacher_ids)
     width = None
     for s, sample in enumerate(samples):
@@ -117,26 +132,52 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str]) -> Pa
     token_at = token_at[keep]
     token_sample = np.repeat(np.arange(len(samples), dtype=np.int64), completion_lengths)[keep]
     sample_teacher = np.array([teacher_to_index[sample.teacher_id] for sample in samples], dtype=np.int64)
+    teacher_index = torch.from_numpy(sample_teacher[token_sample])
+    actual_ids = torch.from_numpy(input_ids[token_at])
+    candidate_ids = torch.from_numpy(
+        np.concatenate([sample.teacher_topk_ids for sample in samples]).astype(np.int64)[keep]
+    )
+    candidate_logprobs = torch.from_numpy(
+        np.concatenate([sample.teacher_topk_logprobs for sample in samples]).astype(np.float32)[keep]
+    )
+    folded_ids = folded_teacher = torch.zeros(0, dtype=torch.int64)
+    if vocab_size is not None:
+        _check_actual_ids(actual_ids, token_sample, samples, vocab_size)
+        original_ids = candidate_ids
+        candidate_ids, candidate_logprobs, folded = fold_out_of_vocab(candidate_ids, candidate_logprobs, vocab_size)
+        folded_ids = original_ids[folded]
+        folded_teacher = teacher_index[:, None].expand_as(folded)[folded]
 
     return PackedRow(
         input_ids=torch.from_numpy(input_ids)[None],
         position_ids=torch.from_numpy(position_ids)[None],
         target_positions=torch.from_numpy(token_at - 1),
-        candidate_ids=torch.from_numpy(
-            np.concatenate([sample.teacher_topk_ids for sample in samples]).astype(np.int64)[keep]
-        ),
-        candidate_logprobs=torch.from_numpy(
-            np.concatenate([sample.teacher_topk_logprobs for sample in samples]).astype(np.float32)[keep]
-        ),
-        actual_ids=torch.from_numpy(input_ids[token_at]),
-        teacher_index=torch.from_numpy(sample_teacher[token_sample]),
+        candidate_ids=candidate_ids,
+        candidate_logprobs=candidate_logprobs,
+        actual_ids=actual_ids,
+        teacher_index=teacher_index,
         rollout_logprobs=torch.from_numpy(
             np.concatenate([sample.rollout_logprobs for sample in samples]).astype(np.float32)[keep]
         ),
         token_sample=torch.from_numpy(token_sample),
         model_versions=torch.tensor([int(sample.model_version) for sample in samples], dtype=torch.int64),
         prompt_ids=[int(sample.prompt_id) for sample in samples],
+        folded_ids=folded_ids,
+        folded_teacher=folded_teacher,
     )
+
+
+def _check_actual_ids(actual_ids: torch.Tensor, token_sample: np.ndarray, samples: Sequence[RolloutSample],
+                      vocab_size: int) -> None:
+    """The trained tokens are the student's own samples, so they must be rows of its lm_head."""
+    beyond = (actual_ids >= vocab_size).nonzero()
+    if beyond.numel():
+        first = int(beyond[0, 0])
+        sample = samples[int(token_sample[first])]
+        raise ValueError(
+            f"sample (prompt_id={sample.prompt_id}) has completion token {int(actual_ids[first])}, beyond the "
+            f"student's vocabulary of {vocab_size} tokens (lm_head rows): the student cannot have produced it"
+        )
 
 
 def _teacher_index_map(teacher_ids: Sequence[str]) -> dict[str, int]:

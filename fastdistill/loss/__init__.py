@@ -3,11 +3,12 @@
 from .api import SparseJSDOutput, sparse_jsd_loss
 from .normalization import scored_positions, window_loss_scale, window_token_count
 from .policy_gradient import PolicyGradientOutput, reverse_kl_pg_loss, sampled_token_logprobs
-from .support import narrow_support
+from .support import fold_out_of_vocab, narrow_support
 
 __all__ = [
     "PolicyGradientOutput",
     "SparseJSDOutput",
+    "fold_out_of_vocab",
     "narrow_support",
     "reverse_kl_pg_loss",
     "sampled_token_logprobs",

@@ -336,7 +336,10 @@ def _validate(hidden, weight, bias, ids, lps, mask, logit_scale, softcap, beta, 
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < -1 or hi >= V:
-            raise ValueError(f"ids must lie in [-1, V) = [-1, {V}) (-1 = empty slot), got values in [{lo}, {hi}]")
+            raise ValueError(f"ids must lie in [-1, V) = [-1, {V}) (-1 = empty slot), got values in [{lo}, {hi}]"
+                             + ("; a teacher whose vocabulary is padded beyond the student's: fold those candidates "
+                                "into the tail first with fastdistill.fold_out_of_vocab(ids, lps, V)"
+                                if hi >= V else ""))
         used = mask & (ids >= 0)
         bad = used & (torch.isnan(lps) | (lps == float("inf")))
         if bool(bad.any()):

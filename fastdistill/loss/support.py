@@ -70,6 +70,47 @@ def narrow_support(
     return ids, lps, mask
 
 
+def fold_out_of_vocab(
+    candidate_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Remove the candidates the student cannot produce: ids at or beyond ``vocab_size`` (the student's lm_head
+    rows), as served by a teacher whose embedding is padded beyond the student's.
+
+    Their slots become empty (id -1, log-prob -inf), so the loss never sees them; with ``add_tail_bucket=True``
+    their teacher mass lands in the teacher's tail bucket (the tail is 1 − Σ of the remaining candidates), without
+    it the remaining candidates are renormalised as usual. Apply it before :func:`narrow_support`: a folded
+    top-1 leaves β in (0, 1) with the realised token only.
+
+    Args:
+        candidate_ids: ``(..., W)`` integer candidate ids, -1 = empty slot.
+        teacher_logprobs: ``(..., W)`` float, their teacher log-probs (nats).
+        vocab_size: the student's vocabulary size V (int >= 1).
+
+    Returns:
+        ``(ids, logprobs, folded)``: copies of the inputs with the folded slots emptied, and the ``(..., W)`` bool
+        mask of the folded slots. The inputs are returned unchanged (no copy) when nothing is folded.
+    """
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+    if candidate_ids.shape != teacher_logprobs.shape:
+        raise ValueError(
+            f"teacher_logprobs must have the shape of candidate_ids {tuple(candidate_ids.shape)}, "
+            f"got {tuple(teacher_logprobs.shape)}"
+        )
+    if candidate_ids.is_floating_point() or candidate_ids.is_complex() or candidate_ids.dtype == torch.bool:
+        raise ValueError(f"candidate_ids must be an integer tensor, got {candidate_ids.dtype}")
+    if not teacher_logprobs.is_floating_point():
+        raise ValueError(f"teacher_logprobs must be a floating-point tensor, got {teacher_logprobs.dtype}")
+    folded = candidate_ids >= vocab_size
+    if not bool(folded.any()):
+        return candidate_ids, teacher_logprobs, folded
+    ids = candidate_ids.masked_fill(folded, -1)
+    logprobs = teacher_logprobs.masked_fill(folded, float("-inf"))
+    return ids, logprobs, folded
+
+
 def canonical_mask(ids: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The slots that take part in the loss: ``(N, S)`` bool.
 

@@ -68,15 +68,16 @@ def collect_scored_samples(
 def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                          beta: float = 0.0, temperature: float = 1.0, add_tail_bucket: bool = True) -> float:
     """Mean over scored completion tokens of the sparse generalized JSD between ``model`` (a Hugging Face causal
-    LM) and the teacher candidates of ``samples`` (nats/token)."""
+    LM) and the teacher candidates of ``samples`` (nats/token); candidates beyond the model's vocabulary are folded
+    into the teacher's tail (:func:`~fastdistill.data.pack_row`)."""
     samples = [s for s in samples if len(s.completion_ids) > 0]
     if not samples:
         raise ValueError("no sample has a completion token to score")
-    row = pack_row(samples, teacher_ids).to(next(model.parameters()).device)
+    head = model.get_output_embeddings()
+    row = pack_row(samples, teacher_ids, vocab_size=head.weight.shape[0]).to(next(model.parameters()).device)
     hidden = model.base_model(input_ids=row.input_ids, position_ids=row.position_ids,
                               use_cache=False).last_hidden_state[0]
     ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, beta)
-    head = model.get_output_embeddings()
     out = sparse_jsd_loss(hidden.index_select(0, row.target_positions).float(), head.weight.float(), ids, lps, mask,
                           bias=None if head.bias is None else head.bias.float(), beta=beta, temperature=temperature,
                           add_tail_bucket=add_tail_bucket)
@@ -84,21 +85,22 @@ def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample
 
 
 def divergence_stats(model: torch.nn.Module, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
-                     beta: float, device: torch.device, rank: int = 0, world_size: int = 1, group: int = 8,
-                     bf16: bool = False) -> torch.Tensor:
+                     beta: float, device: torch.device, vocab_size: int | None = None, rank: int = 0,
+                     world_size: int = 1, group: int = 8, bf16: bool = False) -> torch.Tensor:
     """(num_teachers, 2) float64 ``[scored tokens, jsd sum]`` per teacher of this rank's share of ``samples``
     (every ``world_size``-th one from ``rank``), ``group`` samples per packed row.
 
     ``model`` is a :class:`~fastdistill.train.model.DistillationModel` (its ``divergence=True`` forward). Every rank
     runs the same number of forwards (a rank with fewer samples runs zero-weight copies) because FSDP's gathers are
-    collective; samples without a completion token are skipped. Sum the result over ranks."""
+    collective; samples without a completion token are skipped. Teacher candidates at or beyond ``vocab_size`` (the
+    student's lm_head rows) are folded into the teacher's tail. Sum the result over ranks."""
     scored = [s for s in samples if len(s.completion_ids) > 0]
     mine = scored[rank::world_size]
     chunks = math.ceil(math.ceil(len(scored) / world_size) / group) if scored else 0
     stats = torch.zeros(len(teacher_ids), 2, dtype=torch.float64)
     for index in range(chunks):
         chunk = mine[index * group:(index + 1) * group]
-        row = pack_row(chunk or scored[:1], list(teacher_ids)).to(device)
+        row = pack_row(chunk or scored[:1], list(teacher_ids), vocab_size=vocab_size).to(device)
         ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, beta)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             out, _ = model(row, ids, lps, mask, divergence=True)
@@ -201,7 +203,7 @@ def evaluate_saved_model(config: Any, rows: Sequence[Mapping[str, Any]], *, mode
                                      teacher_api_keys=config.teacher_api_keys)
     with torch.no_grad():
         stats = divergence_stats(DistillationModel(model, config), samples, teacher_ids, beta=config.beta,
-                                 device=device)
+                                 device=device, vocab_size=model.get_output_embeddings().weight.shape[0])
         probes = [s.input_ids.tolist() for s in samples[:2]]
         gap = served_logprob_gap(config.vllm_server_base_url, model, probes, api_key=config.vllm_server_api_key)
     if gap > SERVED_MODEL_GAP_WARNING:

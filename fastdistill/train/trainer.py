@@ -112,6 +112,9 @@ class AsyncDistillationTrainer:
         self.on_step_end = on_step_end
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
         hf_model = model if model is not None else load_model(config, self.dist.device)
+        # teacher candidates at or beyond the student's lm_head rows are folded into the teacher's tail
+        self.student_vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        self._warned_out_of_vocab: set[str] = set()
         self.master_weights_warning = check_master_weights(hf_model, config)
         self.model, self.hf_model = prepare_student(hf_model, config, self.dist.device, self.dist.world_size,
                                                     self._use_bf16())
@@ -311,7 +314,7 @@ class AsyncDistillationTrainer:
         try:
             stats = held_out.divergence_stats(
                 self.model, samples, self.teacher_ids, beta=config.beta, device=self.dist.device,
-                rank=self.dist.rank, world_size=self.dist.world_size,
+                vocab_size=self.student_vocab_size, rank=self.dist.rank, world_size=self.dist.world_size,
                 bf16=self._use_bf16() and self.dist.world_size == 1)
         finally:
             self.hf_model.train(was_training)
@@ -676,7 +679,10 @@ class AsyncDistillationTrainer:
         rows, supports, counts = [], [], []
         with clock.phase("pack"):
             for samples, ghost in window:
-                row = pack_row(samples, self.teacher_ids).to(device)
+                row = pack_row(samples, self.teacher_ids, vocab_size=self.student_vocab_size)
+                if not ghost:
+                    self._warn_out_of_vocab(row)
+                row = row.to(device)
                 support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, config.beta)
                 rows.append(row)
                 supports.append(support)
@@ -685,8 +691,8 @@ class AsyncDistillationTrainer:
         scale = window_loss_scale(window_tokens)
         num_teachers = len(self.teacher_ids)
         # Σ over this rank: [tokens, jsd, entropy, teacher entropy, forwarded tokens, trained tokens, samples,
-        #                   then (tokens, jsd, teacher entropy) per teacher]
-        stats = torch.zeros(7 + 3 * num_teachers, dtype=torch.float64)
+        #                   folded teacher candidates, then (tokens, jsd, teacher entropy) per teacher]
+        stats = torch.zeros(8 + 3 * num_teachers, dtype=torch.float64)
         fwd_bwd_started = time.perf_counter()
         for row, (ids, lps, mask), (_, ghost) in zip(rows, supports, window, strict=True):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self._use_bf16() and
@@ -704,7 +710,8 @@ class AsyncDistillationTrainer:
             stats[4] += row.num_tokens
             stats[5] += row.num_trained
             stats[6] += row.num_samples
-            stats[7:] += out.per_teacher.detach().double().cpu().flatten()
+            stats[7] += row.folded_ids.numel()
+            stats[8:] += out.per_teacher.detach().double().cpu().flatten()
         fwd_bwd_s = time.perf_counter() - fwd_bwd_started
         clock.add("fwd_bwd", fwd_bwd_s)
         grad_norm = None
@@ -726,6 +733,24 @@ class AsyncDistillationTrainer:
             record = self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
         record["learning_rate"] = learning_rate
         return record
+
+    def _warn_out_of_vocab(self, row: PackedRow) -> None:
+        """Warn once per teacher whose candidates reach beyond the student's vocabulary (they are folded into the
+        teacher's tail and counted in ``sample/teacher_out_of_vocab_total``)."""
+        if row.folded_ids.numel() == 0:
+            return
+        for index in row.folded_teacher.unique().tolist():
+            teacher_id = self.teacher_ids[index]
+            if teacher_id in self._warned_out_of_vocab:
+                continue
+            self._warned_out_of_vocab.add(teacher_id)
+            largest = int(row.folded_ids[row.folded_teacher == index].max())
+            logger.warning(
+                "teacher %r returned candidate ids up to %d, but the student's vocabulary has %d tokens (lm_head "
+                "rows): the teacher's vocabulary is at least %d tokens, padded beyond the student's. Those "
+                "candidates are folded into the teacher's tail bucket (the student cannot produce them) and "
+                "counted in sample/teacher_out_of_vocab_total; warned once per teacher.",
+                teacher_id, largest, self.student_vocab_size, largest + 1)
 
     def _scored_count(self, row: PackedRow, support: tuple[torch.Tensor, ...]) -> int:
         """Positions the loss will score: those with teacher signal (jsd), or whose sampled token the teacher
@@ -768,6 +793,7 @@ class AsyncDistillationTrainer:
             "batch/forwarded_tokens_per_step": float(stats[4]),
             "batch/trained_tokens_per_step": float(stats[5]),
             "batch/samples_per_step": float(stats[6]),
+            "sample/teacher_out_of_vocab_total": float(stats[7]),
             "perf/fwd_bwd_s": fwd_bwd_s,
             "perf/optimizer_s": optimizer_s,
             "perf/forwarded_tok_s_fwd_bwd": float(stats[4]) / max(fwd_bwd_s, 1e-9),
@@ -775,7 +801,7 @@ class AsyncDistillationTrainer:
         if grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
         if len(self.teacher_ids) > 1:
-            per_teacher = stats[7:].view(-1, 3)
+            per_teacher = stats[8:].view(-1, 3)
             for index, teacher_id in enumerate(self.teacher_ids):
                 count = float(per_teacher[index, 0])
                 record[f"teacher_token_frac/{teacher_id}"] = count / tokens
