@@ -158,6 +158,7 @@ class AsyncDistillationTrainer:
         self.dropped_total = 0
         self.clock = PhaseClock()  # where the run's seconds go (train_summary.json "time_s", perf/*_s per step)
         self._window_wait_s = 0.0  # rank 0: seconds the last window collection waited for rollouts
+        self._student_model_name: str | None = None  # the student server's model id (known after the server check)
 
     # ------------------------------------------------------------------------------------------------ setup
 
@@ -376,6 +377,8 @@ class AsyncDistillationTrainer:
         skip_rows: frozenset[int] = frozenset()
         if self.dist.is_main:
             served = self._check_servers() if self._samples is None else None
+            if served is not None:
+                self._student_model_name = served["student"].name
             token_budget = config.token_budget
             if token_budget is None:  # the student server's max_model_len (no bound for offline samples)
                 token_budget = served["student"].max_model_len if served is not None else 0
@@ -631,6 +634,7 @@ class AsyncDistillationTrainer:
         self.hf_model.eval()
         try:
             return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes,
+                                      served_model_name=self._student_model_name,
                                       api_key=self.config.vllm_server_api_key)
         finally:
             self.hf_model.train(was_training)
