@@ -41,6 +41,7 @@ from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMU
 from fastdistill.rollout.order import epoch_order, prompt_cursor, route_rows
 from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.table import PromptTable
 
 # Environment variables of torch.distributed / torchrun that must not leak into the child.
 _DISTRIBUTED_ENV = (
@@ -192,8 +193,10 @@ class _Channels:
 class RolloutWorker:
     """Parent-side controller of the rollout child process.
 
-    ``dataset`` rows: ``{"prompt_ids": list[int], "teacher_id": str (needed with several teachers), "prompt": any
-    (optional, copied to the sample)}``. Consume ``samples`` (``RolloutSample``) and ``metrics_queue`` (dicts).
+    ``dataset``: a :class:`~fastdistill.rollout.PromptTable`, or rows ``{"prompt_ids": list[int], "teacher_id": str
+    (needed with several teachers), "prompt": any (optional, copied to the sample)}``; either way the worker keeps
+    (and sends the child) a routed ``PromptTable``. Consume ``samples`` (``RolloutSample``) and ``metrics_queue``
+    (dicts).
     """
 
     def __init__(
@@ -206,12 +209,12 @@ class RolloutWorker:
     ):
         if queue_maxsize < 1:
             raise ValueError(f"queue_maxsize must be >= 1 (the queue is bounded), got {queue_maxsize}")
-        routes = route_rows(dataset, list(config.teacher_urls))
+        teacher_ids = list(config.teacher_urls)
+        if isinstance(dataset, PromptTable):
+            self._rows = dataset.routed(teacher_ids)
+        else:
+            self._rows = PromptTable.from_rows(dataset, teacher_ids=route_rows(dataset, teacher_ids))
         self.config = config
-        self._rows = [
-            {"prompt_ids": [int(t) for t in row["prompt_ids"]], "teacher_id": route, "prompt": row.get("prompt")}
-            for row, route in zip(dataset, routes, strict=True)
-        ]
         self._ready_timeout_s = ready_timeout_s
         context = mp.get_context("spawn")
         self._context = context
