@@ -336,3 +336,38 @@ def test_dataset_config_fields_are_validated():
     ]:
         with pytest.raises(ConfigError, match=message):
             AsyncDistillationConfig(**base, **{field: value})
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+
+
+def test_the_trainer_takes_a_dataset_object_or_a_folder_and_its_splits(tmp_path, tokenizer):
+    from fastdistill.tiny import build_model, save_pretrained_dir, tiny_config
+    from fastdistill.train.trainer import AsyncDistillationTrainer
+
+    model = build_model(tiny_config(len(tokenizer), pad_token_id=0, eos_token_id=2), seed=7)
+    student_dir = save_pretrained_dir(model, tokenizer, tmp_path / "student")
+    train = chat_rows(6)
+    test = [{"prompt": chat("held out"), "teacher_id": "math"}, {"prompt": chat("also held out"),
+                                                                 "teacher_id": "code"}]
+    folder = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train), "validation": datasets.Dataset.from_list(test)}
+                         ).save_to_disk(str(folder))
+    settings = dict(model_name_or_path=str(student_dir), teacher_server_urls={"math": "http://127.0.0.1:9",
+                                                                              "code": "http://127.0.0.1:10"},
+                    weight_sync_backend="none", gradient_checkpointing=False, save_strategy="no")
+
+    from_objects = AsyncDistillationTrainer(AsyncDistillationConfig(**settings, output_dir=str(tmp_path / "a")),
+                                            train_dataset=datasets.Dataset.from_list(train),
+                                            eval_dataset=datasets.Dataset.from_list(test))
+    from_config = AsyncDistillationTrainer(AsyncDistillationConfig(
+        **settings, output_dir=str(tmp_path / "b"), train_dataset=str(folder), eval_dataset=str(folder),
+        dataset_test_split="validation"))
+    for trainer in (from_objects, from_config):
+        assert isinstance(trainer.rows, PromptTable) and list(trainer.rows) == tokenize_prompts(train, tokenizer)
+        assert trainer.num_prompts == 6 and trainer.has_eval
+        assert list(trainer.eval_rows) == tokenize_prompts(test, tokenizer)  # routed: each keeps its teacher
+    with pytest.raises(ConfigError, match=r"eval_dataset: .* has no split 'test'; its splits are \['train', "
+                                          r"'validation'\]"):
+        AsyncDistillationTrainer(AsyncDistillationConfig(**settings, output_dir=str(tmp_path / "c"),
+                                                         train_dataset=str(folder), eval_dataset=str(folder)))
