@@ -56,6 +56,7 @@ def test_prompt_table_round_trips_rows_and_pickles_compactly():
     assert table.token_ids.dtype == np.int32 and table.token_ids.tolist() == [5, 6, 7, 8, 9, 10]
     assert table.offsets.tolist() == [0, 3, 4, 6] and table.lengths.tolist() == [3, 1, 2]
     assert table.teacher_names == ("code", "math") and table.teacher_codes.tolist() == [1, -1, 0]
+    assert [table.teacher_id(i) for i in range(3)] == ["math", None, "code"]
     assert list(table) == rows and table[-1] == rows[2] and table[1:] == rows[1:]
     assert all(type(t) is int for t in table[0]["prompt_ids"])
     assert list(pickle.loads(pickle.dumps(table))) == rows

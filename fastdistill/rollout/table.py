@@ -83,15 +83,20 @@ class PromptTable(Sequence):
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range for a table of {len(self)} rows")
         row: dict[str, Any] = {"prompt_ids": self.token_ids[self.offsets[index]:self.offsets[index + 1]].tolist()}
-        code = self.teacher_codes[index]
-        if code != _NO_TEACHER:
-            row["teacher_id"] = self.teacher_names[code]
+        teacher_id = self.teacher_id(index)
+        if teacher_id is not None:
+            row["teacher_id"] = teacher_id
         row["prompt"] = self.prompts[index] if self.prompts is not None else None
         return row
 
     def __repr__(self) -> str:
         return (f"PromptTable({len(self)} rows, {self.token_ids.shape[0]} tokens, teachers={list(self.teacher_names)}"
                 f"{', with prompts' if self.prompts is not None else ''})")
+
+    def teacher_id(self, index: int) -> str | None:
+        """Row ``index``'s teacher id (None when it has none), without building the row."""
+        code = self.teacher_codes[index]
+        return None if code == _NO_TEACHER else self.teacher_names[code]
 
     @property
     def lengths(self) -> np.ndarray:

@@ -482,9 +482,8 @@ class AsyncDistillationTrainer:
         completion = config.max_completion_length
         teacher_ids = self.teacher_ids
         limits: dict[int, tuple[str, int, int]] = {}  # row -> (server, needed tokens, its max_model_len)
-        for index, row in enumerate(self.rows):
-            prompt = len(row["prompt_ids"])
-            teacher_id = row.get("teacher_id") if len(teacher_ids) > 1 else teacher_ids[0]
+        for index, prompt in enumerate(self.rows.lengths.tolist()):  # not the rows: that would read every prompt
+            teacher_id = self.rows.teacher_id(index) if len(teacher_ids) > 1 else teacher_ids[0]
             checks = [("student", prompt + completion, served["student"].max_model_len),
                       (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
             for server, needed, limit in checks:
