@@ -1,7 +1,7 @@
 """Rollout worker: a CUDA-free child process that keeps the student and teacher vLLM servers busy.
 
 The parent (:class:`RolloutWorker`) validates the dataset, spawns the child and watches it. The child runs one
-asyncio loop over the dataset (already tokenised rows ``{"prompt_ids": list[int], "teacher_id": str?}``) with at most
+asyncio loop over the dataset (a :class:`PromptTable` of already tokenised prompts, routed) with at most
 ``max_inflight_tasks`` rollouts in flight (and, with ``max_lookahead``, at most that many in flight and queued
 together); one rollout = student generate, then teacher score. Scored samples go into
 the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL 1.16's names).
@@ -354,7 +354,7 @@ def _child_environment() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _child_main(config: RolloutConfig, rows: list[dict[str, Any]], channels: _Channels) -> None:
+def _child_main(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channels: _Channels) -> None:
     """Child entry point: run the loop; on failure report (type, message, traceback) and exit with code 1."""
     # On stop the parent may not drain the queues; do not block the exit on flushing them.
     channels.samples.cancel_join_thread()
@@ -427,7 +427,7 @@ class _Kept:
 class _RolloutLoop:
     """The child's asyncio loop: dispatch, collect, enqueue, account."""
 
-    def __init__(self, config: RolloutConfig, rows: list[dict[str, Any]], channels: _Channels):
+    def __init__(self, config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channels: _Channels):
         self.config = config
         self.rows = rows
         self.channels = channels
