@@ -58,7 +58,6 @@ def _eval(args: argparse.Namespace) -> int:
     from fastdistill.train import AsyncDistillationConfig
     from fastdistill.train.config import ConfigError
     from fastdistill.train.evaluate import evaluate_saved_model
-    from fastdistill.train.trainer import load_rows
 
     overrides = list(args.overrides)
     if args.model is not None:
@@ -77,11 +76,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"model folder {model!r} does not exist")
     if config.eval_dataset is None:
         raise ConfigError("no held-out rows: pass --dataset FILE (or set eval_dataset in the config)")
-    try:
-        rows = load_rows(config.eval_dataset)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"eval_dataset: {error}") from error
-    result = evaluate_saved_model(config, rows, show_completions=not args.no_completions)
+    result = evaluate_saved_model(config, show_completions=not args.no_completions)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1))
     shown = {k: v for k, v in result.items() if k.startswith("eval/")}
@@ -186,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--student-url", default=None, help="the vLLM server serving --model")
     evaluate.add_argument("--teacher-url", action="append", default=[],
                           help="URL or ID=URL of a teacher (repeat for several teachers or replicas)")
-    evaluate.add_argument("--dataset", default=None, help="held-out rows: JSON/JSONL with 'prompt' (and optionally "
-                          "'teacher_id', 'answer' for exact-match accuracy)")
+    evaluate.add_argument("--dataset", default=None, help="held-out rows: a .json/.jsonl/.parquet/.csv file, a dataset "
+                          "folder or a Hugging Face dataset name (split: dataset_test_split), with 'prompt' or "
+                          "'messages', optionally 'teacher_id' and 'answer' (for exact-match accuracy)")
     evaluate.add_argument("--config", type=Path, default=None, help="YAML file of AsyncDistillationConfig fields "
                           "(teacher_top_k, max_completion_length, beta, ... and the servers)")
     evaluate.add_argument("--output", type=Path, default=Path("eval.json"), help="where to write the JSON result")

@@ -96,3 +96,19 @@ def test_exact_match_grades_only_rows_with_an_answer():
     assert "eval/exact_match" not in eval_record(stats, samples, ["default"], answers=[None] * 3)
     with pytest.raises(ValueError, match="needs the tokenizer"):
         eval_record(stats, samples, ["default"], answers=["5", None, None])
+
+
+def test_eval_rows_from_a_dataset_with_an_answer_column(tmp_path):
+    import datasets
+
+    tokenizer = build_tokenizer()
+    table = datasets.Dataset.from_list([{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": "Count to 3.",
+                                                                                       "answer": "1 2 3"}])
+    prepared = prepare_eval_rows(table, tokenizer, ["default"])
+    assert [r["answer"] for r in prepared] == ["5", "1 2 3"]
+    assert [r["prompt_ids"] for r in prepared] == [r["prompt_ids"] for r in prepare_eval_rows(
+        [{"prompt": "What is 2 + 3?"}, {"prompt": "Count to 3."}], tokenizer, ["default"])]
+    path = tmp_path / "held_out.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "answer": 5}) + "\n")
+    with pytest.raises(ConfigError, match=r"eval_dataset: row 0: 'answer' must be a string"):
+        prepare_eval_rows(str(path), tokenizer, ["default"])

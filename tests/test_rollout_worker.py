@@ -317,6 +317,31 @@ def test_samples_are_scored_by_their_teacher_once_per_epoch(servers):
     assert any("teacher_score_s/math" in m and m["rollout/duration_s"] >= m["rollout/score_s"] for m in metrics)
 
 
+def test_a_prompt_table_stays_compact_and_its_dataset_prompts_reach_the_samples(servers, tmp_path, monkeypatch):
+    """A PromptTable from a datasets.Dataset (prompts read lazily from its Arrow column) goes to the child as is:
+    the samples carry the rows' ids, teachers and prompts."""
+    datasets = pytest.importorskip("datasets")
+    from fastdistill.data.sources import tokenize_dataset
+    from fastdistill.rollout import PromptTable
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    student, teachers = servers
+    rows = [{"prompt_ids": [10 + i, 5, 6], "teacher_id": ("math", "code")[i % 2],
+             "prompt": [{"role": "user", "content": f"row {i}"}]} for i in (0, 1, 3, 5)]
+    table = tokenize_dataset(datasets.Dataset.from_list(rows), None)
+    worker = RolloutWorker(config(student, teachers), table, queue_maxsize=8)
+    assert isinstance(worker._rows, PromptTable) and worker._rows.token_ids is table.token_ids
+    worker.start()
+    try:
+        found = collect_first_epoch(worker, len(rows))
+    finally:
+        worker.stop()
+    for sample in found.values():
+        row = rows[sample.dataset_index]
+        assert sample.prompt == row["prompt"] and sample.teacher_id == row["teacher_id"]
+        assert sample.input_ids.tolist() == row["prompt_ids"] + student_completion(row["prompt_ids"])
+
+
 def total(metrics: list[dict], key: str) -> float:
     """Sum of a counter over metric payloads (each holds the count since the previous one)."""
     return sum(m.get(key, 0.0) for m in metrics)

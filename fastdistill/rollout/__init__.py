@@ -20,12 +20,14 @@ from fastdistill.rollout.http import (
 from fastdistill.rollout.order import epoch_order, prompt_cursor, route_rows, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.table import PromptTable
 from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
 from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, ServerDownError
 
 __all__ = [
     "DroppedPrompt",
     "Generation",
+    "PromptTable",
     "ReplicaPool",
     "RequestStats",
     "RetryPolicy",

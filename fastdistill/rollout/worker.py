@@ -1,7 +1,7 @@
 """Rollout worker: a CUDA-free child process that keeps the student and teacher vLLM servers busy.
 
 The parent (:class:`RolloutWorker`) validates the dataset, spawns the child and watches it. The child runs one
-asyncio loop over the dataset (already tokenised rows ``{"prompt_ids": list[int], "teacher_id": str?}``) with at most
+asyncio loop over the dataset (a :class:`PromptTable` of already tokenised prompts, routed) with at most
 ``max_inflight_tasks`` rollouts in flight (and, with ``max_lookahead``, at most that many in flight and queued
 together); one rollout = student generate, then teacher score. Scored samples go into
 the bounded ``samples`` queue, per-rollout metrics into ``metrics_queue`` (TRL 1.16's names).
@@ -41,6 +41,7 @@ from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMU
 from fastdistill.rollout.order import epoch_order, prompt_cursor, route_rows
 from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.table import PromptTable
 
 # Environment variables of torch.distributed / torchrun that must not leak into the child.
 _DISTRIBUTED_ENV = (
@@ -192,8 +193,10 @@ class _Channels:
 class RolloutWorker:
     """Parent-side controller of the rollout child process.
 
-    ``dataset`` rows: ``{"prompt_ids": list[int], "teacher_id": str (needed with several teachers), "prompt": any
-    (optional, copied to the sample)}``. Consume ``samples`` (``RolloutSample``) and ``metrics_queue`` (dicts).
+    ``dataset``: a :class:`~fastdistill.rollout.PromptTable`, or rows ``{"prompt_ids": list[int], "teacher_id": str
+    (needed with several teachers), "prompt": any (optional, copied to the sample)}``; either way the worker keeps
+    (and sends the child) a routed ``PromptTable``. Consume ``samples`` (``RolloutSample``) and ``metrics_queue``
+    (dicts).
     """
 
     def __init__(
@@ -206,12 +209,12 @@ class RolloutWorker:
     ):
         if queue_maxsize < 1:
             raise ValueError(f"queue_maxsize must be >= 1 (the queue is bounded), got {queue_maxsize}")
-        routes = route_rows(dataset, list(config.teacher_urls))
+        teacher_ids = list(config.teacher_urls)
+        if isinstance(dataset, PromptTable):
+            self._rows = dataset.routed(teacher_ids)
+        else:
+            self._rows = PromptTable.from_rows(dataset, teacher_ids=route_rows(dataset, teacher_ids))
         self.config = config
-        self._rows = [
-            {"prompt_ids": [int(t) for t in row["prompt_ids"]], "teacher_id": route, "prompt": row.get("prompt")}
-            for row, route in zip(dataset, routes, strict=True)
-        ]
         self._ready_timeout_s = ready_timeout_s
         context = mp.get_context("spawn")
         self._context = context
@@ -351,7 +354,7 @@ def _child_environment() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _child_main(config: RolloutConfig, rows: list[dict[str, Any]], channels: _Channels) -> None:
+def _child_main(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channels: _Channels) -> None:
     """Child entry point: run the loop; on failure report (type, message, traceback) and exit with code 1."""
     # On stop the parent may not drain the queues; do not block the exit on flushing them.
     channels.samples.cancel_join_thread()
@@ -424,7 +427,7 @@ class _Kept:
 class _RolloutLoop:
     """The child's asyncio loop: dispatch, collect, enqueue, account."""
 
-    def __init__(self, config: RolloutConfig, rows: list[dict[str, Any]], channels: _Channels):
+    def __init__(self, config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channels: _Channels):
         self.config = config
         self.rows = rows
         self.channels = channels

@@ -46,8 +46,12 @@ class AsyncDistillationConfig:
     # --- model and data
     model_name_or_path: str = ""
     output_dir: str = "fastdistill-output"
-    train_dataset: str | None = None  # ours: JSON/JSONL file of rows {"prompt": messages | str, "teacher_id"?}
-    eval_dataset: str | None = None  # JSON/JSONL held-out rows: greedy completions scored at start, eval_steps, end
+    # a .json/.jsonl/.parquet/.csv file, a dataset folder or a Hugging Face dataset name (docs/data.md)
+    train_dataset: str | None = None
+    eval_dataset: str | None = None  # held-out prompts: greedy completions scored at start, eval_steps, end
+    dataset_config: str | None = None  # TRL's script arguments: load_dataset(name, dataset_config, split=...)
+    dataset_train_split: str = "train"  # the split of a dataset folder or name that train_dataset uses
+    dataset_test_split: str = "test"  # the split of a dataset folder or name that eval_dataset uses
     eval_steps: int | None = None  # evaluate every this many steps too (None: at the start and the end only)
     dtype: str = "float32"
     trust_remote_code: bool = False
@@ -146,6 +150,14 @@ class AsyncDistillationConfig:
         _check(isinstance(self.model_name_or_path, str) and self.model_name_or_path != "", "model_name_or_path",
                self.model_name_or_path, "a model folder or hub id (non-empty string)")
         _check(bool(self.output_dir), "output_dir", self.output_dir, "a non-empty path")
+        for name in ("train_dataset", "eval_dataset", "dataset_config"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""), name, value,
+                   "None or a non-empty string (a file, a dataset folder or a Hugging Face dataset name)"
+                   if name != "dataset_config" else "None or a non-empty string (the dataset's configuration name)")
+        for name in ("dataset_train_split", "dataset_test_split"):
+            _check(isinstance(getattr(self, name), str) and getattr(self, name) != "", name, getattr(self, name),
+                   "a split name (non-empty string)")
         _choice(self, "dtype", DTYPES)
         _choice(self, "lr_scheduler_type", SCHEDULERS)
         _choice(self, "save_strategy", SAVE_STRATEGIES)

@@ -138,26 +138,36 @@ def eval_record(stats: torch.Tensor, samples: Sequence[RolloutSample], teacher_i
     return record
 
 
-def prepare_eval_rows(rows: Sequence[Mapping[str, Any]], tokenizer: Any, teacher_ids: Sequence[str], *,
+def prepare_eval_rows(source: Any, tokenizer: Any, teacher_ids: Sequence[str], *, split: str = "test",
+                      dataset_config: str | None = None,
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Held-out rows as evaluation needs them: ``{"prompt_ids", "teacher_id", "prompt", "answer"}`` — the prompt
-    tokenised like a training row, routed to its teacher (``teacher_id`` column, or the only teacher), and its
-    optional reference ``answer`` (a string) kept for ``eval/exact_match``. Raises ConfigError naming the row."""
-    from fastdistill.data.prompts import tokenize_prompts
-    from fastdistill.rollout import route_rows
+    """Held-out rows as evaluation needs them: ``{"prompt_ids", "teacher_id", "prompt", "answer"}`` — each row's
+    prompt tokenised like a training row, routed to its teacher (``teacher_id`` column, or the only teacher), and its
+    optional reference ``answer`` (a string column) kept for ``eval/exact_match``.
+
+    ``source`` is anything ``eval_dataset`` accepts (a ``datasets.Dataset``, a list of row dicts, a file, a dataset
+    folder or name; ``split`` and ``dataset_config`` apply to folders and names). Raises ConfigError naming the
+    column and row."""
+    from fastdistill.data.sources import load_prompt_source, prepare_prompts
     from fastdistill.train.config import ConfigError
 
+    what = "eval_dataset"
+    rows = load_prompt_source(source, split=split, dataset_config=dataset_config, what=what)
+    table = prepare_prompts(rows, tokenizer, what=what, split=split, dataset_config=dataset_config,
+                            chat_template_kwargs=chat_template_kwargs)
     try:
-        tokenized = tokenize_prompts(rows, tokenizer, chat_template_kwargs=chat_template_kwargs)
-        routes = route_rows(tokenized, list(teacher_ids))
+        routed = table.routed(list(teacher_ids))
     except ValueError as error:
-        raise ConfigError(f"eval_dataset: {error}") from error
+        raise ConfigError(f"{what}: {error}") from error
+    if isinstance(rows, list):
+        answers = [row.get("answer") for row in rows]
+    else:
+        answers = rows["answer"] if "answer" in rows.column_names else [None] * len(rows)
     prepared = []
-    for index, (row, tokens, route) in enumerate(zip(rows, tokenized, routes, strict=True)):
-        answer = row.get("answer")
+    for index, answer in enumerate(answers):
         if answer is not None and not isinstance(answer, str):
-            raise ConfigError(f"eval_dataset: row {index}: 'answer' must be a string, got {answer!r:.100}")
-        prepared.append({**tokens, "teacher_id": route, "answer": answer})
+            raise ConfigError(f"{what}: row {index}: 'answer' must be a string, got {answer!r:.100}")
+        prepared.append({**routed[index], "answer": answer})
     return prepared
 
 
@@ -166,7 +176,7 @@ def prepare_eval_rows(rows: Sequence[Mapping[str, Any]], tokenizer: Any, teacher
 SERVED_MODEL_GAP_WARNING = 0.1
 
 
-def evaluate_saved_model(config: Any, rows: Sequence[Mapping[str, Any]], *, model_dir: str | None = None,
+def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None = None,
                          show_completions: bool = True) -> dict[str, Any]:
     """Held-out evaluation of a saved model (what ``fastdistill eval`` runs): the student server
     (``config.vllm_server_base_url``, which should serve that model) answers every row greedily, the row's teacher
@@ -174,7 +184,8 @@ def evaluate_saved_model(config: Any, rows: Sequence[Mapping[str, Any]], *, mode
     generalized JSD at ``config.beta``.
 
     ``config`` is an :class:`~fastdistill.train.AsyncDistillationConfig` (servers, keys, ``teacher_top_k``,
-    ``max_completion_length``, ``loss_backend``, ``dtype``, ``chat_template_kwargs``). Returns the ``eval/...``
+    ``max_completion_length``, ``loss_backend``, ``dtype``, ``chat_template_kwargs``); ``rows`` anything
+    ``eval_dataset`` accepts (default: ``config.eval_dataset``, its ``dataset_test_split``). Returns the ``eval/...``
     metrics of :func:`eval_record`, ``served_logprob_gap`` (max |served − local| log-prob on two prompts: a large
     value means the server does not serve ``model_dir``, and a warning is logged), and with ``show_completions`` one
     entry per row (dataset index, teacher, decoded completion, answer)."""
@@ -188,15 +199,19 @@ def evaluate_saved_model(config: Any, rows: Sequence[Mapping[str, Any]], *, mode
         import dataclasses
 
         config = dataclasses.replace(config, model_name_or_path=str(model_dir))
+    if rows is None:
+        if config.eval_dataset is None:
+            from fastdistill.train.config import ConfigError
+
+            raise ConfigError("no held-out rows: pass --dataset FILE (or set eval_dataset in the config)")
+        rows = config.eval_dataset
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
     model = load_model(config, device).to(device).eval()
     teacher_ids = config.teacher_ids
-    prepared = prepare_eval_rows(rows, tokenizer, teacher_ids, chat_template_kwargs=config.chat_template_kwargs)
-    if not prepared:
-        from fastdistill.train.config import ConfigError
-
-        raise ConfigError("eval_dataset: no rows to evaluate")
+    prepared = prepare_eval_rows(rows, tokenizer, teacher_ids, split=config.dataset_test_split,
+                                 dataset_config=config.dataset_config,
+                                 chat_template_kwargs=config.chat_template_kwargs)
     samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, prepared,
                                      top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
                                      seed=config.seed, student_api_key=config.vllm_server_api_key,

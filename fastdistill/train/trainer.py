@@ -33,7 +33,7 @@ from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.data.batching import microbatch_metrics as batch_metrics
 from fastdistill.data.packing import PackedRow, pack_row
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
-from fastdistill.rollout import RolloutSample
+from fastdistill.rollout import PromptTable, RolloutSample
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastdistill.train.collector import Window, WindowCollector
@@ -72,10 +72,13 @@ class AsyncDistillationTrainer:
 
     Args:
         config: the run's :class:`AsyncDistillationConfig`.
-        train_dataset: rows ``{"prompt": messages | str, "teacher_id"?}`` or ``{"prompt_ids": [...]}``; defaults
-            to ``config.train_dataset`` loaded from JSON/JSONL. Needed on rank 0 only.
-        eval_dataset: held-out rows of the same shape; defaults to ``config.eval_dataset``. Evaluated at the start,
-            every ``config.eval_steps`` steps and at the end (see :meth:`evaluate`).
+        train_dataset: a ``datasets.Dataset`` (columns ``prompt`` (messages or text), ``messages`` or
+            ``prompt_ids``, optional ``teacher_id``; see docs/data.md) or a list of rows ``{"prompt": messages | str,
+            "teacher_id"?}`` / ``{"prompt_ids": [...]}``; defaults to ``config.train_dataset`` (a file, a dataset
+            folder or a Hugging Face dataset name, split ``config.dataset_train_split``). Needed on rank 0 only.
+        eval_dataset: held-out rows of the same kinds; defaults to ``config.eval_dataset`` (split
+            ``config.dataset_test_split``). Evaluated at the start, every ``config.eval_steps`` steps and at the end
+            (see :meth:`evaluate`).
         model, tokenizer: already loaded ones (else loaded from ``model_name_or_path``).
         samples: a finite iterable of :class:`~fastdistill.rollout.RolloutSample` (and
             :class:`~fastdistill.rollout.dropped.DroppedPrompt` notices) to train on instead of a rollout worker
@@ -93,8 +96,8 @@ class AsyncDistillationTrainer:
         self,
         config: AsyncDistillationConfig,
         *,
-        train_dataset: Sequence[dict[str, Any]] | None = None,
-        eval_dataset: Sequence[dict[str, Any]] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
         model: nn.Module | None = None,
         tokenizer: Any = None,
         samples: Sequence[RolloutSample | DroppedPrompt] | None = None,
@@ -165,27 +168,32 @@ class AsyncDistillationTrainer:
     def _use_bf16(self) -> bool:
         return self.config.bf16 if self.config.bf16 is not None else self.dist.device.type == "cuda"
 
-    def _tokenized_rows(self, rows: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        from fastdistill.data.prompts import tokenize_prompts
+    def _tokenized_rows(self, rows: Any) -> PromptTable:
+        from fastdistill.data.sources import prepare_prompts
 
         if rows is None:
             if self.config.train_dataset is None:
-                raise ValueError("no training data: pass train_dataset= or set config.train_dataset to a JSON/JSONL "
-                                 "file of rows {'prompt': ..., 'teacher_id': ...}")
-            rows = load_rows(self.config.train_dataset)
-        return tokenize_prompts(rows, self.tokenizer, chat_template_kwargs=self.config.chat_template_kwargs)
+                raise ValueError("no training data: pass train_dataset= (a datasets.Dataset or a list of rows "
+                                 "{'prompt': ..., 'teacher_id': ...}) or set config.train_dataset to a file, a dataset "
+                                 "folder or a Hugging Face dataset name")
+            rows = self.config.train_dataset
+        config = self.config
+        return prepare_prompts(rows, self.tokenizer, what="train_dataset", split=config.dataset_train_split,
+                               dataset_config=config.dataset_config, chat_template_kwargs=config.chat_template_kwargs)
 
-    def _eval_rows(self, rows: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    def _eval_rows(self, rows: Any) -> list[dict[str, Any]] | None:
         """Rank 0: the tokenised held-out rows, each routed to its teacher, with their optional ``answer`` (None
         without an eval dataset)."""
         from fastdistill.train.evaluate import prepare_eval_rows
 
+        config = self.config
         if rows is None:
-            if self.config.eval_dataset is None:
+            if config.eval_dataset is None:
                 return None
-            rows = load_rows(self.config.eval_dataset)
-        return prepare_eval_rows(rows, self.tokenizer, self.teacher_ids,
-                                 chat_template_kwargs=self.config.chat_template_kwargs)
+            rows = config.eval_dataset
+        return prepare_eval_rows(rows, self.tokenizer, self.teacher_ids, split=config.dataset_test_split,
+                                 dataset_config=config.dataset_config,
+                                 chat_template_kwargs=config.chat_template_kwargs)
 
     # ---------------------------------------------------------------------------------------------- the run
 
@@ -492,9 +500,8 @@ class AsyncDistillationTrainer:
         completion = config.max_completion_length
         teacher_ids = self.teacher_ids
         limits: dict[int, tuple[str, int, int]] = {}  # row -> (server, needed tokens, its max_model_len)
-        for index, row in enumerate(self.rows):
-            prompt = len(row["prompt_ids"])
-            teacher_id = row.get("teacher_id") if len(teacher_ids) > 1 else teacher_ids[0]
+        for index, prompt in enumerate(self.rows.lengths.tolist()):  # not the rows: that would read every prompt
+            teacher_id = self.rows.teacher_id(index) if len(teacher_ids) > 1 else teacher_ids[0]
             checks = [("student", prompt + completion, served["student"].max_model_len),
                       (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
             for server, needed, limit in checks:
@@ -849,17 +856,9 @@ def truncate_step_log(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSON list or a JSONL file (one object per line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    else:
-        rows = json.loads(text)
-    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-        raise ValueError(f"dataset file {str(path)!r} must hold a list of objects (JSON) or one object per line "
-                         "(JSONL)")
-    return rows
+def load_rows(path: str | Path) -> Any:
+    """The rows of a dataset file (.json, .jsonl, .parquet, .csv), a dataset folder or a Hugging Face dataset name
+    (its "train" split), as a ``datasets.Dataset`` (see :func:`fastdistill.data.sources.load_prompt_source`)."""
+    from fastdistill.data.sources import load_prompt_source
+
+    return load_prompt_source(path)
