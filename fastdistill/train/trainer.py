@@ -406,6 +406,7 @@ class AsyncDistillationTrainer:
 
     def _rollout_config(self, skip_rows: frozenset[int] = frozenset()) -> Any:
         from fastdistill.rollout import RetryPolicy, RolloutConfig
+        from fastdistill.rollout.adapters import ADAPTER_PREFIX
 
         config = self.config
         eos = getattr(self.hf_model.generation_config, "eos_token_id", None) if hasattr(
@@ -435,6 +436,7 @@ class AsyncDistillationTrainer:
             skip_rows=skip_rows,
             eos_token_ids=eos_ids,
             student_api_key=config.vllm_server_api_key,
+            student_adapter_prefix=ADAPTER_PREFIX if self._adapter_sync else None,
             teacher_api_keys=config.teacher_api_keys,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
@@ -555,6 +557,11 @@ class AsyncDistillationTrainer:
         worker, self.worker = self.worker, None
         worker.stop()
 
+    @property
+    def _adapter_sync(self) -> bool:
+        """Whether syncs send the LoRA adapter alone and generations name it (``lora_sync="adapter"``)."""
+        return self.config.lora_r > 0 and self.config.lora_sync == "adapter"
+
     def _sync_weights(self) -> dict[str, float]:
         if self.weight_sync is None:
             return {}
@@ -570,7 +577,11 @@ class AsyncDistillationTrainer:
 
     def _servable(self) -> Any:
         """What the server should serve: the model itself, or with LoRA its merged weights (a stream that merges one
-        tensor at a time)."""
+        tensor at a time), or with ``lora_sync="adapter"`` a copy of the adapter."""
+        if self._adapter_sync:
+            from fastdistill.train.lora import adapter_weights
+
+            return adapter_weights(self.hf_model)
         if self.config.lora_r > 0:
             from fastdistill.train.lora import merged_weights
 
@@ -588,7 +599,8 @@ class AsyncDistillationTrainer:
         started = time.perf_counter()
         timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
         timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
-        snapshot = snapshot_weights(self._servable())  # the LoRA stream is lazy: merge now, not during training
+        servable = self._servable()  # the LoRA stream is lazy: merge now, not during training; an adapter is a copy
+        snapshot = servable if self._adapter_sync else snapshot_weights(servable)
         self.model_version += 1
         version = self.model_version
         if self._sync_thread is None:
@@ -614,6 +626,7 @@ class AsyncDistillationTrainer:
         self.hf_model.eval()
         try:
             return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes,
+                                      getattr(self.weight_sync, "served_model_name", None),
                                       api_key=self.config.vllm_server_api_key)
         finally:
             self.hf_model.train(was_training)
