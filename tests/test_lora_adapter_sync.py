@@ -10,8 +10,6 @@ import copy
 import json
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +23,12 @@ from fastdistill.cli import build_parser, build_server  # noqa: E402
 from fastdistill.rollout import StudentClient, VLLMRequestError  # noqa: E402
 from fastdistill.rollout.adapters import adapter_name, generate_with_adapter  # noqa: E402
 from fastdistill.serve import VLLMServer  # noqa: E402
-from fastdistill.sync import VLLMWeightSync, served_logprob_gap, weight_sync_from_config  # noqa: E402
+from fastdistill.sync import (  # noqa: E402
+    VLLMWeightSync,
+    served_logprob_gap,
+    served_sampled_logprob_gap,
+    weight_sync_from_config,
+)
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
 from fastdistill.testing.vllm_server import require_vllm, start_together  # noqa: E402
@@ -222,6 +225,10 @@ def test_the_served_adapter_gives_the_trainers_logprobs(servers, pushed):
     assert all(gap > 1e-2 for gap in pushed["gaps_before"]), "a training step should be visible before its push"
     for version in (2, 3):
         assert served_logprob_gap(server.url, pushed["models"][version], PROBES, adapter_name(version)) <= TOLERANCE
+        # The check verify_weight_sync runs for an adapter (sampled tokens), and that it tells versions apart.
+        model = pushed["models"][version]
+        assert served_sampled_logprob_gap(server.url, model, PROBES, adapter_name(version)) <= TOLERANCE
+        assert served_sampled_logprob_gap(server.url, model, PROBES, adapter_name(5 - version)) > 1e-2
     # The base model name still serves the base weights, untouched by the adapters.
     assert served_logprob_gap(server.url, base.eval(), PROBES, str(server.model_dir)) <= TOLERANCE
     expected_bytes = sum(p.numel() * 4 for n, p in pushed["models"][3].named_parameters() if ".lora_" in n)
@@ -300,41 +307,42 @@ def running_requests(url: str) -> float:
 @pytest.mark.vllm
 def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it(servers, pushed):
     """Push version 4 (which unloads version 2) while a generation of version 2 is in flight: it completes, every
-    token with version 2's log-probs. The engine is paused (``/pause?mode=keep`` holds running requests) around the
-    push, so the request is in flight during it however fast or slow the machine is."""
+    token with version 2's log-probs. The request streams: once its first token arrived it is running; the engine is
+    paused (``/pause?mode=keep`` holds running requests) around the push, so the request is in flight during it
+    however fast or slow the machine is."""
     _, server = servers["lora"]
     prompt = PROBES[0]
-    body = {"model": adapter_name(2), "prompt": prompt, "max_tokens": 300, "ignore_eos": True, "logprobs": 0,
-            "return_token_ids": True, "temperature": 1.0, "seed": 11}
-    answer = {}
-
-    def request() -> None:
-        req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+    body = {"model": adapter_name(2), "prompt": prompt, "max_tokens": 100, "ignore_eos": True, "logprobs": 0,
+            "return_token_ids": True, "temperature": 1.0, "seed": 11, "stream": True}
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as response:
-            answer.update(json.loads(response.read()))
-
-    thread = threading.Thread(target=request)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while running_requests(server.url) < 1 and thread.is_alive():  # wait until the engine runs it
-        assert time.monotonic() < deadline, "the generation never started running"
-    post(server.url, "/pause?mode=keep")
-    try:
-        assert running_requests(server.url) == 1
-        trained = copy.deepcopy(pushed["models"][3])
-        train_step(trained, seed=4)
-        pushed["sync"].push(trained, 4)
-        assert adapter_name(2) not in served_models(server.url)
-        assert running_requests(server.url) == 1 and thread.is_alive()
-    finally:
-        post(server.url, "/resume")
-    thread.join()
-    choice = answer["choices"][0]
-    assert len(choice["token_ids"]) == 300
-    tokens = np.asarray(choice["token_ids"])
-    np.testing.assert_allclose(np.asarray(choice["logprobs"]["token_logprobs"], dtype=np.float32),
-                               sampled_logprobs(pushed["models"][2], prompt, tokens), atol=TOLERANCE)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        chunks = (json.loads(line[len(b"data: "):]) for line in response
+                  if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"))
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            tokens += choice["token_ids"]
+            logprobs += choice["logprobs"]["token_logprobs"]
+            if tokens:
+                break
+        post(server.url, "/pause?mode=keep")
+        try:
+            trained = copy.deepcopy(pushed["models"][3])
+            train_step(trained, seed=4)
+            pushed["sync"].push(trained, 4)
+            assert adapter_name(2) not in served_models(server.url)
+            assert running_requests(server.url) == 1
+        finally:
+            post(server.url, "/resume")
+        for chunk in chunks:
+            choice = chunk["choices"][0]
+            tokens += choice["token_ids"]
+            logprobs += choice["logprobs"]["token_logprobs"]
+    assert len(tokens) == 100
+    np.testing.assert_allclose(np.asarray(logprobs, dtype=np.float32),
+                               sampled_logprobs(pushed["models"][2], prompt, np.asarray(tokens)), atol=TOLERANCE)
 
 
 @pytest.mark.vllm
@@ -377,7 +385,7 @@ def test_a_training_run_in_adapter_mode(servers, tmp_path):
     assert len(records) == 4
     assert max(r["sync/served_logprob_gap"] for r in records) <= TOLERANCE
     assert {r["perf/weight_sync_bytes"] for r in records} == {float(adapter_bytes(student.model_dir))}
-    last = int(max(r["model_version"] for r in records))
+    last = len(records) + 1  # the sync at start-up made version 1, each step's sync the next
     assert sorted(p.name for p in (run / "adapters").iterdir()) == [f"v{last - 1}", f"v{last}"]
     loaded = {name for name, parent in served_models(student.url).items() if parent}
     assert {adapter_name(last - 1), adapter_name(last)} <= loaded

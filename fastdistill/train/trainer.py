@@ -617,7 +617,7 @@ class AsyncDistillationTrainer:
 
     def _served_gap(self) -> float:
         """Max |served − trainer| log-prob on two training prompts (world size 1: the check runs a full forward)."""
-        from fastdistill.sync import served_logprob_gap
+        from fastdistill.sync import served_logprob_gap, served_sampled_logprob_gap
 
         if self.dist.world_size > 1:
             raise ValueError("verify_weight_sync needs a single trainer process")
@@ -625,8 +625,11 @@ class AsyncDistillationTrainer:
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:
+            adapter = getattr(self.weight_sync, "served_model_name", None)
+            if adapter is not None:  # the adapter's check takes the generation path (see the function)
+                return served_sampled_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes, adapter,
+                                                  api_key=self.config.vllm_server_api_key)
             return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes,
-                                      getattr(self.weight_sync, "served_model_name", None),
                                       api_key=self.config.vllm_server_api_key)
         finally:
             self.hf_model.train(was_training)
