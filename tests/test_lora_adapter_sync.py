@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import multiprocessing as mp
+import os
 import subprocess
 import sys
 import urllib.request
@@ -31,7 +33,7 @@ from fastdistill.sync import (  # noqa: E402
 )
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import require_vllm, start_together  # noqa: E402
+from fastdistill.testing.vllm_server import free_port, require_vllm, start_together  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
 from fastdistill.train.lora import adapter_weights, apply_lora, save_adapter  # noqa: E402
@@ -345,6 +347,60 @@ def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it(servers
                                sampled_logprobs(pushed["models"][2], prompt, np.asarray(tokens)), atol=TOLERANCE)
 
 
+def _fsdp_rank(rank: int, port: int, url: str, base_dir: str, adapter_dir: str, results) -> None:
+    """One of two FSDP2 ranks: shard a LoRA model, push its adapter (collective gather, rank 0 writes and loads)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        torch.manual_seed(0)  # peft draws A at random: the same draw on both ranks, as the trainer's seed makes it
+        model = lora_student(base)
+        train_step(model, seed=21)  # the same step on both ranks
+        reference = copy.deepcopy(model)
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert any(hasattr(p, "full_tensor") for n, p in model.named_parameters() if ".lora_" in n)
+        sync = AdapterWeightSync(url, adapter_dir, is_sender=rank == 0, prefix="fastdistill-fsdp", lora_rank=RANK,
+                                 timeout_s=120)
+        sync.init()
+        metrics = sync.push(model, 1)
+        outcome = {"rank": rank, "metrics": metrics}
+        if rank == 0:
+            outcome["gap"] = served_sampled_logprob_gap(url, reference, PROBES, "fastdistill-fsdp-v1")
+            outcome["files"] = sorted(p.name for p in Path(adapter_dir).iterdir())
+        results.put(outcome)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.vllm
+def test_fsdp2_ranks_gather_the_adapter_and_rank_0_loads_it(servers, tmp_path):
+    _, server = servers["lora"]
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    port = free_port()
+    args = (port, server.url, str(server.model_dir), str(tmp_path / "adapters"), results)
+    procs = [spawn.Process(target=_fsdp_rank, args=(rank, *args)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        outcomes = sorted((results.get(timeout=300) for _ in procs), key=lambda o: o["rank"])
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert outcomes[1]["metrics"] == {} and outcomes[0]["files"] == ["v1"]
+    assert outcomes[0]["gap"] <= TOLERANCE
+
+
 @pytest.mark.vllm
 def test_a_server_without_lora_is_a_config_error_that_says_how_to_start_it(servers, tmp_path):
     _, plain = servers["plain"]
@@ -354,6 +410,25 @@ def test_a_server_without_lora_is_a_config_error_that_says_how_to_start_it(serve
     _, server = servers["lora"]
     with pytest.raises(ConfigError, match=r"lora_r=16 is above the student server's --max-lora-rank 8"):
         AdapterWeightSync(server.url, tmp_path, lora_rank=16).init()
+
+
+@pytest.mark.vllm
+def test_the_benchmark_measures_both_modes(servers, tmp_path):
+    """benchmarks/bench_lora_sync.py's measurements on this module's servers (the merged one into the plain
+    server): each checks the served log-probs after its syncs; the bytes are the model's and the adapter's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lora_sync.py"
+    spec = importlib.util.spec_from_file_location("bench_lora_sync", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (plain_base, plain), (lora_base, lora) = servers["plain"], servers["lora"]
+    merged = bench.measure_merged(plain.url, lora_student(plain_base), syncs=2)
+    assert merged["bytes"] == sum(p.numel() * 4 for p in plain_base.parameters()) and merged["syncs"] == 2
+    adapter = bench.measure_adapter(lora.url, lora_student(lora_base), tmp_path / "adapters", syncs=2)
+    assert adapter["bytes"] == adapter_bytes(lora.model_dir) and adapter["folder_bytes"] > adapter["bytes"]
+    for result in (merged, adapter):
+        assert result["served_gap"] <= TOLERANCE and result["median_s"] > 0
 
 
 @pytest.mark.vllm
