@@ -7,7 +7,8 @@ servers, ``nccl`` into vLLM's engine on GPU servers); ``weight_sync_from_config`
 Modules: ``naming`` (what is sent: names, manifests, ``NamedTensors``), ``http`` (the calls to the server),
 ``channels`` (the gloo / NCCL broadcast groups), ``transport`` (gloo chunking, both ends), ``network``
 (rendezvous addresses), ``weights`` (the sync itself), ``verify``, ``factory``; ``vllm_engine`` and
-``vllm_plugin`` run inside vLLM.
+``vllm_plugin`` run inside vLLM; ``adapter`` is the LoRA adapter-only sync
+(``AdapterWeightSync``, ``lora_sync="adapter"``).
 """
 
 from fastdistill.sync.errors import WeightSyncError
