@@ -293,6 +293,21 @@ def test_a_generation_is_stamped_with_the_adapter_its_request_used(servers, push
     assert isinstance(error, VLLMRequestError) and error.status == 404 and "does not exist" in error.server_message
 
 
+@pytest.mark.vllm
+def test_held_out_evaluation_generates_with_the_named_adapter(servers, pushed):
+    """``collect_scored_samples(student_model=...)`` (what the trainer's evaluate passes in adapter mode): the
+    completion comes from that adapter, its log-probs are the trainer's at that version."""
+    from fastdistill.train.evaluate import collect_scored_samples
+
+    _, server = servers["lora"]
+    _, teacher = servers["plain"]
+    rows = [{"prompt_ids": PROBES[2]}]
+    (sample,) = collect_scored_samples(server.url, {"default": teacher.url}, rows, top_k=4, max_tokens=8,
+                                       temperature=1.0, student_model=adapter_name(3))
+    expected = sampled_logprobs(pushed["models"][3], PROBES[2], sample.completion_ids)
+    np.testing.assert_allclose(sample.rollout_logprobs, expected, atol=TOLERANCE)
+
+
 def post(url: str, route: str) -> None:
     request = urllib.request.Request(url + route, data=b"", method="POST")
     with urllib.request.urlopen(request, timeout=60):
@@ -402,6 +417,16 @@ def test_fsdp2_ranks_gather_the_adapter_and_rank_0_loads_it(servers, tmp_path):
 
 
 @pytest.mark.vllm
+def test_init_deletes_the_version_folders_of_an_earlier_run(servers, tmp_path):
+    _, server = servers["lora"]
+    for name in ("v7", ".v8.tmp123", "notes"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "v9.txt").write_text("not a version folder")
+    AdapterWeightSync(server.url, tmp_path, prefix="fastdistill-clean").init()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v9.txt"]
+
+
+@pytest.mark.vllm
 def test_a_server_without_lora_is_a_config_error_that_says_how_to_start_it(servers, tmp_path):
     _, plain = servers["plain"]
     with pytest.raises(ConfigError, match=r"runs without it: start the student with LoRA enabled: "
@@ -442,6 +467,8 @@ def test_a_training_run_in_adapter_mode(servers, tmp_path):
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(16)]
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eval_dataset = tmp_path / "eval.jsonl"
+    eval_dataset.write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))
     run = tmp_path / "run"
     values = {
         "model_name_or_path": str(student.model_dir), "output_dir": str(run), "train_dataset": str(dataset),
@@ -449,7 +476,7 @@ def test_a_training_run_in_adapter_mode(servers, tmp_path):
         "per_device_train_batch_size": 4, "num_train_epochs": 1, "learning_rate": 1e-2, "token_budget": 0,
         "max_completion_length": 8, "teacher_top_k": 4, "gradient_checkpointing": False, "disable_tqdm": True,
         "save_strategy": "no", "verify_weight_sync": True, "heartbeat_stale_after_s": 60.0, "max_staleness": 1,
-        "lora_r": RANK, "lora_alpha": 8.0, "lora_sync": "adapter",
+        "lora_r": RANK, "lora_alpha": 8.0, "lora_sync": "adapter", "eval_dataset": str(eval_dataset),
     }
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(values))
@@ -457,10 +484,12 @@ def test_a_training_run_in_adapter_mode(servers, tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert len(records) == 4
-    assert max(r["sync/served_logprob_gap"] for r in records) <= TOLERANCE
-    assert {r["perf/weight_sync_bytes"] for r in records} == {float(adapter_bytes(student.model_dir))}
-    last = len(records) + 1  # the sync at start-up made version 1, each step's sync the next
+    steps = [r for r in records if r["step"] > 0]
+    assert len(steps) == 4
+    assert max(r["sync/served_logprob_gap"] for r in steps) <= TOLERANCE
+    assert {r["perf/weight_sync_bytes"] for r in steps} == {float(adapter_bytes(student.model_dir))}
+    assert sum("eval/jsd" in r for r in records) == 2  # held-out evaluation at the start and the end
+    last = len(steps) + 1  # the sync at start-up made version 1, each step's sync the next
     assert sorted(p.name for p in (run / "adapters").iterdir()) == [f"v{last - 1}", f"v{last}"]
     loaded = {name for name, parent in served_models(student.url).items() if parent}
     assert {adapter_name(last - 1), adapter_name(last)} <= loaded

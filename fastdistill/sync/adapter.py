@@ -17,6 +17,7 @@ The server needs LoRA enabled and runtime adapter loading allowed: ``--enable-lo
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -106,7 +107,8 @@ class AdapterWeightSync(WeightSync):
 
     def init(self) -> None:
         """Check that the server can load adapters at run time (else :class:`ConfigError` saying how to start it),
-        note its base model, and unload adapters of this prefix left by an earlier run (sender only)."""
+        note its base model, and unload adapters of this prefix left by an earlier run and delete the version folders
+        left in ``adapter_dir`` (sender only)."""
         if self._initialized:
             return
         if self.is_sender:
@@ -117,6 +119,10 @@ class AdapterWeightSync(WeightSync):
                 name = str(entry["id"])
                 if entry.get("parent") and name.startswith(self.prefix + "-v"):
                     self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=_CONTROL_TIMEOUT_S)
+            if self.adapter_dir.is_dir():
+                for folder in self.adapter_dir.iterdir():
+                    if re.fullmatch(r"\.?v\d+(\..*)?", folder.name) and folder.is_dir():
+                        shutil.rmtree(folder, ignore_errors=True)
             self.loaded = []
         self._initialized = True
 
@@ -184,6 +190,7 @@ class AdapterWeightSync(WeightSync):
         _ranks_agree(True)
         self.loaded = [v for v in self.loaded if v != int(version)] + [int(version)]
         self._unload_old()
+        logger.debug("the student serves adapter %s (%d bytes of tensors)", name, weights.num_bytes)
         return {
             "perf/weight_sync_s": time.perf_counter() - start,
             "perf/weight_sync_gather_s": gather_s,

@@ -275,9 +275,9 @@ class AsyncDistillationTrainer:
         """Held-out on-policy evaluation (collective: every rank calls it). Rank 0 asks the student server for a
         greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
         it; each rank measures its share with the trainer's current weights. The served weights are those of the last
-        sync (``weight_sync_steps``). Returns ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored
-        token), ``eval/teacher_jsd/<id>`` with several teachers, ``eval/completion_length_mean`` and
-        ``eval/samples_total``."""
+        sync (``weight_sync_steps``; with ``lora_sync="adapter"`` the newest adapter generates). Returns
+        ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored token), ``eval/teacher_jsd/<id>`` with
+        several teachers, ``eval/completion_length_mean`` and ``eval/samples_total``."""
         from fastdistill.train.evaluate import collect_scored_samples
 
         config = self.config
@@ -286,7 +286,8 @@ class AsyncDistillationTrainer:
             samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
                                              top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
                                              seed=config.seed, student_api_key=config.vllm_server_api_key,
-                                             teacher_api_keys=config.teacher_api_keys)
+                                             teacher_api_keys=config.teacher_api_keys,
+                                             student_model=getattr(self.weight_sync, "served_model_name", None))
         samples = self.dist.broadcast(samples)
         scored = [s for s in samples if len(s.completion_ids) > 0]
         world, group = self.dist.world_size, 8
