@@ -457,9 +457,11 @@ def test_the_benchmark_measures_both_modes(servers, tmp_path):
 
 
 @pytest.mark.vllm
-def test_a_training_run_in_adapter_mode(servers, tmp_path):
-    """``fastdistill train`` with lora_sync='adapter': every sync's served adapter matches the trainer
-    (verify_weight_sync), each sync moves only the adapter's bytes, and the kept versions are the newest."""
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "synchronous"])
+def test_a_training_run_in_adapter_mode(servers, tmp_path, async_mode):
+    """``fastdistill train`` with lora_sync='adapter' (rollout worker, or synchronous waves): every sync's served
+    adapter matches the trainer (verify_weight_sync), each sync moves only the adapter's bytes, the kept versions
+    are the newest, and the held-out evaluation runs."""
     import yaml
 
     _, student = servers["lora"]
@@ -477,6 +479,7 @@ def test_a_training_run_in_adapter_mode(servers, tmp_path):
         "max_completion_length": 8, "teacher_top_k": 4, "gradient_checkpointing": False, "disable_tqdm": True,
         "save_strategy": "no", "verify_weight_sync": True, "heartbeat_stale_after_s": 60.0, "max_staleness": 1,
         "lora_r": RANK, "lora_alpha": 8.0, "lora_sync": "adapter", "eval_dataset": str(eval_dataset),
+        "async_mode": async_mode,
     }
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(values))
