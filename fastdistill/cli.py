@@ -106,7 +106,9 @@ def build_server(args: argparse.Namespace) -> VLLMServer:
     dtype = args.dtype or ("auto" if cuda else "float32")
     return VLLMServer(args.model, role=args.role, host=args.host, port=args.port, dtype=dtype, cpu=not cuda,
                       max_model_len=args.max_model_len, extra_args=list(args.vllm_args),
-                      weight_transfer_backend=backend, cpus=args.cpus, api_key=_api_key(args))
+                      weight_transfer_backend=backend, cpus=args.cpus, api_key=_api_key(args),
+                      max_lora_rank=args.max_lora_rank if getattr(args, "enable_lora", False) else None,
+                      max_loras=getattr(args, "max_loras", 4))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -170,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "student":
             serve.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "none"), default="auto",
                                help="weight-transfer engine (auto: nccl with CUDA, gloo without)")
+            serve.add_argument("--enable-lora", action="store_true",
+                               help="load LoRA adapters at run time (what lora_sync='adapter' needs)")
+            serve.add_argument("--max-lora-rank", type=int, default=16,
+                               help="with --enable-lora: the largest adapter rank, at least lora_r (one of 1, 8, 16, "
+                                    "32, 64, 128, 256, 320, 512; default 16)")
+            serve.add_argument("--max-loras", type=int, default=4,
+                               help="with --enable-lora: adapters one batch may mix (default 4)")
         serve.add_argument("--dry-run", action="store_true", help="print the command and exit")
         serve.set_defaults(handler=_serve, role=role)
 

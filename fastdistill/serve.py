@@ -44,6 +44,9 @@ _ROLE_ENV: dict[Role, dict[str, str]] = {
 # uni-process executor runs the model inside the engine core instead (vLLM-CPU only allows it with this variable).
 _CPU_ONE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 _CPU_ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
+# LoRA adapters a student loads at run time (lora_sync="adapter"); vLLM only accepts these --max-lora-rank values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 class VLLMServerError(RuntimeError):
@@ -91,6 +94,11 @@ class VLLMServer:
     weight-transfer API. ``cpus`` pins every process of the server (API server, engine core, model) to those CPU
     cores and sizes its OpenMP threads to match, so that it cannot take cores meant for the trainer or another server.
 
+    ``max_lora_rank`` (one of :data:`LORA_RANKS`, at least the trained ``lora_r``) enables LoRA adapters loaded at
+    run time, what ``lora_sync="adapter"`` needs: ``--enable-lora --max-lora-rank R --max-loras N`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. ``max_loras`` is how many adapters one batch may mix (the trainer
+    keeps a few versions loaded while requests of the previous ones finish).
+
     ``api_key`` (default: ``VLLM_API_KEY`` from ``env`` or the environment) goes to vLLM as ``$VLLM_API_KEY`` (not on
     the command line, where the process list would show it) together with ``--middleware
     fastdistill.auth.RequireAPIKey``, which requires it on every route but ``/health`` (vLLM's own check leaves the
@@ -118,6 +126,8 @@ class VLLMServer:
         cpus: Sequence[int] | None = None,
         one_process: bool | None = None,
         api_key: str | None = None,
+        max_lora_rank: int | None = None,
+        max_loras: int = 4,
     ):
         if role not in _ROLE_ARGS:
             raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
@@ -127,6 +137,11 @@ class VLLMServer:
             if not cpus or not set(cpus) <= set(allowed):
                 raise ValueError(f"cpus must be a non-empty subset of the cores this process may use {allowed}, "
                                  f"got {cpus}")
+        if max_lora_rank is not None and max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of vLLM's LoRA ranks {list(LORA_RANKS)} (at least lora_r), "
+                             f"got {max_lora_rank!r}")
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra_args):
             raise ValueError("pass the API key as api_key= (fastdistill serve-*: --api-key before `--`, or its "
                              "environment variable), not among vLLM's arguments: there the process list shows it and "
@@ -145,6 +160,8 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else _temporary_log_path(role)
         self.startup_timeout_s = startup_timeout_s
         self.weight_transfer_backend = weight_transfer_backend
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self.cpus = cpus
         self.one_process = one_process if one_process is not None else self.cpu
         self.api_key = api_key or self.extra_env.get(VLLM_KEY_ENV) or os.environ.get(VLLM_KEY_ENV) or None
@@ -185,6 +202,7 @@ class VLLMServer:
             *(["--enforce-eager"] if self.cpu else []),
             *_ROLE_ARGS[self.role],
             *self._weight_transfer_args(),
+            *self._lora_args(),
             *(["--middleware", MIDDLEWARE] if self.api_key else []),
             *(_CPU_ONE_PROCESS_ARGS if self.one_process and "--distributed-executor-backend" not in self.extra_args
               else []),
@@ -199,6 +217,11 @@ class VLLMServer:
             args += ["--worker-extension-cls", "fastdistill.sync.vllm_engine.WorkerExtension"]
         return args
 
+    def _lora_args(self) -> list[str]:
+        if self.max_lora_rank is None:
+            return []
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
+
     def environment(self) -> dict[str, str]:
         """The server's environment: ours, the CPU defaults, the role's variables, ``env`` overrides, the key."""
         environment = dict(os.environ)
@@ -212,6 +235,8 @@ class VLLMServer:
             if self.cpu:
                 environment["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         environment.update(_ROLE_ENV[self.role])
+        if self.max_lora_rank is not None:
+            environment.update(_LORA_ENV)
         environment.update(self.extra_env)
         if self.api_key:
             environment[VLLM_KEY_ENV] = self.api_key

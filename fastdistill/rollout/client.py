@@ -166,7 +166,7 @@ class _VLLMEndpoint:
             if self._served_model is None:
                 body = await self._request("GET", "/v1/models")
                 try:
-                    entry = body["data"][0]
+                    entry = next((e for e in body["data"] if not e.get("parent")), body["data"][0])
                     self._served_model = ServedModel(name=str(entry["id"]), max_model_len=int(entry["max_model_len"]))
                 except (KeyError, IndexError, TypeError, ValueError) as error:
                     raise VLLMResponseError(f"{self._where('/v1/models')}: unexpected body {body!r:.300}") from error
@@ -218,15 +218,17 @@ class StudentClient(_VLLMEndpoint):
         seed: int | None = None,
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
+        model: str | None = None,
     ) -> Generation:
         """Sample one completion of at most ``max_tokens`` tokens after the token-id prompt ``prompt_ids``.
 
+        ``model`` overrides the request's ``model`` field (a LoRA adapter's name); None: :meth:`model_name`.
         ``top_k=-1`` disables top-k; ``min_p`` is sent only when set and ``repetition_penalty`` only when != 1.
         ``seed=None`` draws a fresh random seed per request, so data-parallel engines
         never produce correlated samples. Returns int32 ids (L,) and float32 log-probs (L,) of the sampled tokens.
         """
         payload = {
-            "model": await self.model_name(),
+            "model": model or await self.model_name(),
             "prompt": [int(token) for token in prompt_ids],
             "max_tokens": max_tokens,
             "temperature": temperature,

@@ -35,6 +35,7 @@ import numpy as np
 
 from fastdistill.auth import check_api_keys
 from fastdistill.rollout import dropped as drop_reasons
+from fastdistill.rollout.adapters import adapter_name, generate_with_adapter
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMUnavailableError
@@ -70,8 +71,11 @@ class RolloutConfig:
     replica URLs serving the same model; requests go to the replica with the fewest in flight, a replica that fails
     with a transient error is skipped for ``replica_cooldown_s`` (doubling while it keeps failing) and the request
     fails over to another replica. ``student_model`` is the ``model`` field of generation requests (default: the
-    id the student's ``/v1/models`` reports). ``student_api_key`` and ``teacher_api_keys`` (teacher id -> key) are the
-    servers' API keys, sent as bearer tokens (None: no key); they are left out of the repr.
+    id the student's ``/v1/models`` reports). ``student_adapter_prefix`` (``lora_sync="adapter"``): generation
+    requests of model version v >= 1 name the LoRA adapter ``"<prefix>-v<v>"`` instead, and the sample is stamped
+    with the version its request used (see :func:`fastdistill.rollout.adapters.generate_with_adapter`).
+    ``student_api_key`` and ``teacher_api_keys`` (teacher id -> key) are the servers' API keys, sent as bearer
+    tokens (None: no key); they are left out of the repr.
 
     Sampling: ``teacher_top_k`` is K (the teacher arrays are K+1 wide); ``max_tokens`` bounds the completion length
     in tokens; ``eos_token_ids`` (add the pad id if generation can end on it) tell a finished completion from a
@@ -118,6 +122,7 @@ class RolloutConfig:
     skip_prompt_ids: frozenset[int] = frozenset()
     skip_rows: frozenset[int] = frozenset()
     student_model: str | None = None
+    student_adapter_prefix: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     max_consecutive_failures: int = 100
     max_rollout_attempts: int = 3
@@ -165,6 +170,13 @@ class RolloutConfig:
         object.__setattr__(self, "skip_prompt_ids", frozenset(int(i) for i in self.skip_prompt_ids))
         object.__setattr__(self, "skip_rows", frozenset(int(i) for i in self.skip_rows))
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    def student_model_for_version(self, version: int) -> str | None:
+        """The ``model`` of a generation request made at model version ``version``: the adapter of that version
+        with ``student_adapter_prefix`` (from version 1 on), else None (``student_model`` or the served model)."""
+        if self.student_adapter_prefix is None or version < 1:
+            return None
+        return adapter_name(version, self.student_adapter_prefix)
 
     def student_replicas(self) -> tuple[str, ...]:
         """The student's replica URLs."""
@@ -581,10 +593,12 @@ class _RolloutLoop:
         teacher_id = row["teacher_id"]
         started = time.monotonic()
         if kept is None:
-            model_version = int(self.channels.model_version.value)
             try:
-                generation = await self.student.generate(
+                generation, model_version = await generate_with_adapter(
+                    self.student,
                     row["prompt_ids"],
+                    current_version=lambda: int(self.channels.model_version.value),
+                    model_for_version=self.config.student_model_for_version,
                     max_tokens=self.config.max_tokens,
                     temperature=self.config.temperature,
                     top_p=self.config.top_p,

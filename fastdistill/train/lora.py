@@ -1,15 +1,23 @@
-"""LoRA training (``lora_r > 0``): adapters on the student's linear layers, merged weights pushed to vLLM.
+"""LoRA training (``lora_r > 0``): adapters on the student's linear layers, and what a weight sync sends of them.
 
-The server keeps serving a plain model: every sync sends ``W + scaling · B A`` for each adapted layer under the
-base model's Hugging Face names (what TRL calls its merged-sync fallback), so no LoRA support is needed in vLLM and
-nothing changes in the weight-transfer path. The merge is computed on the fly, one tensor at a time as the sync
-streams it (:func:`merged_weights`), without modifying the trained weights; with FSDP2 each tensor is gathered with
-``full_tensor()`` (collective: every rank iterates in lockstep).
+``lora_sync="merged"`` (default): the server keeps serving a plain model; every sync sends ``W + scaling · B A`` for
+each adapted layer under the base model's Hugging Face names (what TRL calls its merged-sync fallback), so no LoRA
+support is needed in vLLM and nothing changes in the weight-transfer path. The merge is computed on the fly, one
+tensor at a time as the sync streams it (:func:`merged_weights`), without modifying the trained weights.
+
+``lora_sync="adapter"``: only the adapter travels (:func:`adapter_weights`, then :func:`save_adapter` writes a PEFT
+folder that vLLM loads with ``/v1/load_lora_adapter``; see :mod:`fastdistill.sync.adapter`).
+
+With FSDP2 every tensor is gathered with ``full_tensor()`` (collective: every rank iterates in lockstep).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,4 +105,55 @@ def export_merged(peft_model: nn.Module, tokenizer: Any, path: str | Path, is_ma
     peft_model.get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    return path
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """The trained adapter at one moment: ``tensors`` named as PEFT saves them
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, full shapes, cloned) and the adapter's
+    ``config`` (a peft ``LoraConfig``)."""
+
+    tensors: dict[str, torch.Tensor]
+    config: Any
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the tensors (what the safetensors file holds, less its small header)."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors.values())
+
+
+@torch.no_grad()
+def adapter_weights(peft_model: nn.Module, adapter: str = "default") -> AdapterWeights:
+    """A copy of ``peft_model``'s ``adapter`` (the LoRA A and B matrices only), gathered to full tensors.
+
+    Collective under FSDP2: every rank must call it (each gathers every tensor, like the merged path does); the
+    copy is independent of later training steps."""
+    from peft.utils import get_peft_model_state_dict
+
+    gathered = {name: _full(param).clone() for name, param in peft_model.named_parameters()
+                if ".lora_" in name and f".{adapter}." in name}
+    tensors = get_peft_model_state_dict(peft_model, state_dict=gathered, adapter_name=adapter)
+    return AdapterWeights({name: tensor.contiguous() for name, tensor in tensors.items()},
+                          peft_model.peft_config[adapter])
+
+
+def save_adapter(weights: AdapterWeights, path: str | Path) -> Path:
+    """Write ``weights`` as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) at
+    ``path``, atomically: into a temporary folder next to it, then renamed, so a reader sees all of it or nothing.
+    An existing folder at ``path`` is replaced. Returns ``path``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        weights.config.save_pretrained(str(temporary))
+        save_file(weights.tensors, str(temporary / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     return path

@@ -182,6 +182,7 @@ class SynchronousSource:
         import asyncio
 
         from fastdistill.rollout import StudentClient, TeacherClient
+        from fastdistill.rollout.adapters import generate_with_adapter
 
         config = self.config
         if self._clients is None:
@@ -197,9 +198,10 @@ class SynchronousSource:
             teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
             server = "student"
             try:
-                generation = await student.generate(
-                    row["prompt_ids"], max_tokens=config.max_tokens, temperature=config.temperature,
-                    top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                generation, version = await generate_with_adapter(
+                    student, row["prompt_ids"], current_version=lambda: model_version,
+                    model_for_version=config.student_model_for_version, max_tokens=config.max_tokens,
+                    temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                     repetition_penalty=config.repetition_penalty)
                 server = f"teacher {teacher_id}"
                 scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
@@ -209,7 +211,7 @@ class SynchronousSource:
                 logger.warning("rollout of prompt %d failed: %s", prompt_id, error)
                 return DroppedPrompt(prompt_id=prompt_id, dataset_index=index, reason=reason, server=server,
                                      message=getattr(error, "server_message", None) or str(error))
-            sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=model_version,
+            sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=version,
                                             teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index,
                                             prompt=row.get("prompt"))
             sample.enqueued_at = time.time()

@@ -304,10 +304,10 @@ class AsyncDistillationTrainer:
         """Held-out on-policy evaluation (collective: every rank calls it). Rank 0 asks the student server for a
         greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
         it; each rank measures its share with the trainer's current weights. The served weights are those of the last
-        sync (``weight_sync_steps``). Returns ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored
-        token), ``eval/teacher_jsd/<id>`` with several teachers, ``eval/completion_length_mean``,
-        ``eval/samples_total`` and ``eval/exact_match`` when the rows carry an ``answer``
-        (:func:`~fastdistill.train.evaluate.eval_record`)."""
+        sync (``weight_sync_steps``; with ``lora_sync="adapter"`` the newest adapter generates). Returns
+        ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored token), ``eval/teacher_jsd/<id>`` with
+        several teachers, ``eval/completion_length_mean``, ``eval/samples_total`` and ``eval/exact_match`` when the
+        rows carry an ``answer`` (:func:`~fastdistill.train.evaluate.eval_record`)."""
         from fastdistill.train import evaluate as held_out
 
         config = self.config
@@ -316,7 +316,8 @@ class AsyncDistillationTrainer:
             samples = held_out.collect_scored_samples(
                 config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
                 top_k=config.teacher_top_k, max_tokens=config.max_completion_length, seed=config.seed,
-                student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys)
+                student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys,
+                student_model=getattr(self.weight_sync, "served_model_name", None))
         samples = self.dist.broadcast(samples)
         was_training = self.hf_model.training
         self.hf_model.eval()
@@ -431,6 +432,7 @@ class AsyncDistillationTrainer:
 
     def _rollout_config(self, skip_rows: frozenset[int] = frozenset()) -> Any:
         from fastdistill.rollout import RetryPolicy, RolloutConfig
+        from fastdistill.rollout.adapters import ADAPTER_PREFIX
 
         config = self.config
         eos = getattr(self.hf_model.generation_config, "eos_token_id", None) if hasattr(
@@ -460,6 +462,7 @@ class AsyncDistillationTrainer:
             skip_rows=skip_rows,
             eos_token_ids=eos_ids,
             student_api_key=config.vllm_server_api_key,
+            student_adapter_prefix=ADAPTER_PREFIX if self._adapter_sync else None,
             teacher_api_keys=config.teacher_api_keys,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
@@ -579,6 +582,11 @@ class AsyncDistillationTrainer:
         worker, self.worker = self.worker, None
         worker.stop()
 
+    @property
+    def _adapter_sync(self) -> bool:
+        """Whether syncs send the LoRA adapter alone and generations name it (``lora_sync="adapter"``)."""
+        return self.config.lora_r > 0 and self.config.lora_sync == "adapter"
+
     def _sync_weights(self) -> dict[str, float]:
         if self.weight_sync is None:
             return {}
@@ -596,7 +604,11 @@ class AsyncDistillationTrainer:
 
     def _servable(self) -> Any:
         """What the server should serve: the model itself, or with LoRA its merged weights (a stream that merges one
-        tensor at a time)."""
+        tensor at a time), or with ``lora_sync="adapter"`` a copy of the adapter."""
+        if self._adapter_sync:
+            from fastdistill.train.lora import adapter_weights
+
+            return adapter_weights(self.hf_model)
         if self.config.lora_r > 0:
             from fastdistill.train.lora import merged_weights
 
@@ -615,7 +627,9 @@ class AsyncDistillationTrainer:
         with self.clock.phase("weight_sync"):  # waiting for the previous push, then the snapshot
             timings = dict(self._pending_sync.result() or {}) if self._pending_sync is not None else {}
             timings["perf/weight_sync_wait_s"] = time.perf_counter() - started
-            snapshot = snapshot_weights(self._servable())  # the LoRA stream is lazy: merge now, not during training
+            # the LoRA stream is lazy: merge now, not during training; an adapter is a copy
+            servable = self._servable()
+            snapshot = servable if self._adapter_sync else snapshot_weights(servable)
         self.model_version += 1
         version = self.model_version
         if self._sync_thread is None:
@@ -632,7 +646,7 @@ class AsyncDistillationTrainer:
 
     def _served_gap(self) -> float:
         """Max |served − trainer| log-prob on two training prompts (world size 1: the check runs a full forward)."""
-        from fastdistill.sync import served_logprob_gap
+        from fastdistill.sync import served_logprob_gap, served_sampled_logprob_gap
 
         if self.dist.world_size > 1:
             raise ValueError("verify_weight_sync needs a single trainer process")
@@ -640,6 +654,10 @@ class AsyncDistillationTrainer:
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:
+            adapter = getattr(self.weight_sync, "served_model_name", None)
+            if adapter is not None:  # the adapter's check takes the generation path (see the function)
+                return served_sampled_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes, adapter,
+                                                  api_key=self.config.vllm_server_api_key)
             return served_logprob_gap(self.config.vllm_server_base_url, self.hf_model, probes,
                                       served_model_name=self._student_model_name,
                                       api_key=self.config.vllm_server_api_key)
