@@ -185,10 +185,14 @@ def plot_curves(history: list[dict[str, float]], teacher_accuracy: float, path: 
     middle.set_title("held-out accuracy")
     right.plot(steps, [h.get("perf/trained_tok_s_wall_clock", float("nan")) for h in history if "jsd" in h],
                label="trained tokens/s")
-    right.plot(steps, [h.get("sample/staleness_mean", float("nan")) for h in history if "jsd" in h],
-               label="staleness (versions)")
+    right.set_ylabel("trained tokens/s")
+    staleness = right.twinx()  # versions: a scale of its own
+    staleness.plot(steps, [h.get("sample/staleness_mean", float("nan")) for h in history if "jsd" in h],
+                   color="tab:orange", label="mean staleness (versions)")
+    staleness.set_ylabel("versions")
     right.set_xlabel("optimizer step")
-    right.legend()
+    right.legend(loc="center left")
+    staleness.legend(loc="center right")
     right.set_title("throughput and staleness")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
