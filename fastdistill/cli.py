@@ -60,12 +60,11 @@ def _eval(args: argparse.Namespace) -> int:
     from fastdistill.train.evaluate import evaluate_saved_model
 
     overrides = list(args.overrides)
-    if args.model is not None:
-        overrides.append(f"model_name_or_path={args.model}")
-    if args.student_url is not None:
-        overrides.append(f"vllm_server_base_url={args.student_url}")
-    if args.dataset is not None:
-        overrides.append(f"eval_dataset={args.dataset}")
+    # JSON-quoted: a path or URL is a YAML string whatever characters it holds
+    for field, value in (("model_name_or_path", args.model), ("vllm_server_base_url", args.student_url),
+                         ("eval_dataset", args.dataset)):
+        if value is not None:
+            overrides.append(f"{field}={json.dumps(value)}")
     config = AsyncDistillationConfig.from_yaml(args.config, overrides)
     if args.teacher_url:
         config.teacher_server_urls = _teacher_urls(args.teacher_url)

@@ -112,3 +112,10 @@ def test_eval_rows_from_a_dataset_with_an_answer_column(tmp_path):
     path.write_text(json.dumps({"prompt": "x", "answer": 5}) + "\n")
     with pytest.raises(ConfigError, match=r"eval_dataset: row 0: 'answer' must be a string"):
         prepare_eval_rows(str(path), tokenizer, ["default"])
+
+
+def test_paths_with_yaml_characters_reach_the_config(tmp_path, capsys):
+    odd = tmp_path / "held: out #1.jsonl"  # unquoted, YAML would read a mapping and a comment
+    code, err = run_cli(capsys, "--model", str(tmp_path / "nope: x"), "--student-url", "http://127.0.0.1:9",
+                        "--teacher-url", "http://127.0.0.1:10", "--dataset", str(odd))
+    assert code == 2 and f"model folder {str(tmp_path / 'nope: x')!r} does not exist" in err
