@@ -1,16 +1,29 @@
-"""The losses: sparse generalized JSD (public API, torch paths), the reverse-KL policy gradient, normalisation."""
+"""The losses: sparse generalized JSD (public API, torch paths), the reverse-KL policy gradient, sampled teacher
+candidates, normalisation."""
 
 from .api import SparseJSDOutput, sparse_jsd_loss
 from .normalization import scored_positions, window_loss_scale, window_token_count
 from .policy_gradient import PolicyGradientOutput, reverse_kl_pg_loss, sampled_token_logprobs
+from .sampled import (
+    SampledCandidates,
+    SampledKDOutput,
+    candidates_from_draws,
+    sample_teacher_candidates,
+    sampled_kd_loss,
+)
 from .support import fold_out_of_vocab, narrow_support
 
 __all__ = [
     "PolicyGradientOutput",
+    "SampledCandidates",
+    "SampledKDOutput",
     "SparseJSDOutput",
+    "candidates_from_draws",
     "fold_out_of_vocab",
     "narrow_support",
     "reverse_kl_pg_loss",
+    "sample_teacher_candidates",
+    "sampled_kd_loss",
     "sampled_token_logprobs",
     "scored_positions",
     "sparse_jsd_loss",
