@@ -235,9 +235,10 @@ def test_chunks_and_empty_rows():
     assert int(outs[0].num_tokens) == 4 and float(outs[0].estimate[2]) == 0.0
     assert float(grads[0][0][2].abs().max()) == 0.0
 
-    empty = sampled_kd_loss(hidden, weight, torch.full((5, 2), -1), torch.zeros(5, 2))
+    bias = torch.zeros(7, requires_grad=True)
+    empty = sampled_kd_loss(hidden, weight, torch.full((5, 2), -1), torch.zeros(5, 2), bias=bias)
     assert float(empty.loss.detach()) == 0.0 and int(empty.num_tokens) == 0
-    assert all(float(g.abs().max()) == 0.0 for g in torch.autograd.grad(empty.loss, (hidden, weight)))
+    assert all(float(g.abs().max()) == 0.0 for g in torch.autograd.grad(empty.loss, (hidden, weight, bias)))
 
 
 def test_argument_errors():

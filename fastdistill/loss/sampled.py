@@ -40,8 +40,8 @@ class SampledCandidates:
     Attributes:
         ids: int64 token ids.
         counts: int64, how many of the S draws gave the token (a row's counts sum to S).
-        log_weights: float, log a_v = log(c_v · π_T(v) / (S · r(v))) (nats); with proposal temperature 1 exactly
-            log(c_v / S), and a row's weights then sum to 1.
+        log_weights: float, log a_v = log(c_v · π_T(v) / (S · r(v))) (nats), computed in float64 and returned in
+            the teacher's dtype; with proposal temperature 1 it is log(c_v / S), and a row's weights sum to 1.
         teacher_logprobs: float, log π_T(v) of the token (nats), for the exact KL form.
     """
 
@@ -198,7 +198,8 @@ def sampled_kd_loss(
                                                                                       device=ids.device))
     per_row = (a * target).sum(dim=1)
     scored = valid.any(dim=1)
-    loss = per_row.sum() + 0.0 * (hidden.sum() + weight.sum())  # connected to every input even when empty
+    anchor = hidden.sum() + weight.sum() + (0.0 if bias is None else bias.sum())
+    loss = per_row.sum() + 0.0 * anchor  # connected to every input even with nothing to score
     return SampledKDOutput(loss=loss, estimate=per_row.detach(),
                            num_tokens=scored.sum().to(torch.int64))
 
