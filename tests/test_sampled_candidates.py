@@ -198,7 +198,28 @@ def test_sample_teacher_candidates_rows_are_merged_and_reproducible():
         assert used == sorted(set(used)) and ids[len(used):] == [-1] * (8 - len(used))
     used = first.counts > 0
     torch.testing.assert_close(first.log_weights[used].double(), (first.counts[used] / 8).double().log())
-    assert first.log_weights.dtype == teacher.dtype
+    assert first.log_weights.dtype == torch.float32
+
+    half = sample_teacher_candidates(teacher.bfloat16(), 12, generator=torch.Generator().manual_seed(1))
+    assert half.log_weights.dtype == torch.float32  # log(c/12) is not rounded to bfloat16's 8 bits
+    used = half.counts > 0
+    torch.testing.assert_close(half.log_weights[used], (half.counts[used] / 12).float().log(), rtol=0, atol=1e-6)
+
+
+def test_float32_estimate_matches_float64():
+    """The float32 path (checkpointed chunks of 3 rows) agrees with the float64 one to float32 precision."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    weight = torch.randn(1000, 16, generator=gen, dtype=torch.float64) / 4
+    cand = sample_teacher_candidates(torch.randn(8, 1000, generator=gen, dtype=torch.float64) * 3, 12, generator=gen)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        h, w = hidden.to(dtype).requires_grad_(True), weight.to(dtype).requires_grad_(True)
+        out = sampled_kd_loss(h, w, cand.ids, cand.log_weights.to(dtype), teacher_logprobs=cand.teacher_logprobs,
+                              chunk_rows=3, **STUDENT)
+        results.append((out.estimate, *torch.autograd.grad(out.loss, (h, w))))
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_monte_carlo_at_a_50_token_vocabulary():

@@ -40,9 +40,11 @@ class SampledCandidates:
     Attributes:
         ids: int64 token ids.
         counts: int64, how many of the S draws gave the token (a row's counts sum to S).
-        log_weights: float, log a_v = log(c_v · π_T(v) / (S · r(v))) (nats), computed in float64 and returned in
-            the teacher's dtype; with proposal temperature 1 it is log(c_v / S), and a row's weights sum to 1.
-        teacher_logprobs: float, log π_T(v) of the token (nats), for the exact KL form.
+        log_weights: float, log a_v = log(c_v · π_T(v) / (S · r(v))) (nats); with proposal temperature 1 it is
+            log(c_v / S) and a row's weights sum to 1. float32 (float64 for a float64 teacher), never a half
+            precision, whose rounding would bias the weights.
+        teacher_logprobs: float, log π_T(v) of the token (nats, renormalised, same dtype as ``log_weights``), for the
+            exact KL form.
     """
 
     ids: torch.Tensor
@@ -94,7 +96,7 @@ def sample_teacher_candidates(
     _check_temperature(proposal_temperature)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    proposal = _proposal_logprobs(teacher_logprobs.double(), proposal_temperature)
+    proposal = _proposal_logprobs(teacher_logprobs.to(_work_dtype(teacher_logprobs)), proposal_temperature)
     draws = torch.multinomial(proposal.exp(), num_samples, replacement=True, generator=generator) \
         if teacher_logprobs.shape[0] else teacher_logprobs.new_zeros(0, num_samples, dtype=torch.long)
     return candidates_from_draws(draws, teacher_logprobs, proposal_temperature=proposal_temperature)
@@ -124,7 +126,7 @@ def candidates_from_draws(
         raise ValueError(f"draws must lie in [0, V) = [0, {V}), got values in [{int(draws.min())}, "
                          f"{int(draws.max())}]")
     S = draws.shape[1]
-    logp = torch.log_softmax(teacher_logprobs.double(), dim=-1)
+    logp = torch.log_softmax(teacher_logprobs.to(_work_dtype(teacher_logprobs)), dim=-1)
     proposal = _proposal_logprobs(logp, proposal_temperature)
     sorted_draws = torch.sort(draws.long(), dim=1).values
     starts = torch.ones_like(sorted_draws, dtype=torch.bool)
@@ -138,14 +140,13 @@ def candidates_from_draws(
     if bool((used & ~torch.isfinite(teacher)).any()):
         raise ValueError("draws contain a token to which the teacher gives no mass (log-prob -inf)")
     ratio = teacher - proposal.gather(1, safe) if proposal_temperature != 1.0 else torch.zeros_like(teacher)
-    log_weights = counts.double().log() - math.log(S) + ratio
-    neg_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=draws.device)
-    dtype = teacher_logprobs.dtype
+    log_weights = (counts.double().log() - math.log(S)).to(ratio.dtype) + ratio
+    neg_inf = torch.tensor(float("-inf"), dtype=ratio.dtype, device=draws.device)
     return SampledCandidates(
         ids=ids,
         counts=counts,
-        log_weights=torch.where(used, log_weights, neg_inf).to(dtype),
-        teacher_logprobs=torch.where(used, teacher, neg_inf).to(dtype),
+        log_weights=torch.where(used, log_weights, neg_inf),
+        teacher_logprobs=torch.where(used, teacher, neg_inf),
     )
 
 
@@ -222,6 +223,11 @@ def _chunk_logprobs(hidden, weight, bias, ids, logit_scale, softcap, temperature
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
     return logits.gather(1, ids) - torch.logsumexp(logits, dim=1, keepdim=True)
+
+
+def _work_dtype(teacher_logprobs: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs, else float32 (an (N, V) float64 copy of a large vocabulary would be costly)."""
+    return torch.float64 if teacher_logprobs.dtype == torch.float64 else torch.float32
 
 
 def _proposal_logprobs(teacher_logprobs: torch.Tensor, proposal_temperature: float) -> torch.Tensor:
