@@ -472,3 +472,27 @@ def test_cached_logprobs_equal_online_teacher_scores_from_a_real_server(tiny_tea
         # fp16 rounding (2**-11 relative) plus the server's own run-to-run float32 noise
         tolerance = 2.0**-11 * np.abs(scores.logprobs[finite]) + 1e-5
         assert (np.abs(sample.teacher_topk_logprobs[finite] - scores.logprobs[finite]) <= tolerance).all()
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+
+def test_bench_cache_bytes_per_token_match_the_layout(tmp_path):
+    """The benchmark's figure against the layout's arithmetic: every array's bytes plus at most 1 KiB of
+    safetensors header per shard."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_cache
+    finally:
+        sys.path.pop(0)
+    report = bench_cache.main(["--rows", "12", "--rows-per-shard", "5", "--prompt-lengths", "3", "9",
+                               "--completion-lengths", "4", "20", "--json", str(tmp_path / "bench.json")])
+    assert json.loads((tmp_path / "bench.json").read_text())["results"] == report["results"]
+    assert [(r["vocab_size"], r["top_k"]) for r in report["results"]] == [(v, k) for v in (32000, 151936)
+                                                                           for k in (8, 32, 128)]
+    for result in report["results"]:
+        id_bytes = 2 if result["vocab_size"] <= 65535 else 4
+        arrays = ((result["top_k"] + 1) * (id_bytes + 2) * result["completion_tokens"] + id_bytes * result["tokens"]
+                  + 8 * (12 + 3) + 4 * 12 + 8 * 12)  # candidates, ids, token offsets (3 shards), lengths, indices
+        assert arrays < result["bytes"] <= arrays + 3 * 1024
+        assert result["bytes_per_completion_token"] == result["bytes"] / result["completion_tokens"]
