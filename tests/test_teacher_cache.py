@@ -496,3 +496,47 @@ def test_bench_cache_bytes_per_token_match_the_layout(tmp_path):
                   + 8 * (12 + 3) + 4 * 12 + 8 * 12)  # candidates, ids, token offsets (3 shards), lengths, indices
         assert arrays < result["bytes"] <= arrays + 3 * 1024
         assert result["bytes_per_completion_token"] == result["bytes"] / result["completion_tokens"]
+
+
+def test_a_manifest_that_does_not_describe_its_shards_is_refused(small_cache):
+    from fastdistill.cache.format import map_safetensors, sha256_of_file, write_safetensors
+
+    manifest_path = small_cache / "manifest.json"
+    original = manifest_path.read_text()
+    manifest = json.loads(original)
+    manifest["shards"][0]["rows"] = 3
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CacheError, match="shard-00000.safetensors' does not hold the 3 rows .*array sizes disagree"):
+        TeacherCache(small_cache)
+    manifest_path.write_text(json.dumps(json.loads(original) | {"format_version": 99}))
+    with pytest.raises(CacheError, match="has format version 99; this fastdistill reads version 1"):
+        TeacherCache(small_cache)
+    manifest_path.write_text(original[:-20])
+    with pytest.raises(CacheError, match="manifest.json' is not valid JSON"):
+        TeacherCache(small_cache)
+
+    shard = small_cache / "shard-00000.safetensors"
+    arrays, _ = map_safetensors(shard)
+    kept = {name: ("int64" if array.dtype == np.int64 else "int32" if array.dtype == np.int32 else
+                   "uint16" if array.dtype == np.uint16 else "float16", np.array(array))
+            for name, array in arrays.items() if name != "dataset_index"}
+    write_safetensors(shard, kept, {})
+    manifest = json.loads(original)
+    manifest["shards"][0]["sha256"] = sha256_of_file(shard)
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CacheError, match=r"shard-00000.safetensors' lacks the arrays \['dataset_index'\]"):
+        TeacherCache(small_cache)
+    shard.write_bytes((40).to_bytes(8, "little") + b"{not json" + b" " * 40)
+    with pytest.raises(CacheError, match="is not a safetensors file"):
+        TeacherCache(small_cache, verify_checksums=False)
+
+
+def test_a_chat_template_that_does_not_render_prompt_then_answer_is_refused(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    odd = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|im_end|>",
+                                  chat_template=("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}"
+                                                 "{% endfor %}{% if add_generation_prompt %}{{ 'reply:' }}{% endif %}"))
+    rows = conversations(1)[0]
+    with pytest.raises(ConfigError, match="row 5: the chat template does not render the conversation as its prompt"):
+        completion_row(rows, 5, odd)

@@ -46,14 +46,18 @@ class _Shard:
         self.arrays = arrays
         self.token_offsets = np.asarray(arrays["token_offsets"], dtype=np.int64)
         prompt_lengths = np.asarray(arrays["prompt_lengths"], dtype=np.int64)
-        self.completion_offsets = np.zeros(record.rows + 1, np.int64)
-        np.cumsum(np.diff(self.token_offsets) - prompt_lengths, out=self.completion_offsets[1:])
-        rows = len(prompt_lengths)
-        if (rows != record.rows or len(self.token_offsets) != rows + 1 or len(arrays["dataset_index"]) != rows
-                or not self.token_offsets[-1] == len(arrays["input_ids"]) == record.tokens
-                or self.completion_offsets[-1] != len(arrays["candidate_ids"])
-                or arrays["candidate_ids"].shape != arrays["candidate_logprobs"].shape
-                or arrays["candidate_ids"].shape[1:] != (record.settings.top_k + 1,)):
+        rows = record.rows
+        sizes_agree = (len(prompt_lengths) == rows and len(self.token_offsets) == rows + 1
+                       and len(arrays["dataset_index"]) == rows
+                       and self.token_offsets[-1] == len(arrays["input_ids"]) == record.tokens
+                       and arrays["candidate_ids"].shape == arrays["candidate_logprobs"].shape
+                       and arrays["candidate_ids"].shape[1:] == (record.settings.top_k + 1,)
+                       and len(arrays["candidate_ids"]) == record.completion_tokens)
+        if sizes_agree:
+            self.completion_offsets = np.zeros(rows + 1, np.int64)
+            np.cumsum(np.diff(self.token_offsets) - prompt_lengths, out=self.completion_offsets[1:])
+            sizes_agree = self.completion_offsets[-1] == record.completion_tokens
+        if not sizes_agree:
             raise CacheError(f"shard {str(path)!r} does not hold the {record.rows} rows and {record.tokens} tokens "
                              "its record describes (array sizes disagree)")
 
