@@ -291,7 +291,7 @@ def test_a_rerun_with_other_settings_is_refused_and_a_changed_shard_is_scored_ag
     with StubTeacher(tokenizer) as stub:
         score_dataset(rows, stub.url, tmp_path, top_k=3, tokenizer=str(tokenizer_dir), rows_per_shard=2,
                       retry=FAST_RETRY)
-        with pytest.raises(ConfigError, match=r"other settings \(top_k: 3 != 5\)"):
+        with pytest.raises(ConfigError, match=r"other settings \(in the folder != this run: top_k: 3 != 5\)"):
             score_dataset(rows, stub.url, tmp_path, top_k=5, tokenizer=str(tokenizer_dir), rows_per_shard=2,
                           retry=FAST_RETRY)
         shard = tmp_path / "shard-00001.safetensors"

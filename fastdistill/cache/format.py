@@ -212,7 +212,7 @@ class CacheSettings:
         return start, min(self.dataset_rows, start + self.rows_per_shard)
 
     def differences(self, other: CacheSettings) -> list[str]:
-        """``name: mine != theirs`` for every differing setting."""
+        """``name: <self's value> != <other's value>`` for every differing setting."""
         mine, theirs = asdict(self), asdict(other)
         return [f"{key}: {mine[key]!r} != {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
 
@@ -234,10 +234,12 @@ class ShardRecord:
     rejected: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict (settings nested)."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ShardRecord:
+        """The record of a :meth:`to_json` dict."""
         values = dict(payload)
         values["settings"] = CacheSettings(**values["settings"])
         return cls(**values)

@@ -297,8 +297,8 @@ async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, 
                                  rows_per_shard=rows_per_shard, dataset_rows=len(rows))
         existing = _existing_settings(folder)
         if existing is not None and existing != settings:
-            raise config_error(f"{str(folder)!r} holds shards scored with other settings ("
-                               f"{'; '.join(existing.differences(settings))}): use a new --output folder, or the "
+            raise config_error(f"{str(folder)!r} holds shards scored with other settings (in the folder != this "
+                               f"run: {'; '.join(existing.differences(settings))}): use a new --output folder, or the "
                                "settings it was scored with")
         written = skipped = scored = rejected = 0
         for index in shard_block(shard, settings.num_shards):
