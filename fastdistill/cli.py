@@ -5,6 +5,8 @@
   after ``--`` goes to vLLM unchanged);
 - ``fastdistill eval --model DIR --student-url URL --teacher-url URL --dataset FILE``: held-out evaluation of a saved
   model (the student server must serve it), written as JSON;
+- ``fastdistill score --dataset SRC --teacher-url URL --output DIR --top-k K``: score a dataset's own completions with a
+  teacher once into a teacher cache (resumable; ``--shard i/n`` splits the work between machines);
 - ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo.
 
 Messages go through the ``fastdistill`` logger, to stderr, prefixed ``fastdistill:``.
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastdistill.serve import VLLMServer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fastdistill.cli")  # not __name__: under `python -m` that is "__main__"
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -81,6 +83,24 @@ def _eval(args: argparse.Namespace) -> int:
     shown = {k: v for k, v in result.items() if k.startswith("eval/")}
     logger.info("%s: %s; wrote %s", config.model_name_or_path,
                 ", ".join(f"{k} {v:.4g}" for k, v in shown.items()), args.output)
+    return 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    from fastdistill.auth import teacher_api_key_from_env
+    from fastdistill.cache.score import parse_shard, score_dataset
+
+    summary = score_dataset(args.dataset, args.teacher_url, args.output, top_k=args.top_k, tokenizer=args.tokenizer,
+                            shard=parse_shard(args.shard), rows_per_shard=args.rows_per_shard,
+                            concurrency=args.concurrency, logprob_dtype=args.logprob_dtype, split=args.split,
+                            dataset_config=args.dataset_config, api_key=teacher_api_key_from_env("default"))
+    logger.info("%d shards written (%d rows scored), %d already finished; %d rows skipped because the teacher "
+                "server rejected them (listed with its message in %s)", summary.shards_written, summary.rows_scored,
+                summary.shards_skipped, summary.rows_rejected, Path(args.output) / "shard-*.json")
+    if summary.manifest_written:
+        logger.info("every shard is finished: wrote %s", Path(args.output) / "manifest.json")
+    else:
+        logger.info("other shards are not finished yet: the run that finishes the last one writes the manifest")
     return 0
 
 
@@ -200,6 +220,28 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", help="field=value (parsed as YAML), e.g. max_completion_length=64")
     evaluate.set_defaults(handler=_eval)
 
+    score = commands.add_parser("score", help="score a dataset's completions with a teacher once, into a teacher "
+                                "cache of shards plus a manifest (resumable)")
+    score.add_argument("--dataset", required=True, help="a .json/.jsonl/.parquet/.csv file, a dataset folder or a "
+                       "Hugging Face dataset name, with 'messages' (the last assistant turn is scored) or 'prompt' "
+                       "and 'completion' columns")
+    score.add_argument("--split", default="train", help="split of a dataset folder or name (default train)")
+    score.add_argument("--dataset-config", default=None, help="configuration name of a Hugging Face dataset")
+    score.add_argument("--teacher-url", action="append", required=True,
+                       help="the teacher server's URL (repeat for replicas of the same model); its key: "
+                       "$FASTDISTILL_TEACHER_API_KEY")
+    score.add_argument("--output", required=True, type=Path, help="the cache folder (created; re-running resumes)")
+    score.add_argument("--top-k", type=int, required=True, help="teacher candidates kept per position (K)")
+    score.add_argument("--shard", default="0/1", help="i/n: score only the i-th of n blocks of shards (0-based), so "
+                       "n machines can share the work (default 0/1: all)")
+    score.add_argument("--rows-per-shard", type=int, default=1024, help="dataset rows per shard (default 1024)")
+    score.add_argument("--tokenizer", default=None, help="the teacher's model folder (default: the folder the "
+                       "teacher server serves)")
+    score.add_argument("--concurrency", type=int, default=16, help="scoring requests in flight (default 16)")
+    score.add_argument("--logprob-dtype", choices=("float16", "bfloat16"), default="float16",
+                       help="stored log-prob precision (default float16)")
+    score.set_defaults(handler=_score)
+
     demo = commands.add_parser("demo", help="end-to-end distillation of tiny models through real vLLM servers")
     demo.add_argument("--output-dir", type=Path, default=Path("demo_output"))
     demo.add_argument("--seed", type=int, default=0)
@@ -230,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.weight_transfer = "nccl" if torch.cuda.is_available() else "gloo"
+    from fastdistill.cache.format import CacheError
     from fastdistill.train.config import ConfigError
 
     handler = _log_to_stderr()
@@ -237,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except ConfigError as error:
         parser.exit(2, f"fastdistill: config error: {error}\n")
+    except CacheError as error:
+        parser.exit(2, f"fastdistill: teacher cache error: {error}\n")
     finally:
         logging.getLogger("fastdistill").removeHandler(handler)
 
