@@ -54,6 +54,8 @@ class AsyncDistillationConfig:
     dataset_train_split: str = "train"  # the split of a dataset folder or name that train_dataset uses
     dataset_test_split: str = "test"  # the split of a dataset folder or name that eval_dataset uses
     eval_steps: int | None = None  # evaluate every this many steps too (None: at the start and the end only)
+    # ours: train from an offline teacher cache folder (`fastdistill score`) instead of a student and teacher server
+    teacher_cache: str | None = None
     dtype: str = "float32"
     trust_remote_code: bool = False
     model_init_kwargs: dict[str, Any] | None = None
@@ -195,6 +197,7 @@ class AsyncDistillationConfig:
         _at_least(self, 0, "max_staleness", "warmup_steps", "lora_r")
         _check(self.eval_steps is None or (_is_int(self.eval_steps) and self.eval_steps >= 1), "eval_steps",
                self.eval_steps, "None (at the start and the end) or an int >= 1")
+        self._validate_teacher_cache()
         _positive(self, "lora_alpha")
         _check(not (self.lora_sync == "adapter" and not self.lora_r), "lora_sync", self.lora_sync,
                "'merged' when lora_r=0 (adapter sync needs LoRA training: set lora_r > 0)")
@@ -256,6 +259,25 @@ class AsyncDistillationConfig:
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
+
+    def _validate_teacher_cache(self) -> None:
+        """``teacher_cache`` replaces the servers: the options that need them, or the rollout policy's log-probs, are
+        refused with the reason."""
+        cache = self.teacher_cache
+        if cache is None:
+            return
+        _check(isinstance(cache, str) and cache != "", "teacher_cache", cache, "None or a cache folder path")
+        why = ("the cache's completions were scored offline: there is no student server and no rollout policy "
+               "log-prob")
+        _check(self.train_dataset is None, "train_dataset", self.train_dataset,
+               "None with teacher_cache (the cache holds the training rows)")
+        _check(self.eval_dataset is None, "eval_dataset", self.eval_dataset,
+               "None with teacher_cache (held-out evaluation asks a student server serving the trained weights; "
+               "evaluate the exported model with fastdistill eval)")
+        _check(self.loss_type == "jsd", "loss_type", self.loss_type, f"'jsd' with teacher_cache ({why})")
+        _check(self.stale_policy == "drop", "stale_policy", self.stale_policy, f"'drop' with teacher_cache ({why})")
+        _check(not self.verify_weight_sync, "verify_weight_sync", self.verify_weight_sync,
+               f"False with teacher_cache ({why})")
 
     def _validate_teachers(self) -> None:
         urls = self.teacher_server_urls

@@ -21,7 +21,7 @@ from fastdistill.rollout import RolloutSample, VLLMError, VLLMUnavailableError
 from fastdistill.rollout.dropped import REJECTED, UNAVAILABLE, DroppedPrompt
 from fastdistill.train.collector import SourceExhausted
 
-__all__ = ["ListSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
+__all__ = ["CacheSource", "ListSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,28 @@ class ListSource:
 
     def drain_worker_metrics(self) -> list[dict[str, float]]:
         return []
+
+
+class CacheSource(ListSource):
+    """Rows of an offline teacher cache (:class:`~fastdistill.cache.TeacherCache`), visited epoch after epoch in the
+    rollout worker's order (:func:`~fastdistill.rollout.prompt_cursor`: ``seed``, ``shuffle``) from prompt
+    ``start_index`` up to ``end_index`` (None: endless), skipping ``skip_prompt_ids`` (prompts a resumed run already
+    trained). Each sample carries its ``prompt_id`` and ``teacher_id``; rows are read from the memory-mapped shards
+    only when taken."""
+
+    def __init__(self, cache: Any, *, seed: int, shuffle: bool, start_index: int, end_index: int | None,
+                 skip_prompt_ids: frozenset[int], teacher_id: str):
+        import dataclasses
+
+        from fastdistill.rollout import prompt_cursor
+
+        if len(cache) == 0:
+            raise ValueError("the teacher cache holds no rows")
+        cursor: Iterator[tuple[int, int]] = prompt_cursor(len(cache), seed, start_index, shuffle)
+        if end_index is not None:
+            cursor = itertools.takewhile(lambda item: item[0] < end_index, cursor)
+        super().__init__(dataclasses.replace(cache[row], prompt_id=prompt_id, teacher_id=teacher_id)
+                         for prompt_id, row in cursor if prompt_id not in skip_prompt_ids)
 
 
 class WorkerSource:

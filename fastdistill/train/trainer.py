@@ -49,7 +49,7 @@ from fastdistill.train.model import (
     prepare_student,
 )
 from fastdistill.train.schedule import LRSchedule
-from fastdistill.train.source import ListSource, SynchronousSource, WorkerSource
+from fastdistill.train.source import CacheSource, ListSource, SynchronousSource, WorkerSource
 from fastdistill.train.timing import PhaseClock
 
 __all__ = ["AsyncDistillationTrainer", "DistillationModel", "load_rows"]
@@ -127,9 +127,17 @@ class AsyncDistillationTrainer:
         )
         self._samples = samples
         self.rows = None
-        if samples is None and self.dist.is_main:
+        self.cache = self._open_cache() if config.teacher_cache is not None and self.dist.is_main else None
+        offline = samples is not None or config.teacher_cache is not None  # no server is asked for samples
+        self._offline = offline
+        if not offline and self.dist.is_main:
             self.rows = self._tokenized_rows(train_dataset)
-        num_prompts = len(samples) if samples is not None else (len(self.rows) if self.rows is not None else 0)
+        if samples is not None:
+            num_prompts = len(samples)
+        elif self.cache is not None:
+            num_prompts = len(self.cache)
+        else:
+            num_prompts = len(self.rows) if self.rows is not None else 0
         self.num_prompts = self.dist.broadcast(num_prompts)
         self.eval_rows = self._eval_rows(eval_dataset) if self.dist.is_main else None
         self.has_eval = self.dist.broadcast(bool(self.eval_rows))
@@ -167,6 +175,21 @@ class AsyncDistillationTrainer:
 
     def _use_bf16(self) -> bool:
         return self.config.bf16 if self.config.bf16 is not None else self.dist.device.type == "cuda"
+
+    def _open_cache(self) -> Any:
+        """Rank 0: the ``teacher_cache`` folder, its shards checked against the manifest's checksums and its tokenizer
+        against the student's (ConfigError otherwise)."""
+        from fastdistill.cache import CacheError, TeacherCache
+
+        if len(self.teacher_ids) != 1:
+            raise ConfigError(f"teacher_cache holds one teacher's scores; teacher_server_urls names "
+                              f"{len(self.teacher_ids)} teachers ({self.teacher_ids})")
+        try:
+            cache = TeacherCache(self.config.teacher_cache)
+        except CacheError as error:
+            raise ConfigError(f"teacher_cache: {error}") from error
+        cache.check_tokenizer(self.tokenizer)
+        return cache
 
     def _tokenized_rows(self, rows: Any) -> PromptTable:
         from fastdistill.data.sources import prepare_prompts
@@ -385,7 +408,7 @@ class AsyncDistillationTrainer:
         config = self.config
         skip_rows: frozenset[int] = frozenset()
         if self.dist.is_main:
-            served = self._check_servers() if self._samples is None else None
+            served = self._check_servers() if not self._offline else None
             if served is not None:
                 self._student_model_name = served["student"].name
             token_budget = config.token_budget
@@ -398,7 +421,7 @@ class AsyncDistillationTrainer:
                 state=self.rollout_state, token_budget=token_budget if token_budget > 0 else None)
             if served is not None:
                 skip_rows = self._skip_long_prompts(served)
-        if self.weight_sync is None and self._samples is None:
+        if self.weight_sync is None and not self._offline:
             from fastdistill.sync import weight_sync_from_config
 
             self.weight_sync = weight_sync_from_config(config, device_type=self.dist.device.type,
@@ -410,6 +433,11 @@ class AsyncDistillationTrainer:
             return
         if self._samples is not None:
             self.source = ListSource(self._samples)
+        elif self.cache is not None:
+            self.source = CacheSource(self.cache, seed=config.seed, shuffle=config.shuffle,
+                                      start_index=self.rollout_state.prompt_index, end_index=self.total_prompts,
+                                      skip_prompt_ids=frozenset(self.rollout_state.trained_after),
+                                      teacher_id=self.teacher_ids[0])
         elif not config.async_mode:
             self.source = SynchronousSource(self.rows, self._rollout_config(skip_rows),
                                             config.samples_per_step(self.dist.world_size))
