@@ -146,3 +146,38 @@ def test_a_cache_serves_one_teacher(cache_and_student, tmp_path):
                           teacher_server_urls={"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"})
     with pytest.raises(ConfigError, match="teacher_cache holds one teacher's scores"):
         AsyncDistillationTrainer(config)
+
+
+@pytest.mark.vllm
+def test_score_with_a_real_teacher_stop_it_and_train_from_the_cache(tmp_path):
+    """The offline workflow end to end: a real vLLM teacher scores the training rows and held-out rows once, is
+    stopped, and the student trains from the cache alone; its divergence on the held-out rows (scored by the same
+    teacher) falls."""
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.serve import VLLMServer
+    from fastdistill.testing.vllm_server import require_vllm
+    from fastdistill.train.evaluate import divergence_per_token
+
+    require_vllm()
+    tokenizer = build_tokenizer()
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=3).float().eval(),
+                                      tokenizer, tmp_path / "teacher")
+    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=11), tokenizer,
+                                      tmp_path / "student")
+    rows = conversations(40)
+    with VLLMServer(teacher_dir, role="teacher", log_path=tmp_path / "teacher.log") as server:
+        train = score_dataset(rows[:32], server.url, tmp_path / "cache", top_k=8, rows_per_shard=16, concurrency=4)
+        held = score_dataset(rows[32:], server.url, tmp_path / "held", top_k=8, concurrency=4)
+    assert train.manifest_written and held.manifest_written and server.process is None  # the teacher is gone
+    held_out = list(TeacherCache(tmp_path / "held"))
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    before = divergence_per_token(student, held_out, ["default"])
+    config = cache_config(tmp_path / "cache", student_dir, tmp_path / "run", num_train_epochs=4, learning_rate=3e-3,
+                          per_device_train_batch_size=8, export_final_model=True)
+    summary = AsyncDistillationTrainer(config).train()
+    assert summary["steps"] == 4 * 32 // 8
+    after = divergence_per_token(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").eval(), held_out,
+                                 ["default"])
+    assert after < 0.9 * before, (before, after)
