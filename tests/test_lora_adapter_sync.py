@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from fastdistill.sync import (  # noqa: E402
     weight_sync_from_config,
 )
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
+from fastdistill.testing.spawned import run_ranks  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
 from fastdistill.testing.vllm_server import free_port, require_vllm, start_together  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
@@ -397,21 +397,8 @@ def _fsdp_rank(rank: int, port: int, url: str, base_dir: str, adapter_dir: str, 
 @pytest.mark.vllm
 def test_fsdp2_ranks_gather_the_adapter_and_rank_0_loads_it(servers, tmp_path):
     _, server = servers["lora"]
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
-    port = free_port()
-    args = (port, server.url, str(server.model_dir), str(tmp_path / "adapters"), results)
-    procs = [spawn.Process(target=_fsdp_rank, args=(rank, *args)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        outcomes = sorted((results.get(timeout=300) for _ in procs), key=lambda o: o["rank"])
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    outcomes = run_ranks(_fsdp_rank, (free_port(), server.url, str(server.model_dir), str(tmp_path / "adapters")),
+                         timeout_s=300, join_s=60)
     assert outcomes[1]["metrics"] == {} and outcomes[0]["files"] == ["v1"]
     assert outcomes[0]["gap"] <= TOLERANCE
 

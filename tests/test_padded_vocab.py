@@ -281,8 +281,7 @@ def test_trainer_counts_folded_candidates_and_warns_once_per_teacher(tmp_path, c
 def padded_servers(tmp_path_factory):
     """(student folder, student server with gloo weight transfer, padded teacher server): one tokenizer, a student
     with 512 vocabulary rows and a teacher with 640 whose padding lm_head rows reach its top-K."""
-    from fastdistill.serve import VLLMServer
-    from fastdistill.testing.vllm_server import require_vllm, start_together
+    from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
 
     require_vllm()
     tokenizer = build_tokenizer()
@@ -292,15 +291,8 @@ def padded_servers(tmp_path_factory):
                                       tmp_path_factory.mktemp("student"))
     teacher_dir = save_pretrained_dir(padded_teacher(tokenizer, 640 - len(tokenizer), seed=2), tokenizer,
                                       tmp_path_factory.mktemp("padded-teacher"))
-    logs = tmp_path_factory.mktemp("logs")
-    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
-    teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
-    start_together(student, teacher)
-    try:
+    with student_and_teacher(student_dir, teacher_dir, tmp_path_factory.mktemp("logs")) as (student, teacher):
         yield student_dir, student, teacher
-    finally:
-        student.stop()
-        teacher.stop()
 
 
 @pytest.mark.vllm

@@ -46,6 +46,7 @@ from fastdistill.sync.transport import (
     receive_tensors,
     send_tensors,
 )
+from fastdistill.testing.spawned import run_ranks
 from fastdistill.testing.stubs import interface_ipv4_addresses
 from fastdistill.testing.vllm_server import free_port, require_vllm, start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
@@ -187,7 +188,7 @@ def test_hf_name_strips_wrappers():
     assert hf_name("model._fsdp_wrapped_module.embed_tokens.weight") == "model.embed_tokens.weight"
 
 
-def _fsdp_rank(rank: int, port: int, results, server_url: str | None) -> None:
+def _fsdp_rank(rank: int, port: int, server_url: str | None, results) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
@@ -221,20 +222,7 @@ def _fsdp_rank(rank: int, port: int, results, server_url: str | None) -> None:
 
 
 def run_fsdp_ranks(server_url: str | None) -> list[dict]:
-    port = free_port()
-    results = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_fsdp_rank, args=(rank, port, results, server_url)) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        outcomes = sorted((results.get(timeout=120) for _ in procs), key=lambda o: o["rank"])
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    assert [proc.exitcode for proc in procs] == [0, 0]
-    return outcomes
+    return run_ranks(_fsdp_rank, (free_port(), server_url))
 
 
 def test_iter_named_weights_gathers_fsdp2_parameters():

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastdistill.serve import VLLMServer
-from fastdistill.testing.vllm_server import require_vllm, start_together
+from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 pytestmark = pytest.mark.vllm
@@ -33,15 +32,8 @@ def servers(tmp_path_factory):
                                       tmp_path_factory.mktemp("student"))
     teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
                                       tmp_path_factory.mktemp("teacher"))
-    logs = tmp_path_factory.mktemp("logs")
-    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
-    teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
-    start_together(student, teacher)
-    try:
+    with student_and_teacher(student_dir, teacher_dir, tmp_path_factory.mktemp("logs")) as (student, teacher):
         yield student_dir, student, teacher
-    finally:
-        student.stop()
-        teacher.stop()
 
 
 def write_run(tmp_path: Path, servers, **overrides) -> Path:

@@ -6,13 +6,17 @@ the tests that import them from this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from fastdistill.serve import VLLMServer, VLLMServerError, free_port, vllm_python
 
-__all__ = ["VLLMServer", "VLLMServerError", "free_port", "require_vllm", "start_together", "vllm_available",
-           "vllm_python"]
+__all__ = ["VLLMServer", "VLLMServerError", "free_port", "require_vllm", "start_together", "student_and_teacher",
+           "vllm_available", "vllm_python"]
 
 
 def vllm_available(python: str | None = None) -> bool:
@@ -46,3 +50,17 @@ def start_together(*servers: VLLMServer) -> None:
         for server in servers:
             server.stop()
         raise failed[0]
+
+
+@contextlib.contextmanager
+def student_and_teacher(student_dir: Any, teacher_dir: Any, logs: Path) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    """A student server (fastdistill's ``gloo`` weight transfer) and a teacher server, started side by side and
+    stopped on exit; their logs go to ``logs/student.log`` and ``logs/teacher.log``."""
+    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
+    teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
+    start_together(student, teacher)
+    try:
+        yield student, teacher
+    finally:
+        student.stop()
+        teacher.stop()
