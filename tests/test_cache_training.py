@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -149,14 +150,14 @@ def test_a_cache_serves_one_teacher(cache_and_student, tmp_path):
 
 
 @pytest.mark.vllm
-def test_score_with_a_real_teacher_stop_it_and_train_from_the_cache(tmp_path):
-    """The offline workflow end to end: a real vLLM teacher scores the training rows and held-out rows once, is
-    stopped, and the student trains from the cache alone; its divergence on the held-out rows (scored by the same
-    teacher) falls."""
+def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path):
+    """The offline workflow end to end against real vLLM: the teacher scores the training and held-out rows once;
+    a run with lmbda=0.5 generates half of each step's prompts on-policy (student server, weight sync) and takes the
+    rest from the cache, every prompt once; then the servers stop and a run from the cache alone lowers the
+    held-out divergence (scored by the same teacher)."""
     from transformers import AutoModelForCausalLM
 
-    from fastdistill.serve import VLLMServer
-    from fastdistill.testing.vllm_server import require_vllm
+    from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
     from fastdistill.train.evaluate import divergence_per_token
 
     require_vllm()
@@ -167,13 +168,23 @@ def test_score_with_a_real_teacher_stop_it_and_train_from_the_cache(tmp_path):
     student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=11), tokenizer,
                                       tmp_path / "student")
     rows = conversations(40)
-    with VLLMServer(teacher_dir, role="teacher", log_path=tmp_path / "teacher.log") as server:
-        train = score_dataset(rows[:32], server.url, tmp_path / "cache", top_k=8, rows_per_shard=16, concurrency=4)
-        held = score_dataset(rows[32:], server.url, tmp_path / "held", top_k=8, concurrency=4)
-    assert train.manifest_written and held.manifest_written and server.process is None  # the teacher is gone
-    held_out = list(TeacherCache(tmp_path / "held"))
-    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
-    before = divergence_per_token(student, held_out, ["default"])
+    with student_and_teacher(student_dir, teacher_dir, tmp_path / "logs") as (student, teacher):
+        train = score_dataset(rows[:32], teacher.url, tmp_path / "cache", top_k=8, rows_per_shard=16, concurrency=4)
+        held = score_dataset(rows[32:], teacher.url, tmp_path / "held", top_k=8, concurrency=4)
+        assert train.manifest_written and held.manifest_written
+        mixed = cache_config(tmp_path / "cache", student_dir, tmp_path / "mixed", lmbda=0.5, num_train_epochs=1,
+                             per_device_train_batch_size=8, max_completion_length=8, teacher_top_k=8,
+                             vllm_server_base_url=student.url, teacher_server_urls={"default": teacher.url},
+                             verify_weight_sync=True, heartbeat_stale_after_s=60.0)
+        summary = AsyncDistillationTrainer(mixed).train()
+    assert summary["steps"] == 32 // 8 and summary["model_version"] == 1 + 32 // 8  # cold sync + one per step
+    assert sorted(trained_ids(tmp_path / "mixed")) == list(range(32))
+    records = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sample/on_policy_frac"] for r in records] == [0.5] * 4
+    assert all(r["sync/served_logprob_gap"] <= 1e-4 for r in records)
+
+    held_out = list(TeacherCache(tmp_path / "held"))  # the servers are gone from here on
+    before = divergence_per_token(AutoModelForCausalLM.from_pretrained(student_dir).eval(), held_out, ["default"])
     config = cache_config(tmp_path / "cache", student_dir, tmp_path / "run", num_train_epochs=4, learning_rate=3e-3,
                           per_device_train_batch_size=8, export_final_model=True)
     summary = AsyncDistillationTrainer(config).train()
@@ -181,3 +192,60 @@ def test_score_with_a_real_teacher_stop_it_and_train_from_the_cache(tmp_path):
     after = divergence_per_token(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").eval(), held_out,
                                  ["default"])
     assert after < 0.9 * before, (before, after)
+
+
+def test_on_policy_ids_hold_their_share_of_every_stretch():
+    from fastdistill.rollout import is_on_policy
+
+    for fraction in (0.0, 0.25, 1 / 3, 0.5, 0.7, 1.0):
+        picks = [is_on_policy(p, fraction) for p in range(300)]
+        for n in range(301):
+            assert sum(picks[:n]) == math.floor(n * fraction)  # the increments telescope
+        for start in range(0, 290):
+            window = sum(picks[start:start + 8])
+            assert abs(window - 8 * fraction) < 1 + 1e-9
+
+
+def test_a_mixed_source_interleaves_its_share_and_takes_every_prompt_once(cache_and_student):
+    """MixedSource with a stand-in for the worker (the on-policy ids as samples): every step's 4 samples hold 2
+    on-policy ones, and the two sources together give every prompt id once."""
+    import dataclasses
+
+    from fastdistill.rollout import is_on_policy
+    from fastdistill.train.collector import SourceExhausted
+    from fastdistill.train.source import CacheSource, ListSource, MixedSource
+
+    cache = TeacherCache(cache_and_student[0])
+    total = 2 * NUM_ROWS
+    online_ids = [p for p in range(total) if is_on_policy(p, 0.5)]
+    online = ListSource([dataclasses.replace(cache[0], prompt_id=p, model_version=0) for p in online_ids])
+    cached = CacheSource(cache, seed=0, shuffle=True, start_index=0, end_index=total, skip_prompt_ids=frozenset(),
+                         teacher_id="default", on_policy_fraction=0.5)
+    mixed = MixedSource(online, cached, 0.5)
+    taken = []
+    while True:
+        try:
+            taken.append(mixed.next(model_version=0))
+        except SourceExhausted:
+            break
+    assert sorted(s.prompt_id for s in taken) == list(range(total))
+    for step in range(0, total, 4):
+        assert sum(s.model_version == 0 for s in taken[step:step + 4]) == 2
+    assert mixed.metrics["sample/on_policy_frac"].count((1.0, 1.0)) == len(online_ids)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"teacher_cache": None, "lmbda": 0.5}, "lmbda must be 0.0 without teacher_cache"),
+    ({"lmbda": 1.5}, r"lmbda must be in \[0.0, 1.0\]"),
+    ({"lmbda": 0.5, "async_mode": False}, "async_mode must be True with teacher_cache and lmbda > 0"),
+])
+def test_lmbda_settings_are_checked(overrides, message):
+    values = {"model_name_or_path": "m", "teacher_cache": "cache", **overrides}
+    with pytest.raises(ConfigError, match=message):
+        AsyncDistillationConfig(**values)
+
+
+def test_a_mixed_run_may_evaluate_and_verify():
+    config = AsyncDistillationConfig(model_name_or_path="m", teacher_cache="cache", lmbda=0.25,
+                                     eval_dataset="held.jsonl", verify_weight_sync=True)
+    assert config.lmbda == 0.25

@@ -17,7 +17,7 @@ from fastdistill.rollout.http import (
     VLLMResponseError,
     VLLMUnavailableError,
 )
-from fastdistill.rollout.order import epoch_order, prompt_cursor, route_rows, row_of_prompt
+from fastdistill.rollout.order import epoch_order, is_on_policy, prompt_cursor, route_rows, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.table import PromptTable
@@ -47,6 +47,7 @@ __all__ = [
     "check_shared_vocabulary",
     "epoch_order",
     "parse_prompt_logprobs",
+    "is_on_policy",
     "prompt_cursor",
     "route_rows",
     "row_of_prompt",

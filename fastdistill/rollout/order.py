@@ -7,6 +7,7 @@ epoch's order, so a cursor can resume at any prompt and a checkpoint only stores
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,3 +60,10 @@ def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str])
             )
         routes.append(teacher_id)
     return routes
+
+
+def is_on_policy(prompt_id: int, fraction: float) -> bool:
+    """Whether prompt ``prompt_id`` of a mixed run is generated on-policy (else taken from the teacher cache):
+    exactly ``floor(n · fraction)`` of the first ``n`` prompt ids are, spread evenly (every run of consecutive ids
+    holds its share, within one), so each step's samples hold ``fraction`` of on-policy ones whatever the batch."""
+    return math.floor((prompt_id + 1) * fraction) > math.floor(prompt_id * fraction)

@@ -55,7 +55,8 @@ def start_together(*servers: VLLMServer) -> None:
 @contextlib.contextmanager
 def student_and_teacher(student_dir: Any, teacher_dir: Any, logs: Path) -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """A student server (fastdistill's ``gloo`` weight transfer) and a teacher server, started side by side and
-    stopped on exit; their logs go to ``logs/student.log`` and ``logs/teacher.log``."""
+    stopped on exit; their logs go to ``logs/student.log`` and ``logs/teacher.log`` (the folder is created)."""
+    logs.mkdir(parents=True, exist_ok=True)
     student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
     teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
     start_together(student, teacher)

@@ -56,6 +56,9 @@ class AsyncDistillationConfig:
     eval_steps: int | None = None  # evaluate every this many steps too (None: at the start and the end only)
     # ours: train from an offline teacher cache folder (`fastdistill score`) instead of a student and teacher server
     teacher_cache: str | None = None
+    # TRL GKD's name: with teacher_cache, this fraction of the prompts is generated on-policy (student and teacher
+    # servers, weight sync) and the rest trained on the cache's completions; 0: the cache alone
+    lmbda: float = 0.0
     dtype: str = "float32"
     trust_remote_code: bool = False
     model_init_kwargs: dict[str, Any] | None = None
@@ -264,20 +267,26 @@ class AsyncDistillationConfig:
         """``teacher_cache`` replaces the servers: the options that need them, or the rollout policy's log-probs, are
         refused with the reason."""
         cache = self.teacher_cache
+        _range(self, "lmbda", 0.0, 1.0)
+        _check(self.lmbda == 0.0 or cache is not None, "lmbda", self.lmbda,
+               "0.0 without teacher_cache (it is the on-policy share of a run that mixes in a teacher cache)")
         if cache is None:
             return
         _check(isinstance(cache, str) and cache != "", "teacher_cache", cache, "None or a cache folder path")
-        why = ("the cache's completions were scored offline: there is no student server and no rollout policy "
-               "log-prob")
+        why = "a cached completion was not sampled by the student: it has no rollout policy log-prob"
         _check(self.train_dataset is None, "train_dataset", self.train_dataset,
-               "None with teacher_cache (the cache holds the training rows)")
-        _check(self.eval_dataset is None, "eval_dataset", self.eval_dataset,
-               "None with teacher_cache (held-out evaluation asks a student server serving the trained weights; "
-               "evaluate the exported model with fastdistill eval)")
+               "None with teacher_cache (the cache holds the training rows, and their prompts when lmbda > 0)")
         _check(self.loss_type == "jsd", "loss_type", self.loss_type, f"'jsd' with teacher_cache ({why})")
         _check(self.stale_policy == "drop", "stale_policy", self.stale_policy, f"'drop' with teacher_cache ({why})")
-        _check(not self.verify_weight_sync, "verify_weight_sync", self.verify_weight_sync,
-               f"False with teacher_cache ({why})")
+        _check(self.async_mode or self.lmbda == 0.0, "async_mode", self.async_mode,
+               "True with teacher_cache and lmbda > 0 (the mixed run takes its on-policy share from the rollout "
+               "worker)")
+        if self.lmbda == 0.0:  # the cache alone: no server at all
+            _check(self.eval_dataset is None, "eval_dataset", self.eval_dataset,
+                   "None with teacher_cache and lmbda=0 (held-out evaluation asks a student server serving the "
+                   "trained weights; evaluate the exported model with fastdistill eval, or set lmbda > 0)")
+            _check(not self.verify_weight_sync, "verify_weight_sync", self.verify_weight_sync,
+                   "False with teacher_cache and lmbda=0 (no student server is synced)")
 
     def _validate_teachers(self) -> None:
         urls = self.teacher_server_urls

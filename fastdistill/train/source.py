@@ -21,7 +21,7 @@ from fastdistill.rollout import RolloutSample, VLLMError, VLLMUnavailableError
 from fastdistill.rollout.dropped import REJECTED, UNAVAILABLE, DroppedPrompt
 from fastdistill.train.collector import SourceExhausted
 
-__all__ = ["CacheSource", "ListSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
+__all__ = ["CacheSource", "ListSource", "MixedSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +52,78 @@ class CacheSource(ListSource):
     only when taken."""
 
     def __init__(self, cache: Any, *, seed: int, shuffle: bool, start_index: int, end_index: int | None,
-                 skip_prompt_ids: frozenset[int], teacher_id: str):
+                 skip_prompt_ids: frozenset[int], teacher_id: str, on_policy_fraction: float = 0.0):
         import dataclasses
 
-        from fastdistill.rollout import prompt_cursor
+        from fastdistill.rollout import is_on_policy, prompt_cursor
 
         if len(cache) == 0:
             raise ValueError("the teacher cache holds no rows")
         cursor: Iterator[tuple[int, int]] = prompt_cursor(len(cache), seed, start_index, shuffle)
         if end_index is not None:
             cursor = itertools.takewhile(lambda item: item[0] < end_index, cursor)
+        cursor = ((prompt_id, row) for prompt_id, row in cursor if prompt_id not in skip_prompt_ids and not (
+            on_policy_fraction > 0 and is_on_policy(prompt_id, on_policy_fraction)))
         super().__init__(dataclasses.replace(cache[row], prompt_id=prompt_id, teacher_id=teacher_id)
-                         for prompt_id, row in cursor if prompt_id not in skip_prompt_ids)
+                         for prompt_id, row in cursor)
+
+
+class MixedSource:
+    """GKD's ``lmbda``: the prompt ids :func:`~fastdistill.rollout.is_on_policy` selects come on-policy from the
+    rollout worker (``online``, a :class:`WorkerSource`), the others from the teacher cache (``cached``, a
+    :class:`CacheSource` that skips the on-policy ids). ``next`` takes from the online source while it has given
+    fewer than ``lmbda`` of the samples so far, so every stretch of samples (a step's) holds that share, and from
+    the other once one runs dry. Logs ``sample/on_policy_frac`` (the share of on-policy samples)."""
+
+    def __init__(self, online: Any, cached: CacheSource, lmbda: float):
+        self.online, self.cached, self.lmbda = online, cached, lmbda
+        self.taken = self.online_taken = 0
+        self._dry: set[int] = set()
+        self._fractions: list[tuple[float, float]] = []
+
+    def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
+        want_online = self.online_taken < self.lmbda * (self.taken + 1)
+        for source in ((self.online, self.cached) if want_online else (self.cached, self.online)):
+            if id(source) in self._dry:
+                continue
+            try:
+                item = source.next(model_version)
+            except SourceExhausted:
+                self._dry.add(id(source))
+                continue
+            self.taken += 1
+            self.online_taken += source is self.online
+            self._fractions.append((float(source is self.online), 1.0))
+            return item
+        raise SourceExhausted
+
+    @property
+    def wait_s(self) -> float:
+        return self.online.wait_s + self.cached.wait_s
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:  # the trainer resets it after every step
+        self.online.wait_s = value
+        self.cached.wait_s = 0.0
+
+    @property
+    def metrics(self) -> dict[str, list[Any]]:
+        merged: dict[str, list[Any]] = {key: list(values) for key, values in self.online.metrics.items()}
+        if self._fractions:
+            merged["sample/on_policy_frac"] = list(self._fractions)
+        return merged
+
+    @metrics.setter
+    def metrics(self, value: dict[str, list[Any]]) -> None:  # the trainer clears it after every step
+        self.online.metrics = value
+        self._fractions = []
+
+    @property
+    def dropped_stale_total(self) -> int:
+        return getattr(self.online, "dropped_stale_total", 0)
+
+    def drain_worker_metrics(self) -> list[dict[str, float]]:
+        return self.online.drain_worker_metrics()
 
 
 class WorkerSource:

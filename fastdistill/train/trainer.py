@@ -49,7 +49,7 @@ from fastdistill.train.model import (
     prepare_student,
 )
 from fastdistill.train.schedule import LRSchedule
-from fastdistill.train.source import CacheSource, ListSource, SynchronousSource, WorkerSource
+from fastdistill.train.source import CacheSource, ListSource, MixedSource, SynchronousSource, WorkerSource
 from fastdistill.train.timing import PhaseClock
 
 __all__ = ["AsyncDistillationTrainer", "DistillationModel", "load_rows"]
@@ -128,9 +128,13 @@ class AsyncDistillationTrainer:
         self._samples = samples
         self.rows = None
         self.cache = self._open_cache() if config.teacher_cache is not None and self.dist.is_main else None
-        offline = samples is not None or config.teacher_cache is not None  # no server is asked for samples
+        # no server is asked for samples: given samples, or a teacher cache without on-policy share
+        offline = samples is not None or (config.teacher_cache is not None and config.lmbda == 0.0)
         self._offline = offline
-        if not offline and self.dist.is_main:
+        if self.cache is not None and not offline:  # a mixed run generates from the cached prompts
+            self.rows = PromptTable.from_rows([{"prompt_ids": s.input_ids[:s.prompt_length].tolist()}
+                                               for s in self.cache])
+        elif not offline and self.dist.is_main:
             self.rows = self._tokenized_rows(train_dataset)
         if samples is not None:
             num_prompts = len(samples)
@@ -433,11 +437,8 @@ class AsyncDistillationTrainer:
             return
         if self._samples is not None:
             self.source = ListSource(self._samples)
-        elif self.cache is not None:
-            self.source = CacheSource(self.cache, seed=config.seed, shuffle=config.shuffle,
-                                      start_index=self.rollout_state.prompt_index, end_index=self.total_prompts,
-                                      skip_prompt_ids=frozenset(self.rollout_state.trained_after),
-                                      teacher_id=self.teacher_ids[0])
+        elif self.cache is not None and self._offline:
+            self.source = self._cache_source()
         elif not config.async_mode:
             self.source = SynchronousSource(self.rows, self._rollout_config(skip_rows),
                                             config.samples_per_step(self.dist.world_size))
@@ -452,6 +453,16 @@ class AsyncDistillationTrainer:
                 self.worker, max_staleness=config.max_staleness, stale_policy=config.stale_policy,
                 heartbeat_stale_after_s=config.heartbeat_stale_after_s,
             )
+            if self.cache is not None:
+                self.source = MixedSource(self.source, self._cache_source(), config.lmbda)
+
+    def _cache_source(self) -> CacheSource:
+        """Rank 0: the teacher cache's rows from the resume point on (the off-policy share with ``lmbda`` > 0)."""
+        config = self.config
+        return CacheSource(self.cache, seed=config.seed, shuffle=config.shuffle,
+                           start_index=self.rollout_state.prompt_index, end_index=self.total_prompts,
+                           skip_prompt_ids=frozenset(self.rollout_state.trained_after), teacher_id=self.teacher_ids[0],
+                           on_policy_fraction=config.lmbda)
 
     def _new_batcher(self) -> Any:
         if self.token_budget > 0:
@@ -488,6 +499,7 @@ class AsyncDistillationTrainer:
             end_index=self.total_prompts,
             skip_prompt_ids=frozenset(self.rollout_state.trained_after),
             skip_rows=skip_rows,
+            on_policy_fraction=config.lmbda if config.teacher_cache is not None else 1.0,
             eos_token_ids=eos_ids,
             student_api_key=config.vllm_server_api_key,
             student_adapter_prefix=ADAPTER_PREFIX if self._adapter_sync else None,
