@@ -18,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +47,23 @@ _CPU_ONE_PROCESS_ARGS = ["--distributed-executor-backend", "uni"]
 # LoRA adapters a student loads at run time (lora_sync="adapter"); vLLM only accepts these --max-lora-rank values.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def wait_until_healthy(url: str, *, alive: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> str:
+    """Poll ``url/health`` until it answers 200 (``"healthy"``), ``alive()`` turns False (``"exited"``: the server
+    process died during start-up) or ``timeout_s`` seconds pass (``"timeout"``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            return "exited"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return "healthy"
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(poll_s)
+    return "timeout"
 
 
 class VLLMServerError(RuntimeError):
@@ -268,24 +285,15 @@ class VLLMServer:
 
     def _wait_until_healthy(self) -> None:
         assert self.process is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise VLLMServerError(
-                    f"vLLM {self.role} server exited with code {self.process.returncode} during startup.\n"
-                    f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise VLLMServerError(
-            f"vLLM {self.role} server not healthy after {self.startup_timeout_s:.0f} s at {self.url}.\n"
-            f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
-        )
+        process = self.process
+        outcome = wait_until_healthy(self.url, alive=lambda: process.poll() is None, timeout_s=self.startup_timeout_s)
+        details = f"Command: {' '.join(self.command())}\nLog {self.log_path}:\n{self.log_tail()}"
+        if outcome == "exited":
+            raise VLLMServerError(
+                f"vLLM {self.role} server exited with code {process.returncode} during startup.\n{details}")
+        if outcome == "timeout":
+            raise VLLMServerError(
+                f"vLLM {self.role} server not healthy after {self.startup_timeout_s:.0f} s at {self.url}.\n{details}")
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log."""

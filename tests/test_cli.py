@@ -94,3 +94,31 @@ def test_serve_takes_an_api_key_and_keeps_it_out_of_the_command(capsys, monkeypa
             args.weight_transfer = "gloo"
         server = build_server(args)
         assert server.environment()["VLLM_API_KEY"] == key and key not in " ".join(server.command())
+
+
+def test_wait_until_healthy_reports_healthy_exited_and_timeout():
+    """The start-up wait shared by VLLMServer and the SmolLM2 recipe: each outcome on a real local HTTP server."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from fastdistill.serve import wait_until_healthy
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the handler's name is fixed)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert wait_until_healthy(url, alive=lambda: True, timeout_s=60) == "healthy"
+        assert wait_until_healthy(url, alive=lambda: False, timeout_s=60) == "exited"  # checked before each poll
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert wait_until_healthy(url, alive=lambda: True, timeout_s=0) == "timeout"  # no time for a single poll

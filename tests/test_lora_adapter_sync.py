@@ -33,7 +33,7 @@ from fastdistill.sync import (  # noqa: E402
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
 from fastdistill.testing.spawned import run_ranks  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import free_port, require_vllm, start_together  # noqa: E402
+from fastdistill.testing.vllm_server import free_port, require_vllm, running  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
 from fastdistill.train.lora import adapter_weights, apply_lora, save_adapter  # noqa: E402
@@ -188,12 +188,8 @@ def servers(tmp_path_factory):
         server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=logs / f"{kind}.log",
                             max_lora_rank=8 if kind == "lora" else None, max_loras=2, env=env)
         started[kind] = (model, server)
-    start_together(*(server for _, server in started.values()))
-    try:
+    with running(*(server for _, server in started.values())):
         yield started
-    finally:
-        for _, server in started.values():
-            server.stop()
 
 
 def served_models(url: str) -> dict[str, str | None]:

@@ -48,7 +48,7 @@ from fastdistill.sync.transport import (
 )
 from fastdistill.testing.spawned import run_ranks
 from fastdistill.testing.stubs import interface_ipv4_addresses
-from fastdistill.testing.vllm_server import free_port, require_vllm, start_together
+from fastdistill.testing.vllm_server import free_port, require_vllm, running
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 TOLERANCE = 1e-4
@@ -582,12 +582,8 @@ def servers(tmp_path_factory):
         env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if kind == "tied" and (os.cpu_count() or 1) > 1 else {}
         server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=log_path, env=env)
         started[kind] = (folder, server)
-    start_together(*(server for _, server in started.values()))
-    try:
+    with running(*(server for _, server in started.values())):
         yield started
-    finally:
-        for _, server in started.values():
-            server.stop()
 
 
 @pytest.fixture(scope="module")

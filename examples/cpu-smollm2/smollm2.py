@@ -15,8 +15,6 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,20 +43,20 @@ def cores(args: argparse.Namespace) -> None:
 
 
 def wait(args: argparse.Namespace) -> None:
-    deadline = time.monotonic() + args.timeout_s
-    while time.monotonic() < deadline:
+    from fastdistill.serve import wait_until_healthy
+
+    def alive() -> bool:
         try:
             os.kill(args.pid, 0)
         except ProcessLookupError:
-            sys.exit(f"the server for {args.url} exited during startup; its log: {args.log}")
-        try:
-            with urllib.request.urlopen(args.url + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1.0)
-    sys.exit(f"the server for {args.url} is not healthy after {args.timeout_s:.0f} s; its log: {args.log}")
+            return False
+        return True
+
+    outcome = wait_until_healthy(args.url, alive=alive, timeout_s=args.timeout_s, poll_s=1.0)
+    if outcome == "exited":
+        sys.exit(f"the server for {args.url} exited during startup; its log: {args.log}")
+    if outcome == "timeout":
+        sys.exit(f"the server for {args.url} is not healthy after {args.timeout_s:.0f} s; its log: {args.log}")
 
 
 def _held_out(config: dict) -> tuple[list[dict], list[dict]]:

@@ -15,8 +15,8 @@ from typing import Any
 
 from fastdistill.serve import VLLMServer, VLLMServerError, free_port, vllm_python
 
-__all__ = ["VLLMServer", "VLLMServerError", "free_port", "require_vllm", "start_together", "student_and_teacher",
-           "vllm_available", "vllm_python"]
+__all__ = ["VLLMServer", "VLLMServerError", "free_port", "require_vllm", "running", "start_together",
+           "student_and_teacher", "vllm_available", "vllm_python"]
 
 
 def vllm_available(python: str | None = None) -> bool:
@@ -53,15 +53,22 @@ def start_together(*servers: VLLMServer) -> None:
 
 
 @contextlib.contextmanager
+def running(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
+    """Start ``servers`` side by side (:func:`start_together`), yield them, stop them all on exit."""
+    start_together(*servers)
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@contextlib.contextmanager
 def student_and_teacher(student_dir: Any, teacher_dir: Any, logs: Path) -> Iterator[tuple[VLLMServer, VLLMServer]]:
     """A student server (fastdistill's ``gloo`` weight transfer) and a teacher server, started side by side and
     stopped on exit; their logs go to ``logs/student.log`` and ``logs/teacher.log`` (the folder is created)."""
     logs.mkdir(parents=True, exist_ok=True)
     student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=logs / "student.log")
     teacher = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
-    start_together(student, teacher)
-    try:
+    with running(student, teacher):
         yield student, teacher
-    finally:
-        student.stop()
-        teacher.stop()

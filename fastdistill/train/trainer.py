@@ -52,7 +52,7 @@ from fastdistill.train.schedule import LRSchedule
 from fastdistill.train.source import CacheSource, ListSource, MixedSource, SynchronousSource, WorkerSource
 from fastdistill.train.timing import PhaseClock
 
-__all__ = ["AsyncDistillationTrainer", "DistillationModel", "load_rows"]
+__all__ = ["AsyncDistillationTrainer", "DistillationModel"]
 
 logger = logging.getLogger(__name__)
 
@@ -913,10 +913,3 @@ def truncate_step_log(path: Path, step: int) -> None:
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
     path.write_text("".join(line + "\n" for line in kept))
 
-
-def load_rows(path: str | Path) -> Any:
-    """The rows of a dataset file (.json, .jsonl, .parquet, .csv), a dataset folder or a Hugging Face dataset name
-    (its "train" split), as a ``datasets.Dataset`` (see :func:`fastdistill.data.sources.load_prompt_source`)."""
-    from fastdistill.data.sources import load_prompt_source
-
-    return load_prompt_source(path)
