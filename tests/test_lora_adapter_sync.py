@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -31,9 +30,9 @@ from fastdistill.sync import (  # noqa: E402
     weight_sync_from_config,
 )
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
-from fastdistill.testing.spawned import run_ranks  # noqa: E402
+from fastdistill.testing.spawned import file_rendezvous, run_ranks  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import free_port, require_vllm, running  # noqa: E402
+from fastdistill.testing.vllm_server import require_vllm, running  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
 from fastdistill.train.lora import adapter_weights, apply_lora, save_adapter  # noqa: E402
@@ -358,13 +357,12 @@ def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it(servers
                                sampled_logprobs(pushed["models"][2], prompt, np.asarray(tokens)), atol=TOLERANCE)
 
 
-def _fsdp_rank(rank: int, port: int, url: str, base_dir: str, adapter_dir: str, results) -> None:
+def _fsdp_rank(rank: int, init_method: str, url: str, base_dir: str, adapter_dir: str, results) -> None:
     """One of two FSDP2 ranks: shard a LoRA model, push its adapter (collective gather, rank 0 writes and loads)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -393,7 +391,7 @@ def _fsdp_rank(rank: int, port: int, url: str, base_dir: str, adapter_dir: str, 
 @pytest.mark.vllm
 def test_fsdp2_ranks_gather_the_adapter_and_rank_0_loads_it(servers, tmp_path):
     _, server = servers["lora"]
-    outcomes = run_ranks(_fsdp_rank, (free_port(), server.url, str(server.model_dir), str(tmp_path / "adapters")),
+    outcomes = run_ranks(_fsdp_rank, (file_rendezvous(), server.url, str(server.model_dir), str(tmp_path / "adapters")),
                          timeout_s=300, join_s=60)
     assert outcomes[1]["metrics"] == {} and outcomes[0]["files"] == ["v1"]
     assert outcomes[0]["gap"] <= TOLERANCE

@@ -46,9 +46,9 @@ from fastdistill.sync.transport import (
     receive_tensors,
     send_tensors,
 )
-from fastdistill.testing.spawned import run_ranks
+from fastdistill.testing.spawned import file_rendezvous, run_ranks
 from fastdistill.testing.stubs import interface_ipv4_addresses
-from fastdistill.testing.vllm_server import free_port, require_vllm, running
+from fastdistill.testing.vllm_server import require_vllm, running
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 TOLERANCE = 1e-4
@@ -188,10 +188,9 @@ def test_hf_name_strips_wrappers():
     assert hf_name("model._fsdp_wrapped_module.embed_tokens.weight") == "model.embed_tokens.weight"
 
 
-def _fsdp_rank(rank: int, port: int, server_url: str | None, results) -> None:
+def _fsdp_rank(rank: int, init_method: str, server_url: str | None, results) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -222,7 +221,7 @@ def _fsdp_rank(rank: int, port: int, server_url: str | None, results) -> None:
 
 
 def run_fsdp_ranks(server_url: str | None) -> list[dict]:
-    return run_ranks(_fsdp_rank, (free_port(), server_url))
+    return run_ranks(_fsdp_rank, (file_rendezvous(), server_url))
 
 
 def test_iter_named_weights_gathers_fsdp2_parameters():

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from fastdistill.testing.synthetic import synthetic_samples
-from fastdistill.testing.vllm_server import free_port
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError
 from fastdistill.train.metrics import MetricsLogger, reduce_values
@@ -62,11 +61,12 @@ def run_spec(tmp_path: Path, name: str, student_dir: Path, nproc: int, config_va
             "config": config_values, "eval_samples": eval_samples}
     spec_path = tmp_path / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", str(free_port())] if nproc > 1 else [sys.executable]
+    # --standalone: torchrun binds its own free port (a port picked in advance can be taken by then)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)
+                ] if nproc > 1 else [sys.executable]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([*launcher, str(HERE / "run_trainer.py"), str(spec_path)], capture_output=True,
-                            text=True, timeout=180, env=env)
+                            text=True, timeout=900, env=env)  # only a guard against a hang
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return output_dir
 

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def file_rendezvous() -> str:
+    """An ``init_method`` for ``torch.distributed.init_process_group`` through a new file: unlike a free TCP port
+    picked in advance, nothing else on the machine can take it before the ranks meet."""
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="fastdistill-rendezvous-"), "store")
 
 
 def run_ranks(target: Callable[..., None], args: Sequence[Any], *, world_size: int = 2, timeout_s: float = 120.0,
