@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "annealed": distill(task, work / "annealed", args.epochs, teacher_cache=cache, lmbda=0.0,
                                     lmbda_final=1.0, **servers),
             }
+            if shared_cores:  # the evaluation servers take the student's half again
+                os.sched_setaffinity(0, student_cores + shared_cores)
             before = held_out(task, task["student_dir"], teacher.url, logs, student_cores)
             results = {name: {"trained_tokens_per_s": run["summary"]["trained_tokens_per_s"],
                               "steps": run["summary"]["steps"], "seconds": run["summary"]["time_s"]["total"],
