@@ -122,10 +122,23 @@ def reference_dense_teacher_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, 
     q = q_full[:, :V] / q_kept.unsqueeze(1)  # the teacher's mass on ids >= V is dropped, the rest renormalised
     rows = torch.arange(p.shape[0], device=p.device) if mask is None else mask.nonzero().squeeze(1)
     p, q = p[rows], q[rows]
-    div = torch.stack([_divergence(p[i], q[i], beta) for i in range(p.shape[0])]) if p.shape[0] else p.new_zeros(0)
+    div = _row_divergence(p, q, beta)
     weighted = div if token_weights is None else div * token_weights[rows].to(dtype)
     loss = weighted.sum() + 0.0 * p.sum()  # keeps the graph connected when nothing is scored
     ent = -torch.special.xlogy(p, p).sum(dim=1).detach()
     tent = -torch.special.xlogy(q, q).sum(dim=1)
     tidx = None if teacher_index is None else teacher_index[rows]
-    return summarize_dense(loss, div.detach(), ent, tent, 1.0 - q_kept[rows], tidx, num_teachers)
+    return summarize_dense(loss, div.detach(), ent, tent, q_full[rows, V:].sum(dim=1), tidx, num_teachers)
+
+
+def _row_divergence(p, q, beta):
+    """Per-row generalized JSD of ``(n, V)`` probability rows, same convention as :func:`_divergence`."""
+    def kl(a, b):
+        return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b)).sum(dim=-1)
+
+    if beta == 0.0:
+        return kl(q, p)
+    if beta == 1.0:
+        return kl(p, q)
+    m = (1.0 - beta) * p + beta * q
+    return beta * kl(q, m) + (1.0 - beta) * kl(p, m)
