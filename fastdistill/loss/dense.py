@@ -192,10 +192,10 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
         s, t, a, b = S[:c], T[:c], A[:c], B[:c]
         student.logits(h, ws, bs, out=s)
         teacher.logits(t_hidden[rows].to(cdt), wt, bt, out=t)
-        lse_s = torch.logsumexp(s, dim=1)
-        lse_t = torch.logsumexp(t, dim=1)
+        lse_s = _row_logsumexp(s)
+        lse_t = _row_logsumexp(t)
         if pad is not None:
-            lse_pad = torch.logsumexp(teacher.logits(t_hidden[rows].to(cdt), wt_pad, bt_pad, out=pad[:c]), dim=1)
+            lse_pad = _row_logsumexp(teacher.logits(t_hidden[rows].to(cdt), wt_pad, bt_pad, out=pad[:c]))
             dropped[rows] = torch.exp(lse_pad - torch.logaddexp(lse_t, lse_pad))
         s.sub_(lse_s.unsqueeze(1))
         t.sub_(lse_t.unsqueeze(1))
@@ -245,6 +245,18 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row dot product of two ``(c, V)`` tiles, without a ``(c, V)`` temporary."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """Per-row log-sum-exp of a ``(c, V)`` tile in blocks of 16 rows (``torch.logsumexp`` would allocate ``(c, V)``
+    temporaries inside its kernel)."""
+    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
+    for i in range(0, x.shape[0], 16):
+        xb = x[i : i + 16]
+        m = xb.amax(dim=1)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        out[i : i + 16] = m + torch.log(torch.exp(xb - m.unsqueeze(1)).sum(dim=1))
+    return out
 
 
 def _rowdot_exp(log_a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
