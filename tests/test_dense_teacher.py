@@ -397,3 +397,63 @@ def test_bad_input_raises_value_error_naming_the_argument(overrides, message):
     positional = [args.pop(k) for k in ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")]
     with pytest.raises(ValueError, match=message):
         dense_teacher_jsd_loss(*positional, **args)
+
+
+@pytest.mark.parametrize("beta,padded", [(0.0, False), (0.3, True), (1.0, True), (0.7, False)])
+def test_student_top_k_torch_path_matches_float64_reference(beta, padded):
+    x = make_inputs(seed=16 + int(beta * 10), Vt=110 if padded else 96)
+    kw = dict(beta=beta, temperature=0.8, student_softcap=3.0, student_logit_scale=1.2, chunk_rows=5, student_top_k=6)
+    ref, ref_grads = run(x, torch.float64, "reference", **kw)
+    assert (float(ref.teacher_dropped_mass_sum) > 0) == padded
+    fp32_tol = 3 * EPS32 * logit_error_scale(x, 1.2, 1.0, 0.8)
+    assert fp32_tol <= 1e-5
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, fp32_tol)):
+        out, grads = run(x, dtype, "torch", **kw)
+        for f in FIELDS:
+            rel_close(getattr(out, f), getattr(ref, f), rtol, f"{dtype} {f}")
+        for name, g, r in zip(("dh", "dW", "db"), grads, ref_grads, strict=True):
+            rel_close(g, r, rtol, f"{dtype} {name}")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_student_top_k_over_the_whole_vocabulary_is_the_full_divergence(beta):
+    """k = V_s: the candidates cover the vocabulary, no tail bucket is left, and the objective is the full one."""
+    x = make_inputs(seed=17, V=40, Vt=44)
+    full, full_grads = run(x, torch.float64, "torch", beta=beta)
+    top, top_grads = run(x, torch.float64, "torch", beta=beta, student_top_k=40)
+    for f in ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum", "teacher_dropped_mass_sum", "per_teacher"):
+        torch.testing.assert_close(getattr(top, f), getattr(full, f), rtol=1e-10, atol=1e-13)
+    for g, r in zip(top_grads, full_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+
+
+def test_student_top_k_scores_the_students_favoured_tokens():
+    """The support is the student's own top-k: a token the student favours and the teacher does not is scored
+    (its teacher log-prob is the teacher's, however low), unlike a teacher top-K candidate set."""
+    x = make_inputs(seed=18, N=6, V=50, Vt=50)
+    out, _ = run(x, torch.float64, "torch", grads=False, beta=1.0, mask=None, token_weights=None, student_top_k=1)
+    s = torch.log_softmax(x["hs"] @ x["ws"].t() + x["bs"], dim=-1)
+    t = torch.log_softmax(x["ht"] @ x["wt"].t() + x["bt"], dim=-1)
+    top = s.argmax(dim=1, keepdim=True)
+    ps, pt = s.gather(1, top).exp(), t.gather(1, top).exp()  # the student's top token on each side, then the tail
+    p, q = torch.cat([ps, 1 - ps], 1), torch.cat([pt, 1 - pt], 1)
+    torch.testing.assert_close(out.loss, (p * (p.log() - q.log())).sum(), rtol=1e-10, atol=0)
+
+
+def test_gradcheck_student_top_k_float64():
+    x = make_inputs(seed=19, N=5, Ds=4, Dt=3, V=9, Vt=11)
+
+    def f(hs, ws, bs):
+        return dense_teacher_jsd_loss(hs, ws, x["ht"], x["wt"], student_bias=bs, teacher_bias=x["bt"], beta=0.4,
+                                      student_softcap=2.0, mask=x["mask"], student_top_k=3, chunk_rows=2).loss
+
+    leaves = tuple(x[k].clone().requires_grad_(True) for k in ("hs", "ws", "bs"))
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("k", [0, 11, 2.0, True])
+def test_student_top_k_must_be_an_int_in_range(k):
+    args = _args()
+    positional = [args.pop(n) for n in ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight")]
+    with pytest.raises(ValueError, match="student_top_k must be None or an int in \\[1, V_s\\] = \\[1, 10\\]"):
+        dense_teacher_jsd_loss(*positional, student_top_k=k)

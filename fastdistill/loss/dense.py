@@ -85,6 +85,7 @@ def dense_teacher_jsd_loss(
     num_teachers: int = 1,
     backend: str = "auto",
     chunk_rows: int | None = None,
+    student_top_k: int | None = None,
 ) -> DenseJSDOutput:
     """Generalized JSD between the student's and the teacher's full-vocabulary distributions at each position.
 
@@ -111,6 +112,11 @@ def dense_teacher_jsd_loss(
         backend: ``"auto"`` or ``"torch"`` (memory-bounded row chunks, gradients in the forward), ``"reference"``
             (dense, materialises ``(N, V)``; the oracle of the tests).
         chunk_rows: rows per chunk of the torch path, or None (tiles of at most 32 MiB, at most 256 rows).
+        student_top_k: None (the full-vocabulary divergence), or k: the divergence over the student's own top-k
+            tokens per position (by its final logits; a selection without gradient) plus one tail bucket per side,
+            with the teacher's (renormalised) log-probs on them — :func:`sparse_jsd_loss` with those candidates,
+            ``add_tail_bucket=True`` and ``tail_mode="exact"``. ``teacher_entropy_sum`` is then over the k buckets
+            and the tail, as there.
 
     Returns:
         :class:`DenseJSDOutput`; ``loss`` is differentiable in the student's hidden states, weight and bias.
@@ -118,6 +124,10 @@ def dense_teacher_jsd_loss(
     _validate_dense(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias,
                     student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, beta, temperature,
                     mask, teacher_index, num_teachers, backend, chunk_rows)
+    V = student_weight.shape[0]
+    if student_top_k is not None and (not isinstance(student_top_k, int) or isinstance(student_top_k, bool)
+                                      or not 1 <= student_top_k <= V):
+        raise ValueError(f"student_top_k must be None or an int in [1, V_s] = [1, {V}], got {student_top_k!r}")
     _validate_weights(token_weights, student_hidden)
     student = Head(float(student_logit_scale), None if student_softcap is None else float(student_softcap),
                    float(temperature))
@@ -131,13 +141,17 @@ def dense_teacher_jsd_loss(
         return reference_dense_teacher_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
                                            student=student, teacher=teacher, beta=float(beta), mask=mask,
                                            token_weights=token_weights, teacher_index=teacher_index,
-                                           num_teachers=num_teachers)
+                                           num_teachers=num_teachers, student_top_k=student_top_k)
     if mask is not None:
         idx = mask.nonzero().squeeze(1)
         if idx.numel() != mask.numel():
             student_hidden, t_hidden = student_hidden.index_select(0, idx), t_hidden.index_select(0, idx)
             teacher_index = None if teacher_index is None else teacher_index[idx]
             token_weights = None if token_weights is None else token_weights[idx]
+    if student_top_k is not None:
+        return _student_top_k_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
+                                  teacher, float(beta), student_top_k, chunk_rows, token_weights, teacher_index,
+                                  num_teachers)
     loss, div, ent, tent, dropped = _DenseJSD.apply(student_hidden, student_weight, student_bias, t_hidden, t_weight,
                                                     t_bias, student, teacher, float(beta), chunk_rows, token_weights)
     return summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers)
@@ -149,6 +163,54 @@ def summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers) 
 
     out = summarize(loss, div, ent, tent, teacher_index, num_teachers)
     return DenseJSDOutput(**vars(out), teacher_dropped_mass_sum=dropped.detach().sum())
+
+
+def _student_top_k_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
+                       beta: float, k: int, chunk_rows, token_weights, teacher_index, num_teachers) -> DenseJSDOutput:
+    """The ``student_top_k`` objective on scored rows: a no-grad pass picks the candidates, then the sparse torch
+    path (8·N·D_s·V_s FLOPs for the student in all: one extra logits GEMM for the selection)."""
+    from .api import torch_sparse_jsd
+    from .chunked import LossConfig
+
+    ids, lps, dropped = student_top_k_support(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student,
+                                              teacher, k, chunk_rows)
+    cfg = LossConfig(logit_scale=student.scale, softcap=student.softcap, beta=beta, temperature=student.temperature,
+                     add_tail_bucket=True, tail_mode="exact")
+    out = torch_sparse_jsd(s_hidden, s_weight, s_bias, ids, lps, torch.ones_like(ids, dtype=torch.bool), cfg,
+                           teacher_index, num_teachers, chunk_rows=chunk_rows, token_weights=token_weights)
+    return DenseJSDOutput(**vars(out), teacher_dropped_mass_sum=dropped.sum())
+
+
+@torch.no_grad()
+def student_top_k_support(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
+                          k: int, chunk_rows: int | None = None):
+    """Per row, the student's top-k token ids ``(n, k)`` (int64), the teacher's log-probs of them ``(n, k)``
+    (renormalised over the student's vocabulary) and the teacher's dropped mass on ids ≥ V_s ``(n,)``; one
+    ``(rows, V_s)`` tile per side at a time."""
+    n, V, Vt = s_hidden.shape[0], s_weight.shape[0], t_weight.shape[0]
+    any64 = torch.float64 in (s_hidden.dtype, s_weight.dtype, t_hidden.dtype, t_weight.dtype)
+    cdt = torch.float64 if any64 else torch.float32
+    dev = s_hidden.device
+    ws, bs = s_weight.to(cdt), None if s_bias is None else s_bias.to(cdt)
+    wt, bt = t_weight[:V].to(cdt), None if t_bias is None else t_bias[:V].to(cdt)
+    wt_pad, bt_pad = t_weight[V:].to(cdt), None if t_bias is None else t_bias[V:].to(cdt)
+    rows_per_chunk = max(1, min(chunk_rows or default_chunk_rows(max(V, Vt), cdt), max(n, 1)))
+    ids = torch.empty(n, k, dtype=torch.long, device=dev)
+    lps = torch.empty(n, k, dtype=cdt, device=dev)
+    dropped = torch.zeros(n, dtype=cdt, device=dev)
+    S, T = (torch.empty(rows_per_chunk, V, dtype=cdt, device=dev) for _ in range(2))
+    pad = torch.empty(rows_per_chunk, Vt - V, dtype=cdt, device=dev) if Vt > V else None
+    for start in range(0, n, rows_per_chunk):
+        end = min(start + rows_per_chunk, n)
+        rows, c = slice(start, end), end - start
+        ids[rows] = student.logits(s_hidden[rows].to(cdt), ws, bs, out=S[:c]).topk(k, dim=1).indices
+        t = teacher.logits(t_hidden[rows].to(cdt), wt, bt, out=T[:c])
+        lse_t = _row_logsumexp(t)
+        lps[rows] = t.gather(1, ids[rows]) - lse_t.unsqueeze(1)
+        if pad is not None:
+            lse_pad = _row_logsumexp(teacher.logits(t_hidden[rows].to(cdt), wt_pad, bt_pad, out=pad[:c]))
+            dropped[rows] = torch.exp(lse_pad - torch.logaddexp(lse_t, lse_pad))
+    return ids, lps, dropped
 
 
 def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head, beta: float, *,

@@ -98,10 +98,11 @@ def _divergence(p, q, beta):
 
 
 def reference_dense_teacher_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, *, student, teacher, beta,
-                                mask=None, token_weights=None, teacher_index=None, num_teachers=1):
+                                mask=None, token_weights=None, teacher_index=None, num_teachers=1,
+                                student_top_k=None):
     """Same contract as :func:`fastdistill.dense_teacher_jsd_loss` (``student`` / ``teacher`` are its ``Head``s):
     both distributions materialised as ``(N, V)`` probabilities, the divergence in probability space; O(N·V)."""
-    from .dense import summarize_dense
+    from .dense import DenseJSDOutput, summarize_dense
 
     any64 = torch.float64 in (s_hidden.dtype, s_weight.dtype, t_hidden.dtype, t_weight.dtype)
     dtype = torch.float64 if any64 else torch.float32
@@ -121,6 +122,17 @@ def reference_dense_teacher_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, 
     q_kept = q_full[:, :V].sum(dim=1)
     q = q_full[:, :V] / q_kept.unsqueeze(1)  # the teacher's mass on ids >= V is dropped, the rest renormalised
     rows = torch.arange(p.shape[0], device=p.device) if mask is None else mask.nonzero().squeeze(1)
+    if student_top_k is not None:  # the student's top-k tokens (+ tails) with the teacher's log-probs on them
+        from .chunked import LossConfig
+
+        ids = p[rows].topk(student_top_k, dim=1).indices
+        cfg = LossConfig(logit_scale=student.scale, softcap=student.softcap, beta=beta,
+                         temperature=student.temperature, add_tail_bucket=True, tail_mode="exact")
+        out = reference_sparse_jsd(s_hidden[rows], s_weight, ids, q[rows].gather(1, ids).log(), ids >= 0,
+                                   bias=s_bias, cfg=cfg, num_teachers=num_teachers,
+                                   teacher_index=None if teacher_index is None else teacher_index[rows],
+                                   token_weights=None if token_weights is None else token_weights[rows])
+        return DenseJSDOutput(**vars(out), teacher_dropped_mass_sum=q_full[rows, V:].sum())
     p, q = p[rows], q[rows]
     div = _row_divergence(p, q, beta)
     weighted = div if token_weights is None else div * token_weights[rows].to(dtype)
