@@ -277,7 +277,7 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
         else:
             tq = _rowdot(q, t)
             log_m = _log_mixture(s, t, beta, out=b)  # overwrites q (tile B)
-            # Σ q (t − log m) needs q again: q·log m = exp(t)·log m, recomputed without a third tile
+            # Σ q·log m needs q again: exp(t) recomputed in 16-row blocks rather than kept in a fifth tile
             q_log_m = _rowdot_exp(t, log_m)
             div[rows] = beta * (tq - q_log_m) + (1.0 - beta) * (_rowdot(p, s) - _rowdot(p, log_m))
             grad = None
