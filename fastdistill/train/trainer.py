@@ -193,6 +193,7 @@ class AsyncDistillationTrainer:
         except CacheError as error:
             raise ConfigError(f"teacher_cache: {error}") from error
         cache.check_tokenizer(self.tokenizer)
+        cache.check_loss_settings(beta=self.config.beta, add_tail_bucket=self.config.add_tail_bucket)
         return cache
 
     def _tokenized_rows(self, rows: Any) -> PromptTable:
@@ -454,7 +455,8 @@ class AsyncDistillationTrainer:
                 heartbeat_stale_after_s=config.heartbeat_stale_after_s,
             )
             if self.cache is not None:
-                self.source = MixedSource(self.source, self._cache_source(), config.lmbda)
+                self.source = MixedSource(self.source, self._cache_source(), config.lmbda,
+                                          candidate_width=max(self.cache.candidate_width, config.teacher_top_k + 1))
 
     def _cache_source(self) -> CacheSource:
         """Rank 0: the teacher cache's rows from the resume point on (the off-policy share with ``lmbda`` > 0)."""
