@@ -117,7 +117,8 @@ class StubTeacher:
         wanted = int(body["prompt_logprobs"])
         if self.max_logprobs is not None and (self.vocab_size if wanted == -1 else wanted) > self.max_logprobs:
             message = (f"Requested prompt logprobs of {self.vocab_size if wanted == -1 else wanted}, which is greater "
-                       f"than max allowed: {self.max_logprobs}")
+                       f"than max allowed: {self.max_logprobs} (parameter=prompt_logprobs, value="
+                       f"{self.vocab_size if wanted == -1 else wanted})")  # vLLM 0.32's message, verbatim
             return web.json_response({"error": {"message": message}}, status=400)
         entries = self.full_answer(sequence) if wanted == -1 else self.answer(sequence, wanted)
         self.sent[text] = entries
