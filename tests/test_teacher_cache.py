@@ -522,6 +522,13 @@ def test_bench_cache_bytes_per_token_match_the_layout(tmp_path):
                   + 8 * (12 + 3) + 4 * 12 + 8 * 12)  # candidates, ids, token offsets (3 shards), lengths, indices
         assert arrays < result["bytes"] <= arrays + 3 * 1024
         assert result["bytes_per_completion_token"] == result["bytes"] / result["completion_tokens"]
+    assert [(r["vocab_size"], r["num_samples"]) for r in report["sampled_results"]] == [
+        (v, n) for v in (32000, 151936) for n in (4, 12, 32)]
+    for result in report["sampled_results"]:  # S slots of id, uint8 count and float16 log-prob
+        id_bytes = 2 if result["vocab_size"] <= 65535 else 4
+        arrays = (result["num_samples"] * (id_bytes + 3) * result["completion_tokens"] + id_bytes * result["tokens"]
+                  + 8 * (12 + 3) + 4 * 12 + 8 * 12)
+        assert arrays < result["bytes"] <= arrays + 3 * 1024
 
 
 def test_a_manifest_that_does_not_describe_its_shards_is_refused(small_cache):
