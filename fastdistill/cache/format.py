@@ -16,14 +16,15 @@ A cache folder holds, for shard ``s`` (5-digit, zero-padded):
 
   In the sampled mode (``candidate_mode = "sampled"``, W = S = ``num_samples``) ``candidate_ids`` holds the distinct
   tokens of S i.i.d. draws from the teacher per completion position (ascending id), ``candidate_counts`` (C, S)
-  uint8 how many draws gave each (a row's counts sum to S; 0 in empty slots) and ``candidate_logprobs`` the
+  uint8 how many draws gave each (a position's counts sum to S; 0 in empty slots) and ``candidate_logprobs`` the
   teacher's log-probs of those tokens; the realised token has no slot of its own.
 
   Row r's candidate rows start at its tokens' start minus the prompt lengths of the rows before it (the candidate
   arrays hold completion positions only); the reader derives them from ``token_offsets`` and ``prompt_lengths``.
 - ``shard-00000.json``: that shard's dataset row range, row and token counts, rejected rows, the settings it was
   scored with and the sha256 of the shard file (written after the shard, so its presence marks a finished shard).
-- ``manifest.json``: the cache's settings and every shard's range and checksum, written once all shards exist.
+- ``manifest.json``: the format version (1: top-K, unchanged since the first version; 2: sampled), the cache's
+  settings and every shard's range and checksum, written once all shards exist.
 - ``rejected.jsonl``: the rows the teacher server refused, one JSON object per line with the server's message.
 
 Log-prob precision: float16 keeps 11 significant bits, so a stored log-prob differs from the teacher's float32 value
