@@ -6,7 +6,8 @@
 - ``fastdistill eval --model DIR --student-url URL --teacher-url URL --dataset FILE``: held-out evaluation of a saved
   model (the student server must serve it), written as JSON;
 - ``fastdistill score --dataset SRC --teacher-url URL --output DIR --top-k K``: score a dataset's own completions with a
-  teacher once into a teacher cache (resumable; ``--shard i/n`` splits the work between machines);
+  teacher once into a teacher cache (resumable; ``--shard i/n`` splits the work between machines; ``--candidates
+  sampled --num-samples S`` stores S draws from the teacher's full distribution instead of its top-K);
 - ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo.
 
 Messages go through the ``fastdistill`` logger, to stderr, prefixed ``fastdistill:``.
@@ -90,8 +91,9 @@ def _score(args: argparse.Namespace) -> int:
     from fastdistill.auth import teacher_api_key_from_env
     from fastdistill.cache.score import parse_shard, score_dataset
 
-    summary = score_dataset(args.dataset, args.teacher_url, args.output, top_k=args.top_k, tokenizer=args.tokenizer,
-                            shard=parse_shard(args.shard), rows_per_shard=args.rows_per_shard,
+    summary = score_dataset(args.dataset, args.teacher_url, args.output, top_k=args.top_k,
+                            candidates=args.candidates, num_samples=args.num_samples, seed=args.seed,
+                            tokenizer=args.tokenizer, shard=parse_shard(args.shard), rows_per_shard=args.rows_per_shard,
                             concurrency=args.concurrency, logprob_dtype=args.logprob_dtype, split=args.split,
                             dataset_config=args.dataset_config, api_key=teacher_api_key_from_env("default"))
     logger.info("%d shards written (%d rows scored), %d already finished; %d rows skipped because the teacher "
@@ -231,7 +233,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the teacher server's URL (repeat for replicas of the same model); its key: "
                        "$FASTDISTILL_TEACHER_API_KEY")
     score.add_argument("--output", required=True, type=Path, help="the cache folder (created; re-running resumes)")
-    score.add_argument("--top-k", type=int, required=True, help="teacher candidates kept per position (K)")
+    score.add_argument("--candidates", choices=("topk", "sampled"), default="topk",
+                       help="topk (default): the teacher's top-K per position; sampled: S tokens drawn per position "
+                       "from the teacher's full distribution (an unbiased forward-KL estimate; the server must run "
+                       "with --max-logprobs -1)")
+    score.add_argument("--top-k", type=int, default=None, help="teacher candidates kept per position (K; topk)")
+    score.add_argument("--num-samples", type=int, default=None, help="draws per position (S, 1 to 255; sampled)")
+    score.add_argument("--seed", type=int, default=0, help="seed of the draws, combined with each dataset row's "
+                       "index (sampled; default 0)")
     score.add_argument("--shard", default="0/1", help="i/n: score only the i-th of n blocks of shards (0-based), so "
                        "n machines can share the work (default 0/1: all)")
     score.add_argument("--rows-per-shard", type=int, default=1024, help="dataset rows per shard (default 1024)")

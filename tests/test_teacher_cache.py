@@ -44,10 +44,16 @@ class StubTeacher:
     """A teacher server stand-in on 127.0.0.1, served from a thread: ``/v1/models`` (id ``model_id``), ``/tokenize``
     with ``tokenizer``, and ``/v1/completions`` answering ``prompt_logprobs`` with pseudo-random candidates drawn
     from a seed that hashes the sequence. ``sent`` maps each scored sequence (tuple) to the answer's
-    ``prompt_logprobs``; ``gate`` (cleared) holds every scoring request after the first ``hold_after``."""
+    ``prompt_logprobs``; ``gate`` (cleared) holds every scoring request after the first ``hold_after``.
+
+    ``prompt_logprobs=-1`` is answered with a full distribution over ``vocab_size`` tokens (only the top
+    ``full_entries`` of it when that is set, like a server that truncates); ``max_logprobs`` refuses larger requests
+    with vLLM's HTTP 400 and message."""
 
     def __init__(self, tokenizer, model_id: str = "stub-teacher", vocab_size: int | None = None,
-                 hold_after: int | None = None):
+                 hold_after: int | None = None, max_logprobs: int | None = None, full_entries: int | None = None):
+        self.max_logprobs = max_logprobs
+        self.full_entries = full_entries
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.vocab_size = vocab_size or len(tokenizer)
@@ -84,6 +90,19 @@ class StubTeacher:
             entries.append(entry)
         return entries
 
+    def full_answer(self, sequence: list[int]) -> list:
+        """Every token's log-prob (float32 values of a float64 log-softmax of peaked random logits) per position."""
+        seed = int.from_bytes(hashlib.sha256(json.dumps(["full", *sequence]).encode()).digest()[:8], "little")
+        rng = np.random.default_rng(seed)
+        entries: list = [None]
+        for _ in sequence[1:]:
+            logits = rng.standard_normal(self.vocab_size) * 3.0
+            logprobs = (logits - np.logaddexp.reduce(logits)).astype(np.float32)
+            order = np.argsort(-logprobs, kind="stable")
+            kept = order[: self.full_entries] if self.full_entries is not None else order
+            entries.append({str(int(t)): {"logprob": float(logprobs[t]), "rank": r + 1} for r, t in enumerate(kept)})
+        return entries
+
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         sequence = [int(t) for t in body["prompt"]]
@@ -95,7 +114,13 @@ class StubTeacher:
             return web.json_response({"error": {"message": "This model's maximum context length is exceeded"}},
                                      status=400)
         assert body["max_tokens"] == 1
-        entries = self.answer(sequence, int(body["prompt_logprobs"]))
+        wanted = int(body["prompt_logprobs"])
+        if self.max_logprobs is not None and (self.vocab_size if wanted == -1 else wanted) > self.max_logprobs:
+            message = (f"Requested prompt logprobs of {self.vocab_size if wanted == -1 else wanted}, which is greater "
+                       f"than max allowed: {self.max_logprobs} (parameter=prompt_logprobs, value="
+                       f"{self.vocab_size if wanted == -1 else wanted})")  # vLLM 0.32's message, verbatim
+            return web.json_response({"error": {"message": message}}, status=400)
+        entries = self.full_answer(sequence) if wanted == -1 else self.answer(sequence, wanted)
         self.sent[text] = entries
         return web.json_response({"choices": [{"prompt_logprobs": entries}]})
 
@@ -421,7 +446,8 @@ def test_rows_without_a_completion_are_refused(tokenizer):
     for row, message in cases:
         with pytest.raises(ConfigError, match=message):
             completion_row(row, 3, tokenizer)
-    bad_settings = [dict(top_k=0), dict(rows_per_shard=0), dict(concurrency=0), dict(logprob_dtype="int8")]
+    bad_settings = [dict(top_k=0), dict(rows_per_shard=0), dict(concurrency=0), dict(logprob_dtype="int8"),
+                    dict(candidates="dense")]
     for settings in bad_settings:
         with pytest.raises(ConfigError, match="must be"):
             score_dataset([{"prompt": "a", "completion": "b"}], "http://127.0.0.1:9", "unused", **(
@@ -496,6 +522,13 @@ def test_bench_cache_bytes_per_token_match_the_layout(tmp_path):
                   + 8 * (12 + 3) + 4 * 12 + 8 * 12)  # candidates, ids, token offsets (3 shards), lengths, indices
         assert arrays < result["bytes"] <= arrays + 3 * 1024
         assert result["bytes_per_completion_token"] == result["bytes"] / result["completion_tokens"]
+    assert [(r["vocab_size"], r["num_samples"]) for r in report["sampled_results"]] == [
+        (v, n) for v in (32000, 151936) for n in (4, 12, 32)]
+    for result in report["sampled_results"]:  # S slots of id, uint8 count and float16 log-prob
+        id_bytes = 2 if result["vocab_size"] <= 65535 else 4
+        arrays = (result["num_samples"] * (id_bytes + 3) * result["completion_tokens"] + id_bytes * result["tokens"]
+                  + 8 * (12 + 3) + 4 * 12 + 8 * 12)
+        assert arrays < result["bytes"] <= arrays + 3 * 1024
 
 
 def test_a_manifest_that_does_not_describe_its_shards_is_refused(small_cache):
@@ -509,7 +542,7 @@ def test_a_manifest_that_does_not_describe_its_shards_is_refused(small_cache):
     with pytest.raises(CacheError, match="shard-00000.safetensors' does not hold the 3 rows .*array sizes disagree"):
         TeacherCache(small_cache)
     manifest_path.write_text(json.dumps(json.loads(original) | {"format_version": 99}))
-    with pytest.raises(CacheError, match="has format version 99; this fastdistill reads version 1"):
+    with pytest.raises(CacheError, match=r"has format version 99; this fastdistill reads versions \[1, 2\]"):
         TeacherCache(small_cache)
     manifest_path.write_text(original[:-20])
     with pytest.raises(CacheError, match="manifest.json' is not valid JSON"):

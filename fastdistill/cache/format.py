@@ -14,11 +14,17 @@ A cache folder holds, for shard ``s`` (5-digit, zero-padded):
   - ``candidate_logprobs`` (C, W) float16 (default) or bfloat16: natural-log probabilities, -inf in empty slots;
   - ``dataset_index`` (R,) int64: each row's index in the scored dataset.
 
+  In the sampled mode (``candidate_mode = "sampled"``, W = S = ``num_samples``) ``candidate_ids`` holds the distinct
+  tokens of S i.i.d. draws from the teacher per completion position (ascending id), ``candidate_counts`` (C, S)
+  uint8 how many draws gave each (a position's counts sum to S; 0 in empty slots) and ``candidate_logprobs`` the
+  teacher's log-probs of those tokens; the realised token has no slot of its own.
+
   Row r's candidate rows start at its tokens' start minus the prompt lengths of the rows before it (the candidate
   arrays hold completion positions only); the reader derives them from ``token_offsets`` and ``prompt_lengths``.
 - ``shard-00000.json``: that shard's dataset row range, row and token counts, rejected rows, the settings it was
   scored with and the sha256 of the shard file (written after the shard, so its presence marks a finished shard).
-- ``manifest.json``: the cache's settings and every shard's range and checksum, written once all shards exist.
+- ``manifest.json``: the format version (1: top-K, unchanged since the first version; 2: sampled), the cache's
+  settings and every shard's range and checksum, written once all shards exist.
 - ``rejected.jsonl``: the rows the teacher server refused, one JSON object per line with the server's message.
 
 Log-prob precision: float16 keeps 11 significant bits, so a stored log-prob differs from the teacher's float32 value
@@ -40,15 +46,22 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # top-K caches (unchanged since version 1, so older readers still read them)
+SAMPLED_FORMAT_VERSION = 2  # version 2 adds the sampled mode (settings num_samples, proposal_temperature, seed)
+READABLE_VERSIONS = (FORMAT_VERSION, SAMPLED_FORMAT_VERSION)
+CANDIDATE_MODES = ("topk", "sampled")
+MAX_NUM_SAMPLES = 255  # counts are uint8
 MANIFEST_NAME = "manifest.json"
 REJECTED_NAME = "rejected.jsonl"
 UINT16_MAX_VOCAB = 65535  # uint16 ids 0..65534; 65535 is the empty-slot sentinel
 ARRAY_NAMES = ("input_ids", "token_offsets", "prompt_lengths", "candidate_ids", "candidate_logprobs", "dataset_index")
+SAMPLED_ARRAY_NAMES = (*ARRAY_NAMES, "candidate_counts")
 LOGPROB_DTYPES = ("float16", "bfloat16")
 
-_SAFETENSORS_DTYPES = {"uint16": "U16", "int32": "I32", "int64": "I64", "float16": "F16", "bfloat16": "BF16"}
-_NUMPY_OF_SAFETENSORS = {"U16": np.uint16, "I32": np.int32, "I64": np.int64, "F16": np.float16, "BF16": np.uint16}
+_SAFETENSORS_DTYPES = {"uint8": "U8", "uint16": "U16", "int32": "I32", "int64": "I64", "float16": "F16",
+                       "bfloat16": "BF16"}
+_NUMPY_OF_SAFETENSORS = {"U8": np.uint8, "U16": np.uint16, "I32": np.int32, "I64": np.int64, "F16": np.float16,
+                         "BF16": np.uint16}
 
 
 class CacheError(ValueError):
@@ -188,8 +201,10 @@ class CacheSettings:
     """What every shard of one cache shares; a resumed or extended run must match it exactly.
 
     ``teacher_model``: the id the teacher server reports in ``/v1/models``; ``vocab_size``: ids are < this;
-    ``top_k``: K (candidate width K + 1); ``candidate_mode``: ``"topk"``; ``rows_per_shard``: dataset rows per
-    shard (the last shard may hold fewer); ``dataset_rows``: rows of the scored dataset."""
+    ``top_k``: K (candidate width K + 1; 0 in the sampled mode); ``candidate_mode``: ``"topk"`` or ``"sampled"``;
+    ``rows_per_shard``: dataset rows per shard (the last shard may hold fewer); ``dataset_rows``: rows of the
+    scored dataset. Sampled mode only (None for top-K, and then left out of the JSON): ``num_samples`` S (the
+    candidate width), ``proposal_temperature`` (1.0: draws from the teacher itself) and ``seed``."""
 
     teacher_model: str
     tokenizer_fingerprint: str
@@ -200,6 +215,29 @@ class CacheSettings:
     logprob_dtype: str
     rows_per_shard: int
     dataset_rows: int
+    num_samples: int | None = None
+    proposal_temperature: float | None = None
+    seed: int | None = None
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the cache holds sampled candidates (else the teacher's top-K)."""
+        return self.candidate_mode == "sampled"
+
+    @property
+    def candidate_width(self) -> int:
+        """Candidate slots per completion position: K + 1 (top-K), S (sampled)."""
+        return int(self.num_samples) if self.sampled else self.top_k + 1
+
+    @property
+    def format_version(self) -> int:
+        """The format version a cache with these settings is written as: 1 for top-K, 2 for sampled."""
+        return SAMPLED_FORMAT_VERSION if self.sampled else FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as a JSON-ready dict, without the sampled-mode fields of a top-K cache (so a top-K cache
+        reads exactly as format version 1)."""
+        return {key: value for key, value in asdict(self).items() if value is not None or key not in _SAMPLED_KEYS}
 
     @property
     def num_shards(self) -> int:
@@ -215,6 +253,9 @@ class CacheSettings:
         """``name: <self's value> != <other's value>`` for every differing setting."""
         mine, theirs = asdict(self), asdict(other)
         return [f"{key}: {mine[key]!r} != {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
+
+
+_SAMPLED_KEYS = ("num_samples", "proposal_temperature", "seed")
 
 
 @dataclass(frozen=True)
@@ -234,8 +275,8 @@ class ShardRecord:
     rejected: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """The record as a JSON-ready dict (settings nested)."""
-        return asdict(self)
+        """The record as a JSON-ready dict (settings nested, see :meth:`CacheSettings.to_json`)."""
+        return {**asdict(self), "settings": self.settings.to_json()}
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ShardRecord:

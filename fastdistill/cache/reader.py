@@ -4,6 +4,11 @@ A cached row becomes exactly the sample the rollout worker produces for the same
 scores, with two fields that have no online meaning: ``model_version = -1`` (no student policy produced the
 completion) and ``rollout_logprobs`` all NaN (the student's sampling log-probs do not exist for a completion taken
 from a dataset, so anything that needs them, such as an importance ratio, fails visibly instead of using zeros).
+
+A sampled cache's row carries its distinct drawn tokens as the candidates, with the log-weights log(count / S) as
+the "teacher log-probs": with ``beta=0`` and ``add_tail_bucket=True`` the sparse JSD loss then carries the unbiased
+sampled estimate of the forward-KL gradient (docs/estimators.md). The teacher's stored log-probs of the drawn tokens
+are :meth:`TeacherCache.teacher_logprobs`, the counts :meth:`TeacherCache.counts`.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import numpy as np
 
 from fastdistill.cache.format import (
     ARRAY_NAMES,
-    FORMAT_VERSION,
     MANIFEST_NAME,
+    READABLE_VERSIONS,
+    SAMPLED_ARRAY_NAMES,
     CacheError,
     CacheSettings,
     ShardRecord,
@@ -30,6 +36,7 @@ from fastdistill.cache.format import (
     shard_stem,
     tokenizer_fingerprint,
 )
+from fastdistill.cache.sampled import log_weights
 from fastdistill.rollout.sample import RolloutSample
 
 CACHE_TEACHER_ID = "default"  # the teacher id of every cached sample (one teacher per cache)
@@ -40,7 +47,8 @@ class _Shard:
 
     def __init__(self, path: Path, record: ShardRecord):
         arrays, _ = map_safetensors(path)
-        missing = [name for name in ARRAY_NAMES if name not in arrays]
+        settings = record.settings
+        missing = [name for name in (SAMPLED_ARRAY_NAMES if settings.sampled else ARRAY_NAMES) if name not in arrays]
         if missing:
             raise CacheError(f"shard {str(path)!r} lacks the arrays {missing}")
         self.arrays = arrays
@@ -51,8 +59,9 @@ class _Shard:
                        and len(arrays["dataset_index"]) == rows
                        and self.token_offsets[-1] == len(arrays["input_ids"]) == record.tokens
                        and arrays["candidate_ids"].shape == arrays["candidate_logprobs"].shape
-                       and arrays["candidate_ids"].shape[1:] == (record.settings.top_k + 1,)
-                       and len(arrays["candidate_ids"]) == record.completion_tokens)
+                       and arrays["candidate_ids"].shape[1:] == (settings.candidate_width,)
+                       and len(arrays["candidate_ids"]) == record.completion_tokens
+                       and (not settings.sampled or arrays["candidate_counts"].shape == arrays["candidate_ids"].shape))
         if sizes_agree:
             self.completion_offsets = np.zeros(rows + 1, np.int64)
             np.cumsum(np.diff(self.token_offsets) - prompt_lengths, out=self.completion_offsets[1:])
@@ -81,9 +90,9 @@ class TeacherCache:
             manifest = json.loads(manifest_path.read_text())
         except ValueError as error:
             raise CacheError(f"{str(manifest_path)!r} is not valid JSON: {error}") from error
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in READABLE_VERSIONS:
             raise CacheError(f"{str(manifest_path)!r} has format version {manifest.get('format_version')!r}; this "
-                             f"fastdistill reads version {FORMAT_VERSION}")
+                             f"fastdistill reads versions {list(READABLE_VERSIONS)}")
         self.manifest: dict[str, Any] = manifest
         self.settings = CacheSettings(**manifest["settings"])
         self.records = [ShardRecord.from_json({**entry, "settings": manifest["settings"]})
@@ -109,6 +118,33 @@ class TeacherCache:
             yield self[index]
 
     @property
+    def candidate_mode(self) -> str:
+        """``"topk"`` (the teacher's top-K per position) or ``"sampled"`` (S draws from the teacher per position)."""
+        return self.settings.candidate_mode
+
+    @property
+    def candidate_width(self) -> int:
+        """Candidate slots per completion position of every row: K + 1 (top-K) or S (sampled)."""
+        return self.settings.candidate_width
+
+    def check_loss_settings(self, *, beta: float, add_tail_bucket: bool) -> None:
+        """Raise ConfigError when a sampled cache would train a biased loss: its rows estimate the forward KL
+        (``beta=0``) only, and only with the tail bucket (without it the student is renormalised over the drawn
+        tokens, so its mass on tokens not drawn gets no gradient). A top-K cache accepts any setting."""
+        if not self.settings.sampled:
+            return
+        if beta != 0:
+            raise config_error(
+                f"teacher cache {str(self.folder)!r} holds sampled teacher candidates, which estimate the forward KL "
+                f"(beta=0) only; beta={beta!r} would train a biased loss (the generalized JSD is not linear in the "
+                "teacher distribution): set beta: 0, or score a top-K cache")
+        if not add_tail_bucket:
+            raise config_error(
+                f"teacher cache {str(self.folder)!r} holds sampled teacher candidates, which need add_tail_bucket: "
+                "true: without the tail bucket the student is renormalised over the drawn tokens, so its mass on "
+                "the tokens not drawn gets no gradient (a biased estimate)")
+
+    @property
     def teacher_model(self) -> str:
         """The teacher server's model id the rows were scored with."""
         return self.settings.teacher_model
@@ -123,22 +159,45 @@ class TeacherCache:
                 f"{self.settings.tokenizer_fingerprint[:16]}…, this one {fingerprint[:16]}…): its token ids would "
                 "mean other tokens; use the tokenizer the cache was scored with, or score the dataset again")
 
-    def __getitem__(self, index: int) -> RolloutSample:
-        """Row ``index`` (0 <= index < len(self)) as a :class:`RolloutSample`: int32 ids, candidate ids with -1 in
-        empty slots, float32 log-probs (-inf in empty slots), NaN rollout log-probs, ``model_version=-1``."""
+    def _locate(self, index: int) -> tuple[_Shard, int, slice]:
+        """(shard, row within it, its completion positions' slice of the candidate arrays) of row ``index``."""
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} of a cache with {len(self)} rows")
         shard_number = int(np.searchsorted(self._row_starts, index, side="right")) - 1
         shard = self._shards[shard_number]
         row = index - int(self._row_starts[shard_number])
+        return shard, row, slice(int(shard.completion_offsets[row]), int(shard.completion_offsets[row + 1]))
+
+    def teacher_logprobs(self, index: int) -> np.ndarray:
+        """The stored teacher log-probs of row ``index``'s candidates, float32 (L, width), -inf in empty slots: in a
+        sampled cache the teacher's log-probs of the drawn tokens (for the exact KL value Σ a·(log π_T − log π_θ)
+        and metrics); in a top-K cache the same values as the sample's ``teacher_topk_logprobs``."""
+        shard, _, positions = self._locate(index)
+        return logprobs_from_storage(shard.arrays["candidate_logprobs"][positions], self.settings.logprob_dtype)
+
+    def counts(self, index: int) -> np.ndarray:
+        """How many of the S draws gave each candidate of row ``index`` (sampled caches only), int64 (L, S), 0 in
+        empty slots; a position's counts sum to S."""
+        if not self.settings.sampled:
+            raise CacheError(f"teacher cache {str(self.folder)!r} holds top-K candidates: it has no draw counts")
+        shard, _, positions = self._locate(index)
+        return shard.arrays["candidate_counts"][positions].astype(np.int64)
+
+    def __getitem__(self, index: int) -> RolloutSample:
+        """Row ``index`` (0 <= index < len(self)) as a :class:`RolloutSample`: int32 ids, candidate ids with -1 in
+        empty slots, float32 log-probs (-inf in empty slots), NaN rollout log-probs, ``model_version=-1``. In a
+        sampled cache the log-probs are the draws' log-weights log(count / S) (see the module docstring)."""
+        shard, row, positions = self._locate(index)
         arrays = shard.arrays
         tokens = arrays["input_ids"][shard.token_offsets[row] : shard.token_offsets[row + 1]].astype(np.int32)
         prompt_length = int(arrays["prompt_lengths"][row])
-        first, last = shard.completion_offsets[row], shard.completion_offsets[row + 1]
-        stored_ids = arrays["candidate_ids"][first:last]
+        stored_ids = arrays["candidate_ids"][positions]
         candidate_ids = stored_ids.astype(np.int32)
         candidate_ids[stored_ids == self._sentinel] = -1
-        logprobs = logprobs_from_storage(arrays["candidate_logprobs"][first:last], self.settings.logprob_dtype)
+        if self.settings.sampled:
+            logprobs = log_weights(arrays["candidate_counts"][positions], int(self.settings.num_samples))
+        else:
+            logprobs = logprobs_from_storage(arrays["candidate_logprobs"][positions], self.settings.logprob_dtype)
         completion_length = tokens.shape[0] - prompt_length
         return RolloutSample(
             input_ids=tokens,

@@ -14,6 +14,10 @@ temporary name and renamed, then its ``shard-NNNNN.json`` record is written the 
 shard whose record and checksum are in place, so a killed run resumes at its first unfinished shard. ``shard=(i,
 n)`` scores the i-th of n contiguous blocks of shards, so n machines can share one dataset. The run that finds
 every shard finished writes ``manifest.json`` and ``rejected.jsonl``.
+
+``candidates="topk"`` stores the teacher's top-K (plus the realised token) per completion position;
+``candidates="sampled"`` asks for the teacher's full distribution and stores S tokens drawn from it (see
+:mod:`fastdistill.cache.sampled`).
 """
 
 from __future__ import annotations
@@ -23,14 +27,14 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fastdistill.cache.format import (
-    FORMAT_VERSION,
+    CANDIDATE_MODES,
     LOGPROB_DTYPES,
     MANIFEST_NAME,
     REJECTED_NAME,
@@ -46,6 +50,13 @@ from fastdistill.cache.format import (
     tokenizer_fingerprint,
     write_json_atomic,
     write_safetensors,
+)
+from fastdistill.cache.sampled import (
+    SampledScores,
+    check_full_distribution,
+    check_num_samples,
+    draw_candidates,
+    score_full,
 )
 from fastdistill.rollout.client import TeacherClient, TeacherScores
 from fastdistill.rollout.http import RetryPolicy, VLLMRequestError
@@ -145,12 +156,13 @@ def parse_shard(text: str) -> tuple[int, int]:
     return value
 
 
-def encode_shard(rows: Sequence[CompletionRow], scores: Sequence[TeacherScores], settings: CacheSettings
-                 ) -> dict[str, tuple[str, np.ndarray]]:
+def encode_shard(rows: Sequence[CompletionRow], scores: Sequence[TeacherScores | SampledScores],
+                 settings: CacheSettings) -> dict[str, tuple[str, np.ndarray]]:
     """The shard arrays (name -> (dtype name, array)) of scored rows, in the layout :mod:`fastdistill.cache.format`
-    describes. Raises ConfigError when the teacher returned a token id outside the cache's vocabulary."""
+    describes (with ``candidate_counts`` in the sampled mode). Raises ConfigError when the teacher returned a token
+    id outside the cache's vocabulary."""
     id_dtype = settings.id_dtype
-    width = settings.top_k + 1
+    width = settings.candidate_width
     tokens = [np.asarray(row.prompt_ids + row.completion_ids, dtype=np.int64) for row in rows]
     token_offsets = np.zeros(len(rows) + 1, np.int64)
     np.cumsum([len(t) for t in tokens], out=token_offsets[1:])
@@ -164,7 +176,7 @@ def encode_shard(rows: Sequence[CompletionRow], scores: Sequence[TeacherScores],
                            "tokenizer given to `fastdistill score`")
     numpy_ids = np.uint16 if id_dtype == "uint16" else np.int32
     stored_ids = np.where(candidate_ids < 0, sentinel_of(id_dtype), candidate_ids).astype(numpy_ids)
-    return {
+    arrays = {
         "input_ids": (id_dtype, (np.concatenate(tokens) if tokens else np.zeros(0, np.int64)).astype(numpy_ids)),
         "token_offsets": ("int64", token_offsets),
         "prompt_lengths": ("int32", np.asarray([len(row.prompt_ids) for row in rows], dtype=np.int32)),
@@ -173,6 +185,10 @@ def encode_shard(rows: Sequence[CompletionRow], scores: Sequence[TeacherScores],
                                                                            settings.logprob_dtype)),
         "dataset_index": ("int64", np.asarray([row.dataset_index for row in rows], dtype=np.int64)),
     }
+    if settings.sampled:
+        counts = (np.concatenate([s.counts for s in scores]) if scores else np.zeros((0, width), np.uint8))
+        arrays["candidate_counts"] = ("uint8", counts.astype(np.uint8))
+    return arrays
 
 
 def _record_path(folder: Path, shard: int) -> Path:
@@ -196,16 +212,20 @@ def finished_record(folder: Path, shard: int) -> ShardRecord | None:
     return record
 
 
-async def _score_rows(client: TeacherClient, rows: Sequence[CompletionRow], top_k: int, concurrency: int
-                      ) -> list[TeacherScores | VLLMRequestError]:
+async def _score_rows(client: TeacherClient, rows: Sequence[CompletionRow], settings: CacheSettings,
+                      concurrency: int) -> list[TeacherScores | SampledScores | VLLMRequestError]:
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(row: CompletionRow) -> TeacherScores | VLLMRequestError:
+    async def one(row: CompletionRow) -> TeacherScores | SampledScores | VLLMRequestError:
         async with gate:
             try:
-                return await client.score(row.prompt_ids, row.completion_ids, top_k=top_k)
+                if not settings.sampled:
+                    return await client.score(row.prompt_ids, row.completion_ids, top_k=settings.top_k)
+                dense = await score_full(client, row.prompt_ids, row.completion_ids, settings.vocab_size)
             except VLLMRequestError as error:  # the server refused this row (e.g. too long): record it, go on
                 return error
+        # the draws depend only on (seed, row) and the teacher's log-probs, not on the order rows finish in
+        return draw_candidates(dense, int(settings.num_samples), int(settings.seed), row.dataset_index)
 
     return await asyncio.gather(*(one(row) for row in rows))
 
@@ -249,7 +269,10 @@ def score_dataset(
     teacher_urls: str | Sequence[str],
     output: str | Path,
     *,
-    top_k: int,
+    top_k: int | None = None,
+    candidates: str = "topk",
+    num_samples: int | None = None,
+    seed: int = 0,
     tokenizer: Any = None,
     shard: tuple[int, int] = (0, 1),
     rows_per_shard: int = 1024,
@@ -263,13 +286,32 @@ def score_dataset(
     """Score ``dataset``'s completions (see the module docstring) with the teacher at ``teacher_urls`` (one URL or
     replicas) into the cache folder ``output``; resumable, shardable with ``shard=(i, n)``.
 
+    ``candidates="topk"`` (needs ``top_k``) stores the teacher's top-K per position; ``candidates="sampled"``
+    (needs ``num_samples`` S in [1, 255]) stores S tokens drawn per position from the teacher's full distribution
+    (the server must allow ``prompt_logprobs=-1``: ``--max-logprobs -1``) with generators seeded by ``seed`` and
+    the dataset row index.
+
     ``tokenizer``: a tokenizer object or model folder; None: the folder the teacher serves (its ``/v1/models`` id).
     Raises ConfigError for bad settings or data, a teacher that tokenizes differently from ``tokenizer``, or an
     ``output`` folder scored with other settings; a row the server refuses (HTTP 4xx) is recorded as rejected."""
     from fastdistill.data.sources import load_prompt_source
 
-    if top_k < 1:
-        raise config_error(f"--top-k must be >= 1, got {top_k}")
+    if candidates not in CANDIDATE_MODES:
+        raise config_error(f"--candidates must be one of {list(CANDIDATE_MODES)}, got {candidates!r}")
+    if candidates == "topk":
+        if num_samples is not None:
+            raise config_error("--num-samples is for --candidates sampled; top-K scoring takes --top-k")
+        if top_k is None:
+            raise config_error("--top-k K is required with --candidates topk (or use --candidates sampled "
+                               "--num-samples S)")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise config_error(f"--top-k must be >= 1, got {top_k}")
+    else:
+        if top_k is not None:
+            raise config_error("--top-k is for --candidates topk; sampled scoring takes --num-samples")
+        check_num_samples(num_samples)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise config_error(f"--seed must be an int, got {seed!r}")
     if rows_per_shard < 1:
         raise config_error(f"--rows-per-shard must be >= 1, got {rows_per_shard}")
     if concurrency < 1:
@@ -279,22 +321,27 @@ def score_dataset(
     rows = load_prompt_source(dataset, split=split, dataset_config=dataset_config, what="dataset")
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_score(rows, teacher_urls, folder, top_k=top_k, tokenizer=tokenizer, shard=shard,
-                              rows_per_shard=rows_per_shard, concurrency=concurrency, logprob_dtype=logprob_dtype,
-                              api_key=api_key, retry=retry))
+    sampled = dict(num_samples=num_samples, proposal_temperature=1.0, seed=seed) if candidates == "sampled" else {}
+    return asyncio.run(_score(rows, teacher_urls, folder, top_k=top_k or 0, sampled=sampled, tokenizer=tokenizer,
+                              shard=shard, rows_per_shard=rows_per_shard, concurrency=concurrency,
+                              logprob_dtype=logprob_dtype, api_key=api_key, retry=retry))
 
 
-async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, top_k: int, tokenizer: Any,
-                 shard: tuple[int, int], rows_per_shard: int, concurrency: int, logprob_dtype: str,
+async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, top_k: int, sampled: dict[str, Any],
+                 tokenizer: Any, shard: tuple[int, int], rows_per_shard: int, concurrency: int, logprob_dtype: str,
                  api_key: str | None, retry: RetryPolicy | None) -> ScoreSummary:
     async with TeacherClient(teacher_urls, api_key=api_key, retry=retry) as client:
         teacher_model = (await client.served_model()).name
         tokenizer, vocab_size = _load_tokenizer(tokenizer, teacher_model)
         await _check_teacher_tokenizer(client, tokenizer)
         settings = CacheSettings(teacher_model=teacher_model, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                                 vocab_size=vocab_size, top_k=top_k, candidate_mode="topk",
+                                 vocab_size=vocab_size, top_k=top_k,
+                                 candidate_mode="sampled" if sampled else "topk",
                                  id_dtype=id_dtype_for(vocab_size), logprob_dtype=logprob_dtype,
-                                 rows_per_shard=rows_per_shard, dataset_rows=len(rows))
+                                 rows_per_shard=rows_per_shard, dataset_rows=len(rows), **sampled)
+        if settings.sampled:
+            probe = [int(t) for t in tokenizer(PROBE_TEXTS[0], add_special_tokens=False)["input_ids"]][:3]
+            await check_full_distribution(client, probe, vocab_size)  # a server that refuses fails here, not per row
         existing = _existing_settings(folder)
         if existing is not None and existing != settings:
             raise config_error(f"{str(folder)!r} holds shards scored with other settings (in the folder != this "
@@ -307,9 +354,9 @@ async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, 
                 continue
             start, stop = settings.row_range(index)
             batch = [completion_row(rows[i], i, tokenizer) for i in range(start, stop)]
-            results = await _score_rows(client, batch, top_k, concurrency)
+            results = await _score_rows(client, batch, settings, concurrency)
             kept = [(row, result) for row, result in zip(batch, results, strict=True)
-                    if isinstance(result, TeacherScores)]
+                    if not isinstance(result, VLLMRequestError)]
             refused = [{"dataset_index": row.dataset_index, "status": result.status, "message": result.server_message}
                        for row, result in zip(batch, results, strict=True) if isinstance(result, VLLMRequestError)]
             record = _write_shard(folder, index, kept, refused, settings, start, stop)
@@ -322,7 +369,7 @@ async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, 
     return ScoreSummary(written, skipped, scored, rejected, manifest_written)
 
 
-def _write_shard(folder: Path, index: int, kept: list[tuple[CompletionRow, TeacherScores]],
+def _write_shard(folder: Path, index: int, kept: list[tuple[CompletionRow, TeacherScores | SampledScores]],
                  refused: list[dict[str, Any]], settings: CacheSettings, start: int, stop: int) -> ShardRecord:
     arrays = encode_shard([row for row, _ in kept], [scores for _, scores in kept], settings)
     path = _shard_path(folder, index)
@@ -353,13 +400,16 @@ def write_manifest_if_complete(folder: Path, settings: CacheSettings, teacher_ur
                 handle.write(json.dumps(entry) + "\n")
     os.replace(folder / (REJECTED_NAME + ".tmp"), folder / REJECTED_NAME)
     shards = [{key: value for key, value in record.to_json().items() if key != "settings"} for record in records]
+    dtypes = {"input_ids": settings.id_dtype, "candidate_ids": settings.id_dtype,
+              "candidate_logprobs": settings.logprob_dtype, "token_offsets": "int64", "prompt_lengths": "int32",
+              "dataset_index": "int64"}
+    if settings.sampled:
+        dtypes["candidate_counts"] = "uint8"
     manifest = {
-        "format_version": FORMAT_VERSION,
-        "settings": asdict(settings),
+        "format_version": settings.format_version,
+        "settings": settings.to_json(),
         "teacher_urls": list(teacher_urls),
-        "dtypes": {"input_ids": settings.id_dtype, "candidate_ids": settings.id_dtype,
-                   "candidate_logprobs": settings.logprob_dtype, "token_offsets": "int64", "prompt_lengths": "int32",
-                   "dataset_index": "int64"},
+        "dtypes": dtypes,
         "empty_slot_id": sentinel_of(settings.id_dtype),
         "rows": sum(record.rows for record in records),
         "tokens": sum(record.tokens for record in records),

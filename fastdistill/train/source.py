@@ -68,15 +68,39 @@ class CacheSource(ListSource):
                          for prompt_id, row in cursor)
 
 
+def pad_candidates(sample: RolloutSample, width: int) -> RolloutSample:
+    """``sample`` with its candidate arrays padded to ``width`` slots per position with empty slots (id -1, log-prob
+    -inf, which every loss ignores); unchanged when already that wide. Raises ValueError when it is wider."""
+    import dataclasses
+
+    import numpy as np
+
+    have = sample.teacher_topk_ids.shape[1]
+    if have == width:
+        return sample
+    if have > width:
+        raise ValueError(f"sample (prompt_id={sample.prompt_id}) has {have} candidate slots per position, more than "
+                         f"the {width} of this run")
+    extra = ((0, 0), (0, width - have))
+    return dataclasses.replace(
+        sample, teacher_topk_ids=np.pad(sample.teacher_topk_ids, extra, constant_values=-1),
+        teacher_topk_logprobs=np.pad(sample.teacher_topk_logprobs, extra, constant_values=-np.inf))
+
+
 class MixedSource:
     """GKD's ``lmbda``: the prompt ids ``share`` selects come on-policy from the rollout worker (``online``, a
     :class:`WorkerSource`), the others from the teacher cache (``cached``, a :class:`CacheSource` that skips the
     on-policy ids). ``next`` takes from the online source while it has given fewer samples than the share selects among
     as many prompt ids from ``first_prompt`` (the resume point) on, so every stretch of samples (a step's) holds its
-    share, and from the other once one runs dry. Logs ``sample/on_policy_frac`` (the share of on-policy samples)."""
+    share, and from the other once one runs dry. Logs ``sample/on_policy_frac`` (the share of on-policy samples).
 
-    def __init__(self, online: Any, cached: CacheSource, share: OnPolicyShare, first_prompt: int = 0):
+    ``candidate_width``: every sample is padded to that many candidate slots (:func:`pad_candidates`), so that
+    on-policy samples (K + 1 slots) and the rows of a sampled cache (S slots) pack into one row; None: unchanged."""
+
+    def __init__(self, online: Any, cached: CacheSource, share: OnPolicyShare, first_prompt: int = 0,
+                 candidate_width: int | None = None):
         self.online, self.cached, self.share, self.first_prompt = online, cached, share, first_prompt
+        self.candidate_width = candidate_width
         self.taken = self.online_taken = 0
         self._dry: set[int] = set()
         self._fractions: list[tuple[float, float]] = []
@@ -95,6 +119,8 @@ class MixedSource:
             self.taken += 1
             self.online_taken += source is self.online
             self._fractions.append((float(source is self.online), 1.0))
+            if self.candidate_width is not None and isinstance(item, RolloutSample):
+                item = pad_candidates(item, self.candidate_width)
             return item
         raise SourceExhausted
 

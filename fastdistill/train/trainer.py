@@ -194,6 +194,7 @@ class AsyncDistillationTrainer:
         except CacheError as error:
             raise ConfigError(f"teacher_cache: {error}") from error
         cache.check_tokenizer(self.tokenizer)
+        cache.check_loss_settings(beta=self.config.beta, add_tail_bucket=self.config.add_tail_bucket)
         return cache
 
     def _tokenized_rows(self, rows: Any) -> PromptTable:
@@ -456,7 +457,8 @@ class AsyncDistillationTrainer:
             )
             if self.cache is not None:
                 self.source = MixedSource(self.source, self._cache_source(), self.on_policy,
-                                          first_prompt=self.rollout_state.prompt_index)
+                                          first_prompt=self.rollout_state.prompt_index,
+                                          candidate_width=max(self.cache.candidate_width, config.teacher_top_k + 1))
 
     def _on_policy_share(self) -> OnPolicyShare:
         """The prompts a mixed run generates on-policy: ``lmbda`` of them, or a share annealed from ``lmbda`` to
