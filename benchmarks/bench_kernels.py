@@ -1,7 +1,7 @@
 """Benchmark of the fused Triton loss kernels against the loss implementations users have today.
 
 On a CUDA machine (bf16, Qwen-like shapes: D ∈ {896, 1536, 3584}, V = 151936, N ∈ {4096, 16384}, K ∈ {8, 64}):
-  ours-det      fastdistill_kernels.fused_sparse_jsd, deterministic backward (dL/dx workspace + GEMMs)
+  ours-det      fastdistill_kernels.fused_sparse_jsd, deterministic backward (vocabulary chunks: workspace + GEMMs)
   ours-fused    the same with the fused backward (fp32 atomics, no workspace)
   ours-filter   fused backward with gradient filtering (filter_eps = 2^-12, CCE's bf16 default)
   ours-chunked  the 6·N·D·V variant (``chunked_logits_sparse_jsd``: cuBLAS logits per row chunk, two Triton passes)

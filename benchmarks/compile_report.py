@@ -232,21 +232,6 @@ def bind_launch(fn, backend, grid: tuple, args: tuple, kwargs: dict) -> Launch:
                   attrs=attrs, options=dict(options.__dict__))
 
 
-def _meta_csr(ids, valid, block_rows: int, block_vocab: int, vocab_size: int):
-    """``build_candidate_csr``'s output shapes and dtypes on ``meta`` (its sort and bincount need real values)."""
-    import triton
-    from fastdistill_kernels.csr import CandidateCSR
-
-    n_row_blocks, n_vocab_tiles = triton.cdiv(ids.shape[0], block_rows), triton.cdiv(vocab_size, block_vocab)
-    nnz = ids.numel()
-
-    def i32(n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.int32, device=ids.device)
-
-    return CandidateCSR(offsets=i32(n_row_blocks * n_vocab_tiles + 1), rows=i32(nnz), cols=i32(nnz),
-                        slots=i32(nnz), n_vocab_tiles=n_vocab_tiles)
-
-
 def record_launches(variant: Variant, shape: Shape, target: Target) -> list[Launch]:
     """Run ``fused_sparse_jsd`` forward and backward for ``variant`` at ``shape`` on meta tensors as on a CUDA device
     of ``target`` (its default tiles and vocabulary splits), and return the kernel launches it makes."""
@@ -266,7 +251,6 @@ def record_launches(variant: Variant, shape: Shape, target: Target) -> list[Laun
     patches = (
         mock.patch.object(fwd, "_forward_kernel", _LaunchRecorder(fwd._forward_kernel, backend, launches)),
         mock.patch.object(bwd, "_backward_kernel", _LaunchRecorder(bwd._backward_kernel, backend, launches)),
-        mock.patch.object(ops, "build_candidate_csr", _meta_csr),
         mock.patch.object(ops, "default_config", lambda device, *a: cfg.default_config(cuda, *a)),
         mock.patch.object(fwd, "vocab_splits", lambda c, rb, vt, device: cfg.vocab_splits(c, rb, vt, cuda)),
         mock.patch("torch.cuda.get_device_properties", lambda device=None: props),

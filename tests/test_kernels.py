@@ -125,7 +125,7 @@ def test_backward_modes_with_per_row_upstream_gradients(backward_mode, dtype):
     kw = dict(logit_scale=1.2, softcap=5.0, temperature=0.8, beta=0.0)
     weights = torch.linspace(-1.0, 3.0, h.shape[0])
     weights[3] = 0.0
-    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=3, workspace_rows=32)
+    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=3, workspace_bytes=8192)
     out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode=backward_mode, config=config, **kw)
     grads = _grads((out.divergence * weights).sum(), (h, w, b))
     ref_rows, ref_leaves = _reference_rows(h, w, b, ids, lps, valid, **kw)
@@ -144,7 +144,7 @@ def test_forward_in_row_block_slabs_matches_one_launch(monkeypatch):
     from fastdistill_kernels import forward
     case = _case(seed=21)
     h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
-    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=3, workspace_rows=32)
+    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=3, workspace_bytes=8192)
     one = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, config=config)
     launches = []
     kernel = forward._forward_kernel
@@ -324,12 +324,13 @@ def test_dw_fallback_without_mixed_precision_addmm_matches_float64(monkeypatch):
 @on_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_deterministic_backward_forced_onto_the_fallback(monkeypatch, dtype):
-    """The whole op with the mixed-precision GEMM reported missing and tiny upcast blocks (several per chunk)."""
+    """The whole op with the mixed-precision GEMM reported missing and tiny upcast blocks (several per vocabulary
+    chunk, for dh += dx @ W[chunk] and dW[chunk] = dxᵀ @ h alike)."""
     calls, blocks = [], []
-    upcast = backward.accumulate_dw_upcast
+    upcast = backward.addmm_upcast
     monkeypatch.setattr(backward, "mixed_addmm_supported", lambda device, dtype: calls.append(dtype) or False)
-    monkeypatch.setattr(backward, "UPCAST_BLOCK_ELEMS", 64 * 50)  # 50 columns of a 64-row workspace chunk
-    monkeypatch.setattr(backward, "accumulate_dw_upcast", lambda *a: blocks.append(a[-1]) or upcast(*a))
+    monkeypatch.setattr(backward, "UPCAST_BLOCK_ELEMS", 64 * 50)
+    monkeypatch.setattr(backward, "addmm_upcast", lambda *a: blocks.append((a[1].shape, a[-1])) or upcast(*a))
     case = _case(seed=21)
     h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, dtype)
     out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode="deterministic")
@@ -338,7 +339,74 @@ def test_deterministic_backward_forced_onto_the_fallback(monkeypatch, dtype):
     for name, got, ref in zip(("dh", "dW", "db"), grads, _grads(ref_rows.sum(), ref_leaves), strict=True):
         rel_close(got, ref, BF16_GRAD_RTOL, name)
     assert calls and set(calls) == {dtype}, "the deterministic backward did not ask about the mixed-precision GEMM"
-    assert blocks and set(blocks) == {64 * 50}  # V = 300: 6 blocks per chunk
+    assert {e for _, e in blocks} == {64 * 50}
+    # two GEMMs per chunk (dh and dW), several chunks, every chunk's operand larger than one block
+    assert len(blocks) >= 4 and all(shape.numel() > 64 * 50 for shape, _ in blocks), blocks
+
+
+@on_interpreter
+def test_deterministic_backward_is_bitwise_reproducible(dtype=torch.bfloat16):
+    """Same inputs, same bits: vocabulary chunks (here one tile each) of fixed shape and summation order."""
+    case = _case(seed=4)
+    h, w, b, ids, lps, valid = _scored_inputs(case, 0.3, dtype)
+    config = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=2,
+                        workspace_bytes=h.shape[0] * 64 * h.element_size() * 2 - 1)
+    assert backward.vocab_chunk_tiles(config, h.shape[0], 5, h.element_size()) == 1
+
+    def run():
+        out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, beta=0.3, softcap=4.0, config=config)
+        return (out.divergence, *_grads(out.divergence.sum(), (h, w, b)))
+
+    first, second = run(), run()
+    for name, a, c in zip(("divergence", "dh", "dW", "db"), first, second, strict=True):
+        assert torch.equal(a, c), name
+
+
+def test_vocabulary_chunks_stay_within_the_workspace_bound():
+    """Chunk width: as many tiles as the (N, chunk) workspace fits in workspace_bytes, at least one, at most V."""
+    cfg = TileConfig(block_vocab=128, workspace_bytes=2**28)
+    n, tiles = 16384, 1188  # Qwen-like: N = 16384 rows, V = 152064
+    chunk = backward.vocab_chunk_tiles(cfg, n, tiles, 2)
+    assert chunk == 64 and n * chunk * 128 * 2 <= cfg.workspace_bytes < n * (chunk + 1) * 128 * 2
+    assert backward.vocab_chunk_tiles(cfg, 10**7, tiles, 2) == 1  # a tile wider than the budget: still one
+    assert backward.vocab_chunk_tiles(cfg, 8, tiles, 4) == tiles  # everything fits: one chunk
+
+
+@on_interpreter
+def test_candidates_crowded_into_tiles_and_split_edges(backward_mode="fused"):
+    """Several candidates of one row in the same vocabulary tile (several trips of the per-row cursor), ids on
+    tile and split boundaries (0, 63, 64, 127, 128, V − 1), slots in no particular order, invalid slots between
+    valid ones, and a valid slot whose id lies outside the vocabulary (treated as invalid) — against float64.
+    Both backward modes place candidates with the same kernel code; the fused one is run."""
+    g = torch.Generator().manual_seed(9)
+    n, d, v, k = 33, 40, 300, 9
+    h = torch.randn(n, d, generator=g).requires_grad_(True)
+    w = (torch.randn(v, d, generator=g) / d**0.5).requires_grad_(True)
+    b = (0.1 * torch.randn(v, generator=g)).requires_grad_(True)
+    edges = torch.tensor([0, 63, 64, 127, 128, 191, 192, v - 1])
+    ids = torch.stack([torch.cat([edges[torch.randperm(8, generator=g)[:4]], torch.randperm(v, generator=g)[:k - 4]])
+                       for _ in range(n)])
+    ids[:5, :6] = torch.tensor([10, 12, 11, 50, 30, 20])  # six candidates in the first tile
+    ids = torch.stack([row[torch.randperm(k, generator=g)] for row in ids])
+    valid = canonical_mask(ids, torch.zeros(n, k), torch.rand(n, k, generator=g) > 0.15)
+    valid[:, 0] = True
+    valid = canonical_mask(ids, torch.zeros(n, k), valid)
+    lps = torch.log_softmax(torch.randn(n, k + 1, generator=g), dim=-1)[:, :k]
+    weights = torch.linspace(0.5, 1.5, n)
+    out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b, backward_mode=backward_mode)
+    grads = _grads((out.divergence * weights).sum(), (h, w, b))
+    ref_rows, ref_leaves = _reference_rows(h, w, b, ids, lps, valid)
+    rel_close(out.divergence, ref_rows, FP32_RTOL, "per-row divergence")
+    for name, g_, r in zip(("dh", "dW", "db"), grads, _grads((ref_rows * weights.double()).sum(), ref_leaves),
+                           strict=True):
+        rel_close(g_, r, FP32_RTOL, name)
+
+    # An id outside [0, V) in a valid slot is never matched: the same as that slot being invalid.
+    ids_oov, valid_oov = ids.clone(), valid.clone()
+    spare = (~valid).nonzero()[0]
+    ids_oov[spare[0], spare[1]], valid_oov[spare[0], spare[1]] = v + 5, True
+    out_oov = fused_sparse_jsd(h, w, ids_oov, lps, valid_oov, bias=b, backward_mode=backward_mode)
+    torch.testing.assert_close(out_oov.entropy, out.entropy, rtol=0, atol=0)
 
 
 def test_mixed_addmm_detection(monkeypatch):

@@ -18,8 +18,8 @@ KERNELS_VALIDATED_ON_GPU = False
 
 _LAZY = {
     "BACKWARD_MODES": ".backward",
-    "CandidateCSR": ".csr",
-    "build_candidate_csr": ".csr",
+    "SortedCandidates": ".candidates",
+    "sort_candidates": ".candidates",
     "TileConfig": ".config",
     "default_config": ".config",
     "FusedSparseJSD": ".ops",

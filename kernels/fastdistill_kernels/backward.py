@@ -3,19 +3,27 @@
 Grid ``(row block, vocabulary tile)``. Per tile (see :func:`fastdistill_kernels.buckets.logit_gradients`):
 
     dL/dz = exp(z − m_nc[row]) · coef_nc[row]     non-candidate columns
-          = cand_grad[row, slot]                  candidate columns (placed through the CSR)
+          = cand_grad[row, slot]                  candidate columns (one per row per trip, from the sorted lists)
     dL/dx = dL/dz · logit_scale / T · (1 − u²)    u = tanh(logit_scale·x/c) = z·T/c, only with a softcap
+
+Each program finds its rows' first candidate in the tile by a binary search of their sorted ids
+(:mod:`fastdistill_kernels.candidates`), then places the candidates' gradients one per row per trip.
 
 Two ways to accumulate:
   "fused":          dh[rows] += dx @ W[cols] and dW[cols] += dxᵀ @ h[rows] with fp32 atomics, D looped in
                     BLOCK_D chunks; no workspace, non-deterministic summation order. The atomics are relaxed
                     (independent adds that need no ordering; the kernel's completion orders them for the
                     consumer), so they compile to fence-free reductions (RED) rather than acq_rel ATOM + MEMBAR.
-  "deterministic":  the kernel writes dx for a chunk of rows into a (chunk, V) workspace in the GEMM dtype, then
-                    torch GEMMs dh = dx @ W and dW += dxᵀ @ h (fp32 accumulator).
+  "deterministic":  chunks of the vocabulary: the kernel writes dx for every row × the chunk's columns into an
+                    (N, chunk) workspace in the GEMM dtype (at most ``TileConfig.workspace_bytes``), then torch
+                    GEMMs write dW[chunk] = dxᵀ @ h and db[chunk] = Σ_rows dx once each (no accumulation over
+                    chunks) and accumulate dh += dx @ W[chunk] into an fp32 (N, D) buffer. Fixed shapes and
+                    summation order: the same inputs give the same bits.
 
 Gradient filtering (``filter_eps``): a tile whose every |dL/dx| is below ``filter_eps · |upstream grad of its
-row|`` contributes nothing; tiles holding candidates are never skipped.
+row|`` contributes nothing; tiles holding candidates are never skipped. In the fused mode a skipped tile does no
+dh / dW work (the saving); in the deterministic mode it is only written as zeros to the workspace, and the GEMMs
+are dense whatever it holds: the filter adds its bounded error there and saves nothing.
 """
 
 from __future__ import annotations
@@ -26,27 +34,31 @@ import torch
 import triton
 import triton.language as tl
 
+from .candidates import SortedCandidates, first_at_or_after, next_ids
 from .config import TileConfig, dot_precision, interpreting
-from .csr import CandidateCSR
 from .tiles import logit_tile
 
 BACKWARD_MODES = ("deterministic", "fused")
 
 
-# first_row_block is the row chunk's offset (0, 8, 16, … row blocks): not specialised, or chunks whose offset is a
-# multiple of 16 and the others would compile to two kernels with identical code.
-@triton.jit(do_not_specialize=["first_row_block"])
-def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, COEF_NC, CAND_GRAD, ROW_SCALE,
+# first_tile is the vocabulary chunk's first tile (0 in the fused mode): not specialised, or chunks whose offset is
+# a multiple of 16 and the others would compile to two kernels with identical code. ws_stride (the workspace's row
+# stride, a multiple of BLOCK_VOCAB) is the same for every chunk and specialised: its divisibility by 16 lets the
+# workspace stores vectorise.
+@triton.jit(do_not_specialize=["first_tile"])
+def _backward_kernel(H, W, B, SORTED_IDS, CAND_GRAD_SORTED, M_NC, COEF_NC, ROW_SCALE,
                      DH, DW, DB, WORKSPACE,
-                     N, V, D, S, n_vocab_tiles, first_row_block, logit_scale, softcap, inv_temp, filter_eps,
+                     N, V, D, S, search_steps, first_tile, ws_stride, logit_scale, softcap, inv_temp, filter_eps,
                      BLOCK_ROWS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_D: tl.constexpr,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, FILTER: tl.constexpr, FUSED: tl.constexpr,
                      NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
-    row_block = first_row_block + tl.program_id(0)
-    tile = tl.program_id(1)
+    row_block = tl.program_id(0)
+    tile = first_tile + tl.program_id(1)
     rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    cols = (tile * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)).to(tl.int64)
+    tile_start = tile * BLOCK_VOCAB
+    offs_v = tl.arange(0, BLOCK_VOCAB)
+    cols = (tile_start + offs_v).to(tl.int64)
     in_rows = rows < N
     inside = in_rows[:, None] & (cols[None, :] < V)
     z = logit_tile(H, W, B, rows, cols, N, V, D, logit_scale, softcap, inv_temp,
@@ -55,13 +67,17 @@ def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, C
     m_nc = tl.load(M_NC + rows, mask=in_rows, other=0.0)
     coef_nc = tl.load(COEF_NC + rows, mask=in_rows, other=0.0)
     dz = tl.exp(z - m_nc[:, None]) * coef_nc[:, None]
-    csr_index = row_block * n_vocab_tiles + tile
-    cand_start = tl.load(OFFSETS + csr_index)
-    cand_end = tl.load(OFFSETS + csr_index + 1)
-    for j in range(cand_start, cand_end):
-        r = tl.load(CAND_ROWS + j).to(tl.int64)
-        hit = (rows[:, None] == r) & (cols[None, :] == tl.load(CAND_COLS + j))
-        dz = tl.where(hit, tl.load(CAND_GRAD + r * S + tl.load(CAND_SLOTS + j)), dz)
+    # Candidates of this tile, one per row per trip, their gradients read in sorted order.
+    ptr = first_at_or_after(SORTED_IDS, rows, in_rows, S, tile_start, search_steps)
+    nxt = next_ids(SORTED_IDS, rows, in_rows, S, ptr)
+    hit = nxt < tile_start + BLOCK_VOCAB
+    has_cand = tl.max(hit.to(tl.int32), axis=0) > 0
+    while tl.max(hit.to(tl.int32), axis=0) > 0:
+        grad = tl.load(CAND_GRAD_SORTED + rows * S + ptr, mask=hit, other=0.0)
+        dz = tl.where(offs_v[None, :] == (nxt - tile_start)[:, None], grad[:, None], dz)
+        ptr += hit.to(tl.int32)
+        nxt = next_ids(SORTED_IDS, rows, in_rows, S, ptr)
+        hit = nxt < tile_start + BLOCK_VOCAB
     if HAS_SOFTCAP:
         u = z * (1.0 / (softcap * inv_temp))
         dz = dz * (1.0 - u * u)
@@ -70,7 +86,7 @@ def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, C
     if FILTER:
         row_scale = tl.load(ROW_SCALE + rows, mask=in_rows, other=0.0)
         large = tl.abs(dx) >= filter_eps * row_scale[:, None]
-        keep = (cand_end > cand_start) | (tl.sum(tl.sum(large.to(tl.int32), axis=1), axis=0) > 0)
+        keep = has_cand | (tl.sum(tl.sum(large.to(tl.int32), axis=1), axis=0) > 0)
     else:
         keep = True
 
@@ -101,39 +117,50 @@ def _backward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS, M_NC, C
             if NEED_DB:
                 tl.atomic_add(DB + cols, tl.sum(dx, axis=0), mask=cols < V, sem="relaxed")
     else:
-        local_rows = rows - first_row_block * BLOCK_ROWS
-        tl.store(WORKSPACE + local_rows[:, None] * V + cols[None, :], tl.where(keep, dx, 0.0), mask=inside)
+        local_cols = tl.program_id(1) * BLOCK_VOCAB + offs_v
+        tl.store(WORKSPACE + rows[:, None] * ws_stride + local_cols[None, :], tl.where(keep, dx, 0.0), mask=inside)
 
 
-def backward_grads(hidden, weight, bias, csr: CandidateCSR, m_nc, coef_nc, cand_grad, row_scale, *,
+def vocab_chunk_tiles(cfg: TileConfig, n_rows: int, n_vocab_tiles: int, itemsize: int) -> int:
+    """Vocabulary tiles per chunk of the deterministic backward: the ``(n_rows, chunk)`` workspace of
+    ``itemsize``-byte elements within ``cfg.workspace_bytes``, at least one tile, at most the whole vocabulary."""
+    per_tile = max(1, n_rows) * cfg.block_vocab * itemsize
+    return max(1, min(n_vocab_tiles, cfg.workspace_bytes // per_tile))
+
+
+def backward_grads(hidden, weight, bias, cands: SortedCandidates, m_nc, coef_nc, cand_grad, row_scale, *,
                    logit_scale: float, softcap: float | None, temperature: float, mode: str,
                    filter_eps: float | None, need_dh: bool, need_dw: bool, need_db: bool, cfg: TileConfig):
     """Gradients of the loss w.r.t. ``hidden`` ``(N, D)``, ``weight`` ``(V, D)`` and ``bias`` ``(V,)``.
 
-    ``m_nc``, ``coef_nc``, ``row_scale`` ``(N,)`` and ``cand_grad`` ``(N, S)`` are fp32 and already carry the
-    per-row upstream gradient (``row_scale`` = its absolute value, used by the filter only).
+    ``cands`` are the per-row sorted candidates; ``m_nc``, ``coef_nc``, ``row_scale`` ``(N,)`` and ``cand_grad``
+    ``(N, S)`` (slot order) are fp32 and already carry the per-row upstream gradient (``row_scale`` = its absolute
+    value, used by the filter only).
 
-    Returns ``(dh, dw, db)``: fp32 tensors (dh in the input dtype in deterministic mode), None where not needed.
+    Returns ``(dh, dw, db)``: fp32 tensors, None where not needed.
     """
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     fused = mode == "fused"
+    n_vocab_tiles = triton.cdiv(v, cfg.block_vocab)
+    cand_grad_sorted = cands.to_sorted(cand_grad)
+    dh = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
     if fused:
-        dh = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
-        chunk_rows, workspace = n, None
+        chunk_tiles, workspace = n_vocab_tiles, None
     else:
-        dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-        chunk_rows = triton.cdiv(min(cfg.workspace_rows, n), cfg.block_rows) * cfg.block_rows
-        workspace = torch.empty(chunk_rows, v, dtype=hidden.dtype, device=dev)
-    for start in range(0, n, chunk_rows):
-        end = min(start + chunk_rows, n)
-        _backward_kernel[(triton.cdiv(end - start, cfg.block_rows), csr.n_vocab_tiles)](
-            hidden, weight, bias, csr.offsets, csr.rows, csr.cols, csr.slots, m_nc, coef_nc, cand_grad, row_scale,
-            dh, dw, db, workspace,
-            n, v, d, cand_grad.shape[1], csr.n_vocab_tiles, start // cfg.block_rows,
+        chunk_tiles = vocab_chunk_tiles(cfg, n, n_vocab_tiles, hidden.element_size())
+        # row stride chunk_tiles · BLOCK_VOCAB for every chunk (the last one uses the left part of each row)
+        workspace = torch.empty(n, chunk_tiles * cfg.block_vocab, dtype=hidden.dtype, device=dev)
+    for first_tile in range(0, n_vocab_tiles, chunk_tiles):
+        c0 = first_tile * cfg.block_vocab
+        c1 = min(c0 + chunk_tiles * cfg.block_vocab, v)
+        ws = None if fused else workspace[:, : c1 - c0]
+        _backward_kernel[(triton.cdiv(n, cfg.block_rows), min(chunk_tiles, n_vocab_tiles - first_tile))](
+            hidden, weight, bias, cands.ids, cand_grad_sorted, m_nc, coef_nc, row_scale, dh, dw, db, ws,
+            n, v, d, cands.ids.shape[1], cands.search_steps, first_tile, 0 if fused else workspace.stride(0),
             float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
             0.0 if filter_eps is None else float(filter_eps),
             BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
@@ -143,39 +170,44 @@ def backward_grads(hidden, weight, bias, csr: CandidateCSR, m_nc, coef_nc, cand_
         )
         if fused:
             continue
-        dx = workspace[: end - start]
         if need_dh:
-            torch.mm(dx, weight, out=dh[start:end])
-        if need_dw:
-            _accumulate_dw(dw, dx, hidden[start:end])
+            addmm_fp32(dh, ws, weight[c0:c1])
+        if need_dw:  # rows c0:c1 of dW are written by this chunk only (onto zeros)
+            addmm_fp32(dw[c0:c1], ws.t(), hidden)
         if need_db:
-            db += dx.sum(dim=0, dtype=torch.float32)
+            db[c0:c1] = ws.sum(dim=0, dtype=torch.float32)
     return dh, dw, db
 
 
-# fp32 elements of one upcast block of the dW fallback (64 MiB): bounds its extra memory whatever V and the chunk.
+# fp32 elements of one upcast block of the GEMM fallback (64 MiB): bounds its extra memory whatever the shapes.
 UPCAST_BLOCK_ELEMS = 2**24
 
 
-def _accumulate_dw(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor) -> None:
-    """``dw += dxᵀ @ h`` into the fp32 accumulator ``dw`` for half-precision or fp32 operands."""
-    if dx.dtype == torch.float32:
-        dw.addmm_(dx.t(), h)
-    elif mixed_addmm_supported(dx.device, dx.dtype):  # half-precision GEMM, fp32 output (cuBLAS sums in fp32)
-        torch.addmm(dw, dx.t(), h, out_dtype=torch.float32, out=dw)
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into the fp32 accumulator ``acc`` for half-precision or fp32 operands: a plain fp32 GEMM,
+    a mixed-precision GEMM (half-precision operands, fp32 output) where torch has it, else upcast blocks."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif mixed_addmm_supported(a.device, a.dtype):  # cuBLAS sums in fp32
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
-        accumulate_dw_upcast(dw, dx, h, UPCAST_BLOCK_ELEMS)
+        addmm_upcast(acc, a, b, UPCAST_BLOCK_ELEMS)
+
+
+def addmm_upcast(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block_elems: int = UPCAST_BLOCK_ELEMS) -> None:
+    """``acc += a @ b`` as fp32 GEMMs of upcast operands, ``a`` ``(m, k)`` taken in row blocks of at most
+    ``block_elems`` elements. Half-precision products are exact in fp32 and the sums are fp32 either way, so this
+    matches the mixed-precision GEMM's numerics; only an fp32 copy of ``b`` and of one block is extra memory."""
+    b32 = b.float()
+    rows = max(1, block_elems // max(1, a.shape[1]))
+    for r0 in range(0, a.shape[0], rows):
+        acc[r0:r0 + rows].addmm_(a[r0:r0 + rows].float(), b32)
 
 
 def accumulate_dw_upcast(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor,
                          block_elems: int = UPCAST_BLOCK_ELEMS) -> None:
-    """``dw += dxᵀ @ h`` as fp32 GEMMs of upcast operands, ``dx`` ``(c, V)`` taken in column blocks of at most
-    ``block_elems`` elements. Half-precision products are exact in fp32 and the sums are fp32 either way, so this
-    matches the mixed-precision GEMM's numerics; only an fp32 copy of ``h`` and of one block is extra memory."""
-    h32 = h.float()
-    cols = max(1, block_elems // max(1, dx.shape[0]))
-    for v0 in range(0, dx.shape[1], cols):
-        dw[v0:v0 + cols].addmm_(dx[:, v0:v0 + cols].t().float(), h32)
+    """``dw += dxᵀ @ h`` (``dx`` ``(c, V)``) through :func:`addmm_upcast`: column blocks of ``dx``."""
+    addmm_upcast(dw, dx.t(), h, block_elems)
 
 
 @functools.cache

@@ -28,7 +28,7 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Block sizes shared by the forward and backward kernels (both walk the same candidate CSR).
+    """Block sizes shared by the forward and backward kernels (the same vocabulary tiles).
 
     Attributes:
         block_rows: rows of hidden states per tile (BN).
@@ -36,7 +36,8 @@ class TileConfig:
         block_d: hidden-dimension step of the tile matmul and of the fused dh/dW accumulation (BD).
         vocab_splits: forward programs per row block, each owning a contiguous run of vocabulary tiles;
             None picks enough to fill the device.
-        workspace_rows: rows of ``dL/dz`` per workspace chunk in the deterministic backward.
+        workspace_bytes: bound on the deterministic backward's ``(N, vocabulary chunk)`` workspace of ``dL/dx``
+            (in the GEMM dtype): the chunk is as many vocabulary tiles as fit, at least one.
         num_warps, num_stages: Triton launch settings (ignored by the interpreter).
     """
 
@@ -44,13 +45,13 @@ class TileConfig:
     block_vocab: int = 128
     block_d: int = 64
     vocab_splits: int | None = None
-    workspace_rows: int = 1024
+    workspace_bytes: int = 2**28
     num_warps: int = 8
     num_stages: int = 3
 
 
 # The interpreter costs ~10–30 µs per Triton op per program, so it wants few, large-ish tiles.
-INTERPRETER_TILES = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=2, workspace_rows=64,
+INTERPRETER_TILES = TileConfig(block_rows=32, block_vocab=64, block_d=32, vocab_splits=2, workspace_bytes=16384,
                                num_warps=4, num_stages=1)
 
 

@@ -13,17 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .candidates import SortedCandidates, first_at_or_after, next_ids
 from .config import TileConfig, dot_precision, interpreting, vocab_splits
-from .csr import CandidateCSR
 from .tiles import logit_tile
 
 MAX_GRID_Y = 65535  # CUDA's limit on grid axes 1 and 2
 
 
 @triton.jit(do_not_specialize=["first_row_block"])
-def _forward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS,
-                    Z_CAND, PART_MAX, PART_SUM, PART_ENT, PART_MAX_NC, PART_SUM_NC,
-                    N, V, D, S, n_vocab_tiles, tiles_per_split, n_splits, first_row_block,
+def _forward_kernel(H, W, B, SORTED_IDS, Z_SORTED, PART_MAX, PART_SUM, PART_ENT, PART_MAX_NC, PART_SUM_NC,
+                    N, V, D, S, search_steps, n_vocab_tiles, tiles_per_split, n_splits, first_row_block,
                     logit_scale, softcap, inv_temp,
                     BLOCK_ROWS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_D: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
@@ -34,6 +33,7 @@ def _forward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS,
     split = tl.program_id(0)
     row_block = first_row_block + tl.program_id(1)
     rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    in_rows = rows < N
     neg_inf = float("-inf")
     # Online statistics, shifted by the running max m: s = Σ e^(z−m), t = Σ e^(z−m)·(z−m).
     m = tl.full((BLOCK_ROWS,), neg_inf, tl.float32)
@@ -43,21 +43,16 @@ def _forward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS,
     s_nc = tl.zeros((BLOCK_ROWS,), tl.float32)
     first_tile = split * tiles_per_split
     last_tile = tl.minimum(first_tile + tiles_per_split, n_vocab_tiles)
+    # Per-row cursor into the sorted candidate ids: the first one in this split, then advanced tile by tile.
+    ptr = first_at_or_after(SORTED_IDS, rows, in_rows, S, first_tile * BLOCK_VOCAB, search_steps)
+    nxt = next_ids(SORTED_IDS, rows, in_rows, S, ptr)
+    offs_v = tl.arange(0, BLOCK_VOCAB)
     for tile in range(first_tile, last_tile):
-        cols = (tile * BLOCK_VOCAB + tl.arange(0, BLOCK_VOCAB)).to(tl.int64)
+        cols = (tile * BLOCK_VOCAB + offs_v).to(tl.int64)
         z = logit_tile(H, W, B, rows, cols, N, V, D, logit_scale, softcap, inv_temp,
                        BLOCK_ROWS, BLOCK_VOCAB, BLOCK_D, HAS_BIAS, HAS_SOFTCAP, UPCAST, DOT_PRECISION)
         in_vocab = cols[None, :] < V
         z = tl.where(in_vocab, z, neg_inf)
-
-        # Candidates of this tile: read their logits from the same fp32 tile and mark their columns.
-        is_cand = tl.zeros((BLOCK_ROWS, BLOCK_VOCAB), tl.int1)
-        csr_index = row_block * n_vocab_tiles + tile
-        for j in range(tl.load(OFFSETS + csr_index), tl.load(OFFSETS + csr_index + 1)):
-            r = tl.load(CAND_ROWS + j).to(tl.int64)
-            hit = (rows[:, None] == r) & (cols[None, :] == tl.load(CAND_COLS + j))
-            is_cand = is_cand | hit
-            tl.store(Z_CAND + r * S + tl.load(CAND_SLOTS + j), tl.sum(tl.sum(tl.where(hit, z, 0.0), axis=1), axis=0))
 
         m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: every tile holds at least one in-vocabulary column
         rescale = tl.exp(m - m_new)
@@ -67,14 +62,24 @@ def _forward_kernel(H, W, B, OFFSETS, CAND_ROWS, CAND_COLS, CAND_SLOTS,
         s = rescale * s + tl.sum(e, axis=1)
         m = m_new
 
-        z_nc = tl.where(is_cand, neg_inf, z)
-        m_nc_new = tl.maximum(m_nc, tl.max(z_nc, axis=1))
+        # Candidates of this tile, one per row per trip: read each row's next candidate logit from the tile
+        # (stored in sorted order), then mask its column out of the non-candidate statistics.
+        tile_start = tile * BLOCK_VOCAB
+        hit = nxt < tile_start + BLOCK_VOCAB  # ids are >= tile_start: earlier ones were consumed by earlier tiles
+        while tl.max(hit.to(tl.int32), axis=0) > 0:
+            match = offs_v[None, :] == (nxt - tile_start)[:, None]
+            tl.store(Z_SORTED + rows * S + ptr, tl.sum(tl.where(match, z, 0.0), axis=1), mask=hit)
+            z = tl.where(match, neg_inf, z)
+            ptr += hit.to(tl.int32)
+            nxt = next_ids(SORTED_IDS, rows, in_rows, S, ptr)
+            hit = nxt < tile_start + BLOCK_VOCAB
+
+        m_nc_new = tl.maximum(m_nc, tl.max(z, axis=1))
         shift_nc = tl.where(m_nc_new == neg_inf, 0.0, m_nc_new)  # a row whose columns so far are all candidates
-        s_nc = s_nc * tl.exp(m_nc - shift_nc) + tl.sum(tl.exp(z_nc - shift_nc[:, None]), axis=1)
+        s_nc = s_nc * tl.exp(m_nc - shift_nc) + tl.sum(tl.exp(z - shift_nc[:, None]), axis=1)
         m_nc = m_nc_new
 
     out = rows * n_splits + split
-    in_rows = rows < N
     tl.store(PART_MAX + out, m, mask=in_rows)
     tl.store(PART_SUM + out, s, mask=in_rows)
     tl.store(PART_ENT + out, t, mask=in_rows)
@@ -106,23 +111,24 @@ class RowStats:
         return self.m_nc + torch.log(self.s_nc)
 
 
-def forward_stats(hidden, weight, bias, csr: CandidateCSR, n_slots: int, *, logit_scale: float,
-                  softcap: float | None, temperature: float, cfg: TileConfig) -> RowStats:
+def forward_stats(hidden, weight, bias, cands: SortedCandidates, *, logit_scale: float, softcap: float | None,
+                  temperature: float, cfg: TileConfig) -> RowStats:
     """Run the forward kernel over ``hidden`` ``(N, D)`` and ``weight`` ``(V, D)`` (same dtype, contiguous) with
-    ``bias`` ``(V,)`` or None, and merge the vocabulary splits. ``csr`` indexes the candidates for ``cfg``'s tiles."""
+    ``bias`` ``(V,)`` or None and the per-row sorted candidates ``cands``, and merge the vocabulary splits."""
     n, d = hidden.shape
     v = weight.shape[0]
+    n_slots = cands.ids.shape[1]
     dev = hidden.device
     n_row_blocks = triton.cdiv(n, cfg.block_rows)
-    splits, tiles_per_split = vocab_splits(cfg, n_row_blocks, csr.n_vocab_tiles, dev)
-    z_cand = torch.zeros(n, n_slots, dtype=torch.float32, device=dev)
+    n_vocab_tiles = triton.cdiv(v, cfg.block_vocab)
+    splits, tiles_per_split = vocab_splits(cfg, n_row_blocks, n_vocab_tiles, dev)
+    z_sorted = torch.zeros(n, n_slots, dtype=torch.float32, device=dev)
     parts = [torch.empty(n, splits, dtype=torch.float32, device=dev) for _ in range(5)]
     part_max, part_sum, part_ent, part_max_nc, part_sum_nc = parts
     for first in range(0, n_row_blocks, MAX_GRID_Y):  # one launch unless there are more than 65,535 row blocks
         _forward_kernel[(splits, min(n_row_blocks - first, MAX_GRID_Y))](
-            hidden, weight, bias, csr.offsets, csr.rows, csr.cols, csr.slots,
-            z_cand, part_max, part_sum, part_ent, part_max_nc, part_sum_nc,
-            n, v, d, n_slots, csr.n_vocab_tiles, tiles_per_split, splits, first,
+            hidden, weight, bias, cands.ids, z_sorted, part_max, part_sum, part_ent, part_max_nc, part_sum_nc,
+            n, v, d, n_slots, cands.search_steps, n_vocab_tiles, tiles_per_split, splits, first,
             float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
             BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(),
@@ -136,4 +142,5 @@ def forward_stats(hidden, weight, bias, csr: CandidateCSR, n_slots: int, *, logi
     m_nc = part_max_nc.amax(dim=1)
     m_nc = torch.where(torch.isfinite(m_nc), m_nc, torch.zeros_like(m_nc))
     s_nc = (part_sum_nc * torch.exp(part_max_nc - m_nc[:, None])).sum(dim=1)
-    return RowStats(z_cand=z_cand, lse=m + torch.log(s), m_nc=m_nc, s_nc=s_nc, entropy=torch.log(s) - t / s)
+    return RowStats(z_cand=cands.from_sorted(z_sorted), lse=m + torch.log(s), m_nc=m_nc, s_nc=s_nc,
+                    entropy=torch.log(s) - t / s)

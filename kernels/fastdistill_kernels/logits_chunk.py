@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import accumulate_dw_upcast, mixed_addmm_supported
+from .backward import addmm_fp32
 from .buckets import bucket_divergence, logit_gradients
 from .config import device_guard
 from .ops import validate_loss_inputs
@@ -209,16 +209,6 @@ def _raw_logits(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Non
         out.copy_(h.float() @ weight.float().t())
 
 
-def _accumulate_dw(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor) -> None:
-    """``dw += dxᵀ @ h`` into the fp32 ``dw``: a mixed-precision GEMM where torch has it, else upcast blocks."""
-    if dx.dtype == torch.float32:
-        dw.addmm_(dx.t(), h)
-    elif mixed_addmm_supported(dx.device, dx.dtype):
-        torch.addmm(dw, dx.t(), h, out_dtype=torch.float32, out=dw)
-    else:
-        accumulate_dw_upcast(dw, dx, h)
-
-
 def _row_metrics(stats: ChunkStats, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(lse, lse_nc, entropy)`` ``(C,)`` from a chunk's statistics (the candidates' terms added in torch)."""
     z_cand, m_nc, s_nc, t_nc = stats
@@ -275,7 +265,7 @@ def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_
         if need_dh:
             torch.mm(x, weight, out=dh[rows])
         if need_dw:
-            _accumulate_dw(dw, x, h)
+            addmm_fp32(dw, x.t(), h)  # dW += dxᵀ @ h_chunk
         if need_db:
             db += x.sum(dim=0, dtype=torch.float32)
     return div, ent, tent, dh, dw, db

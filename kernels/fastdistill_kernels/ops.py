@@ -10,8 +10,8 @@ import torch
 
 from .backward import BACKWARD_MODES, backward_grads
 from .buckets import bucket_divergence, logit_gradients
+from .candidates import SortedCandidates, sort_candidates
 from .config import TileConfig, default_config, device_guard, interpreting
-from .csr import CandidateCSR, build_candidate_csr
 from .forward import forward_stats
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,27 +55,27 @@ class FusedSparseJSD(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, ids, teacher_logprobs, valid, settings: LossSettings, backward_mode: str,
                 filter_eps: float | None, cfg: TileConfig):
         covers_vocab = valid.sum(dim=1) >= weight.shape[0]
-        csr = build_candidate_csr(ids, valid, cfg.block_rows, cfg.block_vocab, weight.shape[0])
+        cands = sort_candidates(ids, valid, weight.shape[0])
         if hidden.shape[0] == 0:  # nothing to launch; the loss is an empty sum
             z_cand, lse, m_nc, s_nc, div, entropy, teacher_entropy = (
                 hidden.new_zeros(0, dtype=torch.float32) for _ in range(7))  # distinct tensors: outputs differ
         else:
             with device_guard(hidden.device):  # Triton launches on the current device, not the tensors'
-                stats = forward_stats(hidden, weight, bias, csr, ids.shape[1], logit_scale=settings.logit_scale,
+                stats = forward_stats(hidden, weight, bias, cands, logit_scale=settings.logit_scale,
                                       softcap=settings.softcap, temperature=settings.temperature, cfg=cfg)
             z_cand, lse, m_nc, s_nc, entropy = stats.z_cand, stats.lse, stats.m_nc, stats.s_nc, stats.entropy
             div, teacher_entropy = bucket_divergence(z_cand, lse, stats.lse_nc, teacher_logprobs, valid,
                                                      covers_vocab, **settings.bucket_kwargs())
-        ctx.save_for_backward(hidden, weight, bias, csr.offsets, csr.rows, csr.cols, csr.slots, z_cand, lse, m_nc,
-                              s_nc, teacher_logprobs, valid, covers_vocab)
-        ctx.n_vocab_tiles = csr.n_vocab_tiles
+        ctx.save_for_backward(hidden, weight, bias, cands.ids, cands.order, z_cand, lse, m_nc, s_nc,
+                              teacher_logprobs, valid, covers_vocab)
+        ctx.search_steps = cands.search_steps
         ctx.settings, ctx.backward_mode, ctx.filter_eps, ctx.cfg = settings, backward_mode, filter_eps, cfg
         ctx.mark_non_differentiable(entropy, teacher_entropy)
         return div, entropy, teacher_entropy
 
     @staticmethod
     def backward(ctx, grad_div, _grad_entropy, _grad_teacher_entropy):
-        (hidden, weight, bias, offsets, rows, cols, slots, z_cand, lse, m_nc, s_nc, teacher_logprobs, valid,
+        (hidden, weight, bias, sorted_ids, order, z_cand, lse, m_nc, s_nc, teacher_logprobs, valid,
          covers_vocab) = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and bias is not None
@@ -87,10 +87,10 @@ class FusedSparseJSD(torch.autograd.Function):
         grad_rows = grad_div.float()
         coef_nc, cand_grad = logit_gradients(z_cand, lse, m_nc, s_nc, teacher_logprobs, valid, covers_vocab,
                                              grad_rows, **s.bucket_kwargs())
-        csr = CandidateCSR(offsets=offsets, rows=rows, cols=cols, slots=slots, n_vocab_tiles=ctx.n_vocab_tiles)
+        cands = SortedCandidates(ids=sorted_ids, order=order, search_steps=ctx.search_steps)
         with device_guard(hidden.device):  # autograd may run backward on another current device
             dh, dw, db = backward_grads(
-                hidden, weight, bias, csr, m_nc, coef_nc.contiguous(), cand_grad.contiguous(), grad_rows.abs(),
+                hidden, weight, bias, cands, m_nc, coef_nc.contiguous(), cand_grad.contiguous(), grad_rows.abs(),
                 logit_scale=s.logit_scale, softcap=s.softcap, temperature=s.temperature, mode=ctx.backward_mode,
                 filter_eps=ctx.filter_eps, need_dh=need_dh, need_dw=need_dw, need_db=need_db, cfg=ctx.cfg,
             )
@@ -130,9 +130,12 @@ def fused_sparse_jsd(
         beta: 0 = KL(teacher‖student), 1 = KL(student‖teacher), else the generalized JSD (TRL convention).
         add_tail_bucket, tail_mode: leftover-mass bucket, "exact" (non-candidate log-sum-exp) or "trl"
             (clamped subtraction); without it both sides renormalise over the support.
-        backward_mode: "deterministic" (dL/dx workspace + GEMMs) or "fused" (fp32 atomics, no workspace).
+        backward_mode: "deterministic" (per vocabulary chunk, an (N, chunk) dL/dx workspace within
+            ``config.workspace_bytes`` and torch GEMMs; the same inputs give the same bits) or "fused" (fp32
+            atomics, no workspace, summation order not fixed).
         filter_eps: skip backward tiles whose every |dL/dx| < filter_eps · |row's upstream gradient| (tiles with
-            candidates are always kept); None = exact.
+            candidates are always kept); None = exact. Saves work in the fused mode only: the deterministic mode
+            writes such tiles as zeros and its GEMMs stay dense, so there the filter only adds its bounded error.
         config: tile sizes; default: :func:`fastdistill_kernels.config.default_config` for the device and dtype.
 
     Returns:
