@@ -256,6 +256,11 @@ def test_request_and_off_by_one_alignment():
     assert hidden[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
 
 
+def test_long_answers_decode_the_same():  # over 1 MiB of base64: decoded in a worker thread
+    outcome, received = stub_scoring([echo_positions(width=1024)], [1, 2], list(range(3, 403)), dtype="float32")
+    assert outcome.hidden.shape == (400, 1024) and outcome.hidden[:, 7].tolist() == [float(t) for t in range(1, 401)]
+
+
 def test_empty_completion_and_empty_prompt():
     outcome, received = stub_scoring([echo_positions()], [11, 12], [], dtype="float32")
     assert outcome.hidden.shape == (0, 8) and received[0]["input"] == [11, 12]

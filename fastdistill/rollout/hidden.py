@@ -14,6 +14,7 @@ and keeps rows P-1 .. P+L-2.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ HiddenDType = Literal["float32", "bfloat16"]
 _TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Little-endian wire words: float32 as is, bfloat16 as its 16 raw bits (numpy has no bfloat16).
 _WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
+_DECODE_IN_THREAD_BYTES = 1 << 20
 
 _NOT_A_HIDDEN_TEACHER = (
     "The server does not serve per-token hidden states: start the teacher with `fastdistill serve-teacher MODEL "
@@ -42,6 +44,13 @@ def _pooling_hint(status: int, message: str) -> str | None:
     if status == 404 or (status == 400 and ("pooling_task" in message or "Unsupported task" in message)):
         return _NOT_A_HIDDEN_TEACHER
     return None
+
+
+def _encoded_length(body: Any) -> int:
+    try:
+        return len(body["data"][0]["data"])
+    except (KeyError, IndexError, TypeError):
+        return 0  # malformed: decode_hidden says how
 
 
 @dataclass(frozen=True)
@@ -96,8 +105,9 @@ class HiddenTeacherClient(_VLLMEndpoint):
         self.dtype = dtype
         self.hidden_size = hidden_size
 
-    async def score(self, prompt_ids: list[int] | np.ndarray, completion_ids: list[int] | np.ndarray) -> (
-            TeacherHiddenStates):
+    async def score(
+        self, prompt_ids: list[int] | np.ndarray, completion_ids: list[int] | np.ndarray
+    ) -> TeacherHiddenStates:
         """The teacher's final hidden states that predict each completion token: (len(completion_ids), D).
 
         Sends ``prompt_ids + completion_ids[:-1]`` to ``POST /pooling`` (``task="token_embed"``, base64,
@@ -122,6 +132,11 @@ class HiddenTeacherClient(_VLLMEndpoint):
             "add_special_tokens": False,
         }
         body = await self._request("POST", "/pooling", payload, rejection_hint=_pooling_hint)
-        hidden = decode_hidden(self._where("/pooling"), body, len(sequence), self.dtype, self.hidden_size)
+        args = (self._where("/pooling"), body, len(sequence), self.dtype, self.hidden_size)
+        if _encoded_length(body) > _DECODE_IN_THREAD_BYTES:
+            # a long answer is decoded in a worker thread: the event loop keeps serving the other requests
+            hidden = await asyncio.get_running_loop().run_in_executor(None, decode_hidden, *args)
+        else:
+            hidden = decode_hidden(*args)
         start = len(prompt) - 1
         return TeacherHiddenStates(hidden[start : start + len(completion)])
