@@ -27,6 +27,7 @@ from fastdistill.testing.vllm_server import require_vllm, running
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.teacher_head import TeacherHeadError, load_teacher_head
 
+SERVER_KEY = "hidden-teacher-key"
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, request_timeout_s=5.0)
 # float32 against float64: a few hundred ulps of 2^-24 over the sums of a 64-wide model
 FP32_RELATIVE = 1e-5
@@ -316,15 +317,19 @@ def hidden_servers(tmp_path_factory):
     require_vllm()
     root = tmp_path_factory.mktemp("hidden-teacher")
     checkpoints = {tied: tiny_checkpoint(root / f"tied-{tied}", tied=tied, seed=int(tied)) for tied in (False, True)}
-    servers = {tied: VLLMServer(folder, role="teacher", signal="hidden", log_path=root / f"tied-{tied}.log")
+    # the tied one guarded by an API key, as a teacher others can reach would be
+    servers = {tied: VLLMServer(folder, role="teacher", signal="hidden", log_path=root / f"tied-{tied}.log",
+                                api_key=SERVER_KEY if tied else None)
                for tied, (folder, _) in checkpoints.items()}
     with running(*servers.values()):
         yield {tied: (servers[tied], checkpoints[tied][1]) for tied in (False, True)}
 
 
-def score_with(server: VLLMServer, prompt: list[int], completion: list[int], dtype: str = "float32"):
+def score_with(server: VLLMServer, prompt: list[int], completion: list[int], dtype: str = "float32",
+               hidden_size: int = 64, api_key: str | None = None):
     async def call():
-        async with HiddenTeacherClient(server.url, dtype=dtype, hidden_size=64) as teacher:
+        async with HiddenTeacherClient(server.url, dtype=dtype, hidden_size=hidden_size,
+                                       api_key=api_key or server.api_key, retry=FAST_RETRY) as teacher:
             return await teacher.score(prompt, completion)
 
     return asyncio.run(call()).hidden
@@ -370,3 +375,32 @@ def test_too_long_requests_are_rejected_not_retried(hidden_servers):
     with pytest.raises(VLLMRequestError) as error:
         asyncio.run(too_long())
     assert error.value.status == 400 and "maximum context length is 512" in error.value.server_message
+
+
+@pytest.mark.vllm
+def test_a_keyed_hidden_teacher_refuses_requests_without_its_key(hidden_servers):
+    server, _ = hidden_servers[True]
+    with pytest.raises(VLLMRequestError) as error:
+        score_with(server, [5, 6], [7], api_key="wrong-key")
+    assert error.value.status == 401
+    assert score_with(server, [5, 6], [7]).shape == (1, 64)  # with the key
+
+
+@pytest.mark.vllm
+def test_smollm2_served_hidden_states_give_hf_logits(smollm2_dir, tmp_path):
+    """A real pretrained model (SmolLM2-135M-Instruct, Llama, tied head, vocabulary 49152, 30 layers)."""
+    from transformers import AutoModelForCausalLM
+
+    require_vllm()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    head = load_teacher_head(smollm2_dir)
+    assert head.tied and head.weight.shape == (49152, 576)
+    ids = [int(t) for t in np.random.default_rng(0).integers(100, 49000, size=96)]
+    prompt, completion = ids[:32], ids[32:]
+    with VLLMServer(smollm2_dir, role="teacher", signal="hidden", log_path=tmp_path / "smollm2.log") as server:
+        served = score_with(server, prompt, completion, hidden_size=576)
+    hidden64, logits64 = hf_hidden_and_logits(model, ids)
+    rows = slice(len(prompt) - 1, len(ids) - 1)
+    # 30 float32 layers: the vLLM and HF kernels round differently, about 1e-6 of the largest value (measured)
+    assert relative_error(served, hidden64[rows]) <= 1e-5
+    assert relative_error(head.logits(served), logits64[rows]) <= 1e-5
