@@ -374,7 +374,7 @@ def test_too_long_requests_are_rejected_not_retried(hidden_servers):
 
     with pytest.raises(VLLMRequestError) as error:
         asyncio.run(too_long())
-    assert error.value.status == 400 and "maximum context length is 512" in error.value.server_message
+    assert error.value.status == 400 and "512" in error.value.server_message  # names the limit
 
 
 @pytest.mark.vllm
