@@ -129,7 +129,7 @@ def build_server(args: argparse.Namespace) -> VLLMServer:
                       max_model_len=args.max_model_len, extra_args=list(args.vllm_args),
                       weight_transfer_backend=backend, cpus=args.cpus, api_key=_api_key(args),
                       max_lora_rank=args.max_lora_rank if getattr(args, "enable_lora", False) else None,
-                      max_loras=getattr(args, "max_loras", 4))
+                      max_loras=getattr(args, "max_loras", 4), signal=getattr(args, "signal", "topk"))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument("--api-key", default=None,
                            help=f"require this key on every route but /health (default: ${variable}, then "
                                 "$VLLM_API_KEY); prefer the variable: arguments show in the process list")
+        if role == "teacher":
+            serve.add_argument("--signal", choices=("topk", "hidden"), default="topk",
+                               help="what the teacher serves: topk (default) prompt log-probs on /v1/completions, or "
+                                    "hidden: every token's final hidden state on /pooling (vLLM's pooling runner), "
+                                    "for full-vocabulary distillation with the teacher's head in the trainer")
         if role == "student":
             serve.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "none"), default="auto",
                                help="weight-transfer engine (auto: nccl with CUDA, gloo without)")

@@ -28,6 +28,8 @@ from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
 from fastdistill.sync.network import is_loopback_host
 
 Role = Literal["teacher", "student"]
+Signal = Literal["topk", "hidden"]
+SIGNALS: tuple[Signal, ...] = ("topk", "hidden")
 
 # Teachers return many prompt log-probs per position, after temperature. Students expose vLLM's RL routes
 # (pause/resume, weight transfer) that only exist in dev mode, and report the sampled distribution's log-probs.
@@ -35,6 +37,12 @@ _ROLE_ARGS: dict[Role, list[str]] = {
     "teacher": ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs"],
     "student": ["--logprobs-mode", "processed_logprobs"],
 }
+# A teacher serving final hidden states instead (``signal="hidden"``): vLLM's pooling runner over the causal LM
+# answers ``POST /pooling`` with ``task="token_embed"`` with every token's post-final-norm hidden state; the pooler
+# applies no activation (the embedding converter's default L2-normalises). Such a server has no /v1/completions.
+HIDDEN_POOLER_CONFIG = {"task": "token_embed", "tok_pooling_type": "ALL", "use_activation": False}
+_HIDDEN_TEACHER_ARGS = ["--runner", "pooling", "--convert", "embed",
+                        "--pooler-config", json.dumps(HIDDEN_POOLER_CONFIG)]
 _ROLE_ENV: dict[Role, dict[str, str]] = {
     "teacher": {},
     "student": {"VLLM_SERVER_DEV_MODE": "1"},
@@ -121,6 +129,12 @@ class VLLMServer:
     fastdistill.auth.RequireAPIKey``, which requires it on every route but ``/health`` (vLLM's own check leaves the
     dev-mode routes open). A dev-mode server (the student role, or ``VLLM_SERVER_DEV_MODE=1``) on a host other than
     loopback without a key is refused: anyone who reaches it could replace its weights.
+
+    ``signal`` (teachers only) is what the teacher serves: ``"topk"`` (the default) prompt log-probs through
+    ``/v1/completions`` (``--max-logprobs -1 --logprobs-mode processed_logprobs``), or ``"hidden"`` every token's
+    final hidden state through ``/pooling`` (``--runner pooling --convert embed --pooler-config
+    '{"task": "token_embed", "tok_pooling_type": "ALL", "use_activation": false}'``), what
+    :class:`fastdistill.rollout.hidden.HiddenTeacherClient` reads.
     """
 
     def __init__(
@@ -145,9 +159,18 @@ class VLLMServer:
         api_key: str | None = None,
         max_lora_rank: int | None = None,
         max_loras: int = 4,
+        signal: Signal = "topk",
     ):
         if role not in _ROLE_ARGS:
             raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
+        if signal not in SIGNALS:
+            raise ValueError(f"signal must be one of {list(SIGNALS)}, got {signal!r}")
+        if signal == "hidden" and role != "teacher":
+            raise ValueError("signal='hidden' is for teachers: a student must generate, which a pooling server "
+                             "cannot")
+        if signal == "hidden" and max_lora_rank is not None:
+            raise ValueError("a hidden-state teacher serves the teacher's own weights: LoRA adapters are for "
+                             "students")
         if cpus is not None:
             cpus = sorted(set(cpus))
             allowed = sorted(os.sched_getaffinity(0))
@@ -165,6 +188,7 @@ class VLLMServer:
                              "vLLM leaves its dev-mode routes open")
         self.model_dir = Path(model_dir)
         self.role = role
+        self.signal = signal
         self.python = python or vllm_python()
         self.host = host
         self.port = port if port is not None else free_port(host)
@@ -188,7 +212,8 @@ class VLLMServer:
         self.process: subprocess.Popen[bytes] | None = None
 
     def __repr__(self) -> str:
-        return (f"VLLMServer({str(self.model_dir)!r}, role={self.role!r}, url={self.url!r}, "
+        signal = f", signal={self.signal!r}" if self.signal != "topk" else ""
+        return (f"VLLMServer({str(self.model_dir)!r}, role={self.role!r}{signal}, url={self.url!r}, "
                 f"api_key={'***' if self.api_key else None})")
 
     def _refuse_open_dev_mode(self) -> None:
@@ -217,7 +242,7 @@ class VLLMServer:
             "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
             *(["--enforce-eager"] if self.cpu else []),
-            *_ROLE_ARGS[self.role],
+            *(_HIDDEN_TEACHER_ARGS if self.signal == "hidden" else _ROLE_ARGS[self.role]),
             *self._weight_transfer_args(),
             *self._lora_args(),
             *(["--middleware", MIDDLEWARE] if self.api_key else []),

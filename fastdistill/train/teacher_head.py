@@ -1,0 +1,149 @@
+"""The teacher's output head, loaded on its own from the teacher's checkpoint, for served hidden states.
+
+A hidden-state teacher server (``fastdistill serve-teacher --signal hidden``) returns final hidden states; the
+trainer turns them into the teacher's logits with the head loaded here: ``softcap(logit_scale * (hidden @
+weight.T + bias))``, the same conventions the student's head follows (``logit_scale`` and
+``final_logit_softcapping`` from the config, 1 and none when absent; Granite's ``logits_scaling`` divides, so it
+becomes ``logit_scale = 1 / logits_scaling``). Only the head's tensors are read from the safetensors files, not
+the rest of the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Where checkpoints keep the output projection, and the input embedding a tied head reuses (first match wins).
+HEAD_WEIGHT_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "embed_out.weight", "output.weight")
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                   "language_model.model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight",
+                   "tok_embeddings.weight", "transformer.word_embeddings.weight")
+
+
+class TeacherHeadError(ValueError):
+    """The teacher folder does not hold what the head needs (config, safetensors, the head's tensors)."""
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """The teacher's lm_head: ``weight`` (V, D), ``bias`` (V,) or None, and the scalar logit settings.
+
+    ``tied`` says whether ``weight`` is the input embedding (``tie_word_embeddings``). V is the checkpoint's row
+    count, which may exceed the tokenizer's vocabulary (padded embeddings).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    logit_scale: float
+    softcap: float | None
+    tied: bool
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher logits (..., V) for final hidden states (..., D), computed in the head's dtype."""
+        logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias) * self.logit_scale
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _setting(config: dict[str, Any], key: str) -> Any:
+    """``key`` from the text config when it has it, else from the top level (multimodal configs nest them)."""
+    text = _text_config(config)
+    return text[key] if key in text else config.get(key)
+
+
+def head_settings(config: dict[str, Any]) -> tuple[float, float | None, bool | None]:
+    """``(logit_scale, softcap, tie_word_embeddings)`` from a parsed config.json (the last None when absent)."""
+    logit_scale = float(_setting(config, "logit_scale") or 1.0)
+    if scaling := _setting(config, "logits_scaling"):  # Granite divides its logits by this
+        logit_scale /= float(scaling)
+    softcap = _setting(config, "final_logit_softcapping")
+    tied = _setting(config, "tie_word_embeddings")
+    return logit_scale, (float(softcap) if softcap else None), (None if tied is None else bool(tied))
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (a sharded checkpoint's index, or the one file)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as reader:
+            return {name: single for name in reader.keys()}
+    found = sorted(p.name for p in folder.iterdir())
+    raise TeacherHeadError(f"{folder} has no model.safetensors nor model.safetensors.index.json (it holds "
+                           f"{found[:12]}); the teacher head is read from safetensors only")
+
+
+def _read(files: dict[str, Path], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    path = files[name]
+    if not path.is_file():
+        raise TeacherHeadError(f"{path} (listed for {name}) does not exist")
+    with safe_open(path, framework="pt") as reader:
+        return reader.get_tensor(name)
+
+
+def load_teacher_head(model_dir: str | Path, dtype: torch.dtype | None = torch.float32,
+                      device: str | torch.device = "cpu") -> TeacherHead:
+    """The output head of the Hugging Face checkpoint in ``model_dir``, reading only its tensors.
+
+    The weight is the input embedding for a tied model (``tie_word_embeddings: true``), ``lm_head.weight`` (or
+    another known head name) for an untied one, and without that setting the head when the checkpoint holds one,
+    else the embedding; the bias is ``lm_head.bias`` when present. ``dtype`` casts the tensors (None keeps the
+    checkpoint's). Raises :class:`TeacherHeadError` when the folder, its config.json, its safetensors or the head's
+    tensors are missing, or the shapes disagree.
+    """
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise TeacherHeadError(f"teacher model folder {str(folder)!r} does not exist")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise TeacherHeadError(f"{folder} has no config.json")
+    config = json.loads(config_path.read_text())
+    logit_scale, softcap, tied = head_settings(config)
+    files = _tensor_files(folder)
+    # A tied model computes with its embedding (whatever else the checkpoint holds), an untied one with its head;
+    # without the setting (each model class has its own default), the head when the checkpoint has one.
+    if tied is True:
+        candidates = EMBEDDING_NAMES + HEAD_WEIGHT_NAMES
+    elif tied is False:
+        candidates = HEAD_WEIGHT_NAMES
+    else:
+        candidates = HEAD_WEIGHT_NAMES + EMBEDDING_NAMES
+    head_name = next((name for name in candidates if name in files), None)
+    if head_name is None:
+        raise TeacherHeadError(f"{folder}: no output head among the checkpoint's tensors (looked for "
+                               f"{list(candidates)}; tie_word_embeddings={tied})")
+    weight = _read(files, head_name)
+    bias_name = next((name.removesuffix(".weight") + ".bias" for name in HEAD_WEIGHT_NAMES
+                      if name.removesuffix(".weight") + ".bias" in files), None)
+    bias = _read(files, bias_name) if bias_name is not None else None
+    if weight.ndim != 2 or (bias is not None and bias.shape != weight.shape[:1]):
+        raise TeacherHeadError(f"{folder}: head weight {tuple(weight.shape)} and bias "
+                               f"{None if bias is None else tuple(bias.shape)} do not make a (V, D) head")
+    hidden_size = _setting(config, "hidden_size")
+    if hidden_size is not None and weight.shape[1] != int(hidden_size):
+        raise TeacherHeadError(f"{folder}: head weight {tuple(weight.shape)} does not match hidden_size {hidden_size}")
+    cast = {"dtype": dtype} if dtype is not None else {}
+    return TeacherHead(
+        weight=weight.to(device=device, **cast),
+        bias=None if bias is None else bias.to(device=device, **cast),
+        logit_scale=logit_scale,
+        softcap=softcap,
+        tied=head_name in EMBEDDING_NAMES,
+    )
