@@ -9,6 +9,7 @@ from fastdistill.rollout.client import (
     parse_prompt_logprobs,
 )
 from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.rollout.hidden import HiddenTeacherClient, TeacherHiddenStates
 from fastdistill.rollout.http import (
     RequestStats,
     RetryPolicy,
@@ -28,6 +29,7 @@ __all__ = [
     "DroppedPrompt",
     "OnPolicyShare",
     "Generation",
+    "HiddenTeacherClient",
     "PromptTable",
     "ReplicaPool",
     "RequestStats",
@@ -39,6 +41,7 @@ __all__ = [
     "ServerDownError",
     "StudentClient",
     "TeacherClient",
+    "TeacherHiddenStates",
     "TeacherScores",
     "VLLMError",
     "VLLMRequestError",
