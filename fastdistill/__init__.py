@@ -12,7 +12,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = [
+    "DenseJSDOutput",
     "SparseJSDOutput",
+    "dense_teacher_jsd_loss",
     "fold_out_of_vocab",
     "narrow_support",
     "scored_positions",

@@ -1,7 +1,8 @@
-"""The losses: sparse generalized JSD (public API, torch paths), the reverse-KL policy gradient, sampled teacher
-candidates, normalisation."""
+"""The losses: sparse generalized JSD (public API, torch paths), the dense-teacher generalized JSD, the reverse-KL
+policy gradient, sampled teacher candidates, normalisation."""
 
 from .api import SparseJSDOutput, sparse_jsd_loss
+from .dense import DenseJSDOutput, dense_teacher_jsd_loss
 from .normalization import scored_positions, window_loss_scale, window_token_count
 from .policy_gradient import PolicyGradientOutput, reverse_kl_pg_loss, sampled_token_logprobs
 from .sampled import (
@@ -14,11 +15,13 @@ from .sampled import (
 from .support import fold_out_of_vocab, narrow_support
 
 __all__ = [
+    "DenseJSDOutput",
     "PolicyGradientOutput",
     "SampledCandidates",
     "SampledKDOutput",
     "SparseJSDOutput",
     "candidates_from_draws",
+    "dense_teacher_jsd_loss",
     "fold_out_of_vocab",
     "narrow_support",
     "reverse_kl_pg_loss",

@@ -95,3 +95,62 @@ def _divergence(p, q, beta):
     kl_qm = (torch.special.xlogy(q, q) - torch.special.xlogy(q, m)).sum()
     kl_pm = (torch.special.xlogy(p, p) - torch.special.xlogy(p, m)).sum()
     return beta * kl_qm + (1.0 - beta) * kl_pm
+
+
+def reference_dense_teacher_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, *, student, teacher, beta,
+                                mask=None, token_weights=None, teacher_index=None, num_teachers=1,
+                                student_top_k=None):
+    """Same contract as :func:`fastdistill.dense_teacher_jsd_loss` (``student`` / ``teacher`` are its ``Head``s):
+    both distributions materialised as ``(N, V)`` probabilities, the divergence in probability space; O(N·V)."""
+    from .dense import DenseJSDOutput, summarize_dense
+
+    any64 = torch.float64 in (s_hidden.dtype, s_weight.dtype, t_hidden.dtype, t_weight.dtype)
+    dtype = torch.float64 if any64 else torch.float32
+    V = s_weight.shape[0]
+
+    def probs(h, w, b, head):
+        x = h.to(dtype) @ w.to(dtype).t()
+        if b is not None:
+            x = x + b.to(dtype)
+        x = x * head.scale
+        if head.softcap is not None:
+            x = head.softcap * torch.tanh(x / head.softcap)
+        return torch.softmax(x / head.temperature, dim=-1)
+
+    p = probs(s_hidden, s_weight, s_bias, student)
+    q_full = probs(t_hidden, t_weight, t_bias, teacher)
+    q_kept = q_full[:, :V].sum(dim=1)
+    q = q_full[:, :V] / q_kept.unsqueeze(1)  # the teacher's mass on ids >= V is dropped, the rest renormalised
+    rows = torch.arange(p.shape[0], device=p.device) if mask is None else mask.nonzero().squeeze(1)
+    if student_top_k is not None:  # the student's top-k tokens (+ tails) with the teacher's log-probs on them
+        from .chunked import LossConfig
+
+        ids = p[rows].topk(student_top_k, dim=1).indices
+        cfg = LossConfig(logit_scale=student.scale, softcap=student.softcap, beta=beta,
+                         temperature=student.temperature, add_tail_bucket=True, tail_mode="exact")
+        out = reference_sparse_jsd(s_hidden[rows], s_weight, ids, q[rows].gather(1, ids).log(), ids >= 0,
+                                   bias=s_bias, cfg=cfg, num_teachers=num_teachers,
+                                   teacher_index=None if teacher_index is None else teacher_index[rows],
+                                   token_weights=None if token_weights is None else token_weights[rows])
+        return DenseJSDOutput(**vars(out), teacher_dropped_mass_sum=q_full[rows, V:].sum())
+    p, q = p[rows], q[rows]
+    div = _row_divergence(p, q, beta)
+    weighted = div if token_weights is None else div * token_weights[rows].to(dtype)
+    loss = weighted.sum() + 0.0 * p.sum()  # keeps the graph connected when nothing is scored
+    ent = -torch.special.xlogy(p, p).sum(dim=1).detach()
+    tent = -torch.special.xlogy(q, q).sum(dim=1)
+    tidx = None if teacher_index is None else teacher_index[rows]
+    return summarize_dense(loss, div.detach(), ent, tent, q_full[rows, V:].sum(dim=1), tidx, num_teachers)
+
+
+def _row_divergence(p, q, beta):
+    """Per-row generalized JSD of ``(n, V)`` probability rows, same convention as :func:`_divergence`."""
+    def kl(a, b):
+        return (torch.special.xlogy(a, a) - torch.special.xlogy(a, b)).sum(dim=-1)
+
+    if beta == 0.0:
+        return kl(q, p)
+    if beta == 1.0:
+        return kl(p, q)
+    m = (1.0 - beta) * p + beta * q
+    return beta * kl(q, m) + (1.0 - beta) * kl(p, m)
