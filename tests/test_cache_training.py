@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -152,9 +153,11 @@ def test_a_cache_serves_one_teacher(cache_and_student, tmp_path):
 @pytest.mark.vllm
 def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path):
     """The offline workflow end to end against real vLLM: the teacher scores the training and held-out rows once;
-    a run with lmbda=0.5 generates half of each step's prompts on-policy (student server, weight sync) and takes the
-    rest from the cache, every prompt once; then the servers stop and a run from the cache alone lowers the
-    held-out divergence (scored by the same teacher)."""
+    a run whose on-policy share anneals from lmbda=0.25 to lmbda_final=0.75 generates that share of each step's
+    prompts on-policy (student server, weight sync) and takes the rest from the cache, every prompt once; then the
+    servers stop and a run from the cache alone lowers the held-out divergence (scored by the same teacher)."""
+    from fractions import Fraction
+
     from transformers import AutoModelForCausalLM
 
     from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
@@ -172,7 +175,8 @@ def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path):
         train = score_dataset(rows[:32], teacher.url, tmp_path / "cache", top_k=8, rows_per_shard=16, concurrency=4)
         held = score_dataset(rows[32:], teacher.url, tmp_path / "held", top_k=8, concurrency=4)
         assert train.manifest_written and held.manifest_written
-        mixed = cache_config(tmp_path / "cache", student_dir, tmp_path / "mixed", lmbda=0.5, num_train_epochs=1,
+        mixed = cache_config(tmp_path / "cache", student_dir, tmp_path / "mixed", lmbda=0.25, lmbda_final=0.75,
+                             num_train_epochs=1,
                              per_device_train_batch_size=8, max_completion_length=8, teacher_top_k=8,
                              vllm_server_base_url=student.url, teacher_server_urls={"default": teacher.url},
                              verify_weight_sync=True, heartbeat_stale_after_s=60.0)
@@ -180,7 +184,10 @@ def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path):
     assert summary["steps"] == 32 // 8 and summary["model_version"] == 1 + 32 // 8  # cold sync + one per step
     assert sorted(trained_ids(tmp_path / "mixed")) == list(range(32))
     records = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["sample/on_policy_frac"] for r in records] == [0.5] * 4
+    # the share of prompt j is 1/4 + (3/4 - 1/4)·j/32; the first n prompts hold floor(Σ_{j<n} share) on-policy ones
+    on_policy = [math.floor(sum(Fraction(1, 4) + Fraction(j, 64) for j in range(n))) for n in (0, 8, 16, 24, 32)]
+    assert [r["sample/on_policy_frac"] for r in records] == [(b - a) / 8 for a, b in itertools.pairwise(on_policy)]
+    assert on_policy == [0, 2, 5, 10, 15]
     assert all(r["sync/served_logprob_gap"] <= 1e-4 for r in records)
 
     held_out = list(TeacherCache(tmp_path / "held"))  # the servers are gone from here on
@@ -211,7 +218,7 @@ def test_a_mixed_source_interleaves_its_share_and_takes_every_prompt_once(cache_
     on-policy ones, and the two sources together give every prompt id once."""
     import dataclasses
 
-    from fastdistill.rollout import is_on_policy
+    from fastdistill.rollout import OnPolicyShare, is_on_policy
     from fastdistill.train.collector import SourceExhausted
     from fastdistill.train.source import CacheSource, ListSource, MixedSource
 
@@ -220,8 +227,8 @@ def test_a_mixed_source_interleaves_its_share_and_takes_every_prompt_once(cache_
     online_ids = [p for p in range(total) if is_on_policy(p, 0.5)]
     online = ListSource([dataclasses.replace(cache[0], prompt_id=p, model_version=0) for p in online_ids])
     cached = CacheSource(cache, seed=0, shuffle=True, start_index=0, end_index=total, skip_prompt_ids=frozenset(),
-                         teacher_id="default", on_policy_fraction=0.5)
-    mixed = MixedSource(online, cached, 0.5)
+                         teacher_id="default", on_policy=OnPolicyShare(0.5))
+    mixed = MixedSource(online, cached, OnPolicyShare(0.5))
     taken = []
     while True:
         try:

@@ -17,7 +17,7 @@ from fastdistill.rollout.http import (
     VLLMResponseError,
     VLLMUnavailableError,
 )
-from fastdistill.rollout.order import epoch_order, is_on_policy, prompt_cursor, route_rows, row_of_prompt
+from fastdistill.rollout.order import OnPolicyShare, epoch_order, is_on_policy, prompt_cursor, route_rows, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.table import PromptTable
@@ -26,6 +26,7 @@ from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, ServerDownE
 
 __all__ = [
     "DroppedPrompt",
+    "OnPolicyShare",
     "Generation",
     "PromptTable",
     "ReplicaPool",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,8 +63,58 @@ def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str])
     return routes
 
 
+@dataclass(frozen=True)
+class OnPolicyShare:
+    """Which prompt ids of a run that mixes in a teacher cache are generated on-policy (GKD's ``lmbda``).
+
+    The share of prompt ``j`` is ``start``, or, with ``final`` and ``horizon`` (prompts), moves linearly from
+    ``start`` at prompt 0 to ``final`` at prompt ``horizon`` and stays at ``final`` after it (annealing from
+    off-policy to on-policy, or back). Exactly ``floor(F(n))`` of the first ``n`` prompt ids are on-policy, where
+    ``F(n)`` is the sum of the first ``n`` shares, spread evenly: every run of consecutive ids holds its share within
+    one, so each step's samples hold the share of their stretch of the run, whatever the batch.
+    """
+
+    start: float
+    final: float | None = None
+    horizon: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("start", "final"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise ValueError(f"on-policy share {name} must be in [0, 1], got {value!r}")
+        if self.final is not None and not (isinstance(self.horizon, int) and self.horizon >= 1):
+            raise ValueError(f"an annealed on-policy share needs a horizon of >= 1 prompts, got {self.horizon!r}")
+
+    @property
+    def always(self) -> bool:
+        """Every prompt is on-policy."""
+        return self.start == 1.0 and self.final in (None, 1.0)
+
+    @property
+    def never(self) -> bool:
+        """No prompt is on-policy."""
+        return self.start == 0.0 and self.final in (None, 0.0)
+
+    def cumulative(self, n: int) -> float:
+        """``F(n)``: the sum of the shares of prompt ids ``0 … n-1``."""
+        if self.final is None or self.final == self.start:
+            return n * self.start
+        h = self.horizon
+        m = min(n, h)
+        ramp = m * self.start + (self.final - self.start) / h * (m * (m - 1) / 2)
+        return ramp + max(0, n - h) * self.final
+
+    def count(self, n: int) -> int:
+        """How many of prompt ids ``0 … n-1`` are on-policy."""
+        return math.floor(self.cumulative(n))
+
+    def selects(self, prompt_id: int) -> bool:
+        """Whether prompt ``prompt_id`` is generated on-policy (else taken from the teacher cache)."""
+        return self.count(prompt_id + 1) > self.count(prompt_id)
+
+
 def is_on_policy(prompt_id: int, fraction: float) -> bool:
-    """Whether prompt ``prompt_id`` of a mixed run is generated on-policy (else taken from the teacher cache):
-    exactly ``floor(n · fraction)`` of the first ``n`` prompt ids are, spread evenly (every run of consecutive ids
-    holds its share, within one), so each step's samples hold ``fraction`` of on-policy ones whatever the batch."""
-    return math.floor((prompt_id + 1) * fraction) > math.floor(prompt_id * fraction)
+    """Whether prompt ``prompt_id`` of a mixed run with a fixed on-policy share ``fraction`` is generated on-policy:
+    exactly ``floor(n · fraction)`` of the first ``n`` prompt ids are (see :class:`OnPolicyShare`)."""
+    return OnPolicyShare(fraction).selects(prompt_id)

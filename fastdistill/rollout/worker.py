@@ -39,7 +39,7 @@ from fastdistill.rollout.adapters import adapter_name, generate_with_adapter
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMError, VLLMUnavailableError
-from fastdistill.rollout.order import epoch_order, is_on_policy, prompt_cursor, route_rows
+from fastdistill.rollout.order import OnPolicyShare, epoch_order, prompt_cursor, route_rows
 from fastdistill.rollout.replicas import ReplicaPool, normalize_urls
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.table import PromptTable
@@ -90,8 +90,8 @@ class RolloutConfig:
     resume cursor (a ``prompt_id``, counting across epochs); ``end_index`` (None: endless) is the first prompt id the
     cursor does not dispatch (the run's last prompt + 1); ``skip_prompt_ids`` are prompt ids the worker never
     dispatches (on resume: prompts beyond the cursor that were already trained); ``skip_rows`` are dataset rows never
-    dispatched in any epoch (prompts too long for a server); with ``on_policy_fraction`` < 1 (a run mixing in a
-    teacher cache) the cursor dispatches only the prompt ids :func:`~fastdistill.rollout.is_on_policy` selects.
+    dispatched in any epoch (prompts too long for a server); with ``on_policy`` (a run mixing in a teacher cache) the
+    cursor dispatches only the prompt ids that :class:`~fastdistill.rollout.OnPolicyShare` selects.
 
     Failures: a rollout that failed because a server was unavailable (transient errors until ``retry`` gave up) is
     re-dispatched (only the scoring when the generation succeeded), up to ``max_rollout_attempts`` attempts per
@@ -121,7 +121,7 @@ class RolloutConfig:
     start_index: int = 0
     end_index: int | None = None
     skip_prompt_ids: frozenset[int] = frozenset()
-    on_policy_fraction: float = 1.0
+    on_policy: OnPolicyShare | None = None
     skip_rows: frozenset[int] = frozenset()
     student_model: str | None = None
     student_adapter_prefix: str | None = None
@@ -166,8 +166,8 @@ class RolloutConfig:
                 f"server_down_deadline_s must be > 0 and replica_cooldown_s >= 0, got {self.server_down_deadline_s} "
                 f"and {self.replica_cooldown_s}"
             )
-        if not 0.0 <= self.on_policy_fraction <= 1.0:
-            raise ValueError(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
+        if self.on_policy is not None and not isinstance(self.on_policy, OnPolicyShare):
+            raise ValueError(f"on_policy must be None or an OnPolicyShare, got {self.on_policy!r}")
         bad = [i for i in self.skip_prompt_ids if not isinstance(i, (int, np.integer)) or i < 0]
         if bad:
             raise ValueError(f"skip_prompt_ids must be prompt ids >= 0, got {sorted(map(repr, bad))[:5]}")
@@ -539,7 +539,7 @@ class _RolloutLoop:
                 continue
             if row_index in self.config.skip_rows:
                 continue
-            if self.config.on_policy_fraction < 1.0 and not is_on_policy(prompt_id, self.config.on_policy_fraction):
+            if self.config.on_policy is not None and not self.config.on_policy.selects(prompt_id):
                 continue  # a mixed run takes this prompt from the teacher cache
             return prompt_id, row_index, None
 

@@ -59,6 +59,8 @@ class AsyncDistillationConfig:
     # TRL GKD's name: with teacher_cache, this fraction of the prompts is generated on-policy (student and teacher
     # servers, weight sync) and the rest trained on the cache's completions; 0: the cache alone
     lmbda: float = 0.0
+    # ours: anneal that share linearly from lmbda at the first prompt to lmbda_final at the run's last (None: fixed)
+    lmbda_final: float | None = None
     dtype: str = "float32"
     trust_remote_code: bool = False
     model_init_kwargs: dict[str, Any] | None = None
@@ -270,6 +272,11 @@ class AsyncDistillationConfig:
         _range(self, "lmbda", 0.0, 1.0)
         _check(self.lmbda == 0.0 or cache is not None, "lmbda", self.lmbda,
                "0.0 without teacher_cache (it is the on-policy share of a run that mixes in a teacher cache)")
+        if self.lmbda_final is not None:
+            _range(self, "lmbda_final", 0.0, 1.0)
+            _check(cache is not None, "lmbda_final", self.lmbda_final,
+                   "None without teacher_cache (it is where the on-policy share of a run that mixes in a teacher "
+                   "cache ends)")
         if cache is None:
             return
         _check(isinstance(cache, str) and cache != "", "teacher_cache", cache, "None or a cache folder path")
@@ -278,10 +285,10 @@ class AsyncDistillationConfig:
                "None with teacher_cache (the cache holds the training rows, and their prompts when lmbda > 0)")
         _check(self.loss_type == "jsd", "loss_type", self.loss_type, f"'jsd' with teacher_cache ({why})")
         _check(self.stale_policy == "drop", "stale_policy", self.stale_policy, f"'drop' with teacher_cache ({why})")
-        _check(self.async_mode or self.lmbda == 0.0, "async_mode", self.async_mode,
-               "True with teacher_cache and lmbda > 0 (the mixed run takes its on-policy share from the rollout "
-               "worker)")
-        if self.lmbda == 0.0:  # the cache alone: no server at all
+        _check(self.async_mode or not self.mixes_on_policy, "async_mode", self.async_mode,
+               "True with teacher_cache and lmbda > 0 or lmbda_final > 0 (the mixed run takes its on-policy share "
+               "from the rollout worker)")
+        if not self.mixes_on_policy:  # the cache alone: no server at all
             _check(self.eval_dataset is None, "eval_dataset", self.eval_dataset,
                    "None with teacher_cache and lmbda=0 (held-out evaluation asks a student server serving the "
                    "trained weights; evaluate the exported model with fastdistill eval, or set lmbda > 0)")
@@ -306,6 +313,12 @@ class AsyncDistillationConfig:
     def teacher_ids(self) -> list[str]:
         """Teacher ids in configuration order; index i is ``teacher_index`` i in the loss."""
         return list(self.teacher_server_urls)
+
+    @property
+    def mixes_on_policy(self) -> bool:
+        """A run with a teacher cache that also generates a share of its prompts on-policy (``lmbda`` or
+        ``lmbda_final`` > 0)."""
+        return self.teacher_cache is not None and (self.lmbda > 0.0 or (self.lmbda_final or 0.0) > 0.0)
 
     def samples_per_step(self, world_size: int) -> int:
         """Samples one optimizer step takes with the fixed-count batcher: batch × GA × world (an estimate under a

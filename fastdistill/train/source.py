@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from fastdistill.rollout import RolloutSample, VLLMError, VLLMUnavailableError
+from fastdistill.rollout import OnPolicyShare, RolloutSample, VLLMError, VLLMUnavailableError
 from fastdistill.rollout.dropped import REJECTED, UNAVAILABLE, DroppedPrompt
 from fastdistill.train.collector import SourceExhausted
 
@@ -52,10 +52,10 @@ class CacheSource(ListSource):
     only when taken."""
 
     def __init__(self, cache: Any, *, seed: int, shuffle: bool, start_index: int, end_index: int | None,
-                 skip_prompt_ids: frozenset[int], teacher_id: str, on_policy_fraction: float = 0.0):
+                 skip_prompt_ids: frozenset[int], teacher_id: str, on_policy: OnPolicyShare | None = None):
         import dataclasses
 
-        from fastdistill.rollout import is_on_policy, prompt_cursor
+        from fastdistill.rollout import prompt_cursor
 
         if len(cache) == 0:
             raise ValueError("the teacher cache holds no rows")
@@ -63,26 +63,27 @@ class CacheSource(ListSource):
         if end_index is not None:
             cursor = itertools.takewhile(lambda item: item[0] < end_index, cursor)
         cursor = ((prompt_id, row) for prompt_id, row in cursor if prompt_id not in skip_prompt_ids and not (
-            on_policy_fraction > 0 and is_on_policy(prompt_id, on_policy_fraction)))
+            on_policy is not None and on_policy.selects(prompt_id)))
         super().__init__(dataclasses.replace(cache[row], prompt_id=prompt_id, teacher_id=teacher_id)
                          for prompt_id, row in cursor)
 
 
 class MixedSource:
-    """GKD's ``lmbda``: the prompt ids :func:`~fastdistill.rollout.is_on_policy` selects come on-policy from the
-    rollout worker (``online``, a :class:`WorkerSource`), the others from the teacher cache (``cached``, a
-    :class:`CacheSource` that skips the on-policy ids). ``next`` takes from the online source while it has given
-    fewer than ``lmbda`` of the samples so far, so every stretch of samples (a step's) holds that share, and from
-    the other once one runs dry. Logs ``sample/on_policy_frac`` (the share of on-policy samples)."""
+    """GKD's ``lmbda``: the prompt ids ``share`` selects come on-policy from the rollout worker (``online``, a
+    :class:`WorkerSource`), the others from the teacher cache (``cached``, a :class:`CacheSource` that skips the
+    on-policy ids). ``next`` takes from the online source while it has given fewer samples than the share selects among
+    as many prompt ids from ``first_prompt`` (the resume point) on, so every stretch of samples (a step's) holds its
+    share, and from the other once one runs dry. Logs ``sample/on_policy_frac`` (the share of on-policy samples)."""
 
-    def __init__(self, online: Any, cached: CacheSource, lmbda: float):
-        self.online, self.cached, self.lmbda = online, cached, lmbda
+    def __init__(self, online: Any, cached: CacheSource, share: OnPolicyShare, first_prompt: int = 0):
+        self.online, self.cached, self.share, self.first_prompt = online, cached, share, first_prompt
         self.taken = self.online_taken = 0
         self._dry: set[int] = set()
         self._fractions: list[tuple[float, float]] = []
 
     def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
-        want_online = self.online_taken < self.lmbda * (self.taken + 1)
+        first = self.first_prompt
+        want_online = self.online_taken < self.share.count(first + self.taken + 1) - self.share.count(first)
         for source in ((self.online, self.cached) if want_online else (self.cached, self.online)):
             if id(source) in self._dry:
                 continue

@@ -33,7 +33,7 @@ from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.data.batching import microbatch_metrics as batch_metrics
 from fastdistill.data.packing import PackedRow, pack_row
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
-from fastdistill.rollout import PromptTable, RolloutSample
+from fastdistill.rollout import OnPolicyShare, PromptTable, RolloutSample
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastdistill.train.collector import Window, WindowCollector
@@ -129,7 +129,7 @@ class AsyncDistillationTrainer:
         self.rows = None
         self.cache = self._open_cache() if config.teacher_cache is not None and self.dist.is_main else None
         # no server is asked for samples: given samples, or a teacher cache without on-policy share
-        offline = samples is not None or (config.teacher_cache is not None and config.lmbda == 0.0)
+        offline = samples is not None or (config.teacher_cache is not None and not config.mixes_on_policy)
         self._offline = offline
         if self.cache is not None and not offline:  # a mixed run generates from the cached prompts
             self.rows = PromptTable.from_rows([{"prompt_ids": s.input_ids[:s.prompt_length].tolist()}
@@ -151,6 +151,7 @@ class AsyncDistillationTrainer:
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
         self.total_prompts = (math.ceil(config.num_train_epochs * self.num_prompts) if config.max_steps == -1
                               else None)
+        self.on_policy = self._on_policy_share() if config.mixes_on_policy else None
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.max_steps)
         self.scheduler = LRSchedule(self.optimizer, config.lr_scheduler_type, self.max_steps, warmup)
         from fastdistill.train.flops import peak_flops
@@ -454,7 +455,18 @@ class AsyncDistillationTrainer:
                 heartbeat_stale_after_s=config.heartbeat_stale_after_s,
             )
             if self.cache is not None:
-                self.source = MixedSource(self.source, self._cache_source(), config.lmbda)
+                self.source = MixedSource(self.source, self._cache_source(), self.on_policy,
+                                          first_prompt=self.rollout_state.prompt_index)
+
+    def _on_policy_share(self) -> OnPolicyShare:
+        """The prompts a mixed run generates on-policy: ``lmbda`` of them, or a share annealed from ``lmbda`` to
+        ``lmbda_final`` over the run's prompts (every prompt of every epoch with ``max_steps=-1``, else
+        ``max_steps`` × batch × GA × world, an estimate under a token budget; later prompts keep ``lmbda_final``)."""
+        config = self.config
+        if config.lmbda_final is None:
+            return OnPolicyShare(config.lmbda)
+        horizon = self.total_prompts or config.max_steps * config.samples_per_step(self.dist.world_size)
+        return OnPolicyShare(config.lmbda, config.lmbda_final, max(1, horizon))
 
     def _cache_source(self) -> CacheSource:
         """Rank 0: the teacher cache's rows from the resume point on (the off-policy share with ``lmbda`` > 0)."""
@@ -462,7 +474,7 @@ class AsyncDistillationTrainer:
         return CacheSource(self.cache, seed=config.seed, shuffle=config.shuffle,
                            start_index=self.rollout_state.prompt_index, end_index=self.total_prompts,
                            skip_prompt_ids=frozenset(self.rollout_state.trained_after), teacher_id=self.teacher_ids[0],
-                           on_policy_fraction=config.lmbda)
+                           on_policy=self.on_policy)
 
     def _new_batcher(self) -> Any:
         if self.token_budget > 0:
@@ -499,7 +511,7 @@ class AsyncDistillationTrainer:
             end_index=self.total_prompts,
             skip_prompt_ids=frozenset(self.rollout_state.trained_after),
             skip_rows=skip_rows,
-            on_policy_fraction=config.lmbda if config.teacher_cache is not None else 1.0,
+            on_policy=self.on_policy,
             eos_token_ids=eos_ids,
             student_api_key=config.vllm_server_api_key,
             student_adapter_prefix=ADAPTER_PREFIX if self._adapter_sync else None,
