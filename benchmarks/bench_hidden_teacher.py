@@ -47,17 +47,16 @@ def greedy_answer(model: torch.nn.Module, prompt: list[int], max_tokens: int, eo
     return out[0, len(prompt):].tolist()
 
 
-def make_samples(teacher: torch.nn.Module, prompts: list[list[int]], max_tokens: int, eos: int, signal: str,
+def make_samples(teacher: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], signal: str,
                  top_k: int = 8) -> list[Any]:
-    """One :class:`RolloutSample` per prompt: the teacher's greedy answer, scored top-K or as hidden rows."""
+    """One :class:`RolloutSample` per prompt and its completion, scored top-K or as (bfloat16) hidden rows."""
     from fastdistill.rollout.client import Generation, TeacherScores
     from fastdistill.rollout.hidden import TeacherHiddenStates
     from fastdistill.rollout.sample import RolloutSample
     from fastdistill.testing.synthetic import score_completion
 
     samples = []
-    for index, prompt in enumerate(prompts):
-        completion = greedy_answer(teacher, prompt, max_tokens, eos)
+    for index, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         generation = Generation(np.asarray(completion, np.int32), np.zeros(len(completion), np.float32))
         if signal == "hidden":
             with torch.no_grad():
@@ -134,12 +133,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                    return_dict=False) for row in task["train_rows"]]
     held_prompts = [row["prompt_ids"] for row in task["held_rows"]]
     held_completions = [greedy_answer(teacher, p, s.max_completion_length, eos) for p in held_prompts]
+    train_completions = [greedy_answer(teacher, p, s.max_completion_length, eos) for p in train_prompts]
     runs: dict[str, dict[str, Any]] = {}
     baseline = full_vocab_divergence(task["student_dir"], teacher, held_prompts, held_completions, args.beta)
     signals = [("hidden", 0)] + [("topk", k) for k in args.top_ks]
     for signal, k in signals:
         name = "hidden" if signal == "hidden" else f"topk-{k}"
-        samples = make_samples(teacher, train_prompts, s.max_completion_length, eos, signal, top_k=max(k, 1))
+        samples = make_samples(teacher, train_prompts, train_completions, signal, top_k=max(k, 1))
         output = work / name
         config = AsyncDistillationConfig(
             model_name_or_path=str(task["student_dir"]), output_dir=str(output), learning_rate=s.learning_rate,

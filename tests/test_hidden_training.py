@@ -385,3 +385,67 @@ def test_training_against_a_served_hidden_teacher(tmp_path, tokenizer):
     assert len(logged) == 3 and all(np.isfinite(m["jsd"]) for m in logged)
     expected, _, slack = reference_step(student_dir, teacher_dir, first, 0.0, ["default"])
     assert abs(logged[0]["jsd"] - expected) <= 1e-5 * abs(expected) + slack
+
+
+# ------------------------------------------------------------------------------------------------ rollout worker
+
+
+def test_worker_scores_hidden_teachers_with_their_hidden_states():
+    """A MOPD run against stub servers: the "math" rows go to a top-K teacher, the "code" rows to a hidden-state
+    teacher (``POST /pooling``); the hidden samples carry row j = the state at position P-1+j (the stub encodes each
+    position's token and index) and no candidates, the top-K samples are as before."""
+    import base64
+
+    from aiohttp import web
+    from test_rollout_worker import (
+        HEALTHY_S,
+        StubServer,
+        collect_first_epoch,
+        config,
+        dataset,
+        student_completion,
+        student_stub,
+        teacher_stub,
+    )
+
+    from fastdistill.rollout import RolloutWorker
+
+    class PoolingStub(StubServer):
+        """``POST /pooling``: float32 rows [token, position, 0.5] for every input position."""
+
+        async def pooling(self, request: web.Request) -> web.Response:
+            body = await request.json()
+            assert body["task"] == "token_embed" and body["embed_dtype"] == "float32"
+            tokens = body["input"]
+            rows = np.array([[t, i, 0.5] for i, t in enumerate(tokens)], dtype="<f4")
+            return web.json_response({"data": [{"data": base64.b64encode(rows.tobytes()).decode()}]})
+
+        async def _start(self) -> None:
+            app = web.Application()
+            app.router.add_get("/v1/models", self.models)
+            app.router.add_post("/pooling", self.pooling)
+            self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    rows = dataset(6)
+    with (StubServer("student", student_stub()) as student, StubServer("math-teacher", teacher_stub(tag=1000)) as math,
+          PoolingStub("code-teacher", None) as code):
+        worker = RolloutWorker(config(student, {"math": math, "code": code}, teacher_signals={"code": "hidden"},
+                                      teacher_hidden_dtype="float32"), rows, queue_maxsize=8)
+        worker.start()
+        try:
+            found = collect_first_epoch(worker, len(rows))
+            worker.check_health(stale_after_s=HEALTHY_S)
+        finally:
+            worker.stop()
+    for sample in found.values():
+        row = rows[sample.dataset_index]
+        prompt, completion = row["prompt_ids"], student_completion(row["prompt_ids"])
+        sequence = prompt + completion
+        if row["teacher_id"] == "math":
+            assert sample.teacher_hidden is None and sample.teacher_topk_ids.shape[0] == len(completion)
+            continue
+        assert sample.teacher_topk_ids.shape == (len(completion), 0) and sample.teacher_hidden.dtype == np.float32
+        P = len(prompt)
+        assert sample.teacher_hidden.tolist() == [[sequence[P - 1 + j], P - 1 + j, 0.5] for j in range(len(completion))]
