@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -102,7 +103,7 @@ def full_vocab_divergence(student_dir: Path, teacher: torch.nn.Module, prompts: 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=float, default=8.0, help="distillation epochs of every run")
+    parser.add_argument("--epochs", type=int, default=8, help="distillation epochs of every run")
     parser.add_argument("--top-ks", type=int, nargs="+", default=[1, 8, 32], help="K of the top-K runs")
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--teacher-steps", type=int, default=300)
@@ -139,11 +140,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     signals = [("hidden", 0)] + [("topk", k) for k in args.top_ks]
     for signal, k in signals:
         name = "hidden" if signal == "hidden" else f"topk-{k}"
-        samples = make_samples(teacher, train_prompts, train_completions, signal, top_k=max(k, 1))
+        once = make_samples(teacher, train_prompts, train_completions, signal, top_k=max(k, 1))
+        # given samples are trained once each: repeat them for the epochs (a fresh prompt id per repeat)
+        repeats = max(1, round(args.epochs))
+        samples = [dataclasses.replace(s, prompt_id=e * len(once) + s.prompt_id) for e in range(repeats) for s in once]
         output = work / name
         config = AsyncDistillationConfig(
             model_name_or_path=str(task["student_dir"]), output_dir=str(output), learning_rate=s.learning_rate,
-            lr_scheduler_type="cosine", warmup_ratio=s.warmup_ratio, num_train_epochs=args.epochs,
+            lr_scheduler_type="cosine", warmup_ratio=s.warmup_ratio, num_train_epochs=1,
             per_device_train_batch_size=s.batch_size, token_budget=0, beta=args.beta, teacher_top_k=max(k, 1),
             gradient_checkpointing=False, save_strategy="no", export_final_model=True, disable_tqdm=True,
             weight_sync_backend="none", teacher_signal=signal,
