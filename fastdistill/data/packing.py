@@ -10,6 +10,11 @@ This is the layout of TRL 1.16's ``compute_loss`` ("drop the first element, shif
 the token at j + 1, kept where the completion mask at j + 1 is set) with the untrained positions (prompts, and the
 cross-sample boundary) never materialised.
 
+A hidden-state teacher's samples carry no candidates but the teacher's final hidden states (``teacher_hidden``):
+their candidate rows are empty (-1 / -inf, so the sparse loss scores none of them) and their hidden rows are kept
+per teacher in ``PackedRow.teacher_hidden``, row i aligned with the i-th target whose ``teacher_index`` is that
+teacher.
+
 The backbone must be called with these ``position_ids``, ``use_cache=False`` and NO attention mask: transformers
 isolates packed samples only when it can infer them from ``position_ids`` (``masking_utils``), which it skips
 when an attention mask or a cache is given (``docs/data.md``).
@@ -25,7 +30,7 @@ import numpy as np
 import torch
 
 from ..loss.support import fold_out_of_vocab
-from ..rollout.sample import RolloutSample
+from ..rollout.sample import RolloutSample, hidden_tensor
 
 
 @dataclass
@@ -46,6 +51,9 @@ class PackedRow:
     # candidates at or beyond pack_row's vocab_size, removed from candidate_ids (F = how many slots were folded)
     folded_ids: torch.Tensor  # int64 (F,), their ids
     folded_teacher: torch.Tensor  # int64 (F,), their teacher index
+    # hidden-state teachers: teacher index -> (M_i, D_i) float32/bfloat16 final hidden states, row i for the i-th
+    # target of that teacher (in target order); empty for top-K teachers
+    teacher_hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +79,13 @@ class PackedRow:
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        moved["teacher_hidden"] = {index: hidden.to(device, non_blocking=non_blocking)
+                                   for index, hidden in self.teacher_hidden.items()}
         return dataclasses.replace(self, **moved)
+
+    def hidden_targets(self, index: int) -> torch.Tensor:
+        """int64 (M_i,): the targets of teacher ``index`` (rows of ``teacher_hidden[index]`` in order)."""
+        return (self.teacher_index == index).nonzero().squeeze(1)
 
 
 def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
@@ -86,9 +100,13 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
     empty (-1 / -inf, see :func:`fastdistill.fold_out_of_vocab`), so their teacher mass goes to the tail bucket,
     and they are listed in ``folded_ids`` / ``folded_teacher``.
 
+    Samples of a hidden-state teacher (``teacher_hidden`` set, no candidates) get empty candidate rows of the
+    row's width and their hidden rows go to ``teacher_hidden`` (see the module docstring).
+
     Raises ValueError for an empty list, a malformed sample (array shapes or dtypes that disagree, an empty prompt,
     a prompt position marked as completion), a ``teacher_id`` not in ``teacher_ids``, candidate widths (K+1) that
-    differ between samples, or a trained completion token at or beyond ``vocab_size``.
+    differ between top-K samples, a teacher with both hidden-state and top-K samples, or hidden widths that differ
+    between samples of one teacher, or a trained completion token at or beyond ``vocab_size``.
     """
     if len(samples) == 0:
         raise ValueError("pack_row needs at least one sample, got an empty list")
@@ -97,6 +115,7 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         raise ValueError(f"vocab_size must be None or an int >= 1, got {vocab_size!r}")
     teacher_to_index = _teacher_index_map(teacher_ids)
     width = None
+    hidden_width: dict[str, int | None] = {}  # teacher id -> D_t of its hidden states, None for a top-K teacher
     for s, sample in enumerate(samples):
         _check_sample(s, sample)
         if sample.teacher_id not in teacher_to_index:
@@ -104,6 +123,16 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                 f"sample {s} (prompt_id={sample.prompt_id}): unknown teacher_id {sample.teacher_id!r}; "
                 f"known teacher ids: {list(teacher_to_index)}"
             )
+        this = None if sample.teacher_hidden is None else int(sample.teacher_hidden.shape[1])
+        first = hidden_width.setdefault(sample.teacher_id, this)
+        if first != this:
+            def kind(d: int | None) -> str:
+                return "top-K candidates" if d is None else f"hidden states of width {d}"
+
+            raise ValueError(f"sample {s} (prompt_id={sample.prompt_id}) of teacher {sample.teacher_id!r} has "
+                             f"{kind(this)}, an earlier sample of that teacher has {kind(first)}")
+        if this is not None:
+            continue
         sample_width = sample.teacher_topk_ids.shape[1]
         if width is None:
             width = sample_width
@@ -112,6 +141,8 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                 f"sample {s} (prompt_id={sample.prompt_id}) has {sample_width} candidate slots per position, "
                 f"sample 0 has {width}: every sample of a row needs the same K+1"
             )
+
+    width = max(width or 0, 1)  # a row of hidden-state samples only still has one (empty) candidate slot
 
     lengths = np.array([sample.input_ids.shape[0] for sample in samples], dtype=np.int64)
     offsets = np.zeros(len(samples) + 1, dtype=np.int64)  # [0, o_1, ..., T]
@@ -135,11 +166,18 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
     teacher_index = torch.from_numpy(sample_teacher[token_sample])
     actual_ids = torch.from_numpy(input_ids[token_at])
     candidate_ids = torch.from_numpy(
-        np.concatenate([sample.teacher_topk_ids for sample in samples]).astype(np.int64)[keep]
+        np.concatenate([_candidates(sample, width, -1, np.int64) for sample in samples])[keep]
     )
     candidate_logprobs = torch.from_numpy(
-        np.concatenate([sample.teacher_topk_logprobs for sample in samples]).astype(np.float32)[keep]
+        np.concatenate([_candidates(sample, width, -np.inf, np.float32) for sample in samples])[keep]
     )
+    teacher_hidden = {}
+    for teacher_id, hidden_size in hidden_width.items():
+        if hidden_size is None:
+            continue
+        mine = [(hidden_tensor(sample.teacher_hidden), sample.completion_mask[sample.prompt_length :] == 1)
+                for sample in samples if sample.teacher_id == teacher_id]
+        teacher_hidden[teacher_to_index[teacher_id]] = torch.cat([h[torch.from_numpy(k)] for h, k in mine])
     folded_ids = folded_teacher = torch.zeros(0, dtype=torch.int64)
     if vocab_size is not None:
         _check_actual_ids(actual_ids, token_sample, samples, vocab_size)
@@ -164,7 +202,16 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         prompt_ids=[int(sample.prompt_id) for sample in samples],
         folded_ids=folded_ids,
         folded_teacher=folded_teacher,
+        teacher_hidden=teacher_hidden,
     )
+
+
+def _candidates(sample: RolloutSample, width: int, empty: float, dtype: type) -> np.ndarray:
+    """The sample's (L, width) candidate array: its own for a top-K teacher, all ``empty`` for a hidden one."""
+    if sample.teacher_hidden is None:
+        array = sample.teacher_topk_ids if empty == -1 else sample.teacher_topk_logprobs
+        return array.astype(dtype)
+    return np.full((sample.teacher_topk_ids.shape[0], width), empty, dtype=dtype)
 
 
 def _check_actual_ids(actual_ids: torch.Tensor, token_sample: np.ndarray, samples: Sequence[RolloutSample],
@@ -208,7 +255,15 @@ def _check_sample(s: int, sample: RolloutSample) -> None:
         fail(f"input_ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
     if cand.ndim != 2 or cand.dtype.kind not in "iu":
         fail(f"teacher_topk_ids must be a 2-D (L, K+1) integer array, got {cand.dtype} {cand.shape}")
-    if cand.shape[1] < 1:
+    hidden = sample.teacher_hidden
+    if hidden is not None:
+        if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.dtype not in (np.float32, np.uint16):
+            fail("teacher_hidden must be None or a 2-D (L, D_t) float32 or uint16 (bfloat16 bits) array, got "
+                 f"{getattr(hidden, 'dtype', type(hidden).__name__)} {getattr(hidden, 'shape', '')}")
+        if hidden.shape[0] != cand.shape[0] or hidden.shape[1] < 1 or cand.shape[1] != 0:
+            fail(f"teacher_hidden has shape {hidden.shape} for {cand.shape[0]} completion rows; a hidden-state "
+                 "sample needs one row per completion token and no candidates (teacher_topk_ids (L, 0))")
+    elif cand.shape[1] < 1:
         fail(f"teacher_topk_ids has no candidate slots (shape {cand.shape})")
     if lps.shape != cand.shape or lps.dtype.kind != "f":
         fail(f"teacher_topk_logprobs is {lps.dtype} {lps.shape}, teacher_topk_ids is {cand.shape}; need equal shapes")

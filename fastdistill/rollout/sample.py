@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
+
     from fastdistill.rollout.client import Generation, TeacherScores
+    from fastdistill.rollout.hidden import TeacherHiddenStates
 
 
 @dataclass(slots=True)
@@ -27,6 +30,10 @@ class RolloutSample:
     - ``teacher_topk_ids`` / ``teacher_topk_logprobs``: int32 / float32 (L, K+1). Row j holds the teacher's
       candidates for completion token j (``input_ids[P+j]``): top-K by rank, then the realised token when it is
       outside the top-K; empty slots are -1 / -inf. Log-probs are natural logs.
+      A hidden-state teacher (``teacher_hidden`` set) gives no candidates: both arrays are (L, 0).
+    - ``teacher_hidden``: None for a top-K teacher; for a hidden-state teacher (L, D_t), row j the teacher's final
+      hidden state that predicts completion token j: float32, or uint16 holding bfloat16 bit patterns (numpy has no
+      bfloat16; :func:`hidden_tensor` views them as a torch bfloat16 tensor).
     - ``rollout_logprobs``: float32 (L,), the student server's log-prob of each sampled completion token.
     - ``prompt``: the dataset row's ``prompt`` entry when it has one (for logging), else None.
     - ``completion``: decoded completion text; None here (the worker has no tokenizer).
@@ -49,26 +56,38 @@ class RolloutSample:
     completion: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     enqueued_at: float | None = None
+    teacher_hidden: np.ndarray | None = None
 
     @classmethod
-    def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation, scores: TeacherScores, *,
+    def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation,
+                 scores: TeacherScores | TeacherHiddenStates, *,
                  model_version: int, teacher_id: str, prompt_id: int, dataset_index: int,
                  prompt: Any = None) -> RolloutSample:
         """The sample of one rollout: the prompt, the student's :class:`Generation` and the teacher's
-        :class:`TeacherScores` of it, plus where it came from."""
+        :class:`TeacherScores` (or a hidden-state teacher's :class:`TeacherHiddenStates`) of it, plus where it
+        came from."""
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         length = generation.token_ids.shape[0]
+        hidden = getattr(scores, "hidden", None)
+        if hidden is not None:
+            if hidden.shape[0] != length:
+                raise ValueError(f"the teacher's hidden states have {hidden.shape[0]} rows for {length} completion "
+                                 "tokens")
+            candidate_ids, logprobs = np.zeros((length, 0), np.int32), np.zeros((length, 0), np.float32)
+        else:
+            candidate_ids, logprobs = scores.candidate_ids, scores.logprobs
         return cls(
             input_ids=np.concatenate([prompt_array, generation.token_ids]),
             completion_mask=np.concatenate([np.zeros(prompt_array.shape[0], np.int32), np.ones(length, np.int32)]),
-            teacher_topk_ids=scores.candidate_ids,
-            teacher_topk_logprobs=scores.logprobs,
+            teacher_topk_ids=candidate_ids,
+            teacher_topk_logprobs=logprobs,
             rollout_logprobs=generation.logprobs,
             model_version=model_version,
             teacher_id=teacher_id,
             prompt_id=prompt_id,
             dataset_index=dataset_index,
             prompt=prompt,
+            teacher_hidden=None if hidden is None else hidden_array(hidden),
         )
 
     @property
@@ -82,8 +101,8 @@ class RolloutSample:
         return self.input_ids[self.prompt_length :]
 
     def to_trl_layout(self) -> dict[str, np.ndarray]:
-        """TRL's full-length arrays: int64 ``input_ids`` / ``completion_mask`` (P+L,), int64 ``teacher_topk_ids``
-        and float32 ``teacher_topk_logprobs`` (P+L, K+1) whose P prompt rows are -1 / -inf."""
+        """TRL's full-length arrays (top-K teachers only): int64 ``input_ids`` / ``completion_mask`` (P+L,), int64
+        ``teacher_topk_ids`` and float32 ``teacher_topk_logprobs`` (P+L, K+1) whose P prompt rows are -1 / -inf."""
         prompt_length = self.prompt_length
         width = self.teacher_topk_ids.shape[1]
         ids = np.full((prompt_length + self.teacher_topk_ids.shape[0], width), -1, dtype=np.int64)
@@ -96,3 +115,27 @@ class RolloutSample:
             "teacher_topk_ids": ids,
             "teacher_topk_logprobs": logprobs,
         }
+
+
+def hidden_array(hidden: torch.Tensor) -> np.ndarray:
+    """A (L, D) float32 or bfloat16 CPU tensor as the numpy array :class:`RolloutSample` keeps: float32 as is,
+    bfloat16 as uint16 bit patterns (which pickle as plain bytes between processes)."""
+    import torch
+
+    hidden = hidden.detach().cpu().contiguous()
+    if hidden.dtype == torch.bfloat16:
+        return hidden.view(torch.int16).numpy().view(np.uint16).copy()
+    if hidden.dtype != torch.float32:
+        raise ValueError(f"teacher hidden states must be float32 or bfloat16, got {hidden.dtype}")
+    return hidden.numpy().copy()
+
+
+def hidden_tensor(array: np.ndarray) -> torch.Tensor:
+    """The torch tensor of a :class:`RolloutSample`'s ``teacher_hidden``: float32, or bfloat16 from uint16 bits."""
+    import torch
+
+    if array.dtype == np.uint16:
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    if array.dtype != np.float32:
+        raise ValueError(f"teacher_hidden must be float32 or uint16 (bfloat16 bits), got {array.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(array))

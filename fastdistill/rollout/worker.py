@@ -82,6 +82,11 @@ class RolloutConfig:
     clipped one for ``completions/clipped_ratio`` (without them, a completion is clipped when it has ``max_tokens``
     tokens).
 
+    Teacher signal: ``teacher_signals`` maps a teacher id to ``"topk"`` (``prompt_logprobs``, the default for a
+    teacher it does not name) or ``"hidden"`` (a ``fastdistill serve-teacher --signal hidden`` server, scored with
+    :class:`~fastdistill.rollout.hidden.HiddenTeacherClient`: the sample carries the teacher's final hidden states
+    in ``teacher_hidden``, in ``teacher_hidden_dtype``, and no candidates).
+
     Lookahead: at most ``max_inflight_tasks`` rollouts are in flight, reached by a slow start from
     ``initial_inflight_tasks`` (None: at once); ``max_lookahead`` (None: no such bound) caps rollouts in flight plus
     samples waiting in the queue, so that the worker never runs further ahead of the trainer than that.
@@ -133,10 +138,18 @@ class RolloutConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     student_api_key: str | None = field(default=None, repr=False)
     teacher_api_keys: Mapping[str, str] | None = field(default=None, repr=False)
+    teacher_signals: Mapping[str, str] | None = None
+    teacher_hidden_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if not self.teacher_urls:
             raise ValueError("teacher_urls is empty: at least one teacher is needed")
+        for teacher_id, signal in (self.teacher_signals or {}).items():
+            if teacher_id not in self.teacher_urls or signal not in ("topk", "hidden"):
+                raise ValueError(f"teacher_signals maps teacher ids of teacher_urls to 'topk' or 'hidden', got "
+                                 f"{teacher_id!r}: {signal!r}")
+        if self.teacher_hidden_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"teacher_hidden_dtype must be 'bfloat16' or 'float32', got {self.teacher_hidden_dtype!r}")
         normalize_urls(self.student_url, "student_url")
         for teacher_id, urls in self.teacher_urls.items():
             normalize_urls(urls, f"teacher {teacher_id!r}")
@@ -185,6 +198,10 @@ class RolloutConfig:
     def student_replicas(self) -> tuple[str, ...]:
         """The student's replica URLs."""
         return normalize_urls(self.student_url, "student_url")
+
+    def teacher_signal(self, teacher_id: str) -> str:
+        """``"topk"`` or ``"hidden"``: what teacher ``teacher_id``'s server returns."""
+        return (self.teacher_signals or {}).get(teacher_id, "topk")
 
     def teacher_replicas(self, teacher_id: str) -> tuple[str, ...]:
         """The replica URLs of teacher ``teacher_id``."""
@@ -498,11 +515,16 @@ class _RolloutLoop:
                 api_key=self.config.student_api_key, **common
             )
             teacher_keys = self.config.teacher_api_keys or {}
-            self.teachers = {
-                teacher_id: TeacherClient(self.config.teacher_replicas(teacher_id), stats=stats,
-                                          api_key=teacher_keys.get(teacher_id), **common)
-                for teacher_id in self.config.teacher_urls
-            }
+            self.teachers = {}
+            for teacher_id in self.config.teacher_urls:
+                replicas, key = self.config.teacher_replicas(teacher_id), teacher_keys.get(teacher_id)
+                if self.config.teacher_signal(teacher_id) == "hidden":
+                    from fastdistill.rollout.hidden import HiddenTeacherClient  # imports torch: only when needed
+
+                    self.teachers[teacher_id] = HiddenTeacherClient(
+                        replicas, dtype=self.config.teacher_hidden_dtype, stats=stats, api_key=key, **common)
+                else:
+                    self.teachers[teacher_id] = TeacherClient(replicas, stats=stats, api_key=key, **common)
             self.servers = {"student": self.student.pool}
             self.servers.update({teacher_id: client.pool for teacher_id, client in self.teachers.items()})
             self.metrics = _Metrics(stats, self.servers)
@@ -619,9 +641,12 @@ class _RolloutLoop:
         generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
         try:
-            scores = await self.teachers[teacher_id].score(
-                row["prompt_ids"], generation.token_ids, top_k=self.config.teacher_top_k
-            )
+            if self.config.teacher_signal(teacher_id) == "hidden":
+                scores = await self.teachers[teacher_id].score(row["prompt_ids"], generation.token_ids)
+            else:
+                scores = await self.teachers[teacher_id].score(
+                    row["prompt_ids"], generation.token_ids, top_k=self.config.teacher_top_k
+                )
         except VLLMError as error:
             error.server = f"teacher {teacher_id}"  # type: ignore[attr-defined]
             if isinstance(error, VLLMUnavailableError):

@@ -27,6 +27,8 @@ SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
 LORA_SYNCS = ("merged", "adapter")
 REPORTERS = ("tensorboard", "wandb", "trackio")
 SAVE_STRATEGIES = ("steps", "no")
+TEACHER_SIGNALS = ("topk", "hidden")
+HIDDEN_DTYPES = ("bfloat16", "float32")
 
 
 DEFAULT_LOOKAHEAD_STEPS = 3  # max_lookahead_steps=None (docs/train.md, "Staleness")
@@ -125,6 +127,14 @@ class AsyncDistillationConfig:
     pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (rollout log-prob)
     pg_ratio_clip: float | None = None  # ours: upper clip of that ratio
     loss_backend: str = "auto"  # ours
+    # ours: what each teacher server returns: "topk" (prompt_logprobs, the default) or "hidden" (final hidden states,
+    # `fastdistill serve-teacher --signal hidden`; the trainer applies the teacher's lm_head: the full vocabulary);
+    # one value for every teacher, or a mapping teacher id -> signal (unnamed teachers: "topk")
+    teacher_signal: str | dict[str, str] = "topk"
+    teacher_hidden_dtype: str = "bfloat16"  # ours: the hidden states on the wire, "bfloat16" or "float32"
+    # ours: teacher id -> local checkpoint folder whose lm_head turns a hidden teacher's states into logits; None (or
+    # a teacher left out): the folder the teacher server serves (its /v1/models id), when that is a local folder
+    teacher_model_paths: dict[str, str] | None = None
     # --- batching, staleness, weight sync
     token_budget: int | None = None
     max_staleness: int = 4
@@ -261,6 +271,7 @@ class AsyncDistillationConfig:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self._validate_teachers()
+        self._validate_teacher_signal()
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
@@ -307,7 +318,48 @@ class AsyncDistillationConfig:
         _check(self.vllm_server_base_url.startswith(("http://", "https://")), "vllm_server_base_url",
                self.vllm_server_base_url, "an http(s) URL")
 
+    def _validate_teacher_signal(self) -> None:
+        """``teacher_signal``, ``teacher_hidden_dtype`` and ``teacher_model_paths``, and the options a hidden-state
+        teacher cannot serve."""
+        signal, ids = self.teacher_signal, self.teacher_ids
+        if isinstance(signal, Mapping):
+            unknown = [key for key in signal if key not in ids]
+            _check(not unknown, "teacher_signal", signal, f"a mapping whose keys are teacher ids {ids} (unknown: "
+                   f"{unknown})")
+            _check(all(value in TEACHER_SIGNALS for value in signal.values()), "teacher_signal", signal,
+                   f"a mapping of teacher id to one of {list(TEACHER_SIGNALS)}")
+        else:
+            _check(signal in TEACHER_SIGNALS, "teacher_signal", signal,
+                   f"one of {list(TEACHER_SIGNALS)} or a mapping of teacher id to one of them")
+        _choice(self, "teacher_hidden_dtype", HIDDEN_DTYPES)
+        paths, hidden = self.teacher_model_paths, self.hidden_teacher_ids
+        if paths is not None:
+            _check(isinstance(paths, Mapping) and all(isinstance(v, str) and v != "" for v in paths.values()),
+                   "teacher_model_paths", paths, "None or a mapping of teacher id to a local checkpoint folder")
+            extra = [key for key in paths if key not in hidden]
+            _check(not extra, "teacher_model_paths", paths, f"a mapping whose keys are hidden-signal teachers "
+                   f"{hidden} (teacher_signal 'hidden'); {extra} are not")
+        if not hidden:
+            return
+        _check(self.teacher_cache is None, "teacher_cache", self.teacher_cache,
+               f"None with a hidden-signal teacher ({hidden}): a teacher cache holds top-K log-probs, not hidden "
+               "states")
+        _check(self.loss_type == "jsd", "loss_type", self.loss_type,
+               f"'jsd' with a hidden-signal teacher ({hidden}): reverse_kl_pg reads the teacher's log-prob of the "
+               "sampled token from its top-K candidates")
+
     # ----------------------------------------------------------------------------------------------- derived values
+
+    def teacher_signal_of(self, teacher_id: str) -> str:
+        """``"topk"`` or ``"hidden"``: what teacher ``teacher_id``'s server returns."""
+        if isinstance(self.teacher_signal, Mapping):
+            return self.teacher_signal.get(teacher_id, "topk")
+        return self.teacher_signal
+
+    @property
+    def hidden_teacher_ids(self) -> list[str]:
+        """The teachers scored with final hidden states (``teacher_signal`` ``"hidden"``), in configuration order."""
+        return [teacher_id for teacher_id in self.teacher_ids if self.teacher_signal_of(teacher_id) == "hidden"]
 
     @property
     def teacher_ids(self) -> list[str]:

@@ -23,10 +23,18 @@ from fastdistill.rollout import RolloutSample, StudentClient, TeacherClient
 
 async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
                    top_k: int, max_tokens: int, temperature: float, seed: int, student_api_key: str | None,
-                   teacher_api_keys: Mapping[str, str] | None, student_model: str | None) -> list[RolloutSample]:
+                   teacher_api_keys: Mapping[str, str] | None, student_model: str | None,
+                   teacher_signals: Mapping[str, str], hidden_dtype: str) -> list[RolloutSample]:
     keys = teacher_api_keys or {}
     async with StudentClient(student_url, api_key=student_api_key) as student:
-        teachers = {tid: TeacherClient(url, api_key=keys.get(tid)) for tid, url in teacher_urls.items()}
+        teachers: dict[str, Any] = {}
+        for tid, url in teacher_urls.items():
+            if teacher_signals.get(tid, "topk") == "hidden":
+                from fastdistill.rollout.hidden import HiddenTeacherClient
+
+                teachers[tid] = HiddenTeacherClient(url, dtype=hidden_dtype, api_key=keys.get(tid))
+            else:
+                teachers[tid] = TeacherClient(url, api_key=keys.get(tid))
         try:
             default_teacher = next(iter(teachers))
 
@@ -35,7 +43,10 @@ async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequ
                 generation = await student.generate(prompt, max_tokens=max_tokens, temperature=temperature,
                                                     seed=seed + index, model=student_model)
                 teacher_id = row.get("teacher_id") or default_teacher
-                scores = await teachers[teacher_id].score(prompt, generation.token_ids, top_k=top_k)
+                if teacher_signals.get(teacher_id, "topk") == "hidden":
+                    scores = await teachers[teacher_id].score(prompt, generation.token_ids)
+                else:
+                    scores = await teachers[teacher_id].score(prompt, generation.token_ids, top_k=top_k)
                 return RolloutSample.assemble(prompt, generation, scores, model_version=-1, teacher_id=teacher_id,
                                               prompt_id=index, dataset_index=index, prompt=row.get("prompt"))
 
@@ -57,13 +68,18 @@ def collect_scored_samples(
     student_api_key: str | None = None,
     teacher_api_keys: Mapping[str, str] | None = None,
     student_model: str | None = None,
+    teacher_signals: Mapping[str, str] | None = None,
+    hidden_dtype: str = "bfloat16",
 ) -> list[RolloutSample]:
     """One scored sample per row ``{"prompt_ids", "teacher_id"?}``: the student server's completion (greedy by
     default) scored by the row's teacher (the first teacher when the row names none). ``teacher_urls`` maps teacher
     id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`.
-    ``student_model`` names what the student generates with (a LoRA adapter's name; None: the served model)."""
+    ``student_model`` names what the student generates with (a LoRA adapter's name; None: the served model).
+    ``teacher_signals`` maps a teacher id to ``"hidden"`` for a hidden-state teacher (its samples carry
+    ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K."""
     return asyncio.run(_collect(student_url, teacher_urls, rows, top_k, max_tokens, temperature, seed,
-                                student_api_key, teacher_api_keys, student_model))
+                                student_api_key, teacher_api_keys, student_model, teacher_signals or {},
+                                hidden_dtype))
 
 
 @torch.no_grad()
@@ -207,6 +223,11 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
 
             raise ConfigError("no held-out rows: pass --dataset FILE (or set eval_dataset in the config)")
         rows = config.eval_dataset
+    if config.hidden_teacher_ids:
+        from fastdistill.train.config import ConfigError
+
+        raise ConfigError(f"fastdistill eval scores with top-K teachers only; {config.hidden_teacher_ids} have "
+                          "teacher_signal 'hidden' (held-out evaluation during training supports them)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
     model = load_model(config, device).to(device).eval()

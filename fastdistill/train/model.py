@@ -21,7 +21,9 @@ from torch import nn
 
 from fastdistill.data.packing import PackedRow
 from fastdistill.loss import SparseJSDOutput, reverse_kl_pg_loss, sparse_jsd_loss
+from fastdistill.loss.dense import dense_teacher_jsd_loss
 from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.teacher_head import TeacherHead
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,12 @@ class DistillationModel(nn.Module):
     """A causal LM plus the fused loss, in one ``forward`` so that FSDP2 gathers the lm_head for the loss.
 
     ``forward`` takes a packed row and the narrowed support of its trained positions and returns the
-    :class:`~fastdistill.SparseJSDOutput` (loss = sum over scored positions)."""
+    :class:`~fastdistill.SparseJSDOutput` (loss = sum over scored positions).
+
+    ``teacher_heads`` (teacher index -> :class:`~fastdistill.train.teacher_head.TeacherHead`) holds the heads of
+    hidden-state teachers: a plain attribute, so they are neither parameters (never trained) nor in the state dict
+    (never checkpointed). Their positions are scored with :func:`~fastdistill.loss.dense.dense_teacher_jsd_loss`
+    and the top-K teachers' with :func:`~fastdistill.sparse_jsd_loss`; the two sums add."""
 
     def __init__(self, model: nn.Module, config: AsyncDistillationConfig):
         super().__init__()
@@ -62,6 +69,7 @@ class DistillationModel(nn.Module):
         self.loss_type = config.loss_type
         self.pg_importance_ratio = config.pg_importance_ratio
         self.pg_ratio_clip = config.pg_ratio_clip
+        self.teacher_heads: dict[int, TeacherHead] = {}
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
                 stale: torch.Tensor | None = None, divergence: bool = False) -> tuple[Any, dict[str, float]]:
@@ -80,11 +88,50 @@ class DistillationModel(nn.Module):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
         if self.loss_type == "reverse_kl_pg" and not divergence:
             return self._policy_gradient(hidden, head, row, weights, metrics)
-        out = sparse_jsd_loss(
-            hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
-            softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
-        )
-        return out, metrics
+        if not row.teacher_hidden:
+            out = sparse_jsd_loss(
+                hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
+                softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
+            )
+            return out, metrics
+        return self._mixed_jsd(hidden, head, row, ids, lps, mask, weights), metrics
+
+    def _mixed_jsd(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow, ids: torch.Tensor,
+                   lps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> SparseJSDOutput:
+        """The JSD of a row with hidden-state teachers: the sparse loss on the top-K teachers' targets plus, per
+        hidden-state teacher, the dense loss with its head on its targets; every field is the sum of the parts."""
+        kw = self.loss_kwargs
+        dense_index = torch.tensor(sorted(row.teacher_hidden), dtype=torch.long, device=hidden.device)
+        topk = (~torch.isin(row.teacher_index, dense_index)).nonzero().squeeze(1)
+        parts: list[SparseJSDOutput] = []
+        if topk.numel():
+            parts.append(sparse_jsd_loss(
+                hidden.index_select(0, topk), head.weight, ids[topk], lps[topk], mask[topk], bias=head.bias,
+                logit_scale=self.logit_scale, softcap=self.softcap, teacher_index=row.teacher_index[topk],
+                token_weights=None if weights is None else weights[topk], **kw))
+        for index, teacher_hidden in sorted(row.teacher_hidden.items()):
+            if index not in self.teacher_heads:
+                raise ValueError(f"teacher index {index} sent hidden states but has no teacher head loaded")
+            teacher = self.teacher_heads[index]
+            targets = row.hidden_targets(index)
+            with torch.autocast(hidden.device.type, enabled=False):  # the dense loss computes in float32 itself
+                parts.append(dense_teacher_jsd_loss(
+                    hidden.index_select(0, targets), head.weight, teacher_hidden, teacher.weight,
+                    student_bias=head.bias, teacher_bias=teacher.bias, student_logit_scale=self.logit_scale,
+                    student_softcap=self.softcap, teacher_logit_scale=teacher.logit_scale,
+                    teacher_softcap=teacher.softcap, beta=kw["beta"], temperature=kw["temperature"],
+                    token_weights=None if weights is None else weights[targets],
+                    teacher_index=row.teacher_index[targets], num_teachers=kw["num_teachers"],
+                    backend="reference" if kw["backend"] == "reference" else "auto"))
+        loss = parts[0].loss
+        for part in parts[1:]:
+            loss = loss + part.loss
+        return SparseJSDOutput(
+            loss=loss, jsd_sum=sum(p.jsd_sum.double() for p in parts),
+            entropy_sum=sum(p.entropy_sum.double() for p in parts),
+            teacher_entropy_sum=sum(p.teacher_entropy_sum.double() for p in parts),
+            num_tokens=sum(p.num_tokens for p in parts),
+            per_teacher=sum(p.per_teacher.double() for p in parts))
 
     def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
                          weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:

@@ -334,7 +334,8 @@ class AsyncDistillationTrainer:
         greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
         it; each rank measures its share with the trainer's current weights. The served weights are those of the last
         sync (``weight_sync_steps``; with ``lora_sync="adapter"`` the newest adapter generates). Returns
-        ``eval/jsd`` (the sparse generalized JSD at ``beta``, nats per scored token), ``eval/teacher_jsd/<id>`` with
+        ``eval/jsd`` (the sparse generalized JSD at ``beta``, the dense one for a hidden-state teacher's rows, nats
+        per scored token), ``eval/teacher_jsd/<id>`` with
         several teachers, ``eval/completion_length_mean``, ``eval/samples_total`` and ``eval/exact_match`` when the
         rows carry an ``answer`` (:func:`~fastdistill.train.evaluate.eval_record`)."""
         from fastdistill.train import evaluate as held_out
@@ -346,7 +347,9 @@ class AsyncDistillationTrainer:
                 config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
                 top_k=config.teacher_top_k, max_tokens=config.max_completion_length, seed=config.seed,
                 student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys,
-                student_model=getattr(self.weight_sync, "served_model_name", None))
+                student_model=getattr(self.weight_sync, "served_model_name", None),
+                teacher_signals={t: config.teacher_signal_of(t) for t in self.teacher_ids},
+                hidden_dtype=config.teacher_hidden_dtype)
         samples = self.dist.broadcast(samples)
         was_training = self.hf_model.training
         self.hf_model.eval()
@@ -427,6 +430,7 @@ class AsyncDistillationTrainer:
                 state=self.rollout_state, token_budget=token_budget if token_budget > 0 else None)
             if served is not None:
                 skip_rows = self._skip_long_prompts(served)
+        self._load_teacher_heads(served if self.dist.is_main else None)
         if self.weight_sync is None and not self._offline:
             from fastdistill.sync import weight_sync_from_config
 
@@ -459,6 +463,49 @@ class AsyncDistillationTrainer:
                 self.source = MixedSource(self.source, self._cache_source(), self.on_policy,
                                           first_prompt=self.rollout_state.prompt_index,
                                           candidate_width=max(self.cache.candidate_width, config.teacher_top_k + 1))
+
+    def _load_teacher_heads(self, served: dict[str, Any] | None) -> None:
+        """Every rank: the lm_head of each hidden-state teacher, in the student head's dtype on the training device,
+        into ``DistillationModel.teacher_heads`` (not parameters: never trained, never saved). Rank 0 picks the
+        folders (``teacher_model_paths``, else the id the teacher server reports when it is a local folder) and
+        checks that each head covers the student's vocabulary; ConfigError otherwise."""
+        hidden_ids = self.config.hidden_teacher_ids
+        if not hidden_ids:
+            return
+        from fastdistill.train.teacher_head import TeacherHeadError, load_teacher_head
+
+        folders = None
+        if self.dist.is_main:
+            folders = {teacher_id: self._teacher_folder(teacher_id, served) for teacher_id in hidden_ids}
+        folders = self.dist.broadcast(folders)
+        dtype = self.hf_model.get_output_embeddings().weight.dtype
+        heads = {}
+        for teacher_id, folder in folders.items():
+            try:
+                head = load_teacher_head(folder, dtype=dtype, device=self.dist.device)
+            except TeacherHeadError as error:
+                raise ConfigError(f"teacher {teacher_id!r} (teacher_signal 'hidden'): {error}") from error
+            rows = int(head.weight.shape[0])
+            if rows < self.student_vocab_size:
+                raise ConfigError(f"teacher {teacher_id!r} (teacher_signal 'hidden'): its lm_head in {folder} has "
+                                  f"{rows} vocabulary rows, fewer than the student's {self.student_vocab_size}; the "
+                                  "dense loss needs the teacher's distribution over every student token")
+            heads[self.teacher_ids.index(teacher_id)] = head
+        self.model.teacher_heads = heads
+
+    def _teacher_folder(self, teacher_id: str, served: dict[str, Any] | None) -> str:
+        """Rank 0: the local checkpoint folder of hidden-state teacher ``teacher_id``'s head."""
+        paths = self.config.teacher_model_paths or {}
+        if teacher_id in paths:
+            return paths[teacher_id]
+        name = served[teacher_id].name if served is not None and teacher_id in served else None
+        if name is not None and Path(name).is_dir():
+            return name
+        where = (f"its server serves {name!r}, which is not a local folder" if name is not None
+                 else "no teacher server is contacted in this run")
+        raise ConfigError(f"teacher {teacher_id!r} has teacher_signal 'hidden' but no teacher_model_paths entry, and "
+                          f"{where}: set teacher_model_paths: {{{teacher_id!r}: <local checkpoint folder>}} (the "
+                          "trainer reads the teacher's lm_head from it)")
 
     def _on_policy_share(self) -> OnPolicyShare:
         """The prompts a mixed run generates on-policy: ``lmbda`` of them, or a share annealed from ``lmbda`` to
@@ -518,6 +565,8 @@ class AsyncDistillationTrainer:
             student_api_key=config.vllm_server_api_key,
             student_adapter_prefix=ADAPTER_PREFIX if self._adapter_sync else None,
             teacher_api_keys=config.teacher_api_keys,
+            teacher_signals={teacher_id: config.teacher_signal_of(teacher_id) for teacher_id in self.teacher_ids},
+            teacher_hidden_dtype=config.teacher_hidden_dtype,
             retry=RetryPolicy(request_timeout_s=config.request_timeout),
         )
 
@@ -525,6 +574,7 @@ class AsyncDistillationTrainer:
         """Before any rollout: the servers are up and every teacher tokenizes like the student. Returns each
         server's :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids)."""
         from fastdistill.rollout import StudentClient, TeacherClient, check_shared_vocabulary
+        from fastdistill.rollout.hidden import HiddenTeacherClient
 
         config = self.config
         teacher_keys = config.teacher_api_keys or {}
@@ -536,7 +586,9 @@ class AsyncDistillationTrainer:
                 teachers = {}
                 try:
                     for teacher_id, urls in config.teacher_server_urls.items():
-                        teachers[teacher_id] = TeacherClient(urls, api_key=teacher_keys.get(teacher_id))
+                        hidden = config.teacher_signal_of(teacher_id) == "hidden"
+                        client = HiddenTeacherClient if hidden else TeacherClient
+                        teachers[teacher_id] = client(urls, api_key=teacher_keys.get(teacher_id))
                         await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
                         served[teacher_id] = await teachers[teacher_id].served_model()
                     await check_shared_vocabulary(student, teachers)
@@ -841,7 +893,9 @@ class AsyncDistillationTrainer:
         if self.config.loss_type == "reverse_kl_pg":
             match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
             return int(match.any(dim=1).sum())
-        return int(scored_positions(*support))
+        # hidden-state teachers' targets have empty candidate rows; the dense loss scores every one of them
+        dense = sum(int(row.hidden_targets(index).numel()) for index in row.teacher_hidden)
+        return int(scored_positions(*support)) + dense
 
     def _stale_positions(self, row: PackedRow) -> torch.Tensor | None:
         """(M,) bool: positions of samples older than ``max_staleness`` (kept only under ``stale_policy=
