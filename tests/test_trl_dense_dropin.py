@@ -114,6 +114,18 @@ def test_gkd_reductions_and_no_labels():
         integ.dense_generalized_jsd_loss(leaves[0], teacher[0], leaves[1], teacher[1], labels, reduction="none")
     with pytest.raises(ValueError, match="labels must have shape"):
         integ.dense_generalized_jsd_loss(leaves[0], teacher[0], leaves[1], teacher[1], labels[:, 1:])
+    with pytest.raises(ValueError, match="must be \\(B, T, H\\) with the same \\(B, T\\)"):
+        integ.dense_generalized_jsd_loss(leaves[0], teacher[0][:, 1:], leaves[1], teacher[1], labels)
+
+
+def test_patch_without_trl_is_a_clear_import_error(monkeypatch):
+    def missing(name, *args, **kwargs):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(integ.importlib, "import_module", missing)
+    for patch in (integ.patch_trl_gkd, integ.patch_trl_distillation, integ.unpatch_trl_dense):
+        with pytest.raises(ImportError, match=r"needs TRL's trl\..*pip install 'trl==1.16.0'"):
+            patch()
 
 
 @pytest.mark.parametrize("beta,num_items,bias", CASES)
