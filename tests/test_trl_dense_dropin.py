@@ -239,17 +239,23 @@ def test_gkd_trainer_step_same_with_and_without_patch(beta, tmp_path):
     from trl.experimental.gkd import GKDConfig
 
     tokenizer = build_tokenizer()
+    head_calls = []  # lm_head forwards: each one materialises (B, T, V) logits
 
     def make():
         student, teacher = models(tokenizer)
+        for m in (student, teacher):
+            m.lm_head.register_forward_hook(lambda *_: head_calls.append(1))
         args = GKDConfig(**common_args(tmp_path), lmbda=0.0, seq_kd=False, beta=beta, max_length=64)
         return gkd_module.GKDTrainer(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
                                      train_dataset=Dataset.from_list([{"messages": m} for m in MESSAGES]))
 
     integ.unpatch_trl_gkd()
     plain = train_one_step(make)
+    assert len(head_calls) == 2  # TRL: both models' full forward
+    head_calls.clear()
     with integ.fastdistill_dense_loss_in_trl():
         patched = train_one_step(make)
+        assert not head_calls, "the patched GKD step ran an lm_head forward (materialised logits)"
         # return_outputs: the student backbone's output instead of logits
         trainer = patched[2]
         batch = next(iter(trainer.get_train_dataloader()))
