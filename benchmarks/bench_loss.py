@@ -19,6 +19,16 @@ runs minus the memory in use right after the inputs were built and one tiny warm
     python benchmarks/bench_loss.py --N 4096 --V 32768 --impls trl ours --json /tmp/out.json
     python benchmarks/bench_loss.py --allocator glibc-default   # one allocator setting only
     python benchmarks/bench_loss.py --cold              # also a single call per fresh process, no warm-up at all
+
+Dense-teacher mode (``--dense``): a generalized JSD against a local teacher's full distribution, from both models'
+hidden states and lm_heads (student and teacher hidden size D, teacher logits under no_grad), mean over positions:
+  gkd      TRL GKDTrainer's ``generalized_jsd_loss`` on materialised (N, V) logits of both heads;
+  distill  TRL DistillationTrainer's ``_chunked_divergence_loss`` (``trl.kernels.chunked_divergence``);
+  liger    Liger's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1; its β is TRL's β;
+           ``compiled=False``: torch.compile of its chunk step is not part of the CPU comparison);
+  ours     ``fastdistill.loss.dense.dense_teacher_jsd_loss(..., backend="torch")``, divided by N.
+
+    python benchmarks/bench_loss.py --dense --beta 0.5 --N 1024 2048 --V 32768 --D 512
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 IMPLS = ("dense", "trl", "ours")
+DENSE_IMPLS = ("gkd", "distill", "liger", "ours")
+LIGER_CHUNK_SIZE = 1024  # LigerFusedLinearJSDLoss's default
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_loss.json"
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
 MiB = 2**20
@@ -109,6 +121,54 @@ def loss_fn(impl: str, tail_mode: str):
     ).loss
 
 
+def make_dense_inputs(N: int, D: int, V: int, seed: int, device):
+    """Seeded dense-teacher inputs: student hidden (N, D) and lm_head (V, D) (leaves), teacher hidden (N, D) and
+    lm_head (V, D) (constants), the teacher's logits sharper than the student's."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ws = torch.randn(V, D, generator=g).div_(math.sqrt(D))
+    hs = torch.randn(N, D, generator=g)
+    wt = torch.randn(V, D, generator=g).mul_(2.0 / math.sqrt(D))
+    ht = torch.randn(N, D, generator=g)
+    return hs.to(device).requires_grad_(True), ws.to(device).requires_grad_(True), ht.to(device), wt.to(device)
+
+
+def dense_teacher_loss_fn(impl: str, beta: float):
+    """The loss callable ``f(hs, ws, ht, wt) -> 0-dim mean divergence over the N positions`` of one dense-teacher
+    implementation."""
+    import torch
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if impl == "gkd":
+        from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+        def gkd(hs, ws, ht, wt):
+            with torch.no_grad():
+                teacher_logits = ht @ wt.t()
+            return GKDTrainer.generalized_jsd_loss(hs @ ws.t(), teacher_logits, beta=beta)  # batchmean: / N
+
+        return gkd
+    if impl == "distill":
+        from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+        def distill(hs, ws, ht, wt):
+            mask = torch.ones(1, hs.shape[0], dtype=torch.long, device=hs.device)
+            return _chunked_divergence_loss(hs[None], ht[None], ws, wt, mask, beta)[0]
+
+        return distill
+    if impl == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        module = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta, compiled=False,
+                                         chunk_size=LIGER_CHUNK_SIZE)
+        return lambda hs, ws, ht, wt: module(hs, ws, ht, wt, torch.zeros(hs.shape[0], dtype=torch.long,
+                                                                        device=hs.device))
+    from fastdistill.loss.dense import dense_teacher_jsd_loss
+
+    return lambda hs, ws, ht, wt: dense_teacher_jsd_loss(hs, ws, ht, wt, beta=beta, backend="torch").loss / hs.shape[0]
+
+
 def rss_kib() -> int:
     """Current resident set size of this process (KiB)."""
     with open("/proc/self/status") as f:
@@ -135,7 +195,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     N, V = args.N[0], args.V[0]
     rec = {"impl": args.worker, "N": N, "D": args.D, "V": V, "K": args.K, "device": str(device), "cold": args.cold}
     try:
-        fn = loss_fn(args.worker, args.tail_mode)
+        fn = dense_teacher_loss_fn(args.worker, args.beta) if args.dense else loss_fn(args.worker, args.tail_mode)
     except ImportError as e:
         return {**rec, "status": "missing", "error": repr(e)}
     if device.type == "cuda":
@@ -143,9 +203,14 @@ def run_worker(args: argparse.Namespace) -> dict:
     # One tiny fwd+bwd first: one-time process setup (thread pools, autograd engine, BLAS workspaces) is not
     # part of the loss's memory, so it happens before the baseline. A cold run skips it (and any warm-up): it
     # measures a single call in a fresh process, one-time setup included.
+    def inputs(n, d, v):
+        return make_dense_inputs(n, d, v, args.seed, device) if args.dense else make_inputs(n, d, v, args.K,
+                                                                                            args.seed, device)
+
     if not args.cold:
-        fn(*make_inputs(4, args.D, 4 * (args.K + 1), args.K, args.seed, device)).backward()
-    h, w, ids, lps, mask = make_inputs(N, args.D, V, args.K, args.seed, device)
+        fn(*inputs(4, args.D, 4 * (args.K + 1))).backward()
+    batch = inputs(N, args.D, V)
+    h, w = batch[:2]
 
     cuda = device.type == "cuda"
     if cuda:
@@ -161,7 +226,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = fn(h, w, ids, lps, mask)
+        loss = fn(*batch)
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
@@ -191,12 +256,12 @@ def measure(impl: str, N: int, V: int, args: argparse.Namespace, allocator: str 
     """Run one measurement in a fresh subprocess under ``allocator`` (or skip dense when it would not fit
     ``--dense-max-gb``); ``cold``: one call, no warm-up of any kind (one-time process setup included)."""
     rec = {"impl": impl, "N": N, "D": args.D, "V": V, "K": args.K, "allocator": allocator}
-    if impl == "dense" and 4 * N * V * 4 > args.dense_max_gb * 2**30:
+    if impl in ("dense", "gkd") and 4 * N * V * 4 > args.dense_max_gb * 2**30:
         return {**rec, "status": "skipped", "error": f"~4 N×V fp32 tiles exceed --dense-max-gb {args.dense_max_gb}"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--N", str(N), "--V", str(V),
            "--D", str(args.D), "--K", str(args.K), "--threads", str(args.threads), "--repeats", str(args.repeats),
            "--warmup", str(args.warmup), "--seed", str(args.seed), "--device", args.device,
-           "--tail-mode", args.tail_mode]
+           "--tail-mode", args.tail_mode, "--beta", str(args.beta)] + (["--dense"] if args.dense else [])
     if cold:
         cmd[cmd.index("--repeats") + 1], cmd[cmd.index("--warmup") + 1] = "1", "0"
         cmd.append("--cold")
@@ -219,10 +284,11 @@ def measure_config(N: int, V: int, args: argparse.Namespace, allocators: list[st
                     print(f"[{impl} N={N} V={V} {allocator}{' cold' if is_cold else ''}] {m['status']}: "
                           f"{m.get('error', '')}", file=sys.stderr)
                 into[allocator][impl] = m
-    out = {a: {"impls": by_impl, "summary": summarize(by_impl)} for a, by_impl in by_alloc.items()}
+    summary = summarize_dense if args.dense else summarize
+    out = {a: {"impls": by_impl, "summary": summary(by_impl)} for a, by_impl in by_alloc.items()}
     if args.cold:
         for a, by_impl in cold.items():
-            out[a]["cold"] = {"impls": by_impl, "summary": summarize(by_impl)}
+            out[a]["cold"] = {"impls": by_impl, "summary": summary(by_impl)}
     return {"N": N, "D": args.D, "V": V, "K": args.K, "allocators": out}
 
 
@@ -240,6 +306,40 @@ def summarize(by_impl: dict[str, dict]) -> dict:
     return {"ours_over_trl_time": ratio(ours, trl, "median_s"), "ours_over_trl_mem": ratio(ours, trl, "peak_mb"),
             "ours_over_dense_time": ratio(ours, dense, "median_s"),
             "ours_over_dense_mem": ratio(ours, dense, "peak_mb"), "loss_rel_diff_ours_trl": rel}
+
+
+def summarize_dense(by_impl: dict[str, dict]) -> dict:
+    """Dense-teacher mode: ours over each other implementation (time, peak memory) and the losses' relative
+    difference from TRL GKD's (or, when it was skipped, from TRL Distillation's)."""
+    ours = by_impl.get("ours")
+    out = {}
+    for other in DENSE_IMPLS[:-1]:
+        out[f"ours_over_{other}_time"] = ratio(ours, by_impl.get(other), "median_s")
+        out[f"ours_over_{other}_mem"] = ratio(ours, by_impl.get(other), "peak_mb")
+    ref = next((by_impl[i] for i in ("gkd", "distill") if by_impl.get(i, {}).get("status") == "ok"), None)
+    out["loss_ref"] = None if ref is None else ref["impl"]
+    for impl, m in by_impl.items():
+        if ref is not None and m.get("status") == "ok":
+            out[f"loss_rel_diff_{impl}"] = abs(m["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
+    return out
+
+
+def print_dense_tables(rows: list[dict], impls: list[str], allocator: str) -> None:
+    """Dense-teacher mode: time and peak memory of each implementation, ours' ratios, loss agreement."""
+    print(f"\n== dense teacher, allocator: {allocator} {ALLOCATORS[allocator] or '(glibc defaults)'}")
+    rows = [{**r, **r["allocators"][allocator]} for r in rows if allocator in r["allocators"]]
+    others = [i for i in impls if i != "ours"]
+    print(f"{'N':>6} {'D':>5} {'V':>6} " + " ".join(f"{i + ' s':>10} {i + ' MB':>10}" for i in impls)
+          + " " + " ".join(f"{'o/' + i + ' t':>10} {'o/' + i + ' mem':>11}" for i in others) + "  max relΔloss")
+    for r in rows:
+        s = r["summary"]
+        line = f"{r['N']:>6} {r['D']:>5} {r['V']:>6} "
+        ms = [r["impls"].get(i) for i in impls]
+        line += " ".join(f"{cell(m, 'median_s', '.3f'):>10} {cell(m, 'peak_mb', '.1f'):>10}" for m in ms)
+        line += " " + " ".join(f"{fmt(s.get(f'ours_over_{i}_time'), '.3f'):>10} "
+                               f"{fmt(s.get(f'ours_over_{i}_mem'), '.3f'):>11}" for i in others)
+        diffs = [v for k, v in s.items() if k.startswith("loss_rel_diff_")]
+        print(line + f"  {fmt(max(diffs) if diffs else None, '.1e')}")
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -305,7 +405,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--V", type=int, nargs="+", help="vocabulary sizes (default 8192 32768; quick: 512)")
     p.add_argument("--D", type=int, help="hidden size (default 512; quick: 32)")
     p.add_argument("--K", type=int, default=8, help="teacher top-K; each row has K+1 candidate slots")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--impls", nargs="+", choices=sorted(set(IMPLS) | set(DENSE_IMPLS)),
+                   help=f"default: {' '.join(IMPLS)}; with --dense: {' '.join(DENSE_IMPLS)}")
+    p.add_argument("--dense", action="store_true", help="dense-teacher mode (see above): TRL GKD, TRL "
+                   "Distillation, Liger and fastdistill's dense_teacher_jsd_loss")
+    p.add_argument("--beta", type=float, default=0.5, help="dense-teacher mode: the divergence's beta")
     p.add_argument("--quick", action="store_true", help="tiny shapes that finish in seconds")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in each worker")
     p.add_argument("--repeats", type=int, default=3, help="timed fwd+bwd runs (the median is reported)")
@@ -319,8 +423,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the raw results")
     p.add_argument("--cold", action="store_true", help="also measure one call in a fresh process without any "
                    "warm-up (one-time process setup included; the parent adds these rows)")
-    p.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=sorted(set(IMPLS) | set(DENSE_IMPLS)), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    valid = DENSE_IMPLS if args.dense else IMPLS
+    args.impls = args.impls or list(valid)
+    bad = [i for i in args.impls if i not in valid]
+    if bad:
+        p.error(f"--impls {' '.join(bad)}: not an implementation of this mode (choose from {' '.join(valid)})")
     args.N = args.N or ([64, 128] if args.quick else [2048, 4096, 8192])
     args.V = args.V or ([512] if args.quick else [8192, 32768])
     args.D = args.D or (32 if args.quick else 512)
@@ -335,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     allocators = list(ALLOCATORS) if args.allocator == "both" else [args.allocator]
     rows = [measure_config(N, V, args, allocators) for V in args.V for N in args.N]
     for allocator in allocators:
-        print_tables(rows, args.impls, allocator)
+        (print_dense_tables if args.dense else print_tables)(rows, args.impls, allocator)
     device = next((m["device"] for r in rows for a in r["allocators"].values() for m in a["impls"].values()
                    if "device" in m), None)
     result = {"machine": machine_info(args, device),

@@ -58,3 +58,40 @@ def test_workers_get_exactly_the_allocator_setting(monkeypatch):
     default = bench_loss.worker_env("glibc-default")
     assert not any(k.startswith("MALLOC_") for k in default) and "GLIBC_TUNABLES" not in default
     assert bench_loss.worker_env("mmap-threshold-1MiB")["MALLOC_MMAP_THRESHOLD_"] == "1048576"
+
+
+def test_bench_loss_dense_teacher_quick(tmp_path):
+    """--dense: TRL GKD, TRL Distillation, Liger and ours on one tiny config; every measurement exists and the four
+    mean divergences agree (fp32 evaluations of the same generalized JSD, β = 0.5)."""
+    import os
+
+    out = tmp_path / "bench_dense.json"
+    cmd = [sys.executable, str(SCRIPT), "--dense", "--quick", "--N", "64", "--repeats", "1", "--device", "cpu",
+           "--allocator", "glibc-default", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1])}  # the workers import this checkout's fastdistill
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["settings"]["dense"] and result["settings"]["beta"] == 0.5
+    (row,) = result["rows"]
+    assert (row["N"], row["D"], row["V"]) == (64, 32, 512)
+    measured = row["allocators"]["glibc-default"]
+    impls = measured["impls"]
+    assert set(impls) == {"gkd", "distill", "liger", "ours"}
+    for name, m in impls.items():
+        assert m["status"] == "ok", (name, m)
+        assert math.isfinite(m["median_s"]) and m["median_s"] > 0 and math.isfinite(m["peak_mb"])
+        assert math.isfinite(m["loss"]) and m["loss"] > 0
+    summary = measured["summary"]
+    assert summary["loss_ref"] == "gkd"
+    for name in ("distill", "liger", "ours"):
+        assert summary[f"loss_rel_diff_{name}"] < 1e-4, name
+    for name in ("gkd", "distill", "liger"):
+        assert summary[f"ours_over_{name}_time"] > 0 and f"ours_over_{name}_mem" in summary, name
+    assert "dense teacher, allocator: glibc-default" in proc.stdout
+
+
+def test_bench_loss_rejects_impls_of_the_other_mode():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dense", "--impls", "trl"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "not an implementation of this mode" in proc.stderr

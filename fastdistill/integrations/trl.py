@@ -9,18 +9,39 @@ TRL's ``_compute_loss`` looks ``_chunked_jsd_loss`` up in its module at every ca
 is enough: batching, normalisation and metrics stay TRL's. The replacement uses ``tail_mode="trl"`` (TRL's clamped
 student tail), so the loss, its gradients and the metrics equal TRL's; it is faster and never holds more than one
 bounded logits tile (``backend="auto"``: see :func:`fastdistill.sparse_jsd_loss`).
+
+Dense-teacher drop-ins (a local teacher model, its full next-token distribution), both built on
+:func:`fastdistill.loss.dense.dense_teacher_jsd_loss`:
+
+```python
+from fastdistill.integrations.trl import fastdistill_dense_loss_in_trl
+with fastdistill_dense_loss_in_trl():   # or patch_trl_dense() / unpatch_trl_dense()
+    trainer.train()                     # GKDTrainer or DistillationTrainer
+```
+
+- ``DistillationTrainer`` looks ``_chunked_divergence_loss`` up in its module at every call; the patch swaps that
+  attribute for :func:`trl_chunked_divergence_loss` (same arguments, same ``(loss, entropy_sum, n_valid)``).
+- ``GKDTrainer.compute_loss`` runs both full models for ``(B, T, V)`` logits; the patch replaces it (on the class) by
+  :func:`gkd_compute_loss`, which runs both backbones for last hidden states and calls
+  :func:`dense_generalized_jsd_loss` with both lm_heads, so no ``(B, T, V)`` tensor exists.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from fastdistill.loss import sparse_jsd_loss
+from fastdistill.loss.dense import dense_teacher_jsd_loss
 
 TRL_MODULE = "trl.experimental.async_distillation.async_distillation_trainer"
+GKD_MODULE = "trl.experimental.gkd.gkd_trainer"
+DISTILLATION_MODULE = "trl.trainer.distillation_trainer"
+GKD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 
 def trl_chunked_jsd_loss(
@@ -91,3 +112,242 @@ def fastdistill_loss_in_trl() -> Iterator[None]:
         yield
     finally:
         unpatch_trl()
+
+
+# --- dense teacher: TRL's DistillationTrainer and GKDTrainer ---------------------------------------------------------
+
+
+def trl_chunked_divergence_loss(
+    student_hidden_states: torch.Tensor,
+    teacher_hidden_states: torch.Tensor,
+    student_lm_head_weight: torch.Tensor,
+    teacher_lm_head_weight: torch.Tensor,
+    completion_mask: torch.Tensor,
+    beta: float,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    student_lm_head_bias: torch.Tensor | None = None,
+    teacher_lm_head_bias: torch.Tensor | None = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    student_final_logit_softcapping: float | None = None,
+    teacher_final_logit_softcapping: float | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's ``distillation_trainer._chunked_divergence_loss`` signature and return value, computed by
+    :func:`dense_teacher_jsd_loss`.
+
+    Shapes: hidden states ``(B, K, H_s)`` / ``(B, K, H_t)``, lm_head weights ``(V, H)``, ``completion_mask``
+    ``(B, K)`` (non-zero = scored). Returns ``(loss, entropy_sum, n_valid)``: the divergence summed over scored
+    positions divided by ``num_items_in_batch`` (or by ``max(n_valid, 1)`` when None), the student's entropy at
+    ``temperature`` summed over scored positions (nats, no gradient), and the number of scored positions.
+    """
+    if isinstance(student_lm_head_weight, torch.distributed.tensor.DTensor):  # FSDP2: gather once, as TRL does
+        student_lm_head_weight = student_lm_head_weight.full_tensor().to(student_hidden_states.dtype)
+        if student_lm_head_bias is not None:
+            student_lm_head_bias = student_lm_head_bias.full_tensor()
+    if isinstance(teacher_lm_head_weight, torch.distributed.tensor.DTensor):
+        teacher_lm_head_weight = teacher_lm_head_weight.full_tensor().to(teacher_hidden_states.dtype)
+        if teacher_lm_head_bias is not None:
+            teacher_lm_head_bias = teacher_lm_head_bias.full_tensor()
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    out = dense_teacher_jsd_loss(
+        student_hidden_states.reshape(-1, student_hidden_states.size(-1)), student_lm_head_weight,
+        teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1)), teacher_lm_head_weight,
+        student_bias=student_lm_head_bias, teacher_bias=teacher_lm_head_bias,
+        student_logit_scale=float(student_logit_scale), student_softcap=student_final_logit_softcapping,
+        teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_final_logit_softcapping,
+        beta=float(beta), temperature=float(temperature), mask=valid,
+    )
+    loss = out.loss
+    if num_items_in_batch is None:
+        loss = loss / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, out.entropy_sum.float(), n_valid
+
+
+def dense_generalized_jsd_loss(
+    student_hidden_states: torch.Tensor,
+    teacher_hidden_states: torch.Tensor,
+    student_lm_head_weight: torch.Tensor,
+    teacher_lm_head_weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    *,
+    student_lm_head_bias: torch.Tensor | None = None,
+    teacher_lm_head_bias: torch.Tensor | None = None,
+    student_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+) -> torch.Tensor:
+    """TRL's ``GKDTrainer.generalized_jsd_loss`` on the logits ``softcap(scale · (h Wᵀ + b))`` of both heads,
+    computed by :func:`dense_teacher_jsd_loss` without materialising them.
+
+    Shapes: hidden states ``(B, T, H_s)`` / ``(B, T, H_t)`` (already aligned with ``labels``: pass the causally
+    shifted ones), weights ``(V, H)``, ``labels`` ``(B, T)`` with -100 at positions to skip, or None (all scored).
+    Reductions as TRL's: with ``num_items_in_batch`` the sum over scored positions divided by it; else
+    ``"batchmean"`` divides by the number of scored positions (at least 1; by ``B`` when ``labels`` is None),
+    ``"sum"`` does not divide, ``"mean"`` divides by the number of (position, vocabulary id) elements. TRL's
+    ``"none"`` (a ``(n, V)`` tensor) is not offered: it is what this function avoids.
+    """
+    if reduction not in GKD_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {GKD_REDUCTIONS} (a per-element (n, V) result would "
+                         f"materialise the logits), got {reduction!r}")
+    if student_hidden_states.dim() != 3 or teacher_hidden_states.shape[:2] != student_hidden_states.shape[:2]:
+        raise ValueError("student_hidden_states and teacher_hidden_states must be (B, T, H) with the same (B, T), "
+                         f"got {tuple(student_hidden_states.shape)} and {tuple(teacher_hidden_states.shape)}")
+    if labels is not None and labels.shape != student_hidden_states.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(student_hidden_states.shape[:2])} (the hidden states' "
+                         f"(B, T)), got {tuple(labels.shape)}")
+    mask = None if labels is None else (labels != -100).reshape(-1)
+    out = dense_teacher_jsd_loss(
+        student_hidden_states.reshape(-1, student_hidden_states.size(-1)), student_lm_head_weight,
+        teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1)), teacher_lm_head_weight,
+        student_bias=student_lm_head_bias, teacher_bias=teacher_lm_head_bias,
+        student_logit_scale=float(student_logit_scale), student_softcap=student_softcap,
+        teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_softcap,
+        beta=float(beta), temperature=float(temperature), mask=mask,
+    )
+    loss = out.loss
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
+    n_scored = out.num_tokens if mask is None else mask.sum()
+    if reduction == "batchmean":
+        return loss / (n_scored.clamp_min(1) if labels is not None else max(student_hidden_states.size(0), 1))
+    if reduction == "sum":
+        return loss
+    return loss / (n_scored * student_lm_head_weight.size(0))
+
+
+def logit_postprocessing(config: Any) -> tuple[float, float | None]:
+    """``(logit_scale, final_logit_softcapping)`` of a model's text config, read the way TRL's
+    ``DistillationTrainer`` reads them (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, or the
+    inverse of ``logits_scaling`` — its value itself on HyperCLOVA X; 1.0 when none is set)."""
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
+    return (1.0 if scale is None else float(scale)), getattr(config, "final_logit_softcapping", None)
+
+
+def _backbone_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The backbone's output (``last_hidden_state`` ``(B, L, H)``) of a causal LM, skipping its lm_head."""
+    from accelerate.utils import is_peft_model
+
+    if is_peft_model(model):
+        model = model.base_model.model
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+
+def gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """Replacement for TRL's ``GKDTrainer.compute_loss``: the same loss (``generalized_jsd_loss`` with the causal
+    shift, ``labels != -100`` mask, ``self.beta``, temperature 1 and ``num_items_in_batch``) from both backbones'
+    last hidden states and lm_heads, without ``(B, T, V)`` logits.
+
+    With ``return_outputs=True`` it returns ``(loss, outputs)`` where ``outputs`` is the student backbone's output
+    (``last_hidden_state`` ``(B, L, H)``, unshifted) instead of TRL's ``CausalLMOutput`` with logits.
+    """
+    from trl.models.utils import _ForwardRedirection
+
+    redirect = _ForwardRedirection()
+    unwrapped_student = self.accelerator.unwrap_model(model)
+    student_outputs = redirect(model, unwrapped_student, _backbone_hidden_states, unwrapped_student,
+                               inputs["input_ids"], inputs["attention_mask"])
+    self.teacher_model.eval()
+    unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
+    with torch.no_grad():
+        teacher_outputs = redirect(self.teacher_model, unwrapped_teacher, _backbone_hidden_states, unwrapped_teacher,
+                                   inputs["input_ids"], inputs["attention_mask"])
+    student_head = unwrapped_student.get_output_embeddings()
+    teacher_head = unwrapped_teacher.get_output_embeddings()
+    student_scale, student_softcap = logit_postprocessing(unwrapped_student.config.get_text_config())
+    teacher_scale, teacher_softcap = logit_postprocessing(unwrapped_teacher.config.get_text_config())
+    device = student_head.weight.device
+    # causal shift: the hidden state at position i predicts the token at i + 1
+    loss = dense_generalized_jsd_loss(
+        student_outputs.last_hidden_state[:, :-1, :].to(device),
+        teacher_outputs.last_hidden_state[:, :-1, :].to(device),
+        student_head.weight, teacher_head.weight.to(device),
+        labels=inputs["labels"][:, 1:].to(device), beta=self.beta, num_items_in_batch=num_items_in_batch,
+        student_lm_head_bias=student_head.bias,
+        teacher_lm_head_bias=None if teacher_head.bias is None else teacher_head.bias.to(device),
+        student_logit_scale=student_scale, student_softcap=student_softcap,
+        teacher_logit_scale=teacher_scale, teacher_softcap=teacher_softcap,
+    )
+    return (loss, student_outputs) if return_outputs else loss
+
+
+def _import_trl(name: str, what: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise ImportError(f"{what} needs TRL's {name}; pip install 'trl==1.16.0'") from error
+
+
+def patch_trl_gkd() -> None:
+    """Make TRL's ``GKDTrainer`` (and subclasses that keep its ``compute_loss``) use :func:`gkd_compute_loss`
+    (idempotent)."""
+    trainer = _import_trl(GKD_MODULE, "patch_trl_gkd").GKDTrainer
+    if trainer.__dict__["compute_loss"] is not gkd_compute_loss:
+        trainer._fastdistill_original_compute_loss = trainer.__dict__["compute_loss"]
+        trainer.compute_loss = gkd_compute_loss
+
+
+def unpatch_trl_gkd() -> None:
+    """Restore TRL's ``GKDTrainer.compute_loss``."""
+    trainer = _import_trl(GKD_MODULE, "unpatch_trl_gkd").GKDTrainer
+    original = trainer.__dict__.get("_fastdistill_original_compute_loss")
+    if original is not None:
+        trainer.compute_loss = original
+        del trainer._fastdistill_original_compute_loss
+
+
+def patch_trl_distillation() -> None:
+    """Make TRL's ``DistillationTrainer`` compute its loss with :func:`trl_chunked_divergence_loss` (idempotent)."""
+    module = _import_trl(DISTILLATION_MODULE, "patch_trl_distillation")
+    if module._chunked_divergence_loss is not trl_chunked_divergence_loss:
+        module._fastdistill_original_chunked_divergence_loss = module._chunked_divergence_loss
+        module._chunked_divergence_loss = trl_chunked_divergence_loss
+
+
+def unpatch_trl_distillation() -> None:
+    """Restore TRL's ``_chunked_divergence_loss``."""
+    module = _import_trl(DISTILLATION_MODULE, "unpatch_trl_distillation")
+    original = getattr(module, "_fastdistill_original_chunked_divergence_loss", None)
+    if original is not None:
+        module._chunked_divergence_loss = original
+        del module._fastdistill_original_chunked_divergence_loss
+
+
+def patch_trl_dense() -> None:
+    """Both dense-teacher patches: :func:`patch_trl_gkd` and :func:`patch_trl_distillation`."""
+    patch_trl_gkd()
+    patch_trl_distillation()
+
+
+def unpatch_trl_dense() -> None:
+    """Undo :func:`patch_trl_dense`."""
+    unpatch_trl_gkd()
+    unpatch_trl_distillation()
+
+
+@contextmanager
+def fastdistill_dense_loss_in_trl() -> Iterator[None]:
+    """``with fastdistill_dense_loss_in_trl(): trainer.train()`` — GKD and Distillation patched inside the block."""
+    patch_trl_dense()
+    try:
+        yield
+    finally:
+        unpatch_trl_dense()
