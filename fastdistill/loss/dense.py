@@ -265,24 +265,25 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
         ent[rows] = -_rowdot(p, s)
         q = torch.exp(t, out=b)
         tent[rows] = -_rowdot(q, t)
+        # Each divergence is a row sum of per-element differences (Σ q·(t − s), not Σ q·t − Σ q·s): the two sums
+        # are of the size of |log p| and would cancel to a fraction of their fp32 rounding.
         if beta == 0.0:
-            div[rows] = _rowdot(q, t) - _rowdot(q, s)
+            div[rows] = _rowdot(q, t.sub_(s))  # tile T now holds t − s
             grad = p.sub_(q) if need_grad else None  # dD/dz = p − q, in tile A
         elif beta == 1.0:
-            d = _rowdot(p, s) - _rowdot(p, t)
+            s_minus_t = torch.sub(s, t, out=b)  # overwrites q (tile B)
+            d = _rowdot(p, s_minus_t)
             div[rows] = d
-            grad = None
-            if need_grad:  # dD/dz = p (s − t − D), in tile B
-                grad = torch.sub(s, t, out=b).sub_(d.unsqueeze(1)).mul_(p)
+            grad = s_minus_t.sub_(d.unsqueeze(1)).mul_(p) if need_grad else None  # dD/dz = p (s − t − D)
         else:
-            tq = _rowdot(q, t)
             log_m = _log_mixture(s, t, beta, out=b)  # overwrites q (tile B)
-            # Σ q·log m needs q again: exp(t) recomputed in 16-row blocks rather than kept in a fifth tile
-            q_log_m = _rowdot_exp(t, log_m)
-            div[rows] = beta * (tq - q_log_m) + (1.0 - beta) * (_rowdot(p, s) - _rowdot(p, log_m))
+            # Σ q·(t − log m) needs q again: exp(t) recomputed in 16-row blocks rather than kept in a fifth tile
+            q_term = _rowdot_exp_diff(t, log_m)
+            s_minus_log_m = log_m.neg_().add_(s)
+            div[rows] = beta * q_term + (1.0 - beta) * _rowdot(p, s_minus_log_m)
             grad = None
             if need_grad:  # g = (1−β) p (s − log m), dD/dz = g − p Σ g, in tile B
-                g = log_m.neg_().add_(s).mul_(p).mul_(1.0 - beta)
+                g = s_minus_log_m.mul_(p).mul_(1.0 - beta)
                 grad = g.addcmul_(p, g.sum(dim=1, keepdim=True), value=-1.0)
         if not need_grad:
             continue
@@ -305,8 +306,13 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row dot product of two ``(c, V)`` tiles, without a ``(c, V)`` temporary."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+    """Per-row dot product of two ``(c, V)`` tiles, in blocks of 16 rows (a ``(16, V)`` temporary). Products summed
+    by ``torch.sum``, whose cascade summation keeps the fp32 error near eps whatever V; a batched matmul's running
+    sum drifts with V (~1e-5 relative at V = 32768)."""
+    out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
+    for i in range(0, a.shape[0], 16):
+        out[i : i + 16] = (a[i : i + 16] * b[i : i + 16]).sum(dim=1)
+    return out
 
 
 def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -321,11 +327,12 @@ def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _rowdot_exp(log_a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row Σ exp(log_a)·b, in blocks of 16 rows so the temporary stays small."""
+def _rowdot_exp_diff(log_a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row Σ exp(log_a)·(log_a − b), in blocks of 16 rows so the temporaries stay small."""
     out = torch.empty(log_a.shape[0], dtype=log_a.dtype, device=log_a.device)
     for i in range(0, log_a.shape[0], 16):
-        out[i : i + 16] = _rowdot(torch.exp(log_a[i : i + 16]), b[i : i + 16])
+        block = log_a[i : i + 16]
+        out[i : i + 16] = (torch.exp(block) * (block - b[i : i + 16])).sum(dim=1)
     return out
 
 
