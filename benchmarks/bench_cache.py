@@ -16,6 +16,9 @@ pads to S whether or not the draws repeat).
 DistillKit's published figures for its compressed top-K logit format are printed alongside: about 300 bytes per
 token at K = 128, about 114 at its budget setting.
 
+Scoring throughput against a real teacher server, and training from a cache against online training (speed and
+held-out result), are measured by ``benchmarks/bench_cache_train.py``.
+
     python benchmarks/bench_cache.py                         # table + benchmarks/results/bench_cache.json
     python benchmarks/bench_cache.py --rows 200 --json /tmp/bench_cache.json
 """
