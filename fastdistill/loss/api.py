@@ -237,25 +237,34 @@ class _SparseJSD(torch.autograd.Function):
             hidden, weight, bias, ids, lps, valid, cfg,
             need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows, row_weights=token_weights,
         )
-        ctx.save_for_backward(
-            *(g if g is not None else torch.empty(0) for g in (dh, dw, db))
-        )
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.has = (dh is not None, dw is not None, db is not None)
+        save_gradients(ctx, (dh, dw, db), (hidden, weight, bias))
         ctx.mark_non_differentiable(div, ent, tent)
         loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
         return loss, div, ent, tent
 
     @staticmethod
     def backward(ctx, g_loss, *_):
-        grads = []
-        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
-            if not has:
-                grads.append(None)
-                continue
-            g = saved if _is_one(g_loss) else saved * g_loss.to(saved.dtype)
-            grads.append(g.to(dtype))
-        return (*grads, None, None, None, None, None, None)
+        return (*saved_gradients(ctx, g_loss), None, None, None, None, None, None)
+
+
+def save_gradients(ctx, grads: tuple, inputs: tuple) -> None:
+    """For a loss whose forward already computed its input gradients (``grads``, None where not needed): save them
+    and the dtypes of ``inputs`` (None entries allowed) for :func:`saved_gradients`."""
+    ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
+    ctx.grad_dtypes = tuple(None if x is None else x.dtype for x in inputs)
+    ctx.has = tuple(g is not None for g in grads)
+
+
+def saved_gradients(ctx, g_loss: torch.Tensor) -> list[torch.Tensor | None]:
+    """The gradients :func:`save_gradients` kept, times the loss's upstream gradient, each in its input's dtype."""
+    grads = []
+    for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
+        if not has:
+            grads.append(None)
+            continue
+        g = saved if _is_one(g_loss) else saved * g_loss.to(saved.dtype)
+        grads.append(g.to(dtype))
+    return grads
 
 
 def _is_one(t: torch.Tensor) -> bool:

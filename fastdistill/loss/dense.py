@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import SparseJSDOutput, _is_number, _is_one, _validate_weights
+from .api import SparseJSDOutput, _is_number, _validate_weights, save_gradients, saved_gradients
 from .chunked import default_chunk_rows
 from .support import _check_beta
 
@@ -361,23 +361,14 @@ class _DenseJSD(torch.autograd.Function):
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student, teacher, beta, need_dh=need_dh,
             need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows, row_weights=token_weights,
         )
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (dh, dw, db)))
-        ctx.grad_dtypes = (s_hidden.dtype, s_weight.dtype, None if s_bias is None else s_bias.dtype)
-        ctx.has = (dh is not None, dw is not None, db is not None)
+        save_gradients(ctx, (dh, dw, db), (s_hidden, s_weight, s_bias))
         ctx.mark_non_differentiable(div, ent, tent, dropped)
         loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
         return loss, div, ent, tent, dropped
 
     @staticmethod
     def backward(ctx, g_loss, *_):
-        grads = []
-        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
-            if not has:
-                grads.append(None)
-                continue
-            g = saved if _is_one(g_loss) else saved * g_loss.to(saved.dtype)
-            grads.append(g.to(dtype))
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*saved_gradients(ctx, g_loss), None, None, None, None, None, None, None, None)
 
 
 def _validate_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, s_scale, s_softcap, t_scale, t_softcap,
