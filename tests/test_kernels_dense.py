@@ -7,6 +7,8 @@ path (:func:`test_dense_teacher.logit_error_scale`): the kernels evaluate the sa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from loss_cases import rel_close
@@ -106,3 +108,31 @@ def test_without_grad_gives_the_same_statistics():
     assert not plain.loss.requires_grad
     for f in FIELDS:
         torch.testing.assert_close(getattr(plain, f), getattr(with_grad, f).detach(), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ compiled on a GPU
+CUDA_COMPILED = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+# Loss and gradients against the fp32 torch path on the same inputs. bf16 / fp16 round each raw logit of both sides
+# once (2^-9 / 2^-12 relative, |x| ≲ 4 here): an error δ ≈ 8e-3 / 1e-3 shifts p by p·δ, and the gradient p − q
+# (β = 0) is smaller than p where the two distributions agree, so its relative error is several δ. Measured in the
+# CPU interpreter at N = 64, V = 1003 (bf16 loads, fp32 arithmetic): loss ≤ 4e-4 / 2e-5, gradients ≤ 2.4e-2 / 2.4e-3.
+GPU_LOSS_RTOL = {torch.float32: 5e-5, torch.bfloat16: 5e-3, torch.float16: 1e-3}
+GPU_GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+@pytest.mark.skipif(not CUDA_COMPILED, reason="the compiled kernels need a CUDA GPU (and TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("beta,T,softcap", [(0.0, 1.0, None), (0.5, 0.7, 3.0), (1.0, 1.3, 3.0)])
+def test_compiled_path_matches_the_torch_path(dtype, beta, T, softcap):
+    """N, D, V no tile multiples, a padded teacher, bias, token weights, several chunks, on CUDA."""
+    x = {k: v.cuda() for k, v in make_inputs(seed=21, N=333, Ds=64, Dt=48, V=5003, Vt=5067).items()}
+    kw = dict(beta=beta, temperature=T, student_softcap=softcap, teacher_softcap=None if softcap is None else 4.0,
+              student_logit_scale=1.2, teacher_logit_scale=0.9, chunk_rows=128)
+    ref, ref_grads = run(x, torch.float32, "torch", **kw)
+    xd = {k: v.to(dtype) if v.is_floating_point() and k != "token_weights" else v for k, v in x.items()}
+    out, grads = run(xd, dtype, "triton-chunked", **kw)
+    for f in FIELDS:
+        rel_close(getattr(out, f).float(), getattr(ref, f), GPU_LOSS_RTOL[dtype], f)
+    for name, g, r in zip(("dh", "dW", "db"), grads, ref_grads, strict=True):
+        assert g.dtype == dtype
+        rel_close(g.float(), r, GPU_GRAD_RTOL[dtype], name)
