@@ -280,6 +280,57 @@ def _run_meta_call(fused_sparse_jsd, variant: Variant, shape: Shape) -> None:
     out.divergence.sum().backward()
 
 
+DENSE_SHAPE = Shape("qwen-dense", n=16384, d=3584, v=152064, s=0)  # student V_s; the teacher's V_t adds DENSE_PAD
+DENSE_PAD = 64  # a padded teacher vocabulary (V_t = V_s + 64) also compiles the dropped-mass loop
+DENSE_MODES = {"fwd-kl": 0.0, "jsd": 0.5, "rev-kl": 1.0}
+
+
+def record_dense_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE) -> list[Launch]:
+    """The two launches one row chunk of ``chunked_dense_teacher_jsd`` makes per β mode (bias and softcap on both
+    sides, padded teacher vocabulary, gradient and token weights on), on meta tensors as on a CUDA device."""
+    import fastdistill_kernels.dense_chunk as dc
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", target.arch, 32))
+    launches: list[Launch] = []
+    dt, meta = DTYPES[dtype], torch.device("meta")
+    v, vt = shape.v, shape.v + DENSE_PAD
+    c = dc.dense_chunk_rows_for(shape.n, v, vt, dt, dt)
+    xs, xt = torch.empty(c, v, dtype=dt, device=meta), torch.empty(c, vt, dtype=dt, device=meta)
+    bs, bt = torch.empty(v, dtype=dt, device=meta), torch.empty(vt, dtype=dt, device=meta)
+    rows = torch.empty(c, dtype=torch.float32, device=meta)
+    heads = dc.DenseHeads(1.0, 30.0, 1.0, 30.0, 1.0)
+    patches = (
+        mock.patch.object(dc, "_dense_stats_kernel", _LaunchRecorder(dc._dense_stats_kernel, backend, launches)),
+        mock.patch.object(dc, "_dense_grad_kernel", _LaunchRecorder(dc._dense_grad_kernel, backend, launches)),
+    )
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        dc.launch_dense_stats(xs, xt, bs, bt, heads)
+        for beta in DENSE_MODES.values():
+            dc.launch_dense_grad(xs, xt, bs, bt, rows, rows, rows, heads, beta, need_grad=True)
+    return launches
+
+
+def dense_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] = tuple(TARGETS)) -> list[dict]:
+    """Compile the dense-teacher chunked kernels (:func:`record_dense_launches`) for ``targets``: one entry per
+    launch with ``dtype``, ``target``, ``kernel``, ``mode`` (β mode of the gradient kernel; "stats" for the first
+    kernel), ``smem_per_block`` (the target's limit) and ``metrics`` (:func:`compile_launch`)."""
+    sys.path.insert(0, str(ROOT / "kernels"))
+    out = []
+    for dtype in dtypes:
+        for t in targets:
+            target = TARGETS[t]
+            launches = record_dense_launches(dtype, target)
+            modes = ["stats", *DENSE_MODES]
+            for launch, mode in zip(launches, modes, strict=True):
+                out.append(dict(dtype=dtype, target=t, kernel=launch.kernel, mode=mode,
+                                smem_per_block=target.smem_per_block, metrics=compile_launch(launch, target)))
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ compile
 
 

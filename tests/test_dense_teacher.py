@@ -376,7 +376,7 @@ BAD = [
     (dict(teacher_logit_scale=float("inf")), "teacher_logit_scale must be a finite number > 0"),
     (dict(student_softcap=0.0), "student_softcap must be None or a finite number > 0"),
     (dict(teacher_softcap=-1.0), "teacher_softcap must be None or a finite number > 0"),
-    (dict(backend="triton"), "backend must be one of \\('auto', 'torch', 'reference'\\)"),
+    (dict(backend="triton"), "backend must be one of \\('auto', 'torch', 'reference', 'triton-chunked'\\)"),
     (dict(chunk_rows=0), "chunk_rows must be None or an int >= 1"),
     (dict(chunk_rows=2.0), "chunk_rows must be None or an int >= 1"),
     (dict(num_teachers=0), "num_teachers must be an int >= 1"),

@@ -139,3 +139,46 @@ def test_results_section_is_replaced_in_place(tmp_path):
     fresh = tmp_path / "empty.md"
     cr.update_results(fresh, f"{cr.SECTION_START}\nx\n{cr.SECTION_END}")
     assert fresh.read_text().strip().endswith(cr.SECTION_END)
+
+
+# --------------------------------------------------------------------------- dense teacher, chunked logits
+
+DENSE_SCRIPT = f"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("compile_report", {str(SCRIPT)!r})
+cr = importlib.util.module_from_spec(spec)
+sys.modules["compile_report"] = cr
+spec.loader.exec_module(cr)
+problem = cr.toolchain_problem()
+if problem:
+    print(problem, file=sys.stderr)
+    sys.exit(2)
+json.dump(cr.dense_report(("bf16",)), open(sys.argv[1], "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def dense_report(tmp_path_factory) -> list[dict]:
+    """The dense-teacher chunked kernels (statistics pass, gradient pass per β mode) compiled in bf16 at the
+    Qwen-like shape for both targets (one subprocess, ~10 s)."""
+    out = tmp_path_factory.mktemp("compile-dense") / "dense.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    proc = subprocess.run([sys.executable, "-c", DENSE_SCRIPT, str(out)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    if proc.returncode == 2:
+        pytest.skip(proc.stderr.strip()[-500:])
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_dense_chunk_kernels_compile_fit_and_do_not_spill(dense_report, target):
+    entries = [e for e in dense_report if e["target"] == target]
+    assert sorted(e["mode"] for e in entries) == sorted(["stats", *cr.DENSE_MODES])
+    for e in entries:
+        m = e["metrics"]
+        assert "error" not in m, (e["kernel"], e["mode"], m.get("error"))
+        assert m["registers"] > 0, e
+        assert m["shared_bytes"] + m["static_shared_bytes"] <= e["smem_per_block"], (e["kernel"], e["mode"], m)
+        assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass"]["spill_store"]) == (0, 0, 0), (
+            e["kernel"], e["mode"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])

@@ -29,7 +29,7 @@ from .api import SparseJSDOutput, _is_number, _validate_weights, save_gradients,
 from .chunked import default_chunk_rows
 from .support import _check_beta
 
-DENSE_BACKENDS = ("auto", "torch", "reference")
+DENSE_BACKENDS = ("auto", "torch", "reference", "triton-chunked")
 
 
 @dataclass
@@ -110,7 +110,9 @@ def dense_teacher_jsd_loss(
         teacher_index: ``(N,)`` integer teacher index per position for ``per_teacher``, or None.
         num_teachers: number of teachers (rows of ``per_teacher``).
         backend: ``"auto"`` or ``"torch"`` (memory-bounded row chunks, gradients in the forward), ``"reference"``
-            (dense, materialises ``(N, V)``; the oracle of the tests).
+            (dense, materialises ``(N, V)``; the oracle of the tests), ``"triton-chunked"`` (cuBLAS logits per row
+            chunk and two Triton passes, :func:`fastdistill_kernels.dense_chunk.chunked_dense_teacher_jsd`; CUDA
+            tensors, or CPU under ``TRITON_INTERPRET=1``; ``student_top_k`` stays on the torch path).
         chunk_rows: rows per chunk of the torch path, or None (tiles of at most 32 MiB, at most 256 rows).
         student_top_k: None (the full-vocabulary divergence), or k: the divergence over the student's own top-k
             tokens per position (by its final logits; a selection without gradient) plus one tail bucket per side,
@@ -152,9 +154,29 @@ def dense_teacher_jsd_loss(
         return _student_top_k_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
                                   teacher, float(beta), student_top_k, chunk_rows, token_weights, teacher_index,
                                   num_teachers)
+    if backend == "triton-chunked":
+        return _triton_chunked_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
+                                     student, teacher, float(beta), chunk_rows, token_weights, teacher_index,
+                                     num_teachers)
     loss, div, ent, tent, dropped = _DenseJSD.apply(student_hidden, student_weight, student_bias, t_hidden, t_weight,
                                                     t_bias, student, teacher, float(beta), chunk_rows, token_weights)
     return summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers)
+
+
+def _triton_chunked_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
+                          beta: float, chunk_rows, token_weights, teacher_index, num_teachers) -> DenseJSDOutput:
+    """The chunked-logits Triton path on scored rows (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``)."""
+    from .api import _check_triton_inputs
+
+    _check_triton_inputs(s_hidden, s_weight, "triton-chunked")
+    _check_triton_inputs(t_hidden, t_weight, "triton-chunked")
+    from fastdistill_kernels.dense_chunk import DenseHeads, chunked_dense_teacher_jsd
+
+    heads = DenseHeads(student.scale, student.softcap, teacher.scale, teacher.softcap, student.temperature)
+    out = chunked_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, student_bias=s_bias, teacher_bias=t_bias,
+                                    heads=heads, beta=beta, row_weights=token_weights, chunk_rows=chunk_rows)
+    return summarize_dense(out.loss, out.divergence.detach(), out.entropy, out.teacher_entropy, out.dropped,
+                           teacher_index, num_teachers)
 
 
 def summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers) -> DenseJSDOutput:

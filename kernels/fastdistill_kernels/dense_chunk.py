@@ -1,0 +1,416 @@
+"""Dense-teacher generalized JSD with 6·N·D_s·V_s student FLOPs: cuBLAS logits per row chunk, two Triton passes.
+
+Per chunk of ``C`` rows:
+
+1. ``xs = h_s @ W_sᵀ`` ``(C, V_s)`` and ``xt = h_t @ W_tᵀ`` ``(C, V_t)`` with ``torch.mm`` (cuBLAS on a GPU) into
+   reused buffers, each in its side's compute dtype (fp32 accumulation, the raw logits rounded once).
+2. :func:`_dense_stats_kernel`, one program per row: both sides' final logits
+   ``z = softcap(scale·(x + b)) / T`` in fp32 and their online log-sum-exp and entropy over the student's
+   vocabulary ``[0, V_s)``; the teacher's columns ``[V_s, V_t)`` of a padded vocabulary only give their
+   log-sum-exp (the dropped mass ``exp(lse_pad − logaddexp(lse_t, lse_pad))``).
+3. :func:`_dense_grad_kernel`, one program per row covering the whole row in tiles (no atomics): the per-element
+   log-probs ``s = z_s − lse_s``, ``t = z_t − lse_t``, the divergence terms summed over the row (each term formed
+   as a difference before the sum: ``q·(t − s)``, not ``Σq·t − Σq·s``) and, when a gradient is needed, the
+   student's ``dL/dx`` written over ``xs`` in place (a second sweep of the row where the gradient needs a row sum
+   first: β = 1 needs ``D``, 0 < β < 1 needs ``Σ g``). With ``g_v = ∂D/∂s_v``, ``dD/dz = g − p Σ g``:
+   β = 0: ``p − q``; β = 1: ``p (s − t − D)``; else ``g = (1−β) p (s − log m)`` with
+   ``log m = logaddexp(s + log(1−β), t + log β)``. Chain rule to the raw logits: times the row weight,
+   ``scale / T`` and the softcap derivative ``1 − u²`` (``u = z·T / c``).
+4. ``dh = dx @ W_s``, ``dW += dxᵀ @ h_s`` (fp32 accumulator) and ``db += Σ_rows dx`` with torch.
+
+Gradients are computed in the forward with the token weights as the per-row upstream gradient; backward only
+scales them by the scalar upstream gradient of the loss. Teacher inputs are constants.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .backward import addmm_fp32
+from .config import device_guard
+from .logits_chunk import (
+    DEFAULT_CHUNK_BYTES,
+    GPU_BLOCK_V,
+    GPU_NUM_WARPS,
+    INTERPRETER_BLOCK_V,
+    MAX_CHUNK_ROWS,
+    _final_logits,
+    _raw_logits,
+)
+
+BETA_FORWARD, BETA_REVERSE, BETA_MIXED = 0, 1, 2  # constexpr divergence modes: β = 0, β = 1, 0 < β < 1
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _online_update(m, s, t, z, keep):
+    """One tile of the online statistics ``m`` (max), ``s = Σ e^(z−m)``, ``t = Σ e^(z−m)·(z−m)`` over ``keep``."""
+    neg_inf = float("-inf")
+    z = tl.where(keep, z, neg_inf)
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    shift = tl.where(m_new == neg_inf, 0.0, m_new)
+    y = tl.where(keep, z - shift, 0.0)
+    e = tl.where(keep, tl.exp(y), 0.0)
+    rescale = tl.exp(m - shift)
+    t = rescale * (t + tl.where(s > 0, m - shift, 0.0) * s) + tl.sum(e * y, axis=0)
+    s = rescale * s + tl.sum(e, axis=0)
+    return m_new, s, t
+
+
+@triton.jit
+def _dense_stats_kernel(XS, XT, BS, BT, LSE_S, ENT_S, LSE_T, ENT_T, LSE_PAD, V, VT,
+                        s_scale, s_softcap, t_scale, t_softcap, inv_temp,
+                        BLOCK_V: tl.constexpr, S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_BIAS: tl.constexpr,
+                        T_SOFTCAP: tl.constexpr, PADDED: tl.constexpr):
+    """One program per row: log-sum-exp and entropy of the student (row of ``XS``, ``(C, V)``) and of the teacher
+    over ``[0, V)`` (row of ``XT``, ``(C, VT)``), and the teacher's log-sum-exp over ``[V, VT)`` when ``PADDED``."""
+    row = tl.program_id(0).to(tl.int64)
+    xs_row = XS + row * V
+    xt_row = XT + row * VT
+    neg_inf = float("-inf")
+    ms = tl.full((), neg_inf, tl.float32)
+    ss = tl.zeros((), tl.float32)
+    ts = tl.zeros((), tl.float32)
+    mt = tl.full((), neg_inf, tl.float32)
+    st = tl.zeros((), tl.float32)
+    tt = tl.zeros((), tl.float32)
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
+        zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
+        ms, ss, ts = _online_update(ms, ss, ts, zs, inside)
+        xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
+        zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
+        mt, st, tt = _online_update(mt, st, tt, zt, inside)
+    # lse = m + log s; entropy = Σ p (lse − z) = log s − t / s
+    tl.store(LSE_S + row, ms + tl.log(ss))
+    tl.store(ENT_S + row, tl.log(ss) - ts / ss)
+    tl.store(LSE_T + row, mt + tl.log(st))
+    tl.store(ENT_T + row, tl.log(st) - tt / st)
+    if PADDED:
+        mp = tl.full((), neg_inf, tl.float32)
+        sp = tl.zeros((), tl.float32)
+        tp = tl.zeros((), tl.float32)
+        for v0 in range(V, VT, BLOCK_V):
+            cols = v0 + offs
+            inside = cols < VT
+            xp = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
+            zp = _final_logits(xp, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
+            mp, sp, tp = _online_update(mp, sp, tp, zp, inside)
+        tl.store(LSE_PAD + row, mp + tl.log(sp))
+
+
+@triton.jit
+def _log_mixture(s, t, log_1mb, log_b):
+    """``log((1−β)·e^s + β·e^t)`` as a log-sum-exp of two terms: finite for finite s, t."""
+    a = s + log_1mb
+    b = t + log_b
+    hi = tl.maximum(a, b)
+    return hi + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+
+
+@triton.jit
+def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
+                       s_scale, s_softcap, t_scale, t_softcap, inv_temp, beta, log_1mb, log_b,
+                       BLOCK_V: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr, HAS_ROW_W: tl.constexpr,
+                       S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_BIAS: tl.constexpr,
+                       T_SOFTCAP: tl.constexpr):
+    """One program per row: the row's divergence into ``DIV`` and, when ``NEED_GRAD``, ``dL/dx`` over ``XS``."""
+    row = tl.program_id(0).to(tl.int64)
+    xs_row = XS + row * V
+    xt_row = XT + row * VT
+    lse_s = tl.load(LSE_S + row)
+    lse_t = tl.load(LSE_T + row)
+    offs = tl.arange(0, BLOCK_V)
+    w = 1.0
+    if HAS_ROW_W:
+        w = tl.load(ROW_W + row).to(tl.float32)
+    chain = w * s_scale * inv_temp
+    div = tl.zeros((), tl.float32)
+    sum_g = tl.zeros((), tl.float32)
+    # sweep 1: the divergence (β = 0 also writes its gradient p − q here: it needs no row sum)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
+        zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
+        xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
+        zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
+        s = zs - lse_s
+        t = zt - lse_t
+        p = tl.exp(s)
+        q = tl.exp(t)
+        if MODE == 0:
+            div += tl.sum(tl.where(inside, q * (t - s), 0.0), axis=0)
+            if NEED_GRAD:
+                dz = (p - q) * chain
+                if S_SOFTCAP:
+                    u = zs * (1.0 / (s_softcap * inv_temp))
+                    dz = dz * (1.0 - u * u)
+                tl.store(xs_row + cols, dz, mask=inside)
+        elif MODE == 1:
+            div += tl.sum(tl.where(inside, p * (s - t), 0.0), axis=0)
+        else:
+            log_m = _log_mixture(s, t, log_1mb, log_b)
+            term = beta * q * (t - log_m) + (1.0 - beta) * p * (s - log_m)
+            div += tl.sum(tl.where(inside, term, 0.0), axis=0)
+            sum_g += tl.sum(tl.where(inside, (1.0 - beta) * p * (s - log_m), 0.0), axis=0)
+    tl.store(DIV + row, div)
+    if NEED_GRAD and MODE != 0:
+        tl.debug_barrier()  # every element is read before the gradient overwrites it
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            inside = cols < V
+            xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
+            zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
+            xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
+            zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
+            s = zs - lse_s
+            t = zt - lse_t
+            p = tl.exp(s)
+            if MODE == 1:
+                dz = p * (s - t - div)
+            else:
+                g = (1.0 - beta) * p * (s - _log_mixture(s, t, log_1mb, log_b))
+                dz = g - p * sum_g
+            dz = dz * chain
+            if S_SOFTCAP:
+                u = zs * (1.0 / (s_softcap * inv_temp))
+                dz = dz * (1.0 - u * u)
+            tl.store(xs_row + cols, dz, mask=inside)
+
+
+# --------------------------------------------------------------------------------------------------- launches
+
+
+class DenseHeads(NamedTuple):
+    """Both sides' logit post-processing: ``z = softcap(scale·(x + b)) / temperature`` (softcap None = off)."""
+
+    student_scale: float
+    student_softcap: float | None
+    teacher_scale: float
+    teacher_softcap: float | None
+    temperature: float
+
+
+class DenseStats(NamedTuple):
+    """Per-row fp32 statistics of one chunk, ``(C,)`` each: log-sum-exp and entropy of the student and of the
+    teacher over the student's vocabulary, and the teacher's log-sum-exp over its padded ids (None if unpadded)."""
+
+    lse_s: torch.Tensor
+    ent_s: torch.Tensor
+    lse_t: torch.Tensor
+    ent_t: torch.Tensor
+    lse_pad: torch.Tensor | None
+
+
+def _launch_options(device: torch.device) -> dict:
+    """Vocabulary tile and warps: the interpreter's small tile on CPU, the GPU's elsewhere (``meta`` included)."""
+    return dict(BLOCK_V=INTERPRETER_BLOCK_V if device.type == "cpu" else GPU_BLOCK_V, num_warps=GPU_NUM_WARPS)
+
+
+def _scalars(heads: DenseHeads) -> tuple[float, ...]:
+    return (float(heads.student_scale), 1.0 if heads.student_softcap is None else float(heads.student_softcap),
+            float(heads.teacher_scale), 1.0 if heads.teacher_softcap is None else float(heads.teacher_softcap),
+            1.0 / float(heads.temperature))
+
+
+def _flags(heads: DenseHeads, s_bias, t_bias) -> dict:
+    return dict(S_BIAS=s_bias is not None, S_SOFTCAP=heads.student_softcap is not None, T_BIAS=t_bias is not None,
+                T_SOFTCAP=heads.teacher_softcap is not None)
+
+
+def launch_dense_stats(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor | None,
+                       t_bias: torch.Tensor | None, heads: DenseHeads) -> DenseStats:
+    """Run :func:`_dense_stats_kernel` over the raw logits ``xs`` ``(C, V_s)`` and ``xt`` ``(C, V_t)`` (contiguous)
+    with biases ``(V_s,)`` / ``(V_t,)`` or None."""
+    c, v = xs.shape
+    vt = xt.shape[1]
+    f32 = dict(dtype=torch.float32, device=xs.device)
+    lse_s, ent_s, lse_t, ent_t = (torch.empty(c, **f32) for _ in range(4))
+    lse_pad = torch.empty(c, **f32) if vt > v else None
+    _dense_stats_kernel[(c,)](
+        xs, xt, s_bias, t_bias, lse_s, ent_s, lse_t, ent_t, lse_pad, v, vt, *_scalars(heads),
+        PADDED=vt > v, **_flags(heads, s_bias, t_bias), **_launch_options(xs.device),
+    )
+    return DenseStats(lse_s, ent_s, lse_t, ent_t, lse_pad)
+
+
+def beta_mode(beta: float) -> int:
+    """The kernel's divergence mode for ``beta``: :data:`BETA_FORWARD`, :data:`BETA_REVERSE` or :data:`BETA_MIXED`."""
+    return BETA_FORWARD if beta == 0.0 else BETA_REVERSE if beta == 1.0 else BETA_MIXED
+
+
+def launch_dense_grad(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor | None, t_bias: torch.Tensor | None,
+                      lse_s: torch.Tensor, lse_t: torch.Tensor, row_weights: torch.Tensor | None, heads: DenseHeads,
+                      beta: float, need_grad: bool) -> torch.Tensor:
+    """Run :func:`_dense_grad_kernel`: returns the per-row divergence ``(C,)`` fp32 (nats) and, if ``need_grad``,
+    overwrites ``xs`` with ``dL/dx = w · dD/dx`` for the raw student logits (``w`` = ``row_weights`` or 1)."""
+    c, v = xs.shape
+    vt = xt.shape[1]
+    div = torch.empty(c, dtype=torch.float32, device=xs.device)
+    mode = beta_mode(beta)
+    log_1mb = math.log1p(-beta) if mode == BETA_MIXED else 0.0
+    log_b = math.log(beta) if mode == BETA_MIXED else 0.0
+    _dense_grad_kernel[(c,)](
+        xs, xt, s_bias, t_bias, lse_s, lse_t, row_weights, div, v, vt, *_scalars(heads), float(beta), log_1mb, log_b,
+        MODE=mode, NEED_GRAD=need_grad, HAS_ROW_W=row_weights is not None, **_flags(heads, s_bias, t_bias),
+        **_launch_options(xs.device),
+    )
+    return div
+
+
+# --------------------------------------------------------------------------------------------------- host side
+
+
+def dense_chunk_rows_for(n_rows: int, student_vocab: int, teacher_vocab: int, student_dtype: torch.dtype,
+                         teacher_dtype: torch.dtype, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows per chunk: at most :data:`MAX_CHUNK_ROWS` and ``n_rows``, both raw-logits buffers together within
+    ``chunk_bytes`` (at least one row)."""
+    row_bytes = student_vocab * (torch.finfo(student_dtype).bits // 8) + teacher_vocab * (
+        torch.finfo(teacher_dtype).bits // 8)
+    return max(1, min(MAX_CHUNK_ROWS, n_rows, chunk_bytes // row_bytes))
+
+
+def dense_chunked_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads: DenseHeads, beta: float,
+                       row_weights, *, need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int):
+    """Per-row divergence, entropies, dropped teacher mass and the gradients of ``Σ w·div`` over row chunks.
+
+    Returns ``(div, entropy, teacher_entropy, dropped, dh, dw, db)``: ``(N,)`` fp32; dh ``(N, D_s)`` in the student's
+    compute dtype, dw ``(V_s, D_s)`` and db ``(V_s,)`` fp32; None where not needed.
+    """
+    n, d = s_hidden.shape
+    v, vt = s_weight.shape[0], t_weight.shape[0]
+    dev = s_hidden.device
+    need_grad = need_dh or need_dw or need_db
+    div, ent, tent, dropped = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(4))
+    dh = torch.empty(n, d, dtype=s_hidden.dtype, device=dev) if need_dh else None
+    dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
+    c0 = min(chunk_rows, n)
+    xs_buf = torch.empty(c0, v, dtype=s_hidden.dtype, device=dev) if n else None
+    xt_buf = torch.empty(c0, vt, dtype=t_hidden.dtype, device=dev) if n else None
+    for start in range(0, n, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, n))
+        c = rows.stop - start
+        h, xs, xt = s_hidden[rows], xs_buf[:c], xt_buf[:c]
+        _raw_logits(h, s_weight, xs)
+        _raw_logits(t_hidden[rows], t_weight, xt)
+        rw = None if row_weights is None else row_weights[rows]
+        with device_guard(dev):  # Triton launches on the current device, not the tensors'
+            st = launch_dense_stats(xs, xt, s_bias, t_bias, heads)
+            div[rows] = launch_dense_grad(xs, xt, s_bias, t_bias, st.lse_s, st.lse_t, rw, heads, beta, need_grad)
+        ent[rows], tent[rows] = st.ent_s, st.ent_t
+        if st.lse_pad is not None:
+            dropped[rows] = torch.exp(st.lse_pad - torch.logaddexp(st.lse_t, st.lse_pad))
+        if need_dh:
+            torch.mm(xs, s_weight, out=dh[rows])
+        if need_dw:
+            addmm_fp32(dw, xs.t(), h)  # dW += dxᵀ @ h_chunk
+        if need_db:
+            db += xs.sum(dim=0, dtype=torch.float32)
+    return div, ent, tent, dropped, dh, dw, db
+
+
+class DenseChunkedJSD(torch.autograd.Function):
+    """Forward: loss, metrics and (token-weighted) gradients over chunks. Backward: scales the saved gradients by
+    the scalar upstream gradient of the loss; a gradient into the per-row divergences raises."""
+
+    @staticmethod
+    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads, beta, row_weights, chunk_rows):
+        need_dh, need_dw = ctx.needs_input_grad[:2]
+        need_db = s_bias is not None and ctx.needs_input_grad[2]
+        div, ent, tent, dropped, dh, dw, db = dense_chunked_rows(
+            s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads, beta, row_weights,
+            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows)
+        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (dh, dw, db)))
+        ctx.has = (dh is not None, dw is not None, db is not None)
+        ctx.grad_dtypes = (s_hidden.dtype, s_weight.dtype, None if s_bias is None else s_bias.dtype)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(ent, tent, dropped)
+        loss = div.sum() if row_weights is None else (div * row_weights.float()).sum()
+        return loss, div.clone(), ent, tent, dropped
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_div, *_):
+        if grad_div is not None:
+            raise RuntimeError(
+                "the chunked dense-teacher loss (backend='triton-chunked') computes its gradients in the forward "
+                "pass for the returned weighted sum `loss` only; pass per-row weights as token_weights")
+        grads = []
+        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
+            if not has or grad_loss is None:
+                grads.append(None)
+                continue
+            grads.append((saved * grad_loss.to(saved.dtype)).to(dtype))
+        return (*grads, None, None, None, None, None, None, None)
+
+
+class DenseChunkedLosses(NamedTuple):
+    """Results of :func:`chunked_dense_teacher_jsd`: ``loss`` 0-dim fp32 ``Σ w·div`` (the only differentiable
+    output); ``divergence``, ``entropy``, ``teacher_entropy`` (over the student's vocabulary, renormalised) and
+    ``dropped`` (teacher mass on ids ≥ V_s) ``(N,)`` fp32, nats."""
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    entropy: torch.Tensor
+    teacher_entropy: torch.Tensor
+    dropped: torch.Tensor
+
+
+def chunked_dense_teacher_jsd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    heads: DenseHeads | None = None,
+    beta: float = 0.0,
+    row_weights: torch.Tensor | None = None,
+    chunk_rows: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> DenseChunkedLosses:
+    """Generalized JSD between the student's and a dense teacher's distributions over the student's vocabulary,
+    both from hidden states and an lm_head, with 6·N·D_s·V_s student matmul FLOPs (+ 2·N·D_t·V_t for the teacher).
+
+    Args:
+        student_hidden: ``(N, D_s)``; student_weight ``(V_s, D_s)``; student_bias ``(V_s,)`` or None.
+        teacher_hidden: ``(N, D_t)``; teacher_weight ``(V_t, D_t)``, ``V_t ≥ V_s``; teacher_bias ``(V_t,)`` or None
+            (constants: detached). float32, bfloat16 or float16 on CUDA, or on CPU under ``TRITON_INTERPRET=1``;
+            each side's hidden and weight are brought to their common dtype. Arithmetic in the kernels is fp32.
+        heads: both sides' logit scale and softcap and the shared temperature; None = plain logits (1, off, 1).
+        beta: 0 = KL(teacher‖student), 1 = KL(student‖teacher), else the generalized JSD.
+        row_weights: ``(N,)`` non-negative constants or None: ``loss = Σ w·div``.
+        chunk_rows: rows per chunk; default :func:`dense_chunk_rows_for` (≤ 4096 rows, buffers ≤ ``chunk_bytes``).
+
+    Returns:
+        :class:`DenseChunkedLosses`; ``loss.backward()`` gives the student's dh, dW, db.
+    """
+    if row_weights is not None and row_weights.shape != (student_hidden.shape[0],):
+        raise ValueError(f"row_weights must have shape ({student_hidden.shape[0]},), got {tuple(row_weights.shape)}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
+    heads = heads if heads is not None else DenseHeads(1.0, None, 1.0, None, 1.0)
+    sdt = torch.promote_types(student_hidden.dtype, student_weight.dtype)
+    tdt = torch.promote_types(teacher_hidden.dtype, teacher_weight.dtype)
+    rows = chunk_rows or dense_chunk_rows_for(student_hidden.shape[0], student_weight.shape[0],
+                                              teacher_weight.shape[0], sdt, tdt, chunk_bytes)
+    t_bias = None if teacher_bias is None else teacher_bias.detach().contiguous()
+    out = DenseChunkedJSD.apply(
+        student_hidden.to(sdt).contiguous(), student_weight.to(sdt).contiguous(),
+        None if student_bias is None else student_bias.contiguous(),
+        teacher_hidden.detach().to(tdt).contiguous(), teacher_weight.detach().to(tdt).contiguous(), t_bias,
+        heads, float(beta), None if row_weights is None else row_weights.detach().contiguous(), max(1, int(rows)),
+    )
+    return DenseChunkedLosses(*out)
