@@ -7,7 +7,8 @@ Steps, in order, each in its own process group with its own timeout, all within 
                       default ``torch>=2.6``: PyPI's Linux wheels are CUDA builds), triton, trl 1.16.0, liger-kernel,
                       cut-cross-entropy, pytest and fastdistill itself (editable). Offline machines:
                       ``--pip-args "--no-index --find-links /wheels"``, or ``--python`` for a ready interpreter.
-  kernel-tests        ``pytest tests/test_kernels.py`` without TRITON_INTERPRET: the compiled kernels on the GPU
+  kernel-tests        ``pytest tests/test_kernels.py tests/test_kernels_chunked.py tests/test_kernels_dense.py`` without
+                      TRITON_INTERPRET: the compiled kernels on the GPU
                       against the torch path and the float64 reference, every backward mode and dtype.
   bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 against TRL, Liger and CCE, each
                       behind its correctness gate (an implementation that disagrees is not timed).
@@ -66,6 +67,7 @@ STEPS = tuple(STEP_LIMITS)
 MIN_STEP_S = 15  # a step with less time than this left is skipped
 RESERVE_S = 5  # kept for writing the JSON
 TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
+GPU_KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_chunked.py", "tests/test_kernels_dense.py")
 DRY_RUN_KERNEL_TESTS = "auto_keeps or device_guard or mixed_addmm_detection or not_marked_validated"
 IPC_NOTE = ("fastdistill's weight sync (VLLMWeightSync) supports the 'gloo' and 'nccl' backends, not vLLM's 'ipc' "
             "backend; NCCL cannot put two ranks on one GPU, so the same-GPU check pushes over gloo (CPU staging).")
@@ -201,7 +203,9 @@ def junit_counts(path: Path) -> dict[str, int]:
 def step_kernel_tests(ctx: Context, timeout_s: float) -> dict:
     """The kernel tests: compiled on the GPU (dry run: a few interpreter tests on the CPU)."""
     report = ctx.workdir / "kernel-tests.xml"
-    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", f"--junitxml={report}"]
+    # on the GPU the chunked-logits kernels (sparse and dense teacher) too: their compiled-path tests need one
+    files = ["tests/test_kernels.py"] if ctx.args.dry_run else list(GPU_KERNEL_TEST_FILES)
+    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, f"--junitxml={report}"]
     env = clean_env()
     if ctx.args.dry_run:
         cmd += ["-k", DRY_RUN_KERNEL_TESTS]
