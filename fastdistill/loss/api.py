@@ -356,16 +356,21 @@ def _validate(hidden, weight, bias, ids, lps, mask, logit_scale, softcap, beta, 
                 f"lps has {int(bad.sum())} NaN or +inf teacher log-probs on used slots (mask set, id >= 0); "
                 "drop those candidates (set their mask to False) before calling"
             )
-    if teacher_index is not None:
-        if teacher_index.shape != (N,):
-            raise ValueError(f"teacher_index must have shape ({N},), got {tuple(teacher_index.shape)}")
-        if teacher_index.is_floating_point() or teacher_index.dtype == torch.bool:
-            raise ValueError(f"teacher_index must be an integer tensor, got {teacher_index.dtype}")
-        if N and (int(teacher_index.min()) < 0 or int(teacher_index.max()) >= num_teachers):
-            raise ValueError(
-                f"teacher_index values must lie in [0, num_teachers) = [0, {num_teachers}), got values in "
-                f"[{int(teacher_index.min())}, {int(teacher_index.max())}]"
-            )
+    check_teacher_index(teacher_index, N, num_teachers)
+
+
+def check_teacher_index(teacher_index: torch.Tensor | None, N: int, num_teachers: int) -> None:
+    """Raise ValueError unless ``teacher_index`` is None or an ``(N,)`` integer tensor of values in
+    ``[0, num_teachers)``."""
+    if teacher_index is None:
+        return
+    if teacher_index.shape != (N,):
+        raise ValueError(f"teacher_index must have shape ({N},), got {tuple(teacher_index.shape)}")
+    if teacher_index.is_floating_point() or teacher_index.dtype == torch.bool:
+        raise ValueError(f"teacher_index must be an integer tensor, got {teacher_index.dtype}")
+    if N and (int(teacher_index.min()) < 0 or int(teacher_index.max()) >= num_teachers):
+        raise ValueError(f"teacher_index values must lie in [0, num_teachers) = [0, {num_teachers}), got values in "
+                         f"[{int(teacher_index.min())}, {int(teacher_index.max())}]")
 
 
 def _validate_weights(token_weights, hidden) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import SparseJSDOutput, _is_number, _validate_weights, save_gradients, saved_gradients
+from .api import SparseJSDOutput, _is_number, _validate_weights, check_teacher_index, save_gradients, saved_gradients
 from .chunked import default_chunk_rows
 from .support import _check_beta
 
@@ -459,13 +459,4 @@ def _validate_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, s_sc
         raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
     if not isinstance(num_teachers, int) or isinstance(num_teachers, bool) or num_teachers < 1:
         raise ValueError(f"num_teachers must be an int >= 1, got {num_teachers!r}")
-    if teacher_index is not None:
-        if teacher_index.shape != (N,):
-            raise ValueError(f"teacher_index must have shape ({N},), got {tuple(teacher_index.shape)}")
-        if teacher_index.is_floating_point() or teacher_index.dtype == torch.bool:
-            raise ValueError(f"teacher_index must be an integer tensor, got {teacher_index.dtype}")
-        if N and (int(teacher_index.min()) < 0 or int(teacher_index.max()) >= num_teachers):
-            raise ValueError(
-                f"teacher_index values must lie in [0, num_teachers) = [0, {num_teachers}), got values in "
-                f"[{int(teacher_index.min())}, {int(teacher_index.max())}]"
-            )
+    check_teacher_index(teacher_index, N, num_teachers)

@@ -41,6 +41,8 @@ from .logits_chunk import (
     MAX_CHUNK_ROWS,
     _final_logits,
     _raw_logits,
+    save_forward_grads,
+    scaled_forward_grads,
 )
 
 BETA_FORWARD, BETA_REVERSE, BETA_MIXED = 0, 1, 2  # constexpr divergence modes: β = 0, β = 1, 0 < β < 1
@@ -332,9 +334,7 @@ class DenseChunkedJSD(torch.autograd.Function):
         div, ent, tent, dropped, dh, dw, db = dense_chunked_rows(
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads, beta, row_weights,
             need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows)
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (dh, dw, db)))
-        ctx.has = (dh is not None, dw is not None, db is not None)
-        ctx.grad_dtypes = (s_hidden.dtype, s_weight.dtype, None if s_bias is None else s_bias.dtype)
+        save_forward_grads(ctx, (dh, dw, db), (s_hidden, s_weight, s_bias))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(ent, tent, dropped)
         loss = div.sum() if row_weights is None else (div * row_weights.float()).sum()
@@ -346,13 +346,7 @@ class DenseChunkedJSD(torch.autograd.Function):
             raise RuntimeError(
                 "the chunked dense-teacher loss (backend='triton-chunked') computes its gradients in the forward "
                 "pass for the returned weighted sum `loss` only; pass per-row weights as token_weights")
-        grads = []
-        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
-            if not has or grad_loss is None:
-                grads.append(None)
-                continue
-            grads.append((saved * grad_loss.to(saved.dtype)).to(dtype))
-        return (*grads, None, None, None, None, None, None, None)
+        return (*scaled_forward_grads(ctx, grad_loss), None, None, None, None, None, None, None)
 
 
 class DenseChunkedLosses(NamedTuple):

@@ -271,6 +271,23 @@ def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_
     return div, ent, tent, dh, dw, db
 
 
+
+def save_forward_grads(ctx, grads: tuple, inputs: tuple) -> None:
+    """Keep the gradients a chunked forward already computed (``grads``, None where not needed) and the dtypes of
+    ``inputs`` (None entries allowed) for :func:`scaled_forward_grads`."""
+    ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
+    ctx.has = tuple(g is not None for g in grads)
+    ctx.grad_dtypes = tuple(None if x is None else x.dtype for x in inputs)
+
+
+def scaled_forward_grads(ctx, grad_loss: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The gradients :func:`save_forward_grads` kept, times the scalar loss's upstream gradient, each in its input's
+    dtype."""
+    grads = []
+    for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
+        grads.append(None if not has or grad_loss is None else (saved * grad_loss.to(saved.dtype)).to(dtype))
+    return grads
+
 class ChunkedLogitsSparseJSD(torch.autograd.Function):
     """Forward: loss, metrics and (unit-upstream, token-weighted) gradients over chunks. Backward: scales the
     saved gradients by the scalar upstream gradient of the loss; a gradient into the per-row divergences raises."""
@@ -283,9 +300,7 @@ class ChunkedLogitsSparseJSD(torch.autograd.Function):
         div, ent, tent, dh, dw, db = chunked_logits_rows(
             hidden, weight, bias, ids, teacher_logprobs, valid, row_weights, settings,
             need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows)
-        ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (dh, dw, db)))
-        ctx.has = (dh is not None, dw is not None, db is not None)
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        save_forward_grads(ctx, (dh, dw, db), (hidden, weight, bias))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(ent, tent)
         loss = div.sum() if row_weights is None else (div * row_weights.float()).sum()
@@ -299,13 +314,7 @@ class ChunkedLogitsSparseJSD(torch.autograd.Function):
                 "the returned weighted sum `loss` only; a gradient through the per-row divergences (a non-scalar "
                 "upstream gradient) is not supported: pass per-row weights as token_weights, or use "
                 "backend='triton' / fused_sparse_jsd, which take any per-row upstream gradient")
-        grads = []
-        for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
-            if not has or grad_loss is None:
-                grads.append(None)
-                continue
-            grads.append((saved * grad_loss.to(saved.dtype)).to(dtype))
-        return (*grads, None, None, None, None, None, None)
+        return (*scaled_forward_grads(ctx, grad_loss), None, None, None, None, None, None)
 
 
 class ChunkedLosses(NamedTuple):
