@@ -121,6 +121,18 @@ def _log_mixture(s, t, log_1mb, log_b):
 
 
 @triton.jit
+def _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale, t_softcap,
+                  inv_temp, S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_BIAS: tl.constexpr,
+                  T_SOFTCAP: tl.constexpr):
+    """One tile of a row: the student's final logits ``zs`` and both sides' log-probs ``s``, ``t`` (fp32)."""
+    xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
+    zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
+    xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
+    zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
+    return zs, zs - lse_s, zt - lse_t
+
+
+@triton.jit
 def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
                        s_scale, s_softcap, t_scale, t_softcap, inv_temp, beta, log_1mb, log_b,
                        BLOCK_V: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr, HAS_ROW_W: tl.constexpr,
@@ -143,12 +155,8 @@ def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         inside = cols < V
-        xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
-        zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
-        xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
-        zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
-        s = zs - lse_s
-        t = zt - lse_t
+        zs, s, t = _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale,
+                                 t_softcap, inv_temp, S_BIAS, S_SOFTCAP, T_BIAS, T_SOFTCAP)
         p = tl.exp(s)
         q = tl.exp(t)
         if MODE == 0:
@@ -172,12 +180,8 @@ def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             inside = cols < V
-            xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
-            zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
-            xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
-            zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
-            s = zs - lse_s
-            t = zt - lse_t
+            zs, s, t = _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale,
+                                     t_softcap, inv_temp, S_BIAS, S_SOFTCAP, T_BIAS, T_SOFTCAP)
             p = tl.exp(s)
             if MODE == 1:
                 dz = p * (s - t - div)
