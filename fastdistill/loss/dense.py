@@ -25,11 +25,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import SparseJSDOutput, _is_number, _validate_weights, check_teacher_index, save_gradients, saved_gradients
+from .api import (
+    SparseJSDOutput,
+    _is_number,
+    _triton_is_default,
+    _validate_weights,
+    check_teacher_index,
+    save_gradients,
+    saved_gradients,
+)
 from .chunked import default_chunk_rows
 from .support import _check_beta
 
-DENSE_BACKENDS = ("auto", "torch", "reference", "triton-chunked")
+DENSE_BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 
 
 @dataclass
@@ -109,10 +117,15 @@ def dense_teacher_jsd_loss(
         token_weights: ``(N,)`` non-negative constants, or None: ``loss = Σ w_i · div_i``; metrics unweighted.
         teacher_index: ``(N,)`` integer teacher index per position for ``per_teacher``, or None.
         num_teachers: number of teachers (rows of ``per_teacher``).
-        backend: ``"auto"`` or ``"torch"`` (memory-bounded row chunks, gradients in the forward), ``"reference"``
-            (dense, materialises ``(N, V)``; the oracle of the tests), ``"triton-chunked"`` (cuBLAS logits per row
-            chunk and two Triton passes, :func:`fastdistill_kernels.dense_chunk.chunked_dense_teacher_jsd`; CUDA
-            tensors, or CPU under ``TRITON_INTERPRET=1``; ``student_top_k`` stays on the torch path).
+        backend: ``"torch"`` (memory-bounded row chunks, gradients in the forward), ``"reference"`` (dense,
+            materialises ``(N, V)``; the oracle of the tests), ``"triton"`` (both lm_heads fused into the kernels'
+            tiles, no logits in memory, :func:`fastdistill_kernels.dense_fused.fused_dense_teacher_jsd`),
+            ``"triton-chunked"`` (cuBLAS logits per row chunk and two Triton passes,
+            :func:`fastdistill_kernels.dense_chunk.chunked_dense_teacher_jsd`), or ``"auto"``: ``"triton"`` for CUDA
+            tensors in float32/bfloat16/float16 when the kernels are enabled for "auto" (as for
+            :func:`sparse_jsd_loss`: ``FASTDISTILL_TRITON=1`` until they are validated on a GPU), else ``"torch"``.
+            The Triton backends take CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``; ``student_top_k``
+            stays on the torch path.
         chunk_rows: rows per chunk of the torch path, or None (tiles of at most 32 MiB, at most 256 rows).
         student_top_k: None (the full-vocabulary divergence), or k: the divergence over the student's own top-k
             tokens per position (by its final logits; a selection without gradient) plus one tail bucket per side,
@@ -154,6 +167,10 @@ def dense_teacher_jsd_loss(
         return _student_top_k_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
                                   teacher, float(beta), student_top_k, chunk_rows, token_weights, teacher_index,
                                   num_teachers)
+    if backend == "triton" or (backend == "auto" and _triton_is_default(student_hidden, student_weight)
+                               and _triton_is_default(t_hidden, t_weight)):
+        return _triton_fused_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
+                                   teacher, float(beta), token_weights, teacher_index, num_teachers)
     if backend == "triton-chunked":
         return _triton_chunked_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
                                      student, teacher, float(beta), chunk_rows, token_weights, teacher_index,
@@ -161,6 +178,23 @@ def dense_teacher_jsd_loss(
     loss, div, ent, tent, dropped = _DenseJSD.apply(student_hidden, student_weight, student_bias, t_hidden, t_weight,
                                                     t_bias, student, teacher, float(beta), chunk_rows, token_weights)
     return summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers)
+
+
+def _triton_fused_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
+                        beta: float, token_weights, teacher_index, num_teachers) -> DenseJSDOutput:
+    """The fused Triton kernels on scored rows (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``)."""
+    from .api import _check_triton_inputs
+
+    _check_triton_inputs(s_hidden, s_weight, "triton")
+    _check_triton_inputs(t_hidden, t_weight, "triton")
+    from fastdistill_kernels.dense_chunk import DenseHeads
+    from fastdistill_kernels.dense_fused import fused_dense_teacher_jsd
+
+    heads = DenseHeads(student.scale, student.softcap, teacher.scale, teacher.softcap, student.temperature)
+    div, ent, tent, dropped = fused_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, student_bias=s_bias,
+                                                      teacher_bias=t_bias, heads=heads, beta=beta)
+    loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
+    return summarize_dense(loss, div.detach(), ent, tent, dropped, teacher_index, num_teachers)
 
 
 def _triton_chunked_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,

@@ -122,7 +122,7 @@ class DistillationModel(nn.Module):
                     teacher_softcap=teacher.softcap, beta=kw["beta"], temperature=kw["temperature"],
                     token_weights=None if weights is None else weights[targets],
                     teacher_index=row.teacher_index[targets], num_teachers=kw["num_teachers"],
-                    backend="reference" if kw["backend"] == "reference" else "auto"))
+                    backend=kw["backend"]))
         loss = parts[0].loss
         for part in parts[1:]:
             loss = loss + part.loss

@@ -90,6 +90,19 @@ def _backward_kernel(H, W, B, SORTED_IDS, CAND_GRAD_SORTED, M_NC, COEF_NC, ROW_S
     else:
         keep = True
 
+    accumulate_tile(dx, keep, H, W, DH, DW, DB, WORKSPACE, rows, cols, in_rows, inside,
+                    tl.program_id(1) * BLOCK_VOCAB + offs_v, V, D, ws_stride,
+                    BLOCK_D, UPCAST, DOT_PRECISION, FUSED, NEED_DH, NEED_DW, NEED_DB)
+
+
+@triton.jit
+def accumulate_tile(dx, keep, H, W, DH, DW, DB, WORKSPACE, rows, cols, in_rows, inside, local_cols, V, D, ws_stride,
+                    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+                    NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr):
+    """Fold one fp32 ``dL/dx`` tile ``dx`` ``(BLOCK_ROWS, BLOCK_VOCAB)`` (0 outside ``inside``) of rows ``rows`` and
+    vocabulary columns ``cols`` into the gradients: ``FUSED``: ``dh[rows] += dx @ W[cols]``, ``dW[cols] += dxᵀ @
+    h[rows]``, ``db[cols] += Σ_rows dx`` with relaxed fp32 atomics, D in ``BLOCK_D`` steps (nothing when ``keep`` is
+    false); else the tile (zeros when not ``keep``) into ``WORKSPACE`` at columns ``local_cols`` of its chunk."""
     if FUSED:
         if keep:
             offs_d = tl.arange(0, BLOCK_D)
@@ -117,7 +130,6 @@ def _backward_kernel(H, W, B, SORTED_IDS, CAND_GRAD_SORTED, M_NC, COEF_NC, ROW_S
             if NEED_DB:
                 tl.atomic_add(DB + cols, tl.sum(dx, axis=0), mask=cols < V, sem="relaxed")
     else:
-        local_cols = tl.program_id(1) * BLOCK_VOCAB + offs_v
         tl.store(WORKSPACE + rows[:, None] * ws_stride + local_cols[None, :], tl.where(keep, dx, 0.0), mask=inside)
 
 
@@ -140,11 +152,38 @@ def backward_grads(hidden, weight, bias, cands: SortedCandidates, m_nc, coef_nc,
     Returns ``(dh, dw, db)``: fp32 tensors, None where not needed.
     """
     n, d = hidden.shape
+    cand_grad_sorted = cands.to_sorted(cand_grad)
+
+    def launch(grid, first_tile, ws, ws_stride, dh, dw, db):
+        _backward_kernel[grid](
+            hidden, weight, bias, cands.ids, cand_grad_sorted, m_nc, coef_nc, row_scale, dh, dw, db, ws,
+            n, weight.shape[0], d, cands.ids.shape[1], cands.search_steps, first_tile, ws_stride,
+            float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
+            0.0 if filter_eps is None else float(filter_eps),
+            BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(),
+            DOT_PRECISION=dot_precision(hidden.dtype), FILTER=filter_eps is not None, FUSED=mode == "fused",
+            NEED_DH=need_dh, NEED_DW=need_dw, NEED_DB=need_db, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    return tiled_backward(hidden, weight, launch, mode=mode, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+                          cfg=cfg)
+
+
+def tiled_backward(hidden, weight, launch, *, mode: str, need_dh: bool, need_dw: bool, need_db: bool,
+                   cfg: TileConfig):
+    """Drive a backward kernel of grid ``(row block, vocabulary tile)`` that ends in :func:`accumulate_tile`, for
+    ``hidden`` ``(N, D)`` and ``weight`` ``(V, D)``: allocate the fp32 gradients and, per vocabulary chunk (the whole
+    vocabulary in the fused mode), call ``launch(grid, first_tile, workspace, workspace_row_stride, dh, dw, db)``;
+    in the deterministic mode follow each chunk with the torch GEMMs that fold its workspace into dh, dW and db.
+
+    Returns ``(dh, dw, db)``: fp32 ``(N, D)``, ``(V, D)``, ``(V,)``, None where not needed.
+    """
+    n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     fused = mode == "fused"
     n_vocab_tiles = triton.cdiv(v, cfg.block_vocab)
-    cand_grad_sorted = cands.to_sorted(cand_grad)
     dh = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
@@ -158,16 +197,8 @@ def backward_grads(hidden, weight, bias, cands: SortedCandidates, m_nc, coef_nc,
         c0 = first_tile * cfg.block_vocab
         c1 = min(c0 + chunk_tiles * cfg.block_vocab, v)
         ws = None if fused else workspace[:, : c1 - c0]
-        _backward_kernel[(triton.cdiv(n, cfg.block_rows), min(chunk_tiles, n_vocab_tiles - first_tile))](
-            hidden, weight, bias, cands.ids, cand_grad_sorted, m_nc, coef_nc, row_scale, dh, dw, db, ws,
-            n, v, d, cands.ids.shape[1], cands.search_steps, first_tile, 0 if fused else workspace.stride(0),
-            float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
-            0.0 if filter_eps is None else float(filter_eps),
-            BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(),
-            DOT_PRECISION=dot_precision(hidden.dtype), FILTER=filter_eps is not None, FUSED=fused,
-            NEED_DH=need_dh, NEED_DW=need_dw, NEED_DB=need_db, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid = (triton.cdiv(n, cfg.block_rows), min(chunk_tiles, n_vocab_tiles - first_tile))
+        launch(grid, first_tile, ws, 0 if fused else workspace.stride(0), dh, dw, db)
         if fused:
             continue
         if need_dh:
