@@ -314,6 +314,52 @@ def record_dense_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE
     return launches
 
 
+def record_dense_fused_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE) -> list[tuple[str, Launch]]:
+    """The launches of ``fused_dense_teacher_jsd`` forward + backward (bias and softcap on both sides, padded
+    teacher vocabulary, student hidden and weight trained) for each β mode and backward mode, on meta tensors as on
+    a CUDA device of ``target`` (its default tiles and vocabulary splits); one ``(label, launch)`` per distinct
+    compiled kernel (the forward is the same for every β)."""
+    import fastdistill_kernels.config as cfg
+    import fastdistill_kernels.dense_fused as df
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", target.arch, 32))
+    dt, meta, cuda = DTYPES[dtype], torch.device("meta"), torch.device("cuda")
+    v, vt = shape.v, shape.v + DENSE_PAD
+    props = SimpleNamespace(multi_processor_count=target.sm_count)
+    capability = (target.arch // 10, target.arch % 10)
+    out: dict[str, tuple[str, Launch]] = {}
+    for mode_name, beta in DENSE_MODES.items():
+        for bwd in MODES:
+            launches: list[Launch] = []
+            patches = [mock.patch.object(df, name, _LaunchRecorder(getattr(df, name), backend, launches))
+                       for name in ("_dense_forward_kernel", "_dense_mixed_kernel", "_dense_backward_kernel")]
+            patches += [
+                mock.patch.object(df, "dense_default_config", lambda device, *a: cfg.dense_default_config(cuda, *a)),
+                mock.patch("torch.cuda.get_device_capability", lambda device=None: capability),
+                mock.patch.object(df, "vocab_splits", lambda c, rb, t, device: cfg.vocab_splits(c, rb, t, cuda)),
+                mock.patch("torch.cuda.get_device_properties", lambda device=None: props),
+            ]
+            with contextlib.ExitStack() as stack:
+                for patch in patches:
+                    stack.enter_context(patch)
+                hs = torch.empty(shape.n, shape.d, dtype=dt, device=meta, requires_grad=True)
+                ws = torch.empty(v, shape.d, dtype=dt, device=meta, requires_grad=True)
+                bs = torch.empty(v, dtype=dt, device=meta, requires_grad=True)
+                ht = torch.empty(shape.n, shape.d, dtype=dt, device=meta)
+                wt, bt = torch.empty(vt, shape.d, dtype=dt, device=meta), torch.empty(vt, dtype=dt, device=meta)
+                heads = df.DenseHeads(1.0, 30.0, 1.0, 30.0, 1.0)
+                res = df.fused_dense_teacher_jsd(hs, ws, ht, wt, student_bias=bs, teacher_bias=bt, heads=heads,
+                                                 beta=beta, backward_mode=bwd)
+                res.divergence.sum().backward()
+            for launch in launches:
+                label = {"_dense_forward_kernel": "forward", "_dense_mixed_kernel": "mixed"}.get(
+                    launch.kernel, f"backward-{bwd}/{mode_name}")
+                out.setdefault(launch.key + launch.kernel, (label, launch))
+    return list(out.values())
+
+
 def dense_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] = tuple(TARGETS)) -> list[dict]:
     """Compile the dense-teacher chunked kernels (:func:`record_dense_launches`) for ``targets``: one entry per
     launch with ``dtype``, ``target``, ``kernel``, ``mode`` (β mode of the gradient kernel; "stats" for the first
@@ -327,6 +373,21 @@ def dense_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] =
             modes = ["stats", *DENSE_MODES]
             for launch, mode in zip(launches, modes, strict=True):
                 out.append(dict(dtype=dtype, target=t, kernel=launch.kernel, mode=mode,
+                                smem_per_block=target.smem_per_block, metrics=compile_launch(launch, target)))
+    return out
+
+
+def dense_fused_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] = tuple(TARGETS)) -> list[dict]:
+    """Compile the fused dense-teacher kernels (:func:`record_dense_fused_launches`) for ``targets``: one entry per
+    distinct kernel with ``dtype``, ``target``, ``kernel``, ``mode`` ("forward", "mixed" or
+    "backward-<backward mode>/<β mode>"), ``smem_per_block`` and ``metrics`` (:func:`compile_launch`)."""
+    sys.path.insert(0, str(ROOT / "kernels"))
+    out = []
+    for dtype in dtypes:
+        for t in targets:
+            target = TARGETS[t]
+            for label, launch in record_dense_fused_launches(dtype, target):
+                out.append(dict(dtype=dtype, target=t, kernel=launch.kernel, mode=label,
                                 smem_per_block=target.smem_per_block, metrics=compile_launch(launch, target)))
     return out
 

@@ -182,3 +182,39 @@ def test_dense_chunk_kernels_compile_fit_and_do_not_spill(dense_report, target):
         assert m["shared_bytes"] + m["static_shared_bytes"] <= e["smem_per_block"], (e["kernel"], e["mode"], m)
         assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass"]["spill_store"]) == (0, 0, 0), (
             e["kernel"], e["mode"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])
+
+
+# --------------------------------------------------------------------------- dense teacher, fused heads
+
+DENSE_FUSED_SCRIPT = DENSE_SCRIPT.replace("cr.dense_report((\"bf16\",))", "cr.dense_fused_report((\"bf16\", \"fp32\"))")
+
+
+@pytest.fixture(scope="module")
+def dense_fused_report(tmp_path_factory) -> list[dict]:
+    """The fused dense-teacher kernels (forward, mixed-β pass, backward per β mode and backward mode) compiled in
+    bf16 and fp32 at the Qwen-like shape for both targets with their default tiles (one subprocess, ~30 s)."""
+    out = tmp_path_factory.mktemp("compile-dense-fused") / "dense.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    proc = subprocess.run([sys.executable, "-c", DENSE_FUSED_SCRIPT, str(out)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    if proc.returncode == 2:
+        pytest.skip(proc.stderr.strip()[-500:])
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_dense_fused_kernels_compile_fit_use_tensor_cores_and_do_not_spill(dense_fused_report, dtype, target):
+    entries = [e for e in dense_fused_report if e["target"] == target and e["dtype"] == dtype]
+    backward = [f"backward-{m}/{b}" for m in cr.MODES for b in cr.DENSE_MODES]
+    assert sorted(e["mode"] for e in entries) == sorted(["forward", "mixed", *backward])
+    for e in entries:
+        m = e["metrics"]
+        assert "error" not in m, (e["kernel"], e["mode"], m.get("error"))
+        assert m["shared_bytes"] + m["static_shared_bytes"] <= e["smem_per_block"], (e["mode"], m["shared_bytes"])
+        assert m["sass"]["tensor_core"] > 0, (e["mode"], m["sass"])
+        assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass"]["spill_store"]) == (0, 0, 0), (
+            e["mode"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])
+        fused = e["mode"].startswith("backward-fused")
+        assert (m["sass"]["atomic"] > 0) == fused, (e["mode"], m["sass"]["atomic"])

@@ -70,6 +70,28 @@ def default_config(device: torch.device, dtype: torch.dtype | None = None) -> Ti
     return FP32_TILES if dtype is not None and dtype.itemsize >= 4 else TileConfig()
 
 
+# Tiles of the fused dense-teacher kernels, which hold two logit tiles (student and teacher) per program. Chosen
+# with benchmarks/compile_report.py's dense-fused report at the Qwen-like shape (D = 3584, V = 152064): the largest
+# tiles of 8 warps with no spills in any of the forward, mixed-β and backward kernels (both backward modes, bias and
+# softcap on). The sparse kernels' 128×128×64 spilled 20–1,416 B per thread here; sm_80's mma.sync keeps the
+# accumulators in registers where sm_90's wgmma does not, so it gets half the tile. See docs/kernels-compile.md.
+DENSE_TILES = {  # (sm_90 and later, half precision), ... -> tiles
+    (True, False): TileConfig(block_rows=128, block_vocab=64, block_d=64),
+    (True, True): TileConfig(block_rows=64, block_vocab=64, block_d=32),
+    (False, False): TileConfig(block_rows=64, block_vocab=64, block_d=64),
+    (False, True): TileConfig(block_rows=64, block_vocab=32, block_d=32),
+}
+
+
+def dense_default_config(device: torch.device, dtype: torch.dtype | None = None) -> TileConfig:
+    """Tiles of the fused dense-teacher kernels for ``device`` and the student's operand ``dtype``: the
+    interpreter's on CPU; on a GPU :data:`DENSE_TILES` by architecture (sm_90+ or older) and operand size."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    return DENSE_TILES[(hopper, dtype is not None and dtype.itemsize >= 4)]
+
+
 def vocab_splits(cfg: TileConfig, n_row_blocks: int, n_vocab_tiles: int, device: torch.device) -> tuple[int, int]:
     """``(splits, tiles_per_split)`` of the forward grid; every split owns at least one vocabulary tile."""
     if cfg.vocab_splits is not None:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .backward import BACKWARD_MODES, accumulate_tile, tiled_backward
-from .config import TileConfig, default_config, device_guard, dot_precision, interpreting, vocab_splits
+from .config import TileConfig, dense_default_config, device_guard, dot_precision, interpreting, vocab_splits
 from .dense_chunk import BETA_MIXED, BETA_REVERSE, DenseHeads, _log_mixture, beta_mode
 from .forward import MAX_GRID_Y
 from .ops import DTYPES
@@ -410,7 +410,7 @@ def fused_dense_teacher_jsd(
         backward_mode: "deterministic" (vocabulary chunks of an (N, chunk) dL/dx workspace within
             ``config.workspace_bytes`` and torch GEMMs: the same inputs give the same bits) or "fused" (fp32
             atomics, no workspace, summation order not fixed).
-        config: tile sizes; default :func:`fastdistill_kernels.config.default_config` for the device and the
+        config: tile sizes; default :func:`fastdistill_kernels.config.dense_default_config` for the device and the
             student's dtype.
 
     Returns:
@@ -426,7 +426,7 @@ def fused_dense_teacher_jsd(
         None if student_bias is None else student_bias.contiguous(),
         teacher_hidden.detach().to(tdt).contiguous(), teacher_weight.detach().to(tdt).contiguous(),
         None if teacher_bias is None else teacher_bias.detach().contiguous(),
-        heads, float(beta), backward_mode, config or default_config(student_hidden.device, sdt),
+        heads, float(beta), backward_mode, config or dense_default_config(student_hidden.device, sdt),
     )
     return DenseRowLosses(*out)
 
