@@ -5,6 +5,9 @@ On a CUDA machine (bf16, Qwen-like shapes: D ∈ {896, 1536, 3584}, V = 151936, 
   ours-fused    the same with the fused backward (fp32 atomics, no workspace)
   ours-filter   fused backward with gradient filtering (filter_eps = 2^-12, CCE's bf16 default)
   ours-chunked  the 6·N·D·V variant (``chunked_logits_sparse_jsd``: cuBLAS logits per row chunk, two Triton passes)
+  ours-dense    ``fused_dense_teacher_jsd``: the dense-teacher loss with both lm_heads fused into the tiles (here
+                liger's setting: its teacher hidden states through the same lm_head, forward KL, row mean)
+  ours-dense-chunked  ``chunked_dense_teacher_jsd``, the same loss with cuBLAS logits per row chunk
   trl           TRL's ``_chunked_jsd_loss`` (checkpointed 256-row chunks), same sparse loss
   liger         Liger's ``LigerFusedLinearJSD`` (dense teacher: a second hidden state through the same lm_head;
                 it computes its gradients inside the forward, so its "fwd" holds most of the work)
@@ -48,11 +51,14 @@ from pathlib import Path
 
 import torch
 
-IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "trl", "liger", "cce", "torch")
-OURS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked")
-GPU_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "trl", "liger", "cce")
-CPU_IMPLS = ("ours-det", "ours-fused", "ours-chunked", "torch")
-K_INDEPENDENT = ("liger", "cce")
+IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked", "trl", "liger",
+         "cce", "torch")
+OURS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked")
+GPU_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked", "trl",
+             "liger", "cce")
+CPU_IMPLS = ("ours-det", "ours-fused", "ours-chunked", "ours-dense", "torch")
+DENSE_TEACHER = ("liger", "ours-dense", "ours-dense-chunked")  # the dense forward KL against teacher_hidden
+K_INDEPENDENT = ("liger", "cce", "ours-dense", "ours-dense-chunked")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_kernels.json"
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
 FILTER_EPS = 2.0**-12
@@ -98,6 +104,14 @@ def teacher_hidden(hidden: torch.Tensor, dtype: torch.dtype | None = None) -> to
 def loss_fn(impl: str, hidden, weight, ids, lps, mask):
     """A closure computing the 0-dim loss of ``impl`` on these inputs (raises ImportError when a third-party
     package is not installed, :class:`KernelsUnavailable` for the ours-* rows)."""
+    if impl in ("ours-dense", "ours-dense-chunked"):
+        import_kernels()  # the same package: fail loudly when it is not importable
+        from fastdistill_kernels import chunked_dense_teacher_jsd, fused_dense_teacher_jsd
+
+        teacher, n = teacher_hidden(hidden), hidden.shape[0]
+        if impl == "ours-dense":
+            return lambda: fused_dense_teacher_jsd(hidden, weight, teacher, weight.detach()).divergence.sum() / n
+        return lambda: chunked_dense_teacher_jsd(hidden, weight, teacher, weight.detach()).loss / n
     if impl == "ours-chunked":
         import_kernels()  # the same package: fail loudly when it is not importable
         from fastdistill_kernels import chunked_logits_sparse_jsd
@@ -136,11 +150,11 @@ def loss_fn(impl: str, hidden, weight, ids, lps, mask):
 def reference_loss(impl: str, hidden, weight, ids, lps, input_dtype: torch.dtype) -> torch.Tensor:
     """The loss ``impl`` computes, in float64 on float64 ``hidden`` ``(n, D)`` and ``weight`` ``(V, D)`` that hold
     the benchmark's inputs (in ``input_dtype``: K+1 distinct ids per row, every slot used, β = 0). ours-* and
-    torch: forward KL over the candidates + the exact tail; trl: the same with TRL's clamped student tail; liger:
-    the dense forward KL against :func:`teacher_hidden` (rounded to ``input_dtype`` as liger gets it) through the
-    same lm_head, averaged over rows; cce: cross-entropy on the top-1."""
+    torch: forward KL over the candidates + the exact tail; trl: the same with TRL's clamped student tail; liger
+    and ours-dense*: the dense forward KL against :func:`teacher_hidden` (rounded to ``input_dtype`` as they get it)
+    through the same lm_head, averaged over rows; cce: cross-entropy on the top-1."""
     logp = torch.log_softmax(hidden @ weight.t(), dim=1)
-    if impl == "liger":
+    if impl in DENSE_TEACHER:
         teacher = teacher_hidden(hidden, input_dtype).to(hidden.dtype)
         t = torch.log_softmax(teacher @ weight.detach().t(), dim=1)  # liger's teacher weight carries no gradient
         return (t.exp() * (t - logp)).sum() / hidden.shape[0]

@@ -271,3 +271,31 @@ def test_compiled_path_matches_the_torch_path(backend, dtype, beta, T, softcap):
     for name, g, r in zip(("dh", "dW", "db"), grads, ref_grads, strict=True):
         assert g.dtype == dtype
         rel_close(g.float(), r, GPU_GRAD_RTOL[dtype], name)
+
+
+@pytest.mark.skipif(not CUDA_COMPILED, reason="the compiled kernels need a CUDA GPU (and TRITON_INTERPRET unset)")
+@pytest.mark.parametrize("backend", TRITON_BACKENDS)
+def test_compiled_peak_memory_does_not_grow_with_rows_times_vocabulary(backend):
+    """Doubling N (8192 → 16384 rows, V = 32768, bf16) adds the O(N·D) buffers only: far less than the N×V bf16
+    logits (512 MiB) that a materialising loss would add; the workspaces and chunk buffers are bounded."""
+    from fastdistill import dense_teacher_jsd_loss
+
+    V, D = 32768, 256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ws = (torch.randn(V, D, generator=g, device="cuda") / D**0.5).bfloat16().requires_grad_()
+    wt = (torch.randn(V, D, generator=g, device="cuda") / D**0.5).bfloat16()
+    extra = {}
+    for n in (8192, 16384):
+        hs = torch.randn(n, D, generator=g, device="cuda").bfloat16().requires_grad_()
+        ht = torch.randn(n, D, generator=g, device="cuda").bfloat16()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = dense_teacher_jsd_loss(hs, ws, ht, wt, beta=0.5, backend=backend)
+        out.loss.backward()
+        torch.cuda.synchronize()
+        extra[n] = torch.cuda.max_memory_allocated() - base
+        del out, hs, ht
+        ws.grad = None
+    growth = extra[16384] - extra[8192]
+    assert growth < 8192 * V * 2 / 8, (extra, growth)

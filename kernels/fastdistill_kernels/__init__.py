@@ -2,8 +2,9 @@
 
 Self-contained (imports only torch and triton). Runs on CUDA GPUs and, for tests, in Triton's CPU interpreter
 (``TRITON_INTERPRET=1``). Entry points: :func:`fused_sparse_jsd` (no logits materialised, 8·N·D·V FLOPs) and
-:func:`chunked_logits_sparse_jsd` (cuBLAS logits per row chunk + two Triton passes, 6·N·D·V FLOPs), and
-:func:`chunked_dense_teacher_jsd` (the same design against a dense teacher's lm_head). The per-row
+:func:`chunked_logits_sparse_jsd` (cuBLAS logits per row chunk + two Triton passes, 6·N·D·V FLOPs); against a dense
+teacher's lm_head, :func:`fused_dense_teacher_jsd` (both heads fused into the tiles, no logits in memory) and
+:func:`chunked_dense_teacher_jsd` (the chunked-logits design). The per-row
 bucket math (:mod:`fastdistill_kernels.buckets`) needs only torch and is shared with fastdistill's torch path, so the
 Triton-backed names are imported lazily: ``import fastdistill_kernels`` works without triton installed.
 """
@@ -29,7 +30,10 @@ _LAZY = {
     "ChunkedLosses": ".logits_chunk",
     "chunked_logits_sparse_jsd": ".logits_chunk",
     "DenseChunkedLosses": ".dense_chunk",
+    "DenseHeads": ".dense_chunk",
     "chunked_dense_teacher_jsd": ".dense_chunk",
+    "DenseRowLosses": ".dense_fused",
+    "fused_dense_teacher_jsd": ".dense_fused",
 }
 
 __all__ = ["KERNELS_VALIDATED_ON_GPU", "bucket_divergence", "logit_gradients", *_LAZY]
