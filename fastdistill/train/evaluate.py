@@ -20,6 +20,7 @@ import torch
 from fastdistill.data.packing import pack_row
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RolloutSample, StudentClient, TeacherClient
+from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
 
 
 async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
@@ -208,7 +209,7 @@ async def _served_hidden_teachers(config: Any) -> dict[str, tuple[str, int]]:
 
 
 def hidden_teacher_heads(config: Any, *, vocab_size: int, dtype: torch.dtype,
-                         device: torch.device) -> dict[int, Any]:
+                         device: torch.device) -> dict[int, TeacherHead]:
     """Teacher index -> :class:`~fastdistill.train.teacher_head.TeacherHead` of each hidden-state teacher of
     ``config`` (an :class:`~fastdistill.train.AsyncDistillationConfig`), as the trainer loads them: the folder from
     ``teacher_model_paths`` or the one its server serves, at least ``vocab_size`` rows (the student's head), the width
@@ -216,8 +217,6 @@ def hidden_teacher_heads(config: Any, *, vocab_size: int, dtype: torch.dtype,
     teachers; ConfigError naming the teacher otherwise."""
     if not config.hidden_teacher_ids:
         return {}
-    from fastdistill.train.teacher_head import load_hidden_teacher_head, teacher_head_folder
-
     served = asyncio.run(_served_hidden_teachers(config))
     heads = {}
     for teacher_id, (name, width) in served.items():

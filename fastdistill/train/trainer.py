@@ -482,7 +482,7 @@ class AsyncDistillationTrainer:
                                                        served[teacher_id].name if served is not None else None)
                        for teacher_id in hidden_ids}
         folders = self.dist.broadcast(folders)
-        widths = self._served_hidden_widths if self.dist.is_main else {}
+        widths = self._served_hidden_widths  # rank 0's, from _check_servers; empty elsewhere or offline
         dtype = self.hf_model.get_output_embeddings().weight.dtype
         self.model.teacher_heads = {
             self.teacher_ids.index(teacher_id): load_hidden_teacher_head(
