@@ -68,11 +68,11 @@ def _eval(args: argparse.Namespace) -> int:
                          ("eval_dataset", args.dataset)):
         if value is not None:
             overrides.append(f"{field}={json.dumps(value)}")
-    config = AsyncDistillationConfig.from_yaml(args.config, overrides)
     if args.teacher_url:
-        config.teacher_server_urls = _teacher_urls(args.teacher_url)
-        config.teacher_api_keys = None  # re-read for the new teacher ids
-        config.validate()
+        # with the other fields, so that teacher_signal / teacher_model_paths may name these teachers' ids
+        overrides.append(f"teacher_server_urls={json.dumps(_teacher_urls(args.teacher_url))}")
+        overrides.append("teacher_api_keys=")  # None: read from the environment for these teacher ids
+    config = AsyncDistillationConfig.from_yaml(args.config, overrides)
     model = config.model_name_or_path
     if model.startswith((os.sep, ".")) and not Path(model).is_dir():  # a path (not a hub id) that is not a folder
         raise ConfigError(f"model folder {model!r} does not exist")
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "folder or a Hugging Face dataset name (split: dataset_test_split), with 'prompt' or "
                           "'messages', optionally 'teacher_id' and 'answer' (for exact-match accuracy)")
     evaluate.add_argument("--config", type=Path, default=None, help="YAML file of AsyncDistillationConfig fields "
-                          "(teacher_top_k, max_completion_length, beta, ... and the servers)")
+                          "(teacher_top_k, max_completion_length, beta, teacher_signal, teacher_model_paths, ... and "
+                          "the servers)")
     evaluate.add_argument("--output", type=Path, default=Path("eval.json"), help="where to write the JSON result")
     evaluate.add_argument("--no-completions", action="store_true", help="leave the decoded completions out of the "
                           "JSON")

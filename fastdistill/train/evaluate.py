@@ -1,8 +1,9 @@
 """Held-out evaluation through the servers: the student answers, the teacher scores, the trainer's model measures.
 
 ``collect_scored_samples`` runs the same two calls as a rollout (student generation, teacher scoring) for a list of
-prompts; ``divergence_stats`` measures a model's sparse generalized JSD on those samples without a gradient (its share
-of them on one rank of several), and ``eval_record`` turns the sums into the ``eval/...`` metrics. The trainer's
+prompts; ``divergence_stats`` measures a model's generalized JSD on those samples without a gradient (sparse over a
+top-K teacher's candidates, over the full vocabulary for a hidden-state teacher; its share of them on one rank of
+several), and ``eval_record`` turns the sums into the ``eval/...`` metrics. The trainer's
 ``eval_steps`` evaluation, ``fastdistill eval`` (:func:`evaluate_saved_model`) and the demo all go through these.
 Greedy decoding (``temperature=0``) makes before/after comparisons deterministic.
 """
@@ -19,6 +20,7 @@ import torch
 from fastdistill.data.packing import pack_row
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RolloutSample, StudentClient, TeacherClient
+from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
 
 
 async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
@@ -194,15 +196,47 @@ def prepare_eval_rows(source: Any, tokenizer: Any, teacher_ids: Sequence[str], *
 SERVED_MODEL_GAP_WARNING = 0.1
 
 
+async def _served_hidden_teachers(config: Any) -> dict[str, tuple[str, int]]:
+    """Hidden-state teacher id -> (the model id its server reports, the width of the hidden states it sends)."""
+    from fastdistill.rollout.hidden import HiddenTeacherClient
+
+    keys = config.teacher_api_keys or {}
+    found = {}
+    for teacher_id in config.hidden_teacher_ids:
+        async with HiddenTeacherClient(config.teacher_server_urls[teacher_id], api_key=keys.get(teacher_id)) as client:
+            found[teacher_id] = ((await client.served_model()).name, await client.served_width())
+    return found
+
+
+def hidden_teacher_heads(config: Any, *, vocab_size: int, dtype: torch.dtype,
+                         device: torch.device) -> dict[int, TeacherHead]:
+    """Teacher index -> :class:`~fastdistill.train.teacher_head.TeacherHead` of each hidden-state teacher of
+    ``config`` (an :class:`~fastdistill.train.AsyncDistillationConfig`), as the trainer loads them: the folder from
+    ``teacher_model_paths`` or the one its server serves, at least ``vocab_size`` rows (the student's head), the width
+    its server sends (asked with one one-token request per teacher), in ``dtype`` on ``device``. Empty without hidden
+    teachers; ConfigError naming the teacher otherwise."""
+    if not config.hidden_teacher_ids:
+        return {}
+    served = asyncio.run(_served_hidden_teachers(config))
+    heads = {}
+    for teacher_id, (name, width) in served.items():
+        folder = teacher_head_folder(teacher_id, config.teacher_model_paths, name)
+        heads[config.teacher_ids.index(teacher_id)] = load_hidden_teacher_head(
+            teacher_id, folder, vocab_size=vocab_size, dtype=dtype, device=device, served_width=width)
+    return heads
+
+
 def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None = None,
                          show_completions: bool = True) -> dict[str, Any]:
     """Held-out evaluation of a saved model (what ``fastdistill eval`` runs): the student server
     (``config.vllm_server_base_url``, which should serve that model) answers every row greedily, the row's teacher
     scores it, and the model loaded from ``model_dir`` (default ``config.model_name_or_path``) measures the sparse
-    generalized JSD at ``config.beta``.
+    generalized JSD at ``config.beta`` (on a hidden-state teacher's rows the full-vocabulary one, with the teacher
+    head loaded as the trainer loads it: :func:`hidden_teacher_heads`, before any row is generated).
 
     ``config`` is an :class:`~fastdistill.train.AsyncDistillationConfig` (servers, keys, ``teacher_top_k``,
-    ``max_completion_length``, ``loss_backend``, ``dtype``, ``chat_template_kwargs``); ``rows`` anything
+    ``teacher_signal``, ``teacher_model_paths``, ``teacher_hidden_dtype``, ``max_completion_length``,
+    ``loss_backend``, ``dtype``, ``chat_template_kwargs``); ``rows`` anything
     ``eval_dataset`` accepts (default: ``config.eval_dataset``, its ``dataset_test_split``). Returns the ``eval/...``
     metrics of :func:`eval_record`, ``served_logprob_gap`` (max |served − local| log-prob on two prompts: a large
     value means the server does not serve ``model_dir``, and a warning is logged), and with ``show_completions`` one
@@ -223,14 +257,13 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
 
             raise ConfigError("no held-out rows: pass --dataset FILE (or set eval_dataset in the config)")
         rows = config.eval_dataset
-    if config.hidden_teacher_ids:
-        from fastdistill.train.config import ConfigError
-
-        raise ConfigError(f"fastdistill eval scores with top-K teachers only; {config.hidden_teacher_ids} have "
-                          "teacher_signal 'hidden' (held-out evaluation during training supports them)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
     model = load_model(config, device).to(device).eval()
+    head = model.get_output_embeddings().weight
+    distillation = DistillationModel(model, config)
+    distillation.teacher_heads = hidden_teacher_heads(config, vocab_size=head.shape[0], dtype=head.dtype,
+                                                      device=device)
     teacher_ids = config.teacher_ids
     prepared = prepare_eval_rows(rows, tokenizer, teacher_ids, split=config.dataset_test_split,
                                  dataset_config=config.dataset_config,
@@ -238,10 +271,12 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
     samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, prepared,
                                      top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
                                      seed=config.seed, student_api_key=config.vllm_server_api_key,
-                                     teacher_api_keys=config.teacher_api_keys)
+                                     teacher_api_keys=config.teacher_api_keys,
+                                     teacher_signals={t: config.teacher_signal_of(t) for t in teacher_ids},
+                                     hidden_dtype=config.teacher_hidden_dtype)
     with torch.no_grad():
-        stats = divergence_stats(DistillationModel(model, config), samples, teacher_ids, beta=config.beta,
-                                 device=device, vocab_size=model.get_output_embeddings().weight.shape[0])
+        stats = divergence_stats(distillation, samples, teacher_ids, beta=config.beta, device=device,
+                                 vocab_size=head.shape[0])
         probes = [s.input_ids.tolist() for s in samples[:2]]
         gap = served_logprob_gap(config.vllm_server_base_url, model, probes, api_key=config.vllm_server_api_key)
     if gap > SERVED_MODEL_GAP_WARNING:

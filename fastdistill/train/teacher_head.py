@@ -6,16 +6,23 @@ weight.T + bias))``, the same conventions the student's head follows (``logit_sc
 ``final_logit_softcapping`` from the config, 1 and none when absent; Granite's ``logits_scaling`` divides, so it
 becomes ``logit_scale = 1 / logits_scaling``). Only the head's tensors are read from the safetensors files, not
 the rest of the model.
+
+:func:`teacher_head_folder` and :func:`load_hidden_teacher_head` are the rules the trainer and ``fastdistill eval``
+share for a ``teacher_signal: hidden`` teacher: where its head comes from, that it covers the student's vocabulary,
+and that its width is the width the server sends.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fastdistill.train.config import ConfigError
 
 # Where checkpoints keep the output projection, and the input embedding a tied head reuses (first match wins).
 HEAD_WEIGHT_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "embed_out.weight", "output.weight")
@@ -147,3 +154,42 @@ def load_teacher_head(model_dir: str | Path, dtype: torch.dtype | None = torch.f
         softcap=softcap,
         tied=head_name in EMBEDDING_NAMES,
     )
+
+
+def teacher_head_folder(teacher_id: str, model_paths: Mapping[str, str] | None, served_name: str | None) -> str:
+    """The local checkpoint folder of hidden-state teacher ``teacher_id``'s head: its ``teacher_model_paths`` entry,
+    else ``served_name`` (the id its server reports at ``/v1/models``; None when no server is contacted) when that is
+    a local folder. Raises ConfigError saying what to set otherwise."""
+    paths = model_paths or {}
+    if teacher_id in paths:
+        return paths[teacher_id]
+    if served_name is not None and Path(served_name).is_dir():
+        return served_name
+    where = (f"its server serves {served_name!r}, which is not a local folder" if served_name is not None
+             else "no teacher server is contacted in this run")
+    raise ConfigError(f"teacher {teacher_id!r} has teacher_signal 'hidden' but no teacher_model_paths entry, and "
+                      f"{where}: set teacher_model_paths: {{{teacher_id!r}: <local checkpoint folder>}} (the "
+                      "teacher's lm_head is read from it)")
+
+
+def load_hidden_teacher_head(teacher_id: str, folder: str | Path, *, vocab_size: int, dtype: torch.dtype | None,
+                             device: str | torch.device = "cpu", served_width: int | None = None) -> TeacherHead:
+    """:func:`load_teacher_head` for hidden-state teacher ``teacher_id``, checked against what it must serve.
+
+    ``vocab_size`` is the student's lm_head row count: a head with fewer rows cannot give the teacher's probability
+    of every student token. ``served_width`` (when known) is the width D of the hidden states the teacher's server
+    sends, which must equal the head's. Every failure is a ConfigError naming the teacher."""
+    what = f"teacher {teacher_id!r} (teacher_signal 'hidden')"
+    try:
+        head = load_teacher_head(folder, dtype=dtype, device=device)
+    except TeacherHeadError as error:
+        raise ConfigError(f"{what}: {error}") from error
+    rows, width = (int(n) for n in head.weight.shape)
+    if rows < vocab_size:
+        raise ConfigError(f"{what}: its lm_head in {folder} has {rows} vocabulary rows, fewer than the student's "
+                          f"{vocab_size}; the dense loss needs the teacher's distribution over every student token")
+    if served_width is not None and served_width != width:
+        raise ConfigError(f"{what}: its server sends hidden states of width {served_width}, but its lm_head in "
+                          f"{folder} takes width {width}: the server does not serve the checkpoint the head was read "
+                          "from (check teacher_model_paths, or the model the teacher server was started with)")
+    return head

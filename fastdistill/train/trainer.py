@@ -131,6 +131,7 @@ class AsyncDistillationTrainer:
         # no server is asked for samples: given samples, or a teacher cache without on-policy share
         offline = samples is not None or (config.teacher_cache is not None and not config.mixes_on_policy)
         self._offline = offline
+        self._served_hidden_widths: dict[str, int] = {}  # hidden-state teacher id -> served width (rank 0)
         if self.cache is not None and not offline:  # a mixed run generates from the cached prompts
             self.rows = PromptTable.from_rows([{"prompt_ids": s.input_ids[:s.prompt_length].tolist()}
                                                for s in self.cache])
@@ -468,44 +469,26 @@ class AsyncDistillationTrainer:
         """Every rank: the lm_head of each hidden-state teacher, in the student head's dtype on the training device,
         into ``DistillationModel.teacher_heads`` (not parameters: never trained, never saved). Rank 0 picks the
         folders (``teacher_model_paths``, else the id the teacher server reports when it is a local folder) and
-        checks that each head covers the student's vocabulary; ConfigError otherwise."""
+        checks that each head covers the student's vocabulary and takes the width its server sends
+        (:func:`~fastdistill.train.teacher_head.load_hidden_teacher_head`); ConfigError otherwise."""
         hidden_ids = self.config.hidden_teacher_ids
         if not hidden_ids:
             return
-        from fastdistill.train.teacher_head import TeacherHeadError, load_teacher_head
+        from fastdistill.train.teacher_head import load_hidden_teacher_head, teacher_head_folder
 
         folders = None
         if self.dist.is_main:
-            folders = {teacher_id: self._teacher_folder(teacher_id, served) for teacher_id in hidden_ids}
+            folders = {teacher_id: teacher_head_folder(teacher_id, self.config.teacher_model_paths,
+                                                       served[teacher_id].name if served is not None else None)
+                       for teacher_id in hidden_ids}
         folders = self.dist.broadcast(folders)
+        widths = self._served_hidden_widths  # rank 0's, from _check_servers; empty elsewhere or offline
         dtype = self.hf_model.get_output_embeddings().weight.dtype
-        heads = {}
-        for teacher_id, folder in folders.items():
-            try:
-                head = load_teacher_head(folder, dtype=dtype, device=self.dist.device)
-            except TeacherHeadError as error:
-                raise ConfigError(f"teacher {teacher_id!r} (teacher_signal 'hidden'): {error}") from error
-            rows = int(head.weight.shape[0])
-            if rows < self.student_vocab_size:
-                raise ConfigError(f"teacher {teacher_id!r} (teacher_signal 'hidden'): its lm_head in {folder} has "
-                                  f"{rows} vocabulary rows, fewer than the student's {self.student_vocab_size}; the "
-                                  "dense loss needs the teacher's distribution over every student token")
-            heads[self.teacher_ids.index(teacher_id)] = head
-        self.model.teacher_heads = heads
-
-    def _teacher_folder(self, teacher_id: str, served: dict[str, Any] | None) -> str:
-        """Rank 0: the local checkpoint folder of hidden-state teacher ``teacher_id``'s head."""
-        paths = self.config.teacher_model_paths or {}
-        if teacher_id in paths:
-            return paths[teacher_id]
-        name = served[teacher_id].name if served is not None and teacher_id in served else None
-        if name is not None and Path(name).is_dir():
-            return name
-        where = (f"its server serves {name!r}, which is not a local folder" if name is not None
-                 else "no teacher server is contacted in this run")
-        raise ConfigError(f"teacher {teacher_id!r} has teacher_signal 'hidden' but no teacher_model_paths entry, and "
-                          f"{where}: set teacher_model_paths: {{{teacher_id!r}: <local checkpoint folder>}} (the "
-                          "trainer reads the teacher's lm_head from it)")
+        self.model.teacher_heads = {
+            self.teacher_ids.index(teacher_id): load_hidden_teacher_head(
+                teacher_id, folder, vocab_size=self.student_vocab_size, dtype=dtype, device=self.dist.device,
+                served_width=widths.get(teacher_id))
+            for teacher_id, folder in folders.items()}
 
     def _on_policy_share(self) -> OnPolicyShare:
         """The prompts a mixed run generates on-policy: ``lmbda`` of them, or a share annealed from ``lmbda`` to
@@ -571,8 +554,9 @@ class AsyncDistillationTrainer:
         )
 
     def _check_servers(self) -> dict[str, Any]:
-        """Before any rollout: the servers are up and every teacher tokenizes like the student. Returns each
-        server's :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids)."""
+        """Before any rollout: the servers are up and every teacher tokenizes like the student; each hidden-state
+        teacher's served width goes to ``_served_hidden_widths`` (one one-token request). Returns each server's
+        :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids)."""
         from fastdistill.rollout import StudentClient, TeacherClient, check_shared_vocabulary
         from fastdistill.rollout.hidden import HiddenTeacherClient
 
@@ -591,6 +575,8 @@ class AsyncDistillationTrainer:
                         teachers[teacher_id] = client(urls, api_key=teacher_keys.get(teacher_id))
                         await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
                         served[teacher_id] = await teachers[teacher_id].served_model()
+                        if hidden:  # checked against the teacher head's width before any rollout
+                            self._served_hidden_widths[teacher_id] = await teachers[teacher_id].served_width()
                     await check_shared_vocabulary(student, teachers)
                 finally:
                     for teacher in teachers.values():
