@@ -266,13 +266,17 @@ def reference_step(student_dir: Path, teacher_dir: Path, samples: list[RolloutSa
     return total, {t: s / n for t, (s, n) in sums.items() if n}, 8 * EPS32 * float(torch.cat(sizes).mean())
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
-def test_trainer_loss_equals_the_float64_references(tmp_path, student_dir, hidden_teacher, mixed_samples, beta):
+@pytest.mark.parametrize("beta,backend", [(0.0, "auto"), (0.5, "auto"), (1.0, "auto"), (0.5, "triton")])
+def test_trainer_loss_equals_the_float64_references(tmp_path, student_dir, hidden_teacher, mixed_samples, beta,
+                                                    backend):
     """One step on top-K and hidden-teacher samples: the logged jsd (overall and per teacher) equals the sparse
-    reference on the top-K teacher's tokens plus the dense reference on the hidden teacher's, per scored token."""
+    reference on the top-K teacher's tokens plus the dense reference on the hidden teacher's, per scored token.
+    ``loss_backend="triton"`` runs both losses in the Triton kernels (the interpreter here)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     batch = mixed_samples[:8]
     trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, hidden_teacher[0], per_device_train_batch_size=8,
-                                              max_steps=1, beta=beta), samples=batch)
+                                              max_steps=1, beta=beta, loss_backend=backend), samples=batch)
     summary = trainer.train()
     assert summary["steps"] == 1
     logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
