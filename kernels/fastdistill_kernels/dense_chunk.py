@@ -41,6 +41,7 @@ from .logits_chunk import (
     MAX_CHUNK_ROWS,
     _final_logits,
     _raw_logits,
+    online_update,
     save_forward_grads,
     scaled_forward_grads,
 )
@@ -49,21 +50,6 @@ BETA_FORWARD, BETA_REVERSE, BETA_MIXED = 0, 1, 2  # constexpr divergence modes: 
 
 
 # --------------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _online_update(m, s, t, z, keep):
-    """One tile of the online statistics ``m`` (max), ``s = Σ e^(z−m)``, ``t = Σ e^(z−m)·(z−m)`` over ``keep``."""
-    neg_inf = float("-inf")
-    z = tl.where(keep, z, neg_inf)
-    m_new = tl.maximum(m, tl.max(z, axis=0))
-    shift = tl.where(m_new == neg_inf, 0.0, m_new)
-    y = tl.where(keep, z - shift, 0.0)
-    e = tl.where(keep, tl.exp(y), 0.0)
-    rescale = tl.exp(m - shift)
-    t = rescale * (t + tl.where(s > 0, m - shift, 0.0) * s) + tl.sum(e * y, axis=0)
-    s = rescale * s + tl.sum(e, axis=0)
-    return m_new, s, t
 
 
 @triton.jit
@@ -89,10 +75,10 @@ def _dense_stats_kernel(XS, XT, BS, BT, LSE_S, ENT_S, LSE_T, ENT_T, LSE_PAD, V, 
         inside = cols < V
         xs = tl.load(xs_row + cols, mask=inside, other=0.0).to(tl.float32)
         zs = _final_logits(xs, BS, cols, inside, s_scale, s_softcap, inv_temp, S_BIAS, S_SOFTCAP)
-        ms, ss, ts = _online_update(ms, ss, ts, zs, inside)
+        ms, ss, ts = online_update(ms, ss, ts, zs, inside)
         xt = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
         zt = _final_logits(xt, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
-        mt, st, tt = _online_update(mt, st, tt, zt, inside)
+        mt, st, tt = online_update(mt, st, tt, zt, inside)
     # lse = m + log s; entropy = Σ p (lse − z) = log s − t / s
     tl.store(LSE_S + row, ms + tl.log(ss))
     tl.store(ENT_S + row, tl.log(ss) - ts / ss)
@@ -107,7 +93,7 @@ def _dense_stats_kernel(XS, XT, BS, BT, LSE_S, ENT_S, LSE_T, ENT_T, LSE_PAD, V, 
             inside = cols < VT
             xp = tl.load(xt_row + cols, mask=inside, other=0.0).to(tl.float32)
             zp = _final_logits(xp, BT, cols, inside, t_scale, t_softcap, inv_temp, T_BIAS, T_SOFTCAP)
-            mp, sp, tp = _online_update(mp, sp, tp, zp, inside)
+            mp, sp, tp = online_update(mp, sp, tp, zp, inside)
         tl.store(LSE_PAD + row, mp + tl.log(sp))
 
 

@@ -59,6 +59,21 @@ def _final_logits(x, B, cols, mask, logit_scale, softcap, inv_temp, HAS_BIAS: tl
 
 
 @triton.jit
+def online_update(m, s, t, z, keep):
+    """One tile of the online statistics ``m`` (max), ``s = Σ e^(z−m)``, ``t = Σ e^(z−m)·(z−m)`` over ``keep``."""
+    neg_inf = float("-inf")
+    z = tl.where(keep, z, neg_inf)
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    shift = tl.where(m_new == neg_inf, 0.0, m_new)
+    y = tl.where(keep, z - shift, 0.0)
+    e = tl.where(keep, tl.exp(y), 0.0)
+    rescale = tl.exp(m - shift)
+    t = rescale * (t + tl.where(s > 0, m - shift, 0.0) * s) + tl.sum(e * y, axis=0)
+    s = rescale * s + tl.sum(e, axis=0)
+    return m_new, s, t
+
+
+@triton.jit
 def _chunk_stats_kernel(X, B, IDS, Z_CAND, M_NC, S_NC, T_NC, V, S, logit_scale, softcap, inv_temp,
                         BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, HAS_BIAS: tl.constexpr,
                         HAS_SOFTCAP: tl.constexpr):
@@ -88,16 +103,8 @@ def _chunk_stats_kernel(X, B, IDS, Z_CAND, M_NC, S_NC, T_NC, V, S, logit_scale, 
         inside = cols < V
         x = tl.load(x_row + cols, mask=inside, other=neg_inf).to(tl.float32)
         keep = x != neg_inf  # in the vocabulary and not a candidate
-        z = tl.where(keep, _final_logits(x, B, cols, inside, logit_scale, softcap, inv_temp, HAS_BIAS,
-                                         HAS_SOFTCAP), neg_inf)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        shift = tl.where(m_new == neg_inf, 0.0, m_new)
-        y = tl.where(keep, z - shift, 0.0)
-        e = tl.where(keep, tl.exp(y), 0.0)
-        rescale = tl.exp(m - shift)
-        t = rescale * (t + tl.where(s > 0, m - shift, 0.0) * s) + tl.sum(e * y, axis=0)
-        s = rescale * s + tl.sum(e, axis=0)
-        m = m_new
+        z = _final_logits(x, B, cols, inside, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
+        m, s, t = online_update(m, s, t, z, keep)
     tl.store(M_NC + row, tl.where(m == neg_inf, 0.0, m))
     tl.store(S_NC + row, s)
     tl.store(T_NC + row, t)
