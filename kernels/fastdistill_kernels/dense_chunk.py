@@ -98,7 +98,7 @@ def _dense_stats_kernel(XS, XT, BS, BT, LSE_S, ENT_S, LSE_T, ENT_T, LSE_PAD, V, 
 
 
 @triton.jit
-def _log_mixture(s, t, log_1mb, log_b):
+def log_mixture(s, t, log_1mb, log_b):
     """``log((1−β)·e^s + β·e^t)`` as a log-sum-exp of two terms: finite for finite s, t."""
     a = s + log_1mb
     b = t + log_b
@@ -156,7 +156,7 @@ def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
         elif MODE == 1:
             div += tl.sum(tl.where(inside, p * (s - t), 0.0), axis=0)
         else:
-            log_m = _log_mixture(s, t, log_1mb, log_b)
+            log_m = log_mixture(s, t, log_1mb, log_b)
             term = beta * q * (t - log_m) + (1.0 - beta) * p * (s - log_m)
             div += tl.sum(tl.where(inside, term, 0.0), axis=0)
             sum_g += tl.sum(tl.where(inside, (1.0 - beta) * p * (s - log_m), 0.0), axis=0)
@@ -172,7 +172,7 @@ def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
             if MODE == 1:
                 dz = p * (s - t - div)
             else:
-                g = (1.0 - beta) * p * (s - _log_mixture(s, t, log_1mb, log_b))
+                g = (1.0 - beta) * p * (s - log_mixture(s, t, log_1mb, log_b))
                 dz = g - p * sum_g
             dz = dz * chain
             if S_SOFTCAP:
@@ -210,7 +210,8 @@ def _launch_options(device: torch.device) -> dict:
     return dict(BLOCK_V=INTERPRETER_BLOCK_V if device.type == "cpu" else GPU_BLOCK_V, num_warps=GPU_NUM_WARPS)
 
 
-def _scalars(heads: DenseHeads) -> tuple[float, ...]:
+def head_scalars(heads: DenseHeads) -> tuple[float, ...]:
+    """The kernels' scalar arguments of both heads: scales, softcaps (1 when off) and 1 / temperature."""
     return (float(heads.student_scale), 1.0 if heads.student_softcap is None else float(heads.student_softcap),
             float(heads.teacher_scale), 1.0 if heads.teacher_softcap is None else float(heads.teacher_softcap),
             1.0 / float(heads.temperature))
@@ -231,7 +232,7 @@ def launch_dense_stats(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor 
     lse_s, ent_s, lse_t, ent_t = (torch.empty(c, **f32) for _ in range(4))
     lse_pad = torch.empty(c, **f32) if vt > v else None
     _dense_stats_kernel[(c,)](
-        xs, xt, s_bias, t_bias, lse_s, ent_s, lse_t, ent_t, lse_pad, v, vt, *_scalars(heads),
+        xs, xt, s_bias, t_bias, lse_s, ent_s, lse_t, ent_t, lse_pad, v, vt, *head_scalars(heads),
         PADDED=vt > v, **_flags(heads, s_bias, t_bias), **_launch_options(xs.device),
     )
     return DenseStats(lse_s, ent_s, lse_t, ent_t, lse_pad)
@@ -242,6 +243,12 @@ def beta_mode(beta: float) -> int:
     return BETA_FORWARD if beta == 0.0 else BETA_REVERSE if beta == 1.0 else BETA_MIXED
 
 
+def mixing_constants(beta: float) -> tuple[float, float, float]:
+    """``(β, log(1−β), log β)`` as the kernels take them (the logs are 0 unless 0 < β < 1, where they are read)."""
+    mixed = beta_mode(beta) == BETA_MIXED
+    return float(beta), math.log1p(-beta) if mixed else 0.0, math.log(beta) if mixed else 0.0
+
+
 def launch_dense_grad(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor | None, t_bias: torch.Tensor | None,
                       lse_s: torch.Tensor, lse_t: torch.Tensor, row_weights: torch.Tensor | None, heads: DenseHeads,
                       beta: float, need_grad: bool) -> torch.Tensor:
@@ -250,12 +257,9 @@ def launch_dense_grad(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor |
     c, v = xs.shape
     vt = xt.shape[1]
     div = torch.empty(c, dtype=torch.float32, device=xs.device)
-    mode = beta_mode(beta)
-    log_1mb = math.log1p(-beta) if mode == BETA_MIXED else 0.0
-    log_b = math.log(beta) if mode == BETA_MIXED else 0.0
     _dense_grad_kernel[(c,)](
-        xs, xt, s_bias, t_bias, lse_s, lse_t, row_weights, div, v, vt, *_scalars(heads), float(beta), log_1mb, log_b,
-        MODE=mode, NEED_GRAD=need_grad, HAS_ROW_W=row_weights is not None, **_flags(heads, s_bias, t_bias),
+        xs, xt, s_bias, t_bias, lse_s, lse_t, row_weights, div, v, vt, *head_scalars(heads), *mixing_constants(beta),
+        MODE=beta_mode(beta), NEED_GRAD=need_grad, HAS_ROW_W=row_weights is not None, **_flags(heads, s_bias, t_bias),
         **_launch_options(xs.device),
     )
     return div

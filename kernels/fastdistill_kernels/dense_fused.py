@@ -36,7 +36,6 @@ constants: they get no gradient.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -45,7 +44,15 @@ import triton.language as tl
 
 from .backward import BACKWARD_MODES, accumulate_tile, tiled_backward
 from .config import TileConfig, dense_default_config, device_guard, dot_precision, interpreting, vocab_splits
-from .dense_chunk import BETA_MIXED, BETA_REVERSE, DenseHeads, _log_mixture, beta_mode
+from .dense_chunk import (
+    BETA_MIXED,
+    BETA_REVERSE,
+    DenseHeads,
+    beta_mode,
+    head_scalars,
+    log_mixture,
+    mixing_constants,
+)
 from .forward import MAX_GRID_Y
 from .ops import DTYPES
 from .tiles import logit_tile
@@ -158,7 +165,7 @@ def _dense_mixed_kernel(HS, WS, BS, HT, WT, BT, LSE_S, LSE_T, PART_DIV, PART_G, 
         keep = cols[None, :] < V
         s = zs - lse_s[:, None]
         t = zt - lse_t[:, None]
-        log_m = _log_mixture(s, t, log_1mb, log_b)
+        log_m = log_mixture(s, t, log_1mb, log_b)
         g = tl.where(keep, (1.0 - beta) * tl.exp(s) * (s - log_m), 0.0)
         div += tl.sum(tl.where(keep, beta * tl.exp(t) * (t - log_m), 0.0) + g, axis=1)
         sum_g += tl.sum(g, axis=1)
@@ -197,7 +204,7 @@ def _dense_backward_kernel(HS, WS, BS, HT, WT, BT, LSE_S, LSE_T, ROW_C, GRAD_ROW
     elif MODE == 1:
         dz = p * (s - t - tl.load(ROW_C + rows, mask=in_rows, other=0.0)[:, None])
     else:
-        g = (1.0 - beta) * p * (s - _log_mixture(s, t, log_1mb, log_b))
+        g = (1.0 - beta) * p * (s - log_mixture(s, t, log_1mb, log_b))
         dz = g - p * tl.load(ROW_C + rows, mask=in_rows, other=0.0)[:, None]
     grad_rows = tl.load(GRAD_ROWS + rows, mask=in_rows, other=0.0)
     dz = dz * (grad_rows * (s_scale * inv_temp))[:, None]
@@ -225,18 +232,6 @@ class DenseForward(NamedTuple):
     ent_t: torch.Tensor
     row_c: torch.Tensor
     dropped: torch.Tensor
-
-
-def _scalars(heads: DenseHeads) -> tuple[float, ...]:
-    return (float(heads.student_scale), 1.0 if heads.student_softcap is None else float(heads.student_softcap),
-            float(heads.teacher_scale), 1.0 if heads.teacher_softcap is None else float(heads.teacher_softcap),
-            1.0 / float(heads.temperature))
-
-
-def _mixing(beta: float) -> tuple[float, float, float]:
-    """``(β, log(1−β), log β)`` as the kernels take them (logs 0 outside 0 < β < 1, where they are not read)."""
-    mixed = beta_mode(beta) == BETA_MIXED
-    return float(beta), math.log1p(-beta) if mixed else 0.0, math.log(beta) if mixed else 0.0
 
 
 def _meta(s_hidden, t_hidden, s_bias, t_bias, heads: DenseHeads, cfg: TileConfig) -> dict:
@@ -293,7 +288,7 @@ def dense_forward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads:
     for first in range(0, n_row_blocks, MAX_GRID_Y):  # one launch unless there are more than 65,535 row blocks
         _dense_forward_kernel[(splits, min(n_row_blocks - first, MAX_GRID_Y))](
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, parts, n, v, ds, dt, n_vocab_tiles,
-            tiles_per_split, splits, first, *_scalars(heads), **meta)
+            tiles_per_split, splits, first, *head_scalars(heads), **meta)
     lse_s, ent_s, gap_p = _merge(*parts[:4])  # gap_p = E_p[zs − zt]
     lse_t, ent_t, gap_q = _merge(*parts[4:])  # gap_q = E_q[zt − zs]
     mode = beta_mode(beta)
@@ -302,7 +297,7 @@ def dense_forward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads:
         for first in range(0, n_row_blocks, MAX_GRID_Y):
             _dense_mixed_kernel[(splits, min(n_row_blocks - first, MAX_GRID_Y))](
                 s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, lse_s, lse_t, part_div, part_g, n, v, ds, dt,
-                n_vocab_tiles, tiles_per_split, splits, first, *_scalars(heads), *_mixing(beta), **meta)
+                n_vocab_tiles, tiles_per_split, splits, first, *head_scalars(heads), *mixing_constants(beta), **meta)
         div, row_c = part_div.sum(dim=1), part_g.sum(dim=1)
     elif mode == BETA_REVERSE:
         div = gap_p - (lse_s - lse_t)
@@ -325,8 +320,8 @@ def dense_backward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, fwd_l
     def launch(grid, first_tile, ws, ws_stride, dh, dw, db):
         _dense_backward_kernel[grid](
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, fwd_lse_s, fwd_lse_t, row_c, grad_rows,
-            dh, dw, db, ws, n, s_weight.shape[0], ds, t_hidden.shape[1], first_tile, ws_stride, *_scalars(heads),
-            *_mixing(beta), MODE=beta_mode(beta), FUSED=mode == "fused", NEED_DH=need_dh, NEED_DW=need_dw,
+            dh, dw, db, ws, n, s_weight.shape[0], ds, t_hidden.shape[1], first_tile, ws_stride, *head_scalars(heads),
+            *mixing_constants(beta), MODE=beta_mode(beta), FUSED=mode == "fused", NEED_DH=need_dh, NEED_DW=need_dw,
             NEED_DB=need_db, **meta)
 
     return tiled_backward(s_hidden, s_weight, launch, mode=mode, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
