@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from loss_cases import rel_close
 from test_dense_teacher import EPS32, FIELDS, logit_error_scale, make_inputs, run
 
@@ -215,6 +217,43 @@ def test_fused_without_rows_returns_empty_results_and_zero_gradients():
     assert all(t.shape == (0,) for t in out)
     dh, dw = torch.autograd.grad(out.divergence.sum(), (hs, ws), allow_unused=True)
     assert dh.shape == (0, 8) and float(dw.abs().max()) == 0.0
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(n=st.integers(1, 40), v=st.integers(1, 140), pad=st.integers(0, 70), ds=st.integers(1, 40),
+       dt=st.integers(1, 40), beta=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), temperature=st.floats(0.5, 2.0),
+       softcap=st.sampled_from([None, 2.5]), seed=st.integers(0, 2**16))
+def test_fused_kernels_match_the_float64_rows_on_any_shape(n, v, pad, ds, dt, beta, temperature, softcap, seed):
+    """Shapes that are no tile multiples (a single row, a single vocabulary entry, hidden sizes below one step)."""
+    x = make_inputs(seed=seed, N=n, Ds=ds, Dt=dt, V=v, Vt=v + pad)
+    heads, (div, ent, tent, dropped, dh, dw, db) = fused_case(x, beta, T=temperature, softcap=softcap)
+    out, grads = call_fused(x, heads, beta)
+    tol = 3 * EPS32 * logit_error_scale(x, 1.2, 0.9, temperature)
+    for name, a, b in (("divergence", out.divergence, div), ("entropy", out.entropy, ent),
+                       ("teacher_entropy", out.teacher_entropy, tent), ("dropped", out.dropped, dropped),
+                       ("dh", grads[0], dh), ("dW", grads[1], dw), ("db", grads[2], db)):
+        if float(b.abs().max()) > 0:  # V = 1: every divergence, entropy and gradient is exactly 0
+            rel_close(a, b, tol, name)
+        else:
+            assert float(a.detach().abs().max()) <= tol, name
+
+
+def test_fused_bfloat16_teacher_rows_with_a_float32_student():
+    """The trainer's case: bfloat16 teacher rows as served, a float32 student; the oracle gets the same rounded rows."""
+    x = make_inputs(seed=8, N=33, V=100, Vt=110)
+    for k in ("ht", "wt", "bt"):
+        x[k] = x[k].bfloat16().double()
+    heads, (div, ent, tent, dropped, dh, dw, db) = fused_case(x, 0.0)
+    from fastdistill_kernels.dense_fused import fused_dense_teacher_jsd
+
+    hs, ws, bs = (x[k].float().requires_grad_() for k in ("hs", "ws", "bs"))
+    out = fused_dense_teacher_jsd(hs, ws, x["ht"].bfloat16(), x["wt"].bfloat16(), student_bias=bs,
+                                  teacher_bias=x["bt"].bfloat16(), heads=heads, beta=0.0)
+    grads = torch.autograd.grad((out.divergence * x["token_weights"].float()).sum(), (hs, ws, bs))
+    tol = 3 * EPS32 * logit_error_scale(x, 1.2, 0.9, 0.7)
+    for name, a, b in (("divergence", out.divergence, div), ("teacher_entropy", out.teacher_entropy, tent),
+                       ("dropped", out.dropped, dropped), ("dh", grads[0], dh), ("dW", grads[1], dw)):
+        rel_close(a, b, tol, name)
 
 
 @pytest.mark.parametrize("change,message", [
