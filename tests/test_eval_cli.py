@@ -214,8 +214,8 @@ def test_eval_and_training_refuse_a_hidden_teacher_alike_before_any_rollout(case
                 "fewer vocabulary rows": save_pretrained_dir(
                     build_model(tiny_config(len(tokenizer) - 8, pad_token_id=0, eos_token_id=2), seed=1), tokenizer,
                     tmp_path / "small")}[case]
-    expected = {"no head folder": "no teacher_model_paths entry, and its server serves 'org/teacher', which is not "
-                                  "a local folder",
+    expected = {"no head folder": "no teacher_model_paths entry, and its server serves 'org/teacher', which is "
+                                  "neither a local folder nor a model in this machine's Hugging Face cache",
                 "fewer vocabulary rows": f"has {len(tokenizer) - 8} vocabulary rows, fewer than the student's "
                                          f"{len(tokenizer)}",
                 "other width": f"its server sends hidden states of width 8, but its lm_head in {model_dir} takes "

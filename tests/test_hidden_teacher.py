@@ -175,6 +175,29 @@ def test_teacher_head_reads_only_the_head_from_a_sharded_checkpoint(tmp_path):
     assert torch.equal(head.weight, model.lm_head.weight.detach())
 
 
+def test_head_folder_of_a_hub_id_is_its_local_cache_snapshot(tmp_path, monkeypatch):
+    """A served or configured Hub id (``org/model``) resolves to its snapshot in the Hugging Face cache, where a
+    vLLM server on the same machine put it; nothing is downloaded, and an id not in the cache is refused."""
+    import huggingface_hub.constants
+
+    from fastdistill.train.config import ConfigError
+    from fastdistill.train.teacher_head import teacher_head_folder
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--teacher" / "snapshots" / "0123abcd"
+    tiny_checkpoint(snapshot, tied=True)
+    (cache / "models--org--teacher" / "refs").mkdir()
+    (cache / "models--org--teacher" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert Path(teacher_head_folder("t", None, "org/teacher")) == snapshot.resolve()
+    assert Path(teacher_head_folder("t", {"t": "org/teacher"}, None)) == snapshot.resolve()
+    assert load_teacher_head(teacher_head_folder("t", None, "org/teacher")).tied
+    with pytest.raises(ConfigError, match="serves 'org/absent', which is neither a local folder nor a model in this "
+                                          "machine's Hugging Face cache: set teacher_model_paths"):
+        teacher_head_folder("t", None, "org/absent")
+    assert teacher_head_folder("t", {"t": "org/absent"}, None) == "org/absent"  # load_teacher_head names it missing
+
+
 def test_teacher_head_errors(tmp_path):
     with pytest.raises(TeacherHeadError, match="does not exist"):
         load_teacher_head(tmp_path / "absent")

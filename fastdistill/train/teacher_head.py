@@ -156,17 +156,39 @@ def load_teacher_head(model_dir: str | Path, dtype: torch.dtype | None = torch.f
     )
 
 
+def cached_hub_snapshot(name: str) -> str | None:
+    """The local folder of Hugging Face Hub model ``name`` (``org/model``) in the Hub cache (``HF_HUB_CACHE``; where
+    a vLLM server on this machine stored it), or None when it is not a repo id or not cached. Nothing is
+    downloaded."""
+    if Path(name).is_absolute() or name.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:  # transformers brings huggingface_hub; without it there is no cache to look in
+        return None
+    try:
+        return snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None
+
+
 def teacher_head_folder(teacher_id: str, model_paths: Mapping[str, str] | None, served_name: str | None) -> str:
     """The local checkpoint folder of hidden-state teacher ``teacher_id``'s head: its ``teacher_model_paths`` entry,
     else ``served_name`` (the id its server reports at ``/v1/models``; None when no server is contacted) when that is
-    a local folder. Raises ConfigError saying what to set otherwise."""
+    a local folder; either may also be a Hub model id already in the local Hugging Face cache
+    (:func:`cached_hub_snapshot`). Raises ConfigError saying what to set otherwise."""
     paths = model_paths or {}
     if teacher_id in paths:
-        return paths[teacher_id]
+        entry = paths[teacher_id]
+        return entry if Path(entry).exists() else cached_hub_snapshot(entry) or entry  # a missing folder: named later
     if served_name is not None and Path(served_name).is_dir():
         return served_name
-    where = (f"its server serves {served_name!r}, which is not a local folder" if served_name is not None
-             else "no teacher server is contacted in this run")
+    cached = None if served_name is None else cached_hub_snapshot(served_name)
+    if cached is not None:
+        return cached
+    where = (f"its server serves {served_name!r}, which is neither a local folder nor a model in this machine's "
+             "Hugging Face cache" if served_name is not None else "no teacher server is contacted in this run")
     raise ConfigError(f"teacher {teacher_id!r} has teacher_signal 'hidden' but no teacher_model_paths entry, and "
                       f"{where}: set teacher_model_paths: {{{teacher_id!r}: <local checkpoint folder>}} (the "
                       "teacher's lm_head is read from it)")
