@@ -14,7 +14,7 @@ RECIPES = sorted(p.parent for p in EXAMPLES.glob("*/config.yaml"))
 
 
 def test_there_are_recipes():
-    assert {p.name for p in RECIPES} >= {"single-teacher", "mopd", "lora"}
+    assert {p.name for p in RECIPES} >= {"single-teacher", "mopd", "lora", "hidden-teacher"}
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
@@ -74,8 +74,11 @@ def test_one_step_of_a_recipe_changes_the_weights_it_trains(recipe, tiny_student
               "save_strategy": "no", "export_final_model": False, "disable_tqdm": True, "token_budget": 0,
               "max_completion_length": 16, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
               "warmup_ratio": 0.0, "eval_dataset": None}
+    if recipe_config.hidden_teacher_ids:  # the tiny model's own head and hidden states stand in for the teacher's
+        values["teacher_model_paths"] = {t: str(tiny_student) for t in recipe_config.hidden_teacher_ids}
     config = AsyncDistillationConfig(**values)
     samples = teacher_and_samples(4, seed=3, teacher_ids=config.teacher_ids)
+    samples = [as_hidden(s, tiny_student) if s.teacher_id in config.hidden_teacher_ids else s for s in samples]
     trainer = AsyncDistillationTrainer(config, samples=samples)
     assert trainer.master_weights_warning is None
     trained = {n: p for n, p in trainer.hf_model.named_parameters() if p.requires_grad}
@@ -87,6 +90,28 @@ def test_one_step_of_a_recipe_changes_the_weights_it_trains(recipe, tiny_student
     total = sum(p.numel() for p in trained.values())
     assert moved / total > 0.5, f"only {moved} of {total} trained weights changed"
     assert all(p.dtype == torch.float32 for p in trained.values())
+
+
+def as_hidden(sample, model_dir):
+    """``sample`` scored by a hidden-state teacher (the model in ``model_dir``): its bfloat16 final hidden states
+    at the completion's positions instead of top-K candidates."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.rollout.client import Generation
+    from fastdistill.rollout.hidden import TeacherHiddenStates
+    from fastdistill.rollout.sample import RolloutSample
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = sample.input_ids[: sample.prompt_length].tolist()
+    completion = sample.completion_ids.tolist()
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([prompt + completion])).last_hidden_state[0]
+    rows = hidden[len(prompt) - 1 : len(prompt) + len(completion) - 1].bfloat16()
+    return RolloutSample.assemble(prompt, Generation(np.asarray(completion, np.int32), sample.rollout_logprobs),
+                                  TeacherHiddenStates(rows), model_version=0, teacher_id=sample.teacher_id,
+                                  prompt_id=sample.prompt_id, dataset_index=sample.dataset_index)
 
 
 def test_bfloat16_master_weights_with_full_fine_tuning_warn(tiny_student, tmp_path, caplog):
