@@ -10,7 +10,8 @@ Steps, in order, each in its own process group with its own timeout, all within 
   kernel-tests        ``pytest tests/test_kernels.py tests/test_kernels_chunked.py tests/test_kernels_dense.py`` without
                       TRITON_INTERPRET: the compiled kernels on the GPU
                       against the torch path and the float64 reference, every backward mode and dtype.
-  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 against TRL, Liger and CCE, each
+  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 against TRL, Liger and CCE (the
+                      dense-teacher rows ours-dense and ours-dense-chunked beside Liger), each
                       behind its correctness gate (an implementation that disagrees is not timed).
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
                       row (position_ids restarting per sample, no attention mask) against each sample alone.
@@ -57,7 +58,8 @@ SCRIPT = Path(__file__).resolve()
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "gpu_check.json"
 DEFAULT_VENV = ROOT / ".venv-gpu-check"
 BENCH_D, BENCH_V = 3584, 152064
-BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "trl", "liger", "cce")
+BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked", "trl",
+               "liger", "cce")
 BENCH_SHAPES = {"bench-4096": ([4096], [8]), "bench-16384": ([16384], [8, 64])}
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds); the global budget cuts them further.
