@@ -11,8 +11,8 @@ Two tasks (``--task``):
   256 words and a Zipf exponent in [0.7, 1.3]; the next word is drawn from the topic's words with probability
   ∝ 1/rank^exponent, the ranking rotated by a quarter of the list for each class (index mod 4) of the previous word.
   That is about 3.3 nats (tens of plausible words) per position. A tiny Qwen3 teacher (hidden 128) is trained by
-  cross-entropy on fresh samples of the language until it models that spread; the student is a fresh smaller one
-  (hidden 64). Completions are sampled from the teacher at temperature 1.
+  cross-entropy on fresh samples of the language (``--teacher-steps`` × 32 sequences) until it models that spread;
+  the student is a fresh smaller one (hidden 64). Completions are sampled from the teacher at temperature 1.
 - ``demo``: the demo's toy task (``bench_cache_train.build_task``: additions, counting, reversed words) with the
   teacher's greedy answers (about 2 tokens, nearly deterministic).
 
@@ -20,10 +20,12 @@ Then:
 
 1. every training prompt gets one teacher completion, fixed for all signals of a run seed, so the runs differ only in
    the teacher signal (held-out prompts, new ones, get theirs once for all run seeds);
-2. the student is distilled for ``--epochs`` epochs from those samples through the trainer (given samples), once per
-   signal: hidden (``dense_teacher_jsd_loss`` with the teacher's head, bfloat16 rows as on the wire) and top-K at each
-   K of ``--top-ks`` (``sparse_jsd_loss``: the K candidates, the realised token and a tail bucket); same learning
-   rate, schedule, batch, β and steps; trained tokens/s from each run's train_summary.json;
+2. the student is distilled for each ``--epochs`` value from those samples through the trainer (given samples), once
+   per signal: hidden (``dense_teacher_jsd_loss`` with the teacher's head, bfloat16 rows as on the wire) and top-K
+   at each K of ``--top-ks`` (``sparse_jsd_loss``: the K candidates, the realised token and a tail bucket); same
+   learning rate, schedule, batch, β and steps; trained tokens/s from each run's train_summary.json, and at its
+   median step time (metrics.jsonl ``perf/step_s``: a busy spell of a shared machine moves the mean, not the
+   median);
 3. every trained student is measured on the held-out completions: the full-vocabulary generalized JSD at β and the
    forward KL(teacher‖student), float64, nats per completion token; with the teacher's mean entropy there, the
    teacher mass its top K tokens hold, and (zipf) the language's own entropy and KL(language‖teacher).
@@ -33,7 +35,7 @@ completions and trainer seed; the teacher and the held-out set stay fixed, so th
 run-to-run spread of the comparison. The hidden route's cost on the wire and on the server is measured in
 docs/hidden-teacher.md; here only the trainer's side counts.
 
-    python benchmarks/bench_hidden_teacher.py --task zipf --run-seeds 0 1 --json /tmp/bench_hidden.json
+    python benchmarks/bench_hidden_teacher.py --run-seeds 0 1 2 --json /tmp/bench_hidden.json   # about 6 min, 2 CPUs
 """
 
 from __future__ import annotations
