@@ -117,10 +117,9 @@ class ZipfLanguage:
             if token == self.eos:
                 return out
 
-    def unique_prompts(self, count: int, rng: np.random.Generator, exclude: set[tuple[int, ...]] = frozenset()
-                       ) -> list[list[int]]:
-        """``count`` distinct prompts, none in ``exclude``."""
-        seen = set(exclude)
+    def unique_prompts(self, count: int, rng: np.random.Generator) -> list[list[int]]:
+        """``count`` distinct prompts."""
+        seen: set[tuple[int, ...]] = set()
         prompts = []
         while len(prompts) < count:
             prompt = self.sample_prompt(rng)
@@ -132,7 +131,7 @@ class ZipfLanguage:
 
 @dataclasses.dataclass(frozen=True)
 class ZipfSettings:
-    """Model sizes and step counts of the zipf task."""
+    """Model sizes and optimiser settings of the zipf task (the step counts are command-line options)."""
 
     teacher_hidden_size: int = 128
     student_hidden_size: int = 64
