@@ -481,8 +481,9 @@ class AsyncDistillationTrainer:
             folders = {teacher_id: teacher_head_folder(teacher_id, self.config.teacher_model_paths,
                                                        served[teacher_id].name if served is not None else None)
                        for teacher_id in hidden_ids}
-        folders = self.dist.broadcast(folders)
-        widths = self._served_hidden_widths  # rank 0's, from _check_servers; empty elsewhere or offline
+        # rank 0's served widths (from _check_servers; empty offline) go with the folders, so that every rank runs
+        # the same checks and a mismatch stops all of them rather than leaving the others at their next collective
+        folders, widths = self.dist.broadcast((folders, self._served_hidden_widths))
         dtype = self.hf_model.get_output_embeddings().weight.dtype
         self.model.teacher_heads = {
             self.teacher_ids.index(teacher_id): load_hidden_teacher_head(
