@@ -180,27 +180,18 @@ def word_tokenizer(names: list[str]) -> Any:
 def train_on_language(model: torch.nn.Module, language: ZipfLanguage, *, steps: int, batch: int, lr: float,
                       rng: np.random.Generator) -> list[float]:
     """Cross-entropy on the completions (eos included) of fresh samples of ``language``, ``batch`` sequences packed
-    in one row per step, one-cycle LR schedule. Returns the per-step losses (nats per completion token)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    losses = []
-    model.train()
-    for _ in range(steps):
-        ids, positions, labels = [], [], []
+    in one row per step (:func:`fastdistill.demo.train_packed`). Returns the per-step losses (nats per completion
+    token)."""
+    from fastdistill.demo import train_packed
+
+    def next_batch() -> list[tuple[list[int], list[int]]]:
+        out = []
         for _ in range(batch):
             prompt = language.sample_prompt(rng)
-            completion = language.sample_completion(prompt, rng)
-            ids += prompt + completion
-            positions += range(len(prompt) + len(completion))
-            labels += [-100] * len(prompt) + completion
-        loss = model(torch.tensor([ids]), position_ids=torch.tensor([positions]), labels=torch.tensor([labels]),
-                     use_cache=False).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-    return losses
+            out.append((prompt, language.sample_completion(prompt, rng)))
+        return out
+
+    return train_packed(model, next_batch, steps=steps, lr=lr)
 
 
 def build_zipf_task(work: Path, teacher_steps: int, seed: int, train_prompts: int, held_out: int) -> Task:

@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,20 +104,18 @@ def prompt_ids(tokenizer: Any, example: Example) -> list[int]:
                                          tokenize=True, return_dict=False)
 
 
-def train_on_answers(model: torch.nn.Module, tokenizer: Any, pairs: list[tuple[str, str]], *, steps: int,
-                     batch: int, lr: float, rng: random.Random) -> list[float]:
-    """Cross-entropy on the answers of (question, answer) chat pairs (prompt tokens untrained), in packed rows
-    without padding, with a one-cycle LR schedule. Returns the per-step losses."""
+def train_packed(model: torch.nn.Module, next_batch: Callable[[], list[tuple[list[int], list[int]]]], *,
+                 steps: int, lr: float) -> list[float]:
+    """Cross-entropy on the targets of ``steps`` batches of (prompt ids, target ids) pairs from ``next_batch()``,
+    each batch packed in one row without padding (position ids restart per pair, prompt tokens untrained), AdamW
+    with a one-cycle LR schedule. Returns the per-step losses (nats per target token)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
     losses = []
     model.train()
     for _ in range(steps):
         ids, positions, labels = [], [], []
-        for question, answer in rng.sample(pairs, batch):
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
-            target = tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id]
+        for prompt, target in next_batch():
             ids += prompt + target
             positions += range(len(prompt) + len(target))
             labels += [-100] * len(prompt) + target
@@ -128,6 +127,20 @@ def train_on_answers(model: torch.nn.Module, tokenizer: Any, pairs: list[tuple[s
         schedule.step()
         losses.append(loss.item())
     return losses
+
+
+def train_on_answers(model: torch.nn.Module, tokenizer: Any, pairs: list[tuple[str, str]], *, steps: int,
+                     batch: int, lr: float, rng: random.Random) -> list[float]:
+    """Cross-entropy on the answers of (question, answer) chat pairs (prompt tokens untrained), ``batch`` random
+    pairs packed per step (:func:`train_packed`). Returns the per-step losses."""
+
+    def next_batch() -> list[tuple[list[int], list[int]]]:
+        return [(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False),
+                 tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id])
+                for question, answer in rng.sample(pairs, batch)]
+
+    return train_packed(model, next_batch, steps=steps, lr=lr)
 
 
 def server_accuracy(url: str, tokenizer: Any, rows: list[dict[str, Any]], max_tokens: int) -> float:

@@ -157,18 +157,23 @@ json.dump(cr.dense_report(("bf16",)), open(sys.argv[1], "w"))
 """
 
 
-@pytest.fixture(scope="module")
-def dense_report(tmp_path_factory) -> list[dict]:
-    """The dense-teacher chunked kernels (statistics pass, gradient pass per β mode) compiled in bf16 at the
-    Qwen-like shape for both targets (one subprocess, ~10 s)."""
-    out = tmp_path_factory.mktemp("compile-dense") / "dense.json"
+def run_report_script(script: str, out: Path, timeout: int) -> list[dict]:
+    """Run a report ``script`` (writes JSON to its first argument) in a subprocess without the interpreter; skip
+    where the toolchain is unusable (exit 2)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
-    proc = subprocess.run([sys.executable, "-c", DENSE_SCRIPT, str(out)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=timeout,
+                          env=env)
     if proc.returncode == 2:
         pytest.skip(proc.stderr.strip()[-500:])
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def dense_report(tmp_path_factory) -> list[dict]:
+    """The dense-teacher chunked kernels (statistics pass, gradient pass per β mode) compiled in bf16 at the
+    Qwen-like shape for both targets (one subprocess, ~10 s)."""
+    return run_report_script(DENSE_SCRIPT, tmp_path_factory.mktemp("compile-dense") / "dense.json", 600)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -193,14 +198,7 @@ DENSE_FUSED_SCRIPT = DENSE_SCRIPT.replace("cr.dense_report((\"bf16\",))", "cr.de
 def dense_fused_report(tmp_path_factory) -> list[dict]:
     """The fused dense-teacher kernels (forward, mixed-β pass, backward per β mode and backward mode) compiled in
     bf16 and fp32 at the Qwen-like shape for both targets with their default tiles (one subprocess, ~30 s)."""
-    out = tmp_path_factory.mktemp("compile-dense-fused") / "dense.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
-    proc = subprocess.run([sys.executable, "-c", DENSE_FUSED_SCRIPT, str(out)], capture_output=True, text=True,
-                          timeout=900, env=env)
-    if proc.returncode == 2:
-        pytest.skip(proc.stderr.strip()[-500:])
-    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_report_script(DENSE_FUSED_SCRIPT, tmp_path_factory.mktemp("compile-dense-fused") / "dense.json", 900)
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -94,6 +94,18 @@ def _both_tiles(HS, WS, BS, HT, WT, BT, rows, cols, N, V, DS, DT, s_scale, s_sof
     return zs, zt
 
 
+@triton.jit
+def _split_program(first_row_block, N, n_vocab_tiles, tiles_per_split, BLOCK_ROWS: tl.constexpr):
+    """Grid ``(vocabulary split, row block)``, the split on the fast axis (as in the sparse forward: the programs
+    resident at a time share a few row blocks' hidden states in L2): this program's split, rows (int64), which of
+    them exist, and its tiles ``[first_tile, last_tile)``."""
+    split = tl.program_id(0)
+    row_block = first_row_block + tl.program_id(1)
+    rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    first_tile = split * tiles_per_split
+    return split, rows, rows < N, first_tile, tl.minimum(first_tile + tiles_per_split, n_vocab_tiles)
+
+
 @triton.jit(do_not_specialize=["first_row_block"])
 def _dense_forward_kernel(HS, WS, BS, HT, WT, BT, PARTS, N, V, DS, DT, n_vocab_tiles, tiles_per_split, n_splits,
                           first_row_block, s_scale, s_softcap, t_scale, t_softcap, inv_temp,
@@ -101,10 +113,8 @@ def _dense_forward_kernel(HS, WS, BS, HT, WT, BT, PARTS, N, V, DS, DT, n_vocab_t
                           S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_BIAS: tl.constexpr,
                           T_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, S_DOT: tl.constexpr, T_DOT: tl.constexpr):
     """Online statistics of both sides over one split's tiles into ``PARTS`` ``(8, N, n_splits)``."""
-    split = tl.program_id(0)  # the fast grid axis, as in the sparse forward (a few row blocks' hidden states in L2)
-    row_block = first_row_block + tl.program_id(1)
-    rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    in_rows = rows < N
+    split, rows, in_rows, first_tile, last_tile = _split_program(first_row_block, N, n_vocab_tiles, tiles_per_split,
+                                                                 BLOCK_ROWS)
     m_s = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
     s_s = tl.zeros((BLOCK_ROWS,), tl.float32)
     e_s = tl.zeros((BLOCK_ROWS,), tl.float32)
@@ -113,8 +123,6 @@ def _dense_forward_kernel(HS, WS, BS, HT, WT, BT, PARTS, N, V, DS, DT, n_vocab_t
     s_t = tl.zeros((BLOCK_ROWS,), tl.float32)
     e_t = tl.zeros((BLOCK_ROWS,), tl.float32)
     a_t = tl.zeros((BLOCK_ROWS,), tl.float32)
-    first_tile = split * tiles_per_split
-    last_tile = tl.minimum(first_tile + tiles_per_split, n_vocab_tiles)
     offs_v = tl.arange(0, BLOCK_VOCAB)
     for tile in range(first_tile, last_tile):
         cols = (tile * BLOCK_VOCAB + offs_v).to(tl.int64)
@@ -146,16 +154,12 @@ def _dense_mixed_kernel(HS, WS, BS, HT, WT, BT, LSE_S, LSE_T, PART_DIV, PART_G, 
                         UPCAST: tl.constexpr, S_DOT: tl.constexpr, T_DOT: tl.constexpr):
     """0 < β < 1: one split's per-row sums of the divergence terms and of ``g = (1−β) p (s − log m)`` into
     ``PART_DIV`` and ``PART_G`` ``(N, n_splits)``."""
-    split = tl.program_id(0)
-    row_block = first_row_block + tl.program_id(1)
-    rows = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
-    in_rows = rows < N
+    split, rows, in_rows, first_tile, last_tile = _split_program(first_row_block, N, n_vocab_tiles, tiles_per_split,
+                                                                 BLOCK_ROWS)
     lse_s = tl.load(LSE_S + rows, mask=in_rows, other=0.0)
     lse_t = tl.load(LSE_T + rows, mask=in_rows, other=0.0)
     div = tl.zeros((BLOCK_ROWS,), tl.float32)
     sum_g = tl.zeros((BLOCK_ROWS,), tl.float32)
-    first_tile = split * tiles_per_split
-    last_tile = tl.minimum(first_tile + tiles_per_split, n_vocab_tiles)
     offs_v = tl.arange(0, BLOCK_VOCAB)
     for tile in range(first_tile, last_tile):
         cols = (tile * BLOCK_VOCAB + offs_v).to(tl.int64)
