@@ -26,7 +26,10 @@ hidden states and lm_heads (student and teacher hidden size D, teacher logits un
   distill  TRL DistillationTrainer's ``_chunked_divergence_loss`` (``trl.kernels.chunked_divergence``);
   liger    Liger's ``LigerFusedLinearJSDLoss`` (weight_hard_loss=0, weight_soft_loss=1; its β is TRL's β;
            ``compiled=False``: torch.compile of its chunk step is not part of the CPU comparison);
-  ours     ``fastdistill.loss.dense.dense_teacher_jsd_loss(..., backend="torch")``, divided by N.
+  ours     ``fastdistill.loss.dense.dense_teacher_jsd_loss(..., backend="torch")``, divided by N;
+  ours-topk  for scale, what the trainer runs for a top-K teacher instead: ``sparse_jsd_loss(..., backend="torch")``
+           on the teacher's top-``--K`` log-probs (precomputed with the inputs, as a server sends them), divided by N
+           (another loss: left out of the loss agreement).
 
     python benchmarks/bench_loss.py --dense --beta 0.5 --N 1024 2048 --V 32768 --D 512
 """
@@ -47,7 +50,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 IMPLS = ("dense", "trl", "ours")
-DENSE_IMPLS = ("gkd", "distill", "liger", "ours")
+DENSE_IMPLS = ("gkd", "distill", "liger", "ours-topk", "ours")
+NOT_THE_DENSE_LOSS = ("ours-topk",)
 LIGER_CHUNK_SIZE = 1024  # LigerFusedLinearJSDLoss's default
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_loss.json"
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
@@ -121,9 +125,10 @@ def loss_fn(impl: str, tail_mode: str):
     ).loss
 
 
-def make_dense_inputs(N: int, D: int, V: int, seed: int, device):
+def make_dense_inputs(N: int, D: int, V: int, K: int, seed: int, device):
     """Seeded dense-teacher inputs: student hidden (N, D) and lm_head (V, D) (leaves), teacher hidden (N, D) and
-    lm_head (V, D) (constants), the teacher's logits sharper than the student's."""
+    lm_head (V, D) (constants), the teacher's logits sharper than the student's; and, for ``ours-topk``, the
+    teacher's top-K ids and log-probs (N, K) (computed here, in 256-row chunks, before any measurement)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -131,19 +136,26 @@ def make_dense_inputs(N: int, D: int, V: int, seed: int, device):
     hs = torch.randn(N, D, generator=g)
     wt = torch.randn(V, D, generator=g).mul_(2.0 / math.sqrt(D))
     ht = torch.randn(N, D, generator=g)
-    return hs.to(device).requires_grad_(True), ws.to(device).requires_grad_(True), ht.to(device), wt.to(device)
+    k = min(K, V)
+    ids, lps = torch.empty(N, k, dtype=torch.long), torch.empty(N, k)
+    with torch.no_grad():
+        for r in range(0, N, 256):
+            top = torch.log_softmax(ht[r:r + 256] @ wt.t(), dim=1).topk(k, dim=1)
+            ids[r:r + 256], lps[r:r + 256] = top.indices, top.values
+    return (hs.to(device).requires_grad_(True), ws.to(device).requires_grad_(True), ht.to(device), wt.to(device),
+            ids.to(device), lps.to(device))
 
 
 def dense_teacher_loss_fn(impl: str, beta: float):
-    """The loss callable ``f(hs, ws, ht, wt) -> 0-dim mean divergence over the N positions`` of one dense-teacher
-    implementation."""
+    """The loss callable ``f(hs, ws, ht, wt, ids, lps) -> 0-dim mean divergence over the N positions`` of one
+    dense-teacher implementation (``ids``, ``lps``: the teacher's top-K, read by ``ours-topk`` only)."""
     import torch
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     if impl == "gkd":
         from trl.experimental.gkd.gkd_trainer import GKDTrainer
 
-        def gkd(hs, ws, ht, wt):
+        def gkd(hs, ws, ht, wt, *_):
             with torch.no_grad():
                 teacher_logits = ht @ wt.t()
             return GKDTrainer.generalized_jsd_loss(hs @ ws.t(), teacher_logits, beta=beta)  # batchmean: / N
@@ -152,7 +164,7 @@ def dense_teacher_loss_fn(impl: str, beta: float):
     if impl == "distill":
         from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
-        def distill(hs, ws, ht, wt):
+        def distill(hs, ws, ht, wt, *_):
             mask = torch.ones(1, hs.shape[0], dtype=torch.long, device=hs.device)
             return _chunked_divergence_loss(hs[None], ht[None], ws, wt, mask, beta)[0]
 
@@ -162,11 +174,20 @@ def dense_teacher_loss_fn(impl: str, beta: float):
 
         module = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=beta, compiled=False,
                                          chunk_size=LIGER_CHUNK_SIZE)
-        return lambda hs, ws, ht, wt: module(hs, ws, ht, wt, torch.zeros(hs.shape[0], dtype=torch.long,
-                                                                        device=hs.device))
+        return lambda hs, ws, ht, wt, *_: module(hs, ws, ht, wt, torch.zeros(hs.shape[0], dtype=torch.long,
+                                                                            device=hs.device))
+    if impl == "ours-topk":
+        from fastdistill import sparse_jsd_loss
+
+        def topk(hs, ws, ht, wt, ids, lps):
+            valid = torch.ones_like(ids, dtype=torch.bool)
+            return sparse_jsd_loss(hs, ws, ids, lps, valid, beta=beta, backend="torch").loss / hs.shape[0]
+
+        return topk
     from fastdistill.loss.dense import dense_teacher_jsd_loss
 
-    return lambda hs, ws, ht, wt: dense_teacher_jsd_loss(hs, ws, ht, wt, beta=beta, backend="torch").loss / hs.shape[0]
+    return lambda hs, ws, ht, wt, *_: dense_teacher_jsd_loss(hs, ws, ht, wt, beta=beta,
+                                                             backend="torch").loss / hs.shape[0]
 
 
 def rss_kib() -> int:
@@ -204,7 +225,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     # part of the loss's memory, so it happens before the baseline. A cold run skips it (and any warm-up): it
     # measures a single call in a fresh process, one-time setup included.
     def inputs(n, d, v):
-        return make_dense_inputs(n, d, v, args.seed, device) if args.dense else make_inputs(n, d, v, args.K,
+        return make_dense_inputs(n, d, v, args.K, args.seed, device) if args.dense else make_inputs(n, d, v, args.K,
                                                                                             args.seed, device)
 
     if not args.cold:
@@ -313,13 +334,13 @@ def summarize_dense(by_impl: dict[str, dict]) -> dict:
     difference from TRL GKD's (or, when it was skipped, from TRL Distillation's)."""
     ours = by_impl.get("ours")
     out = {}
-    for other in DENSE_IMPLS[:-1]:
+    for other in [i for i in DENSE_IMPLS if i != "ours"]:
         out[f"ours_over_{other}_time"] = ratio(ours, by_impl.get(other), "median_s")
         out[f"ours_over_{other}_mem"] = ratio(ours, by_impl.get(other), "peak_mb")
     ref = next((by_impl[i] for i in ("gkd", "distill") if by_impl.get(i, {}).get("status") == "ok"), None)
     out["loss_ref"] = None if ref is None else ref["impl"]
     for impl, m in by_impl.items():
-        if ref is not None and m.get("status") == "ok":
+        if ref is not None and m.get("status") == "ok" and impl not in NOT_THE_DENSE_LOSS:
             out[f"loss_rel_diff_{impl}"] = abs(m["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
     return out
 

@@ -77,7 +77,7 @@ def test_bench_loss_dense_teacher_quick(tmp_path):
     assert (row["N"], row["D"], row["V"]) == (64, 32, 512)
     measured = row["allocators"]["glibc-default"]
     impls = measured["impls"]
-    assert set(impls) == {"gkd", "distill", "liger", "ours"}
+    assert set(impls) == {"gkd", "distill", "liger", "ours-topk", "ours"}
     for name, m in impls.items():
         assert m["status"] == "ok", (name, m)
         assert math.isfinite(m["median_s"]) and m["median_s"] > 0 and math.isfinite(m["peak_mb"])
@@ -86,7 +86,8 @@ def test_bench_loss_dense_teacher_quick(tmp_path):
     assert summary["loss_ref"] == "gkd"
     for name in ("distill", "liger", "ours"):
         assert summary[f"loss_rel_diff_{name}"] < 1e-4, name
-    for name in ("gkd", "distill", "liger"):
+    assert "loss_rel_diff_ours-topk" not in summary  # another loss (the teacher's top-K), timed for scale only
+    for name in ("gkd", "distill", "liger", "ours-topk"):
         assert summary[f"ours_over_{name}_time"] > 0 and f"ours_over_{name}_mem" in summary, name
     assert "dense teacher, allocator: glibc-default" in proc.stdout
 
