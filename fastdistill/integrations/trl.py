@@ -141,32 +141,48 @@ def trl_chunked_divergence_loss(
     positions divided by ``num_items_in_batch`` (or by ``max(n_valid, 1)`` when None), the student's entropy at
     ``temperature`` summed over scored positions (nats, no gradient), and the number of scored positions.
     """
-    if isinstance(student_lm_head_weight, torch.distributed.tensor.DTensor):  # FSDP2: gather once, as TRL does
-        student_lm_head_weight = student_lm_head_weight.full_tensor().to(student_hidden_states.dtype)
-        if student_lm_head_bias is not None:
-            student_lm_head_bias = student_lm_head_bias.full_tensor()
-    if isinstance(teacher_lm_head_weight, torch.distributed.tensor.DTensor):
-        teacher_lm_head_weight = teacher_lm_head_weight.full_tensor().to(teacher_hidden_states.dtype)
-        if teacher_lm_head_bias is not None:
-            teacher_lm_head_bias = teacher_lm_head_bias.full_tensor()
+    student_lm_head_weight, student_lm_head_bias = _gathered(student_lm_head_weight, student_lm_head_bias,
+                                                             student_hidden_states.dtype)
+    teacher_lm_head_weight, teacher_lm_head_bias = _gathered(teacher_lm_head_weight, teacher_lm_head_bias,
+                                                             teacher_hidden_states.dtype)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
-    out = dense_teacher_jsd_loss(
-        student_hidden_states.reshape(-1, student_hidden_states.size(-1)), student_lm_head_weight,
-        teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1)), teacher_lm_head_weight,
-        student_bias=student_lm_head_bias, teacher_bias=teacher_lm_head_bias,
-        student_logit_scale=float(student_logit_scale), student_softcap=student_final_logit_softcapping,
-        teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_final_logit_softcapping,
-        beta=float(beta), temperature=float(temperature), mask=valid,
-    )
-    loss = out.loss
+    out = _dense_on_positions(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                              teacher_lm_head_weight, student_lm_head_bias, teacher_lm_head_bias,
+                              student_logit_scale, student_final_logit_softcapping, teacher_logit_scale,
+                              teacher_final_logit_softcapping, beta, temperature, valid)
     if num_items_in_batch is None:
-        loss = loss / n_valid.clamp(min=1)
-    else:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss, out.entropy_sum.float(), n_valid
+        return out.loss / n_valid.clamp(min=1), out.entropy_sum.float(), n_valid
+    return _divided(out.loss, num_items_in_batch), out.entropy_sum.float(), n_valid
+
+
+def _gathered(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """An FSDP2-sharded (DTensor) lm_head gathered once into full tensors, the weight in ``dtype``, as TRL does;
+    plain tensors unchanged."""
+    if not isinstance(weight, torch.distributed.tensor.DTensor):
+        return weight, bias
+    return weight.full_tensor().to(dtype), None if bias is None else bias.full_tensor()
+
+
+def _dense_on_positions(student_hidden, teacher_hidden, student_weight, teacher_weight, student_bias, teacher_bias,
+                        student_scale, student_softcap, teacher_scale, teacher_softcap, beta, temperature, mask):
+    """:func:`dense_teacher_jsd_loss` on ``(B, T, H)`` hidden states flattened to their ``B·T`` positions, ``mask``
+    ``(B·T,)`` bool or None."""
+    return dense_teacher_jsd_loss(
+        student_hidden.reshape(-1, student_hidden.size(-1)), student_weight,
+        teacher_hidden.reshape(-1, teacher_hidden.size(-1)), teacher_weight,
+        student_bias=student_bias, teacher_bias=teacher_bias,
+        student_logit_scale=float(student_scale), student_softcap=student_softcap,
+        teacher_logit_scale=float(teacher_scale), teacher_softcap=teacher_softcap,
+        beta=float(beta), temperature=float(temperature), mask=mask,
+    )
+
+
+def _divided(loss: torch.Tensor, num_items_in_batch: torch.Tensor | int) -> torch.Tensor:
+    """``loss / num_items_in_batch`` (TRL's normalisation by the items of the whole gradient-accumulation batch)."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
 
 
 def dense_generalized_jsd_loss(
@@ -207,19 +223,13 @@ def dense_generalized_jsd_loss(
         raise ValueError(f"labels must have shape {tuple(student_hidden_states.shape[:2])} (the hidden states' "
                          f"(B, T)), got {tuple(labels.shape)}")
     mask = None if labels is None else (labels != -100).reshape(-1)
-    out = dense_teacher_jsd_loss(
-        student_hidden_states.reshape(-1, student_hidden_states.size(-1)), student_lm_head_weight,
-        teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1)), teacher_lm_head_weight,
-        student_bias=student_lm_head_bias, teacher_bias=teacher_lm_head_bias,
-        student_logit_scale=float(student_logit_scale), student_softcap=student_softcap,
-        teacher_logit_scale=float(teacher_logit_scale), teacher_softcap=teacher_softcap,
-        beta=float(beta), temperature=float(temperature), mask=mask,
-    )
+    out = _dense_on_positions(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                              teacher_lm_head_weight, student_lm_head_bias, teacher_lm_head_bias,
+                              student_logit_scale, student_softcap, teacher_logit_scale, teacher_softcap, beta,
+                              temperature, mask)
     loss = out.loss
     if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        return loss / num_items_in_batch
+        return _divided(loss, num_items_in_batch)
     n_scored = out.num_tokens if mask is None else mask.sum()
     if reduction == "batchmean":
         return loss / (n_scored.clamp_min(1) if labels is not None else max(student_hidden_states.size(0), 1))

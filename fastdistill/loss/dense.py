@@ -167,50 +167,39 @@ def dense_teacher_jsd_loss(
         return _student_top_k_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
                                   teacher, float(beta), student_top_k, chunk_rows, token_weights, teacher_index,
                                   num_teachers)
-    if backend == "triton" or (backend == "auto" and _triton_is_default(student_hidden, student_weight)
-                               and _triton_is_default(t_hidden, t_weight)):
-        return _triton_fused_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
-                                   teacher, float(beta), token_weights, teacher_index, num_teachers)
-    if backend == "triton-chunked":
-        return _triton_chunked_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
-                                     student, teacher, float(beta), chunk_rows, token_weights, teacher_index,
-                                     num_teachers)
+    if backend == "auto" and _triton_is_default(student_hidden, student_weight) and _triton_is_default(t_hidden,
+                                                                                                         t_weight):
+        backend = "triton"
+    if backend in ("triton", "triton-chunked"):
+        return _triton_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
+                             teacher, float(beta), backend, chunk_rows, token_weights, teacher_index, num_teachers)
     loss, div, ent, tent, dropped = _DenseJSD.apply(student_hidden, student_weight, student_bias, t_hidden, t_weight,
                                                     t_bias, student, teacher, float(beta), chunk_rows, token_weights)
     return summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers)
 
 
-def _triton_fused_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
-                        beta: float, token_weights, teacher_index, num_teachers) -> DenseJSDOutput:
-    """The fused Triton kernels on scored rows (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``)."""
+def _triton_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
+                  beta: float, backend: str, chunk_rows, token_weights, teacher_index,
+                  num_teachers) -> DenseJSDOutput:
+    """A Triton backend on scored rows (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``): ``"triton"``, the fused
+    kernels (any per-row weighting backpropagates), or ``"triton-chunked"``, the chunked-logits path (gradients of
+    the token-weighted sum computed in its forward)."""
     from .api import _check_triton_inputs
 
-    _check_triton_inputs(s_hidden, s_weight, "triton")
-    _check_triton_inputs(t_hidden, t_weight, "triton")
-    from fastdistill_kernels.dense_chunk import DenseHeads
+    _check_triton_inputs(s_hidden, s_weight, backend)
+    _check_triton_inputs(t_hidden, t_weight, backend)
+    from fastdistill_kernels.dense_chunk import DenseHeads, chunked_dense_teacher_jsd
     from fastdistill_kernels.dense_fused import fused_dense_teacher_jsd
 
     heads = DenseHeads(student.scale, student.softcap, teacher.scale, teacher.softcap, student.temperature)
-    div, ent, tent, dropped = fused_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, student_bias=s_bias,
-                                                      teacher_bias=t_bias, heads=heads, beta=beta)
-    loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
+    kw = dict(student_bias=s_bias, teacher_bias=t_bias, heads=heads, beta=beta)
+    if backend == "triton":
+        div, ent, tent, dropped = fused_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, **kw)
+        loss = div.sum() if token_weights is None else (div * token_weights.to(div.dtype)).sum()
+    else:
+        loss, div, ent, tent, dropped = chunked_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, **kw,
+                                                                  row_weights=token_weights, chunk_rows=chunk_rows)
     return summarize_dense(loss, div.detach(), ent, tent, dropped, teacher_index, num_teachers)
-
-
-def _triton_chunked_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,
-                          beta: float, chunk_rows, token_weights, teacher_index, num_teachers) -> DenseJSDOutput:
-    """The chunked-logits Triton path on scored rows (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``)."""
-    from .api import _check_triton_inputs
-
-    _check_triton_inputs(s_hidden, s_weight, "triton-chunked")
-    _check_triton_inputs(t_hidden, t_weight, "triton-chunked")
-    from fastdistill_kernels.dense_chunk import DenseHeads, chunked_dense_teacher_jsd
-
-    heads = DenseHeads(student.scale, student.softcap, teacher.scale, teacher.softcap, student.temperature)
-    out = chunked_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, student_bias=s_bias, teacher_bias=t_bias,
-                                    heads=heads, beta=beta, row_weights=token_weights, chunk_rows=chunk_rows)
-    return summarize_dense(out.loss, out.divergence.detach(), out.entropy, out.teacher_entropy, out.dropped,
-                           teacher_index, num_teachers)
 
 
 def summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers) -> DenseJSDOutput:
