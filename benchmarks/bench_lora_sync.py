@@ -38,9 +38,10 @@ from fastdistill.sync import (
     weight_manifest,
 )
 from fastdistill.sync.adapter import AdapterWeightSync
+from fastdistill.sync.lora import merged_weights
 from fastdistill.testing.vllm_server import start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-from fastdistill.train.lora import apply_lora, merged_weights
+from fastdistill.train.lora import apply_lora
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_lora_sync.json"
 PROBES = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 40))]

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
+from fastdistill.errors import VLLMServerError
 from fastdistill.sync.network import is_loopback_host
 
 Role = Literal["teacher", "student"]
@@ -72,10 +73,6 @@ def wait_until_healthy(url: str, *, alive: Callable[[], bool], timeout_s: float,
             pass
         time.sleep(poll_s)
     return "timeout"
-
-
-class VLLMServerError(RuntimeError):
-    """The server process exited or did not become healthy in time; the message ends with its log tail."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -12,13 +12,9 @@ import torch
 pytest.importorskip("peft")
 
 from fastdistill.sync import NamedTensors, iter_named_weights, snapshot_weights, weight_manifest  # noqa: E402
+from fastdistill.sync.lora import merged_named_weights, merged_weight_manifest, merged_weights  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, tiny_config  # noqa: E402
-from fastdistill.train.lora import (  # noqa: E402
-    apply_lora,
-    merged_named_weights,
-    merged_weight_manifest,
-    merged_weights,
-)
+from fastdistill.train.lora import apply_lora  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -488,7 +488,7 @@ def test_lora_trains_adapters_only_and_exports_the_merged_model(tmp_path, studen
 
     from transformers import AutoModelForCausalLM
 
-    from fastdistill.train.lora import merged_named_weights
+    from fastdistill.sync.lora import merged_named_weights
 
     trainer = AsyncDistillationTrainer(config(student_dir, tmp_path, lora_r=4, lora_alpha=8.0, max_steps=3,
                                               per_device_train_batch_size=4, learning_rate=1e-2,

@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from fastdistill.errors import CacheError
+
 FORMAT_VERSION = 1  # top-K caches (unchanged since version 1, so older readers still read them)
 SAMPLED_FORMAT_VERSION = 2  # version 2 adds the sampled mode (settings num_samples, proposal_temperature, seed)
 READABLE_VERSIONS = (FORMAT_VERSION, SAMPLED_FORMAT_VERSION)
@@ -62,17 +64,6 @@ _SAFETENSORS_DTYPES = {"uint8": "U8", "uint16": "U16", "int32": "I32", "int64": 
                        "bfloat16": "BF16"}
 _NUMPY_OF_SAFETENSORS = {"U8": np.uint8, "U16": np.uint16, "I32": np.int32, "I64": np.int64, "F16": np.float16,
                          "BF16": np.uint16}
-
-
-class CacheError(ValueError):
-    """A cache folder is missing a piece, is corrupted, or does not match what it is used with."""
-
-
-def config_error(message: str) -> Exception:
-    """A :class:`fastdistill.train.config.ConfigError` (imported lazily: fastdistill.train imports heavy modules)."""
-    from fastdistill.train.config import ConfigError
-
-    return ConfigError(message)
 
 
 def id_dtype_for(vocab_size: int) -> str:

@@ -28,7 +28,6 @@ from fastdistill.cache.format import (
     CacheError,
     CacheSettings,
     ShardRecord,
-    config_error,
     logprobs_from_storage,
     map_safetensors,
     sentinel_of,
@@ -37,6 +36,7 @@ from fastdistill.cache.format import (
     tokenizer_fingerprint,
 )
 from fastdistill.cache.sampled import log_weights
+from fastdistill.errors import ConfigError
 from fastdistill.rollout.sample import RolloutSample
 
 CACHE_TEACHER_ID = "default"  # the teacher id of every cached sample (one teacher per cache)
@@ -134,12 +134,12 @@ class TeacherCache:
         if not self.settings.sampled:
             return
         if beta != 0:
-            raise config_error(
+            raise ConfigError(
                 f"teacher cache {str(self.folder)!r} holds sampled teacher candidates, which estimate the forward KL "
                 f"(beta=0) only; beta={beta!r} would train a biased loss (the generalized JSD is not linear in the "
                 "teacher distribution): set beta: 0, or score a top-K cache")
         if not add_tail_bucket:
-            raise config_error(
+            raise ConfigError(
                 f"teacher cache {str(self.folder)!r} holds sampled teacher candidates, which need add_tail_bucket: "
                 "true: without the tail bucket the student is renormalised over the drawn tokens, so its mass on "
                 "the tokens not drawn gets no gradient (a biased estimate)")
@@ -154,7 +154,7 @@ class TeacherCache:
         cached ids would mean other tokens)."""
         fingerprint = tokenizer_fingerprint(tokenizer)
         if fingerprint != self.settings.tokenizer_fingerprint:
-            raise config_error(
+            raise ConfigError(
                 f"teacher cache {str(self.folder)!r} was scored with another tokenizer (fingerprint "
                 f"{self.settings.tokenizer_fingerprint[:16]}…, this one {fingerprint[:16]}…): its token ids would "
                 "mean other tokens; use the tokenizer the cache was scored with, or score the dataset again")

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from fastdistill.cache.format import MAX_NUM_SAMPLES, config_error
+from fastdistill.cache.format import MAX_NUM_SAMPLES
+from fastdistill.errors import ConfigError
 from fastdistill.rollout.http import VLLMRequestError, VLLMResponseError
 
 FULL_VOCABULARY = -1  # vLLM's prompt_logprobs value for every token of the vocabulary
@@ -38,7 +39,7 @@ class SampledScores:
 def check_num_samples(num_samples: Any) -> None:
     """ConfigError unless 1 <= ``num_samples`` <= 255 (counts are stored as uint8)."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
-        raise config_error(f"--num-samples must be an int in [1, {MAX_NUM_SAMPLES}] (counts are stored as uint8), "
+        raise ConfigError(f"--num-samples must be an int in [1, {MAX_NUM_SAMPLES}] (counts are stored as uint8), "
                            f"got {num_samples!r}")
 
 
@@ -91,13 +92,13 @@ def parse_full_prompt_logprobs(url: str, per_position: Any, prompt_length: int, 
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise VLLMResponseError(f"{url}: malformed prompt_logprobs entry at completion position {row}") from error
         if ids.min() < 0 or ids.max() >= vocab_size:
-            raise config_error(f"the teacher returned token id {int(ids.max())}, outside the tokenizer's {vocab_size} "
+            raise ConfigError(f"the teacher returned token id {int(ids.max())}, outside the tokenizer's {vocab_size} "
                                "ids: the teacher uses another vocabulary than the tokenizer given to `fastdistill "
                                "score`")
         values[np.isnan(values)] = -np.inf
         mass = float(np.exp(values).sum())
         if abs(mass - 1.0) > MASS_TOLERANCE:
-            raise config_error(
+            raise ConfigError(
                 f"the teacher server ({url}) returned {len(entry)} log-probs holding {mass:.6f} of the probability "
                 f"mass at completion position {row}, not the full distribution over {vocab_size} tokens that "
                 "--candidates sampled draws from: serve the teacher with `--max-logprobs -1` (fastdistill "
@@ -107,7 +108,7 @@ def parse_full_prompt_logprobs(url: str, per_position: Any, prompt_length: int, 
 
 
 def _refused_full_vocabulary(url: str, error: VLLMRequestError) -> Exception:
-    return config_error(
+    return ConfigError(
         f"the teacher server ({url}) refuses full-vocabulary prompt_logprobs (prompt_logprobs=-1), which --candidates "
         f"sampled needs: HTTP {error.status}: {error.server_message[:300]}. Start it with `--max-logprobs -1` "
         "(fastdistill serve-teacher does)")

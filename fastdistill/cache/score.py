@@ -40,7 +40,6 @@ from fastdistill.cache.format import (
     REJECTED_NAME,
     CacheSettings,
     ShardRecord,
-    config_error,
     id_dtype_for,
     logprobs_to_storage,
     map_safetensors,
@@ -58,6 +57,7 @@ from fastdistill.cache.sampled import (
     draw_candidates,
     score_full,
 )
+from fastdistill.errors import ConfigError
 from fastdistill.rollout.client import TeacherClient, TeacherScores
 from fastdistill.rollout.http import RetryPolicy, VLLMRequestError
 from fastdistill.rollout.vocab import PROBE_TEXTS
@@ -99,7 +99,7 @@ def _chat_completion(tokenizer: Any, prompt: list[Any], conversation: list[Any],
     prompt_ids = _render(tokenizer, prompt, generation_prompt=True)
     full_ids = _render(tokenizer, conversation, generation_prompt=False)
     if full_ids[: len(prompt_ids)] != prompt_ids:
-        raise config_error(f"{what}: row {index}: the chat template does not render the conversation as its prompt "
+        raise ConfigError(f"{what}: row {index}: the chat template does not render the conversation as its prompt "
                            "(with the generation prompt) followed by the answer, so the answer's tokens cannot be cut "
                            "from it")
     return prompt_ids, full_ids[len(prompt_ids) :]
@@ -121,7 +121,7 @@ def completion_row(row: Mapping[str, Any], index: int, tokenizer: Any, what: str
             prompt_ids, completion_ids = _chat_completion(tokenizer, list(prompt), list(prompt) + list(completion),
                                                           index, what)
         else:
-            raise config_error(f"{what}: row {index}: columns 'prompt' and 'completion' must both hold text or both "
+            raise ConfigError(f"{what}: row {index}: columns 'prompt' and 'completion' must both hold text or both "
                                f"chat messages, got {type(prompt).__name__} and {type(completion).__name__}")
     elif "messages" in row:
         messages = row["messages"]
@@ -129,10 +129,10 @@ def completion_row(row: Mapping[str, Any], index: int, tokenizer: Any, what: str
         last = max(m for m, message in enumerate(messages) if message["role"] == "assistant")
         prompt_ids, completion_ids = _chat_completion(tokenizer, prompt, list(messages[: last + 1]), index, what)
     else:
-        raise config_error(f"{what}: row {index} has neither 'prompt' and 'completion' columns nor a 'messages' "
+        raise ConfigError(f"{what}: row {index} has neither 'prompt' and 'completion' columns nor a 'messages' "
                            f"column (it has {sorted(row)}); `fastdistill score` scores a completion the dataset holds")
     if not prompt_ids or not completion_ids:
-        raise config_error(f"{what}: row {index}: the {'prompt' if not prompt_ids else 'completion'} tokenises to no "
+        raise ConfigError(f"{what}: row {index}: the {'prompt' if not prompt_ids else 'completion'} tokenises to no "
                            "tokens")
     return CompletionRow(index, prompt_ids, completion_ids)
 
@@ -151,7 +151,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     except ValueError:
         value = None
     if value is None or not 0 <= value[0] < value[1]:
-        raise config_error(f"--shard must look like i/n with 0 <= i < n (e.g. 0/4 for the first of 4 machines), got "
+        raise ConfigError(f"--shard must look like i/n with 0 <= i < n (e.g. 0/4 for the first of 4 machines), got "
                            f"{text!r}")
     return value
 
@@ -171,7 +171,7 @@ def encode_shard(rows: Sequence[CompletionRow], scores: Sequence[TeacherScores |
                           else np.zeros((0, width), np.float32))
     outside = candidate_ids >= settings.vocab_size
     if outside.any():
-        raise config_error(f"the teacher returned token id {int(candidate_ids[outside].max())}, outside the "
+        raise ConfigError(f"the teacher returned token id {int(candidate_ids[outside].max())}, outside the "
                            f"tokenizer's {settings.vocab_size} ids: the teacher uses another vocabulary than the "
                            "tokenizer given to `fastdistill score`")
     numpy_ids = np.uint16 if id_dtype == "uint16" else np.int32
@@ -246,7 +246,7 @@ def _load_tokenizer(tokenizer: Any, teacher_model: str) -> tuple[Any, int]:
         if not Path(folder).is_dir():
             hint = "" if tokenizer is not None else (f" (the teacher serves {teacher_model!r}, which is not a folder "
                                                      "here); pass --tokenizer MODEL_DIR")
-            raise config_error(f"tokenizer folder {str(folder)!r} does not exist{hint}")
+            raise ConfigError(f"tokenizer folder {str(folder)!r} does not exist{hint}")
         loaded = AutoTokenizer.from_pretrained(folder)
         config_path = Path(folder) / "config.json"
         model_vocab = json.loads(config_path.read_text()).get("vocab_size", 0) if config_path.is_file() else 0
@@ -259,7 +259,7 @@ async def _check_teacher_tokenizer(client: TeacherClient, tokenizer: Any) -> Non
         local = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
         served = await client.tokenize(text)
         if local != served:
-            raise config_error(f"the teacher server ({client.base_url}) tokenizes {text!r} as {served[:12]} but the "
+            raise ConfigError(f"the teacher server ({client.base_url}) tokenizes {text!r} as {served[:12]} but the "
                                f"tokenizer given to `fastdistill score` as {local[:12]}: cached ids must mean the "
                                "same tokens for the teacher and the student; pass the teacher's tokenizer")
 
@@ -297,27 +297,27 @@ def score_dataset(
     from fastdistill.data.sources import load_prompt_source
 
     if candidates not in CANDIDATE_MODES:
-        raise config_error(f"--candidates must be one of {list(CANDIDATE_MODES)}, got {candidates!r}")
+        raise ConfigError(f"--candidates must be one of {list(CANDIDATE_MODES)}, got {candidates!r}")
     if candidates == "topk":
         if num_samples is not None:
-            raise config_error("--num-samples is for --candidates sampled; top-K scoring takes --top-k")
+            raise ConfigError("--num-samples is for --candidates sampled; top-K scoring takes --top-k")
         if top_k is None:
-            raise config_error("--top-k K is required with --candidates topk (or use --candidates sampled "
+            raise ConfigError("--top-k K is required with --candidates topk (or use --candidates sampled "
                                "--num-samples S)")
         if not isinstance(top_k, int) or top_k < 1:
-            raise config_error(f"--top-k must be >= 1, got {top_k}")
+            raise ConfigError(f"--top-k must be >= 1, got {top_k}")
     else:
         if top_k is not None:
-            raise config_error("--top-k is for --candidates topk; sampled scoring takes --num-samples")
+            raise ConfigError("--top-k is for --candidates topk; sampled scoring takes --num-samples")
         check_num_samples(num_samples)
         if not isinstance(seed, int) or isinstance(seed, bool):
-            raise config_error(f"--seed must be an int, got {seed!r}")
+            raise ConfigError(f"--seed must be an int, got {seed!r}")
     if rows_per_shard < 1:
-        raise config_error(f"--rows-per-shard must be >= 1, got {rows_per_shard}")
+        raise ConfigError(f"--rows-per-shard must be >= 1, got {rows_per_shard}")
     if concurrency < 1:
-        raise config_error(f"--concurrency must be >= 1, got {concurrency}")
+        raise ConfigError(f"--concurrency must be >= 1, got {concurrency}")
     if logprob_dtype not in LOGPROB_DTYPES:
-        raise config_error(f"--logprob-dtype must be one of {list(LOGPROB_DTYPES)}, got {logprob_dtype!r}")
+        raise ConfigError(f"--logprob-dtype must be one of {list(LOGPROB_DTYPES)}, got {logprob_dtype!r}")
     rows = load_prompt_source(dataset, split=split, dataset_config=dataset_config, what="dataset")
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
@@ -344,7 +344,7 @@ async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, 
             await check_full_distribution(client, probe, vocab_size)  # a server that refuses fails here, not per row
         existing = _existing_settings(folder)
         if existing is not None and existing != settings:
-            raise config_error(f"{str(folder)!r} holds shards scored with other settings (in the folder != this "
+            raise ConfigError(f"{str(folder)!r} holds shards scored with other settings (in the folder != this "
                                f"run: {'; '.join(existing.differences(settings))}): use a new --output folder, or the "
                                "settings it was scored with")
         written = skipped = scored = rejected = 0

@@ -30,18 +30,13 @@ from typing import Any
 import numpy as np
 
 from fastdistill.data.prompts import _RESERVED_TEMPLATE_KWARGS, tokenize_prompts
+from fastdistill.errors import ConfigError
 from fastdistill.rollout.table import DatasetPrompts, PromptTable, before_last_assistant_turn
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 PROMPT_COLUMNS = ("prompt_ids", "prompt", "messages")  # in order of precedence
 PARALLEL_MIN_ROWS = 100_000  # tokenise in several processes from this many rows on (num_proc="auto")
 _BATCH_SIZE = 1000
-
-
-def _config_error(message: str) -> Exception:
-    from fastdistill.train.config import ConfigError  # imported here: fastdistill.train imports this package
-
-    return ConfigError(message)
 
 
 def load_prompt_source(
@@ -59,14 +54,14 @@ def load_prompt_source(
     or ``IterableDataset`` passed directly, or an empty dataset."""
     if isinstance(source, (list, tuple)):
         if not source:
-            raise _config_error(f"{what}: the dataset is empty")
+            raise ConfigError(f"{what}: the dataset is empty")
         return list(source)
     if isinstance(source, (str, os.PathLike)):
         dataset = _load_named(os.fspath(source), split, dataset_config, what)
     else:
         dataset = _as_dataset(source, what)
     if len(dataset) == 0:
-        raise _config_error(f"{what}: the dataset is empty")
+        raise ConfigError(f"{what}: the dataset is empty")
     return dataset
 
 
@@ -78,18 +73,18 @@ def _load_named(source: str, split: str, dataset_config: str | None, what: str) 
     if path.is_file():
         builder = FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise _config_error(f"{what}: unsupported file type {path.suffix!r} ({source!r}); expected a .json, "
+            raise ConfigError(f"{what}: unsupported file type {path.suffix!r} ({source!r}); expected a .json, "
                                 ".jsonl, .parquet or .csv file, a dataset folder or a Hugging Face dataset name")
         if path.stat().st_size <= 4096 and not path.read_bytes().strip():
-            raise _config_error(f"{what}: the dataset file {source!r} is empty")
+            raise ConfigError(f"{what}: the dataset file {source!r} is empty")
         return _call_loader(source, what, lambda: datasets.load_dataset(builder, data_files=str(path), split="train"))
     if path.suffix.lower() in FILE_BUILDERS:
-        raise _config_error(f"{what}: dataset file {source!r} does not exist")
+        raise ConfigError(f"{what}: dataset file {source!r} does not exist")
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         loaded = _call_loader(source, what, lambda: datasets.load_from_disk(str(path)))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise _config_error(f"{what}: {source!r} has no split {split!r}; its splits are {sorted(loaded)}")
+                raise ConfigError(f"{what}: {source!r} has no split {split!r}; its splits are {sorted(loaded)}")
             return loaded[split]
         return loaded
     return _call_loader(source, what, lambda: datasets.load_dataset(source, dataset_config, split=split),
@@ -108,7 +103,7 @@ def _call_loader(source: str, what: str, load: Any, split: str | None = None, da
             hint = (f" It is not a local file or folder, so it was looked up on the Hugging Face Hub{offline}; pass a "
                     "local file or folder, or a dataset name the Hub can serve.")
         reason = f"{type(error).__name__}: {error or '(no message)'}"
-        raise _config_error(f"{what}: could not load {source!r}{settings}: {reason}.{hint}") from error
+        raise ConfigError(f"{what}: could not load {source!r}{settings}: {reason}.{hint}") from error
 
 
 def _offline() -> bool:
@@ -123,12 +118,12 @@ def _as_dataset(source: Any, what: str) -> Any:
         if isinstance(source, datasets.Dataset):
             return source
         if isinstance(source, datasets.DatasetDict):
-            raise _config_error(f"{what}: got a DatasetDict with splits {sorted(source)}; pass one split, e.g. "
+            raise ConfigError(f"{what}: got a DatasetDict with splits {sorted(source)}; pass one split, e.g. "
                                 f"dataset[{next(iter(source), 'train')!r}]")
         if isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-            raise _config_error(f"{what}: an IterableDataset (streaming=True) is not supported: the run needs the "
+            raise ConfigError(f"{what}: an IterableDataset (streaming=True) is not supported: the run needs the "
                                 "number of rows up front; load the dataset without streaming")
-    raise _config_error(f"{what}: expected a datasets.Dataset, a list of row dicts, a file path, a dataset folder or "
+    raise ConfigError(f"{what}: expected a datasets.Dataset, a list of row dicts, a file path, a dataset folder or "
                         f"a Hugging Face dataset name, got {type(source).__name__}")
 
 
@@ -153,7 +148,7 @@ def prepare_prompts(
             return PromptTable.from_rows(tokenize_prompts(rows, tokenizer, chat_template_kwargs=chat_template_kwargs,
                                                           max_prompt_tokens=max_prompt_tokens))
         except ValueError as error:
-            raise _config_error(f"{what}: {error}") from error
+            raise ConfigError(f"{what}: {error}") from error
     return tokenize_dataset(rows, tokenizer, what=what, chat_template_kwargs=chat_template_kwargs,
                             max_prompt_tokens=max_prompt_tokens, num_proc=num_proc)
 
@@ -182,19 +177,19 @@ def tokenize_dataset(
     template_kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(template_kwargs) & set(_RESERVED_TEMPLATE_KWARGS))
     if reserved:
-        raise _config_error(f"chat_template_kwargs may not set {reserved}: the prompt tokenisation sets them itself")
+        raise ConfigError(f"chat_template_kwargs may not set {reserved}: the prompt tokenisation sets them itself")
     if max_prompt_tokens is not None and (
         isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1
     ):
-        raise _config_error(f"max_prompt_tokens must be a positive int or None, got {max_prompt_tokens!r}")
+        raise ConfigError(f"max_prompt_tokens must be a positive int or None, got {max_prompt_tokens!r}")
     if len(dataset) == 0:
-        raise _config_error(f"{what}: the dataset is empty")
+        raise ConfigError(f"{what}: the dataset is empty")
     column = next((name for name in PROMPT_COLUMNS if name in dataset.column_names), None)
     if column is None:
-        raise _config_error(f"{what}: the dataset has no 'prompt', 'messages' or 'prompt_ids' column (it has "
+        raise ConfigError(f"{what}: the dataset has no 'prompt', 'messages' or 'prompt_ids' column (it has "
                             f"{dataset.column_names}); rename the column that holds the prompts")
     if column != "prompt_ids" and tokenizer is None:
-        raise _config_error(f"{what}: a tokenizer is needed to tokenise the {column!r} column")
+        raise ConfigError(f"{what}: a tokenizer is needed to tokenise the {column!r} column")
     has_teacher = "teacher_id" in dataset.column_names
     output = {"prompt_ids": datasets.List(datasets.Value("int32"))}
     if has_teacher:
@@ -235,12 +230,12 @@ def prompt_messages(messages: Any, index: int, what: str = "dataset") -> list[An
     ``role``, has no assistant turn, or has no turn other than the assistant's before its last assistant turn."""
     _check_messages(messages, index, "messages", what)
     if not any(message["role"] == "assistant" for message in messages):
-        raise _config_error(f"{what}: row {index}: column 'messages' has no assistant turn, so no prompt can be cut "
+        raise ConfigError(f"{what}: row {index}: column 'messages' has no assistant turn, so no prompt can be cut "
                             "from it (the prompt is every turn before the last assistant turn); put prompts without "
                             "an answer in a 'prompt' column instead")
     prompt = before_last_assistant_turn(messages)
     if all(message["role"] == "assistant" for message in prompt):
-        raise _config_error(f"{what}: row {index}: column 'messages' has no user (or system) turn before its last "
+        raise ConfigError(f"{what}: row {index}: column 'messages' has no user (or system) turn before its last "
                             "assistant turn, so its prompt would be empty or the assistant's own words")
     return prompt
 
@@ -248,11 +243,11 @@ def prompt_messages(messages: Any, index: int, what: str = "dataset") -> list[An
 def _check_messages(messages: Any, index: int, column: str, what: str) -> None:
     if not isinstance(messages, (list, tuple)) or len(messages) == 0:
         got = "an empty list" if isinstance(messages, (list, tuple)) else type(messages).__name__
-        raise _config_error(f"{what}: row {index}: column {column!r} must be a non-empty list of chat messages, "
+        raise ConfigError(f"{what}: row {index}: column {column!r} must be a non-empty list of chat messages, "
                             f"got {got}")
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise _config_error(f"{what}: row {index}: message {m} of column {column!r} must be a mapping with a "
+            raise ConfigError(f"{what}: row {index}: message {m} of column {column!r} must be a mapping with a "
                                 f"string 'role', got {message!r:.100}")
 
 
@@ -265,7 +260,7 @@ def _tokenize_batch(values: list[Any], *rest: Any, column: str, tokenizer: Any, 
     chats: list[tuple[int, list[Any]]] = []
     for position, (index, value) in enumerate(zip(indices, values, strict=True)):
         if value is None:
-            raise _config_error(f"{what}: row {index}: column {column!r} is empty (None)")
+            raise ConfigError(f"{what}: row {index}: column {column!r} is empty (None)")
         if column == "prompt_ids":
             ids[position] = _checked_ids(value, index, what)
         elif column == "messages":
@@ -276,7 +271,7 @@ def _tokenize_batch(values: list[Any], *rest: Any, column: str, tokenizer: Any, 
             _check_messages(value, index, column, what)
             chats.append((position, list(value)))
         else:
-            raise _config_error(f"{what}: row {index}: column 'prompt' must hold chat messages or text, got "
+            raise ConfigError(f"{what}: row {index}: column 'prompt' must hold chat messages or text, got "
                                 f"{type(value).__name__}")
     if texts:
         encoded = tokenizer([text for _, text in texts], add_special_tokens=False)["input_ids"]
@@ -291,15 +286,15 @@ def _tokenize_batch(values: list[Any], *rest: Any, column: str, tokenizer: Any, 
             ids[position] = row_ids
     for index, row_ids in zip(indices, ids, strict=True):
         if len(row_ids) == 0:
-            raise _config_error(f"{what}: row {index}: the prompt in column {column!r} tokenises to no tokens")
+            raise ConfigError(f"{what}: row {index}: the prompt in column {column!r} tokenises to no tokens")
         if max_prompt_tokens is not None and len(row_ids) > max_prompt_tokens:
-            raise _config_error(f"{what}: row {index}: the prompt has {len(row_ids)} tokens, more than "
+            raise ConfigError(f"{what}: row {index}: the prompt has {len(row_ids)} tokens, more than "
                                 f"max_prompt_tokens={max_prompt_tokens}")
     output: dict[str, list[Any]] = {"prompt_ids": ids}
     if has_teacher:
         for index, teacher_id in zip(indices, teacher_ids, strict=True):
             if teacher_id is not None and not isinstance(teacher_id, str):
-                raise _config_error(f"{what}: row {index}: column 'teacher_id' must hold strings, got "
+                raise ConfigError(f"{what}: row {index}: column 'teacher_id' must hold strings, got "
                                     f"{teacher_id!r:.100}")
         output["teacher_id"] = teacher_ids
     return output
@@ -308,11 +303,11 @@ def _tokenize_batch(values: list[Any], *rest: Any, column: str, tokenizer: Any, 
 def _checked_ids(value: Any, index: int, what: str) -> np.ndarray:
     array = np.asarray(value)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise _config_error(f"{what}: row {index}: column 'prompt_ids' must hold a flat list of ints, got "
+        raise ConfigError(f"{what}: row {index}: column 'prompt_ids' must hold a flat list of ints, got "
                             f"{value!r:.100}")
     if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int32).max):
         bad = int(array.min()) if array.min() < 0 else int(array.max())
-        raise _config_error(f"{what}: row {index}: column 'prompt_ids' holds id {bad}, not a token id")
+        raise ConfigError(f"{what}: row {index}: column 'prompt_ids' holds id {bad}, not a token id")
     return array
 
 
@@ -344,5 +339,5 @@ def _check_vocabulary(table: PromptTable, tokenizer: Any, what: str, column: str
     outside = np.flatnonzero(table.token_ids >= vocab_size)
     if outside.size:
         row = int(np.searchsorted(table.offsets, outside[0], side="right")) - 1
-        raise _config_error(f"{what}: row {row}: column {column!r} holds id {int(table.token_ids[outside[0]])}, "
+        raise ConfigError(f"{what}: row {row}: column {column!r} holds id {int(table.token_ids[outside[0]])}, "
                             f"outside the tokenizer's {vocab_size} ids")

@@ -11,16 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fastdistill.adapter_names import ADAPTER_PREFIX, adapter_name
 from fastdistill.rollout.client import Generation, StudentClient
 from fastdistill.rollout.http import VLLMRequestError
 
-ADAPTER_PREFIX = "fastdistill-student"
+__all__ = ["ADAPTER_PREFIX", "MAX_ADAPTER_RETRIES", "adapter_name", "generate_with_adapter", "is_unknown_model"]
+
 MAX_ADAPTER_RETRIES = 3  # versions to try after a 404, each newer than the last
-
-
-def adapter_name(version: int, prefix: str = ADAPTER_PREFIX) -> str:
-    """The name the student server serves adapter ``version`` under: ``"<prefix>-v<version>"``."""
-    return f"{prefix}-v{int(version)}"
 
 
 def is_unknown_model(error: VLLMRequestError) -> bool:

@@ -17,35 +17,14 @@ from typing import Any
 
 import aiohttp
 
+from fastdistill.errors import VLLMError, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
 from fastdistill.rollout.replicas import Replica, ReplicaPool
+
+__all__ = ["VLLMError", "VLLMRequestError", "VLLMResponseError", "VLLMUnavailableError"]
 
 # Bodies larger than this are decoded in a worker thread so that a big prompt_logprobs answer does not stall
 # the event loop (and the other requests in flight) while it parses.
 _DECODE_IN_THREAD_BYTES = 1 << 20
-
-
-class VLLMError(RuntimeError):
-    """Base class of every error the rollout clients raise about a vLLM server."""
-
-
-class VLLMRequestError(VLLMError):
-    """The server rejected the request (a 4xx other than 429). Not retried: the same request would fail again."""
-
-    def __init__(self, url: str, status: int, server_message: str, hint: str | None = None):
-        self.url = url
-        self.status = status
-        self.server_message = server_message
-        self.hint = hint
-        text = f"{url} answered HTTP {status}: {server_message}"
-        super().__init__(f"{text}\n{hint}" if hint else text)
-
-
-class VLLMUnavailableError(VLLMError):
-    """Every attempt failed with a transient error; ``__cause__`` holds the last one."""
-
-
-class VLLMResponseError(VLLMError):
-    """The server answered 2xx but the body is not the JSON the client expects."""
 
 
 class _TransientHTTPStatus(Exception):

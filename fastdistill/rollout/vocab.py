@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
+from fastdistill.errors import VocabularyMismatchError
 from fastdistill.rollout.client import StudentClient, TeacherClient
 
 PROBE_TEXTS: tuple[str, ...] = (
@@ -21,10 +22,6 @@ PROBE_TEXTS: tuple[str, ...] = (
     "emoji 🙂🚀 and symbols ∑ ∫ ≤ ≥",
     "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
 )
-
-
-class VocabularyMismatchError(ValueError):
-    """A teacher's tokenizer differs from the student's."""
 
 
 async def check_shared_vocabulary(

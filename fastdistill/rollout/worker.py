@@ -34,6 +34,7 @@ import aiohttp
 import numpy as np
 
 from fastdistill.auth import check_api_keys
+from fastdistill.errors import ServerDownError
 from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.adapters import adapter_name, generate_with_adapter
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
@@ -403,10 +404,6 @@ def _child_main(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channe
         channels.errors.put((type(error).__name__, str(error), traceback.format_exc()))
         channels.failed.set()
         raise
-
-
-class ServerDownError(RuntimeError):
-    """A server (all its replicas) answered nothing successfully for longer than ``server_down_deadline_s``."""
 
 
 class _Metrics:

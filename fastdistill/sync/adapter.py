@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fastdistill.adapter_names import ADAPTER_PREFIX, adapter_name
 from fastdistill.auth import api_key_problem
-from fastdistill.rollout.adapters import ADAPTER_PREFIX, adapter_name
+from fastdistill.errors import ConfigError
 from fastdistill.sync.errors import WeightSyncError
 from fastdistill.sync.http import HTTPFailure, http_json
 from fastdistill.sync.weights import WeightSync, _ranks_agree
@@ -37,12 +38,6 @@ _START_LORA_SERVER = (
     "(R >= lora_r, one of vLLM's ranks 1, 8, 16, 32, 64, ...), or add vLLM's --enable-lora --max-lora-rank R and the "
     "environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True yourself; or set lora_sync='merged'"
 )
-
-
-def _config_error(message: str) -> Exception:
-    from fastdistill.train.config import ConfigError
-
-    return ConfigError(message)
 
 
 class AdapterWeightSync(WeightSync):
@@ -140,15 +135,15 @@ class AdapterWeightSync(WeightSync):
                 f"GET {self.base_url}/server_info did not include vllm_config.lora_config: {info!r:.300}"
             ) from None
         if not lora_config:
-            raise _config_error(f"lora_sync='adapter' needs a student server with LoRA enabled, but the server at "
+            raise ConfigError(f"lora_sync='adapter' needs a student server with LoRA enabled, but the server at "
                                 f"{self.base_url} runs without it: {_START_LORA_SERVER}")
         max_rank = int(lora_config.get("max_lora_rank", 0))
         if self.lora_rank is not None and self.lora_rank > max_rank:
-            raise _config_error(f"lora_r={self.lora_rank} is above the student server's --max-lora-rank {max_rank}: "
+            raise ConfigError(f"lora_r={self.lora_rank} is above the student server's --max-lora-rank {max_rank}: "
                                 f"{_START_LORA_SERVER}")
         routes = self._call("GET", "/openapi.json", timeout_s=_CONTROL_TIMEOUT_S).get("paths", {})
         if "/v1/load_lora_adapter" not in routes:
-            raise _config_error(f"the student server at {self.base_url} has LoRA enabled but cannot load adapters at "
+            raise ConfigError(f"the student server at {self.base_url} has LoRA enabled but cannot load adapters at "
                                 f"run time (no /v1/load_lora_adapter route): {_START_LORA_SERVER}")
 
     # -------------------------------------------------------------------------------------------- push
@@ -158,11 +153,11 @@ class AdapterWeightSync(WeightSync):
         ``keep_versions``.
 
         ``model`` is a peft model (gathered here, collectively: call on every rank) or an
-        :class:`~fastdistill.train.lora.AdapterWeights` copy. Returns, on the sender, ``perf/weight_sync_s`` (whole
+        :class:`~fastdistill.sync.lora.AdapterWeights` copy. Returns, on the sender, ``perf/weight_sync_s`` (whole
         sync), ``perf/weight_sync_gather_s`` (copying the adapter out of the model), ``perf/weight_sync_write_s``
         (the folder written and renamed), ``perf/weight_sync_load_s`` (``/v1/load_lora_adapter``), in seconds, and
         ``perf/weight_sync_bytes`` (the adapter's tensor bytes); ``{}`` on the other ranks."""
-        from fastdistill.train.lora import AdapterWeights, adapter_weights, save_adapter
+        from fastdistill.sync.lora import AdapterWeights, adapter_weights, save_adapter
 
         if not self._initialized:
             raise WeightSyncError("push() before init(): call init() once on every rank first")

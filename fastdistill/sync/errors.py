@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
+from fastdistill.errors import WeightSyncError
 
-class WeightSyncError(RuntimeError):
-    """A weight sync failed; the message says which step, what the server answered and, where known, the fix."""
+__all__ = ["WeightSyncError"]

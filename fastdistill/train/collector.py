@@ -24,13 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastdistill.data.batching import balance_by_squared_length
+from fastdistill.errors import SourceExhausted
 from fastdistill.rollout import RolloutSample
 from fastdistill.rollout.dropped import OVERSIZE, DroppedPrompt
 from fastdistill.train.checkpoint import RolloutState
-
-
-class SourceExhausted(Exception):
-    """A finite source has no more samples."""
 
 
 class Source(Protocol):

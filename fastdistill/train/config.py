@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from fastdistill.errors import ConfigError
+
 LOSS_TYPES = ("jsd", "reverse_kl_pg")
 STALE_POLICIES = ("drop", "importance")
 TAIL_MODES = ("exact", "trl")
@@ -32,10 +34,6 @@ HIDDEN_DTYPES = ("bfloat16", "float32")
 
 
 DEFAULT_LOOKAHEAD_STEPS = 3  # max_lookahead_steps=None (docs/train.md, "Staleness")
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range, of the wrong type, or unknown."""
 
 
 @dataclass

@@ -22,17 +22,13 @@ from typing import Any
 
 import torch
 
-from fastdistill.train.config import ConfigError
+from fastdistill.errors import ConfigError, TeacherHeadError
 
 # Where checkpoints keep the output projection, and the input embedding a tied head reuses (first match wins).
 HEAD_WEIGHT_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "embed_out.weight", "output.weight")
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
                    "language_model.model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight",
                    "tok_embeddings.weight", "transformer.word_embeddings.weight")
-
-
-class TeacherHeadError(ValueError):
-    """The teacher folder does not hold what the head needs (config, safetensors, the head's tensors)."""
 
 
 @dataclass(frozen=True)

@@ -699,11 +699,11 @@ class AsyncDistillationTrainer:
         """What the server should serve: the model itself, or with LoRA its merged weights (a stream that merges one
         tensor at a time), or with ``lora_sync="adapter"`` a copy of the adapter."""
         if self._adapter_sync:
-            from fastdistill.train.lora import adapter_weights
+            from fastdistill.sync.lora import adapter_weights
 
             return adapter_weights(self.hf_model)
         if self.config.lora_r > 0:
-            from fastdistill.train.lora import merged_weights
+            from fastdistill.sync.lora import merged_weights
 
             return merged_weights(self.hf_model)
         return self.hf_model
