@@ -67,3 +67,8 @@ class VLLMServerError(RuntimeError):
 
 class SourceExhausted(Exception):
     """A finite source has no more samples."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A step's loss or gradient norm is not finite: the optimizer did not step and the step's prompts are not marked
+    trained, so a resume from the last checkpoint trains them again."""

@@ -74,7 +74,7 @@ def test_eval_rows_keep_answers_and_refuse_bad_ones():
         prepare_eval_rows([{"nothing": 1}], tokenizer, ["default"])
 
 
-def _sample(tokenizer, completion: str, teacher_id: str = "default") -> RolloutSample:
+def _sample(tokenizer, completion: str, teacher_id: str = "default", row: int = 0) -> RolloutSample:
     prompt = tokenizer("Q", add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     n = len(completion_ids)
@@ -83,12 +83,12 @@ def _sample(tokenizer, completion: str, teacher_id: str = "default") -> RolloutS
                          teacher_topk_ids=np.zeros((n, 2), np.int32),
                          teacher_topk_logprobs=np.zeros((n, 2), np.float32),
                          rollout_logprobs=np.zeros(n, np.float32), model_version=0, teacher_id=teacher_id,
-                         prompt_id=0, dataset_index=0)
+                         prompt_id=row, dataset_index=row)
 
 
 def test_exact_match_grades_only_rows_with_an_answer():
     tokenizer = build_tokenizer()
-    samples = [_sample(tokenizer, "5"), _sample(tokenizer, "1 2 3"), _sample(tokenizer, "cat")]
+    samples = [_sample(tokenizer, "5", row=0), _sample(tokenizer, "1 2 3", row=1), _sample(tokenizer, "cat", row=2)]
     stats = torch.tensor([[10.0, 5.0]], dtype=torch.float64)
     record = eval_record(stats, samples, ["default"], answers=[" 5", "1 2", None], tokenizer=tokenizer)
     assert record["eval/exact_match"] == 0.5
@@ -96,6 +96,16 @@ def test_exact_match_grades_only_rows_with_an_answer():
     assert "eval/exact_match" not in eval_record(stats, samples, ["default"], answers=[None] * 3)
     with pytest.raises(ValueError, match="needs the tokenizer"):
         eval_record(stats, samples, ["default"], answers=["5", None, None])
+
+
+def test_a_failed_eval_row_is_counted_and_its_answer_not_graded():
+    """Row 1's rollout failed: the samples are rows 0 and 2, graded against their own answers."""
+    tokenizer = build_tokenizer()
+    samples = [_sample(tokenizer, "5", row=0), _sample(tokenizer, "cat", row=2)]
+    stats = torch.tensor([[4.0, 2.0]], dtype=torch.float64)
+    record = eval_record(stats, samples, ["default"], answers=["5", "1 2", "dog"], tokenizer=tokenizer, failed=1)
+    assert record["eval/failed_total"] == 1.0 and record["eval/samples_total"] == 2.0
+    assert record["eval/exact_match"] == 0.5
 
 
 def test_eval_rows_from_a_dataset_with_an_answer_column(tmp_path):

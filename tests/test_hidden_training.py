@@ -390,11 +390,9 @@ def test_worker_scores_hidden_teachers_with_their_hidden_states():
     """A MOPD run against stub servers: the "math" rows go to a top-K teacher, the "code" rows to a hidden-state
     teacher (``POST /pooling``); the hidden samples carry row j = the state at position P-1+j (the stub encodes each
     position's token and index) and no candidates, the top-K samples are as before."""
-    import base64
-
-    from aiohttp import web
     from test_rollout_worker import (
         HEALTHY_S,
+        PoolingStub,
         StubServer,
         collect_first_epoch,
         config,
@@ -405,24 +403,6 @@ def test_worker_scores_hidden_teachers_with_their_hidden_states():
     )
 
     from fastdistill.rollout import RolloutWorker
-
-    class PoolingStub(StubServer):
-        """``POST /pooling``: float32 rows [token, position, 0.5] for every input position."""
-
-        async def pooling(self, request: web.Request) -> web.Response:
-            body = await request.json()
-            assert body["task"] == "token_embed" and body["embed_dtype"] == "float32"
-            tokens = body["input"]
-            rows = np.array([[t, i, 0.5] for i, t in enumerate(tokens)], dtype="<f4")
-            return web.json_response({"data": [{"data": base64.b64encode(rows.tobytes()).decode()}]})
-
-        async def _start(self) -> None:
-            app = web.Application()
-            app.router.add_get("/v1/models", self.models)
-            app.router.add_post("/pooling", self.pooling)
-            self.runner = web.AppRunner(app, shutdown_timeout=0.5)
-            await self.runner.setup()
-            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
     rows = dataset(6)
     with (StubServer("student", student_stub()) as student, StubServer("math-teacher", teacher_stub(tag=1000)) as math,

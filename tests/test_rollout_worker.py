@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import json
 import os
@@ -17,10 +18,12 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
+from fastdistill.rollout.child import RolloutLoop  # noqa: E402
 from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
 from fastdistill.rollout.http import RetryPolicy  # noqa: E402
 from fastdistill.rollout.order import epoch_order, prompt_cursor, row_of_prompt  # noqa: E402
-from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, _RolloutLoop  # noqa: E402
+from fastdistill.rollout.sequence import is_clipped  # noqa: E402
+from fastdistill.rollout.worker import RolloutConfig, RolloutWorker  # noqa: E402
 from fastdistill.testing.vllm_server import free_port  # noqa: E402
 
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=30.0)
@@ -73,6 +76,25 @@ class StubServer:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(DEADLINE_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+class PoolingStub(StubServer):
+    """``POST /pooling``: float32 rows [token, position, 0.5] for every input position."""
+
+    async def pooling(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        assert body["task"] == "token_embed" and body["embed_dtype"] == "float32"
+        tokens = body["input"]
+        rows = np.array([[t, i, 0.5] for i, t in enumerate(tokens)], dtype="<f4")
+        return web.json_response({"data": [{"data": base64.b64encode(rows.tobytes()).decode()}]})
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/pooling", self.pooling)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
 
 def student_completion(prompt: list[int]) -> list[int]:
@@ -220,14 +242,14 @@ def test_config_accepts_one_url_or_replicas_and_rejects_bad_settings():
 
 def test_slow_start_grows_the_in_flight_cap_by_one_per_finished_rollout():
     rows = [{"prompt_ids": [1], "teacher_id": "t", "prompt": None}]
-    loop = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10, initial_inflight_tasks=3),
+    loop = RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10, initial_inflight_tasks=3),
                         rows, None)
     assert loop.inflight_cap() == 3
     loop.finished = 4
     assert loop.inflight_cap() == 7
     loop.finished = 50
     assert loop.inflight_cap() == 10
-    plain = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10), rows, None)
+    plain = RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=10), rows, None)
     assert plain.inflight_cap() == 10
 
 
@@ -244,7 +266,7 @@ class _CountedQueue:
 def test_lookahead_counts_queued_samples_against_the_in_flight_cap():
     rows = [{"prompt_ids": [1], "teacher_id": "t", "prompt": None}]
     channels = type("Channels", (), {"samples": _CountedQueue(0)})()
-    loop = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=16, max_lookahead=12),
+    loop = RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_inflight_tasks=16, max_lookahead=12),
                         rows, channels)
     assert loop.inflight_cap() == 12  # an empty queue: the whole lookahead may be in flight
     channels.samples.size = 5
@@ -256,12 +278,10 @@ def test_lookahead_counts_queued_samples_against_the_in_flight_cap():
 
 
 def test_clipped_means_no_eos_at_the_end_or_the_length_limit_without_eos_ids():
-    rows = [{"prompt_ids": [1], "teacher_id": "t", "prompt": None}]
-    with_eos = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, eos_token_ids=(2, 0)), rows, None)
-    assert not with_eos.is_clipped(np.array([5, 2])) and not with_eos.is_clipped(np.array([0]))
-    assert with_eos.is_clipped(np.array([5, 6]))
-    by_length = _RolloutLoop(RolloutConfig("http://s", {"t": "http://t"}, max_tokens=3), rows, None)
-    assert by_length.is_clipped(np.array([5, 6, 7])) and not by_length.is_clipped(np.array([5, 2]))
+    eos = frozenset({2, 0})
+    assert not is_clipped(np.array([5, 2]), eos, 32) and not is_clipped(np.array([0]), eos, 32)
+    assert is_clipped(np.array([5, 6]), eos, 32)
+    assert is_clipped(np.array([5, 6, 7]), frozenset(), 3) and not is_clipped(np.array([5, 2]), frozenset(), 3)
 
 
 def test_redo_rejects_negative_prompt_ids():

@@ -168,6 +168,25 @@ class TeacherCache:
         row = index - int(self._row_starts[shard_number])
         return shard, row, slice(int(shard.completion_offsets[row]), int(shard.completion_offsets[row + 1]))
 
+    def prompt_table(self) -> Any:
+        """Every row's prompt as a :class:`~fastdistill.rollout.PromptTable` (a mixed run generates from them), read
+        from the shards' token arrays: only the prompt tokens are touched, not the candidates."""
+        from fastdistill.rollout.table import PromptTable
+
+        pieces, lengths = [], []
+        for shard in self._shards:
+            prompt_lengths = np.asarray(shard.arrays["prompt_lengths"], dtype=np.int64)
+            starts = shard.token_offsets[:-1]
+            # the token positions of every prompt, back to back: start_i + 0 .. start_i + length_i - 1
+            within = np.arange(int(prompt_lengths.sum())) - np.repeat(np.cumsum(prompt_lengths) - prompt_lengths,
+                                                                      prompt_lengths)
+            pieces.append(np.asarray(shard.arrays["input_ids"])[np.repeat(starts, prompt_lengths) + within])
+            lengths.append(prompt_lengths)
+        lengths_all = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        offsets = np.zeros(len(lengths_all) + 1, np.int64)
+        np.cumsum(lengths_all, out=offsets[1:])
+        return PromptTable(np.concatenate(pieces) if pieces else np.zeros(0, np.int32), offsets)
+
     def teacher_logprobs(self, index: int) -> np.ndarray:
         """The stored teacher log-probs of row ``index``'s candidates, float32 (L, width), -inf in empty slots: in a
         sampled cache the teacher's log-probs of the drawn tokens (for the exact KL value Σ a·(log π_T − log π_θ)

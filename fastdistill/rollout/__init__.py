@@ -1,4 +1,11 @@
-"""Rollout: sampling completions from the student's vLLM server and scoring them with teachers' servers."""
+"""Rollout: sampling completions from the student's vLLM server and scoring them with teachers' servers.
+
+Nothing imported here imports torch (the rollout worker's child imports this package): the hidden-state teacher's
+client, which decodes with torch, is loaded on first use.
+"""
+
+import importlib
+from typing import Any
 
 from fastdistill.rollout.client import (
     Generation,
@@ -8,8 +15,8 @@ from fastdistill.rollout.client import (
     TeacherScores,
     parse_prompt_logprobs,
 )
+from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.dropped import DroppedPrompt
-from fastdistill.rollout.hidden import HiddenTeacherClient, TeacherHiddenStates
 from fastdistill.rollout.http import (
     RequestStats,
     RetryPolicy,
@@ -21,9 +28,19 @@ from fastdistill.rollout.http import (
 from fastdistill.rollout.order import OnPolicyShare, epoch_order, is_on_policy, prompt_cursor, route_rows, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.sequence import Rollouts, open_clients, teacher_client
 from fastdistill.rollout.table import PromptTable
 from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
-from fastdistill.rollout.worker import RolloutConfig, RolloutWorker, ServerDownError
+from fastdistill.rollout.worker import RolloutWorker, ServerDownError, WorkerExhausted
+
+_LAZY = {"HiddenTeacherClient": "fastdistill.rollout.hidden", "TeacherHiddenStates": "fastdistill.rollout.hidden"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fastdistill.rollout' has no attribute {name!r}")
+
 
 __all__ = [
     "DroppedPrompt",
@@ -37,6 +54,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutSample",
     "RolloutWorker",
+    "Rollouts",
     "ServedModel",
     "ServerDownError",
     "StudentClient",
@@ -48,11 +66,14 @@ __all__ = [
     "VLLMResponseError",
     "VLLMUnavailableError",
     "VocabularyMismatchError",
+    "WorkerExhausted",
     "check_shared_vocabulary",
     "epoch_order",
     "parse_prompt_logprobs",
     "is_on_policy",
+    "open_clients",
     "prompt_cursor",
     "route_rows",
     "row_of_prompt",
+    "teacher_client",
 ]

@@ -63,6 +63,16 @@ def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str])
     return routes
 
 
+def routed_table(dataset: Any, teacher_ids: Sequence[str]) -> Any:
+    """``dataset`` (a :class:`~fastdistill.rollout.PromptTable`, or rows ``{"prompt_ids", "teacher_id"?, "prompt"?}``)
+    as a :class:`~fastdistill.rollout.PromptTable` whose every row names its teacher (:func:`route_rows`' rules)."""
+    from fastdistill.rollout.table import PromptTable
+
+    if isinstance(dataset, PromptTable):
+        return dataset.routed(teacher_ids)
+    return PromptTable.from_rows(dataset, teacher_ids=route_rows(dataset, teacher_ids))
+
+
 @dataclass(frozen=True)
 class OnPolicyShare:
     """Which prompt ids of a run that mixes in a teacher cache are generated on-policy (GKD's ``lmbda``).
@@ -112,6 +122,17 @@ class OnPolicyShare:
     def selects(self, prompt_id: int) -> bool:
         """Whether prompt ``prompt_id`` is generated on-policy (else taken from the teacher cache)."""
         return self.count(prompt_id + 1) > self.count(prompt_id)
+
+    def settled_from(self, on_policy: bool) -> int | None:
+        """The first prompt id from which :meth:`selects` never again answers ``on_policy``, or None when it may
+        always do so again: a cursor that keeps only such ids is exhausted there instead of searching forever
+        (a share annealed to 0 has no on-policy id past its horizon; one annealed to 1 no cached id)."""
+        settled = 0.0 if on_policy else 1.0
+        if self.start == settled and self.final in (None, settled):
+            return 0
+        if self.final == settled:
+            return self.horizon
+        return None
 
 
 def is_on_policy(prompt_id: int, fraction: float) -> bool:

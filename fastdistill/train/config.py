@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from fastdistill.errors import ConfigError
+from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
 
 LOSS_TYPES = ("jsd", "reverse_kl_pg")
 STALE_POLICIES = ("drop", "importance")
@@ -29,8 +30,6 @@ SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
 LORA_SYNCS = ("merged", "adapter")
 REPORTERS = ("tensorboard", "wandb", "trackio")
 SAVE_STRATEGIES = ("steps", "no")
-TEACHER_SIGNALS = ("topk", "hidden")
-HIDDEN_DTYPES = ("bfloat16", "float32")
 
 
 DEFAULT_LOOKAHEAD_STEPS = 3  # max_lookahead_steps=None (docs/train.md, "Staleness")

@@ -11,6 +11,7 @@ Greedy decoding (``temperature=0``) makes before/after comparisons deterministic
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -19,43 +20,10 @@ import torch
 
 from fastdistill.data.packing import pack_row
 from fastdistill.loss import narrow_support, sparse_jsd_loss
-from fastdistill.rollout import RolloutSample, StudentClient, TeacherClient
+from fastdistill.rollout import RolloutSample
 from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
 
-
-async def _collect(student_url: str, teacher_urls: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
-                   top_k: int, max_tokens: int, temperature: float, seed: int, student_api_key: str | None,
-                   teacher_api_keys: Mapping[str, str] | None, student_model: str | None,
-                   teacher_signals: Mapping[str, str], hidden_dtype: str) -> list[RolloutSample]:
-    keys = teacher_api_keys or {}
-    async with StudentClient(student_url, api_key=student_api_key) as student:
-        teachers: dict[str, Any] = {}
-        for tid, url in teacher_urls.items():
-            if teacher_signals.get(tid, "topk") == "hidden":
-                from fastdistill.rollout.hidden import HiddenTeacherClient
-
-                teachers[tid] = HiddenTeacherClient(url, dtype=hidden_dtype, api_key=keys.get(tid))
-            else:
-                teachers[tid] = TeacherClient(url, api_key=keys.get(tid))
-        try:
-            default_teacher = next(iter(teachers))
-
-            async def one(index: int, row: Mapping[str, Any]) -> RolloutSample:
-                prompt = [int(t) for t in row["prompt_ids"]]
-                generation = await student.generate(prompt, max_tokens=max_tokens, temperature=temperature,
-                                                    seed=seed + index, model=student_model)
-                teacher_id = row.get("teacher_id") or default_teacher
-                if teacher_signals.get(teacher_id, "topk") == "hidden":
-                    scores = await teachers[teacher_id].score(prompt, generation.token_ids)
-                else:
-                    scores = await teachers[teacher_id].score(prompt, generation.token_ids, top_k=top_k)
-                return RolloutSample.assemble(prompt, generation, scores, model_version=-1, teacher_id=teacher_id,
-                                              prompt_id=index, dataset_index=index, prompt=row.get("prompt"))
-
-            return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
-        finally:
-            for teacher in teachers.values():
-                await teacher.close()
+logger = logging.getLogger(__name__)
 
 
 def collect_scored_samples(
@@ -72,16 +40,41 @@ def collect_scored_samples(
     student_model: str | None = None,
     teacher_signals: Mapping[str, str] | None = None,
     hidden_dtype: str = "bfloat16",
+    retry: Any = None,
 ) -> list[RolloutSample]:
-    """One scored sample per row ``{"prompt_ids", "teacher_id"?}``: the student server's completion (greedy by
-    default) scored by the row's teacher (the first teacher when the row names none). ``teacher_urls`` maps teacher
-    id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`.
+    """One scored sample per row ``{"prompt_ids", "teacher_id"?}``, through the one rollout sequence
+    (:class:`~fastdistill.rollout.Rollouts`): the student server's completion (greedy by default; request seed
+    ``seed + row``) scored by the row's teacher (the first teacher when the row names none). ``teacher_urls`` maps
+    teacher id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`.
     ``student_model`` names what the student generates with (a LoRA adapter's name; None: the served model).
     ``teacher_signals`` maps a teacher id to ``"hidden"`` for a hidden-state teacher (its samples carry
-    ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K."""
-    return asyncio.run(_collect(student_url, teacher_urls, rows, top_k, max_tokens, temperature, seed,
-                                student_api_key, teacher_api_keys, student_model, teacher_signals or {},
-                                hidden_dtype))
+    ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K.
+
+    A row whose rollout fails (a server rejects it, or stays unavailable through the retries) is logged and left out:
+    the samples (``prompt_id`` = ``dataset_index`` = the row's index) are those of the rows that succeeded, in row
+    order, so ``len(rows) - len(result)`` rows failed."""
+    from fastdistill.rollout import RetryPolicy, RolloutConfig
+    from fastdistill.rollout.dropped import DroppedPrompt
+    from fastdistill.rollout.order import routed_table
+    from fastdistill.rollout.sequence import run_wave
+
+    if not rows:
+        return []
+    config = RolloutConfig(
+        student_url=student_url, teacher_urls=dict(teacher_urls), teacher_top_k=top_k, max_tokens=max_tokens,
+        temperature=temperature, generation_seed=seed, student_model=student_model, student_api_key=student_api_key,
+        teacher_api_keys=teacher_api_keys, teacher_signals=teacher_signals, teacher_hidden_dtype=hidden_dtype,
+        max_inflight_tasks=max(1, len(rows)), max_consecutive_failures=len(rows) + 1,
+        retry=retry if retry is not None else RetryPolicy())
+    first = next(iter(teacher_urls))
+    table = routed_table([{**row, "teacher_id": row.get("teacher_id") or first} for row in rows],
+                         list(teacher_urls))
+    results = asyncio.run(run_wave(config, table, [(index, index) for index in range(len(rows))]))
+    for result in results:
+        if isinstance(result, DroppedPrompt):
+            logger.warning("evaluation row %d failed (%s by %s): %s", result.dataset_index, result.reason,
+                           result.server, result.message)
+    return [result for result in results if isinstance(result, RolloutSample)]
 
 
 @torch.no_grad()
@@ -135,15 +128,22 @@ def completion_texts(samples: Sequence[RolloutSample], tokenizer: Any) -> list[s
 
 
 def eval_record(stats: torch.Tensor, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
-                answers: Sequence[str | None] | None = None, tokenizer: Any = None) -> dict[str, float]:
-    """The ``eval/...`` metrics from summed :func:`divergence_stats` (all ranks) and the samples (in row order):
-    ``eval/jsd`` (nats per scored token), ``eval/teacher_jsd/<id>`` with several teachers,
-    ``eval/completion_length_mean``, ``eval/samples_total`` and, when rows carry a reference ``answer``,
-    ``eval/exact_match``: the fraction of those rows whose greedy completion, decoded, equals the answer (both stripped
-    of surrounding white space)."""
+                answers: Sequence[str | None] | None = None, tokenizer: Any = None,
+                failed: int | None = None) -> dict[str, float]:
+    """The ``eval/...`` metrics from summed :func:`divergence_stats` (all ranks) and the samples (each sample's
+    ``dataset_index`` is its row): ``eval/jsd`` (nats per scored token), ``eval/teacher_jsd/<id>`` with several
+    teachers, ``eval/completion_length_mean``, ``eval/samples_total``, ``eval/failed_total`` (rows whose rollout
+    failed, when ``failed`` is given) and, when rows carry a reference ``answer`` (``answers``, by row),
+    ``eval/exact_match``: the fraction of the scored rows with an answer whose greedy completion, decoded, equals it
+    (both stripped of surrounding white space)."""
     tokens = float(stats[:, 0].sum())
-    record = {"eval/jsd": float(stats[:, 1].sum()) / max(tokens, 1.0), "eval/samples_total": float(len(samples)),
-              "eval/completion_length_mean": sum(len(s.completion_ids) for s in samples) / max(len(samples), 1)}
+    record = {"eval/samples_total": float(len(samples))}
+    if tokens > 0:  # no scored token (every row failed): no divergence to report
+        record["eval/jsd"] = float(stats[:, 1].sum()) / tokens
+    if samples:
+        record["eval/completion_length_mean"] = sum(len(s.completion_ids) for s in samples) / len(samples)
+    if failed is not None:
+        record["eval/failed_total"] = float(failed)
     if len(teacher_ids) > 1:
         for index, teacher_id in enumerate(teacher_ids):
             if stats[index, 0] > 0:
@@ -152,9 +152,11 @@ def eval_record(stats: torch.Tensor, samples: Sequence[RolloutSample], teacher_i
         if tokenizer is None:
             raise ValueError("exact-match needs the tokenizer to decode the completions")
         texts = completion_texts(samples, tokenizer)
-        graded = [text == str(answer).strip() for text, answer in zip(texts, answers, strict=True)
+        row_answers = [answers[sample.dataset_index] for sample in samples]
+        graded = [text == str(answer).strip() for text, answer in zip(texts, row_answers, strict=True)
                   if answer is not None]
-        record["eval/exact_match"] = sum(graded) / len(graded)
+        if graded:  # rows with an answer whose rollout failed are in eval/failed_total, not graded
+            record["eval/exact_match"] = sum(graded) / len(graded)
     return record
 
 
@@ -274,6 +276,11 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
                                      teacher_api_keys=config.teacher_api_keys,
                                      teacher_signals={t: config.teacher_signal_of(t) for t in teacher_ids},
                                      hidden_dtype=config.teacher_hidden_dtype)
+    if not samples:
+        from fastdistill.errors import RolloutsFailingError
+
+        raise RolloutsFailingError(f"the rollout of every one of the {len(prepared)} held-out rows failed (the "
+                                   "warnings above name each server's answer)")
     with torch.no_grad():
         stats = divergence_stats(distillation, samples, teacher_ids, beta=config.beta, device=device,
                                  vocab_size=head.shape[0])
@@ -289,11 +296,13 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
                               "teacher_urls": dict(config.teacher_server_urls), "beta": config.beta,
                               "teacher_top_k": config.teacher_top_k,
                               "max_completion_length": config.max_completion_length}
-    result.update(eval_record(stats, samples, teacher_ids, answers=answers, tokenizer=tokenizer))
+    result.update(eval_record(stats, samples, teacher_ids, answers=answers, tokenizer=tokenizer,
+                              failed=len(prepared) - len(samples)))
     result["served_logprob_gap"] = gap
     if show_completions:
         texts = completion_texts(samples, tokenizer)
         result["completions"] = [
-            {"dataset_index": index, "teacher_id": row["teacher_id"], "completion": text, "answer": row["answer"]}
-            for index, (row, text) in enumerate(zip(prepared, texts, strict=True))]
+            {"dataset_index": sample.dataset_index, "teacher_id": sample.teacher_id, "completion": text,
+             "answer": prepared[sample.dataset_index]["answer"]}
+            for sample, text in zip(samples, texts, strict=True)]
     return result

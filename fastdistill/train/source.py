@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from fastdistill.rollout import OnPolicyShare, RolloutSample, VLLMError, VLLMUnavailableError
-from fastdistill.rollout.dropped import REJECTED, UNAVAILABLE, DroppedPrompt
-from fastdistill.train.collector import SourceExhausted
+from fastdistill.errors import SourceExhausted
+from fastdistill.rollout import OnPolicyShare, RolloutSample, WorkerExhausted
+from fastdistill.rollout.dropped import DroppedPrompt
 
 __all__ = ["CacheSource", "ListSource", "MixedSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
 
@@ -60,8 +60,11 @@ class CacheSource(ListSource):
         if len(cache) == 0:
             raise ValueError("the teacher cache holds no rows")
         cursor: Iterator[tuple[int, int]] = prompt_cursor(len(cache), seed, start_index, shuffle)
-        if end_index is not None:
-            cursor = itertools.takewhile(lambda item: item[0] < end_index, cursor)
+        # a share annealed to 1 leaves no prompt to the cache past its horizon: end there rather than search forever
+        ends = [end for end in (end_index, on_policy.settled_from(on_policy=False) if on_policy else None)
+                if end is not None]
+        if ends:
+            cursor = itertools.takewhile(lambda item: item[0] < min(ends), cursor)
         cursor = ((prompt_id, row) for prompt_id, row in cursor if prompt_id not in skip_prompt_ids and not (
             on_policy is not None and on_policy.selects(prompt_id)))
         super().__init__(dataclasses.replace(cache[row], prompt_id=prompt_id, teacher_id=teacher_id)
@@ -177,13 +180,20 @@ class WorkerSource:
         self.metrics: dict[str, list[Any]] = {}
         self.wait_s = 0.0
         self.dropped_stale_total = 0
+        self.exhausted = False  # the worker said nothing is left, and no redo is outstanding
 
     def _metric(self, key: str, value: Any) -> None:
         self.metrics.setdefault(key, []).append(value)
 
     def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
         while True:
+            if self.exhausted:
+                raise SourceExhausted
             sample = self._get()
+            if isinstance(sample, WorkerExhausted):
+                # out of date when a redo sent since then is still to come
+                self.exhausted = sample.redo_seen == getattr(self.worker, "redo_sent", 0)
+                continue
             if isinstance(sample, DroppedPrompt):
                 return sample
             staleness = model_version - sample.model_version
@@ -230,45 +240,46 @@ class WorkerSource:
 class SynchronousSource:
     """``async_mode=False``: rollouts happen only between optimizer steps, with the weights of the current version.
 
-    ``next`` serves samples from the current wave; when it is empty it generates and scores the next ``wave_size``
-    prompts of the cursor (all in flight at once, through the same clients as the worker) and stamps them with the
-    trainer's version. With the fixed-count batcher a wave is exactly one step, so nothing is stale and nothing is
-    wasted; generation and training simply never overlap (the baseline the asynchronous pipeline is measured
-    against). A prompt whose request a server refuses, or that stays unavailable through the clients' retries, comes
-    out as a :class:`DroppedPrompt`; the cursor stops at ``rollout_config.end_index`` (then :class:`SourceExhausted`).
+    ``next`` serves samples from the current wave; when it is empty it runs the next ``wave_size`` prompts of the
+    dispatcher (:class:`~fastdistill.rollout.dispatch.PromptDispatcher`, the worker's order and skips) through the
+    one rollout sequence (:class:`~fastdistill.rollout.Rollouts`: every teacher signal, the same failure handling
+    as the worker) and stamps them with the trainer's version. With the fixed-count batcher a wave is exactly one
+    step, so nothing is stale and nothing is wasted; generation and training simply never overlap (the baseline the
+    asynchronous pipeline is measured against). A prompt given up on comes out as a :class:`DroppedPrompt`; rollouts
+    that keep failing raise :class:`~fastdistill.errors.RolloutsFailingError` as in the worker; when the dispatcher
+    is exhausted, :class:`SourceExhausted`.
     """
 
-    def __init__(self, rows: list[dict[str, Any]], rollout_config: Any, wave_size: int):
+    def __init__(self, rows: Any, rollout_config: Any, wave_size: int):
         import asyncio
 
-        from fastdistill.rollout import prompt_cursor
+        from fastdistill.rollout.dispatch import PromptDispatcher
+        from fastdistill.rollout.order import routed_table
 
-        self.rows = rows
+        self.rows = routed_table(rows, list(rollout_config.teacher_urls))
         self.config = rollout_config
         self.wave_size = wave_size
-        end = rollout_config.end_index
-        self.cursor = (
-            (prompt_id, row) for prompt_id, row in prompt_cursor(len(rows), rollout_config.seed,
-                                                                 rollout_config.start_index, rollout_config.shuffle)
-            if prompt_id not in rollout_config.skip_prompt_ids and row not in rollout_config.skip_rows
-        )
-        if end is not None:
-            self.cursor = itertools.takewhile(lambda item: item[0] < end, self.cursor)
+        self.dispatcher = PromptDispatcher(rollout_config, len(rows))
         self.wave: list[RolloutSample | DroppedPrompt] = []
         self.metrics: dict[str, list[Any]] = {}
+        self._worker_metrics: list[dict[str, Any]] = []
         self.wait_s = 0.0
+        self._model_version = 0
         # One event loop and one set of clients for the whole run: their connections are kept alive between waves,
         # as the worker's are, so the baseline pays no per-step connection setup.
         self._loop = asyncio.new_event_loop()
-        self._clients: tuple[Any, dict[str, Any]] | None = None
+        self._rollouts: Any = None
 
     def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
         if not self.wave:
-            batch = list(itertools.islice(self.cursor, self.wave_size))
+            batch = []
+            while len(batch) < self.wave_size and (item := self.dispatcher.next()) is not None:
+                batch.append(item[:2])
             if not batch:
                 raise SourceExhausted
             started = time.perf_counter()
-            self.wave = self._loop.run_until_complete(self._generate(batch, model_version))
+            self._model_version = model_version
+            self.wave = self._loop.run_until_complete(self._generate(batch))
             self.wait_s += time.perf_counter() - started
         sample = self.wave.pop(0)
         if isinstance(sample, DroppedPrompt):
@@ -280,53 +291,27 @@ class SynchronousSource:
         """Close the clients' connections and the event loop."""
         if self._loop.is_closed():
             return
-        if self._clients is not None:
-            student, teachers = self._clients
-            for client in (student, *teachers.values()):
+        if self._rollouts is not None:
+            for client in (self._rollouts.student, *self._rollouts.teachers.values()):
                 self._loop.run_until_complete(client.close())
-            self._clients = None
+            self._rollouts = None
         self._loop.close()
 
-    async def _generate(self, batch: list[tuple[int, int]], model_version: int) -> list[RolloutSample | DroppedPrompt]:
-        import asyncio
+    async def _generate(self, batch: list[tuple[int, int]]) -> list[RolloutSample | DroppedPrompt]:
+        from fastdistill.rollout import Rollouts, open_clients
 
-        from fastdistill.rollout import StudentClient, TeacherClient
-        from fastdistill.rollout.adapters import generate_with_adapter
-
-        config = self.config
-        if self._clients is None:
-            keys = config.teacher_api_keys or {}
-            teachers = {tid: TeacherClient(urls, retry=config.retry, api_key=keys.get(tid))
-                        for tid, urls in config.teacher_urls.items()}
-            self._clients = (StudentClient(config.student_url, retry=config.retry, api_key=config.student_api_key),
-                             teachers)
-        student, teachers = self._clients
-
-        async def one(prompt_id: int, index: int) -> RolloutSample | DroppedPrompt:
-            row = self.rows[index]
-            teacher_id = row["teacher_id"] if len(teachers) > 1 else next(iter(teachers))
-            server = "student"
-            try:
-                generation, version = await generate_with_adapter(
-                    student, row["prompt_ids"], current_version=lambda: model_version,
-                    model_for_version=config.student_model_for_version, max_tokens=config.max_tokens,
-                    temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                    repetition_penalty=config.repetition_penalty)
-                server = f"teacher {teacher_id}"
-                scores = await teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
-                                                          top_k=config.teacher_top_k)
-            except VLLMError as error:
-                reason = UNAVAILABLE if isinstance(error, VLLMUnavailableError) else REJECTED
-                logger.warning("rollout of prompt %d failed: %s", prompt_id, error)
-                return DroppedPrompt(prompt_id=prompt_id, dataset_index=index, reason=reason, server=server,
-                                     message=getattr(error, "server_message", None) or str(error))
-            sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=version,
-                                            teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=index,
-                                            prompt=row.get("prompt"))
-            sample.enqueued_at = time.time()
-            return sample
-
-        return list(await asyncio.gather(*(one(p, i) for p, i in batch)))
+        if self._rollouts is None:
+            student, teachers = open_clients(self.config)
+            self._rollouts = Rollouts(self.config, self.rows, student, teachers,
+                                      current_version=lambda: self._model_version)
+        results = await self._rollouts.wave(batch, on_metrics=self._worker_metrics.append)
+        self._worker_metrics.append(self._rollouts.failures.counters())
+        for sample in results:
+            if isinstance(sample, RolloutSample):
+                sample.enqueued_at = time.time()
+        return results
 
     def drain_worker_metrics(self) -> list[dict[str, float]]:
-        return []
+        """The rollouts' metrics (TRL's names, as the worker pushes them) since the last call."""
+        drained, self._worker_metrics = self._worker_metrics, []
+        return drained

@@ -133,8 +133,7 @@ class AsyncDistillationTrainer:
         self._offline = offline
         self._served_hidden_widths: dict[str, int] = {}  # hidden-state teacher id -> served width (rank 0)
         if self.cache is not None and not offline:  # a mixed run generates from the cached prompts
-            self.rows = PromptTable.from_rows([{"prompt_ids": s.input_ids[:s.prompt_length].tolist()}
-                                               for s in self.cache])
+            self.rows = self.cache.prompt_table()
         elif not offline and self.dist.is_main:
             self.rows = self._tokenized_rows(train_dataset)
         if samples is not None:
@@ -147,6 +146,7 @@ class AsyncDistillationTrainer:
         self.eval_rows = self._eval_rows(eval_dataset) if self.dist.is_main else None
         self.has_eval = self.dist.broadcast(bool(self.eval_rows))
         self._last_eval_step: int | None = None
+        self._last_save_step: int | None = None
         # With max_steps=-1: an estimate (exact for the fixed-count batcher), corrected as rows are packed.
         self.max_steps = config.resolved_max_steps(self.num_prompts, self.dist.world_size)
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
@@ -281,9 +281,11 @@ class AsyncDistillationTrainer:
                 record.update(self._phase_record(record["perf/step_s"]))
                 last_step_end = now
                 self.metrics.update(record)  # every step: values between two logging steps are reduced together
-                last = self.step == self.scheduler.total_steps  # the schedule's length is exact on the last step
-                evaluate = self.has_eval and (last or (config.eval_steps is not None
-                                                       and self.step % config.eval_steps == 0))
+                # the last step's evaluation runs after the export and the final checkpoint (the schedule's length is
+                # exact on the last step), so that an evaluation that fails cannot lose the run's end
+                last = self.step == self.scheduler.total_steps
+                evaluate = self.has_eval and not last and (config.eval_steps is not None
+                                                            and self.step % config.eval_steps == 0)
                 if evaluate:
                     with clock.phase("eval"):
                         self.metrics.update(self.evaluate())
@@ -293,12 +295,6 @@ class AsyncDistillationTrainer:
                 if config.save_strategy == "steps" and self.step % config.save_steps == 0:
                     with clock.phase("checkpoint"):
                         self.save()
-            if self.has_eval and self._last_eval_step != self.step:  # a source that ended without notice
-                with clock.phase("eval"):
-                    self.metrics.update(self.evaluate())
-            if self.metrics.has_values():  # the last step, when it is not a logging step
-                with clock.phase("logging"):
-                    self._log_metrics()
             elapsed = time.perf_counter() - started
             with clock.phase("export"):
                 if config.export_final_model and config.lora_r > 0:
@@ -307,6 +303,15 @@ class AsyncDistillationTrainer:
                     export_merged(self.hf_model, self.tokenizer, self.output_dir / "final", self.dist.is_main)
                 elif config.export_final_model:
                     export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
+            if config.save_strategy == "steps" and self.step > 0 and self._last_save_step != self.step:
+                with clock.phase("checkpoint"):  # the end is resumable, whatever save_steps
+                    self.save()
+            if self.has_eval and self._last_eval_step != self.step:
+                with clock.phase("eval"):
+                    self.metrics.update(self.evaluate())
+            if self.metrics.has_values():  # the last step, when it is not a logging step
+                with clock.phase("logging"):
+                    self._log_metrics()
         finally:
             stopping = time.perf_counter()
             try:
@@ -344,13 +349,23 @@ class AsyncDistillationTrainer:
         config = self.config
         samples = None
         if self.dist.is_main:
-            samples = held_out.collect_scored_samples(
-                config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
-                top_k=config.teacher_top_k, max_tokens=config.max_completion_length, seed=config.seed,
-                student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys,
-                student_model=getattr(self.weight_sync, "served_model_name", None),
-                teacher_signals={t: config.teacher_signal_of(t) for t in self.teacher_ids},
-                hidden_dtype=config.teacher_hidden_dtype)
+            from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError
+            from fastdistill.rollout import RetryPolicy
+
+            try:
+                samples = held_out.collect_scored_samples(
+                    config.vllm_server_base_url, config.teacher_server_urls, self.eval_rows,
+                    top_k=config.teacher_top_k, max_tokens=config.max_completion_length, seed=config.seed,
+                    student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys,
+                    student_model=getattr(self.weight_sync, "served_model_name", None),
+                    teacher_signals={t: config.teacher_signal_of(t) for t in self.teacher_ids},
+                    hidden_dtype=config.teacher_hidden_dtype,
+                    retry=RetryPolicy(request_timeout_s=config.request_timeout))
+            except (VLLMError, ServerDownError, RolloutsFailingError) as error:
+                # the run goes on (and the other ranks with it): every row of this evaluation counts as failed
+                logger.error("evaluation at step %d failed, every held-out row is counted in eval/failed_total: %s",
+                             self.step, error)
+                samples = []
         samples = self.dist.broadcast(samples)
         was_training = self.hf_model.training
         self.hf_model.eval()
@@ -366,7 +381,8 @@ class AsyncDistillationTrainer:
         if not self.dist.is_main:
             return {}
         answers = [row.get("answer") for row in self.eval_rows]
-        return held_out.eval_record(stats, samples, self.teacher_ids, answers=answers, tokenizer=self.tokenizer)
+        return held_out.eval_record(stats, samples, self.teacher_ids, answers=answers, tokenizer=self.tokenizer,
+                                    failed=len(self.eval_rows) - len(samples))
 
     def _log_metrics(self) -> None:
         logged = self.metrics.log(self.step)
@@ -407,6 +423,7 @@ class AsyncDistillationTrainer:
 
     def save(self) -> Path:
         """Write ``checkpoint-<step>`` (collective)."""
+        self._last_save_step = self.step
         return save_checkpoint(self.output_dir, self.step, self.model, self.optimizer, self.scheduler,
                                self.model_version, self.rollout_state, self.config.save_total_limit)
 
@@ -558,8 +575,7 @@ class AsyncDistillationTrainer:
         """Before any rollout: the servers are up and every teacher tokenizes like the student; each hidden-state
         teacher's served width goes to ``_served_hidden_widths`` (one one-token request). Returns each server's
         :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids)."""
-        from fastdistill.rollout import StudentClient, TeacherClient, check_shared_vocabulary
-        from fastdistill.rollout.hidden import HiddenTeacherClient
+        from fastdistill.rollout import StudentClient, check_shared_vocabulary, teacher_client
 
         config = self.config
         teacher_keys = config.teacher_api_keys or {}
@@ -572,8 +588,8 @@ class AsyncDistillationTrainer:
                 try:
                     for teacher_id, urls in config.teacher_server_urls.items():
                         hidden = config.teacher_signal_of(teacher_id) == "hidden"
-                        client = HiddenTeacherClient if hidden else TeacherClient
-                        teachers[teacher_id] = client(urls, api_key=teacher_keys.get(teacher_id))
+                        teachers[teacher_id] = teacher_client(config.teacher_signal_of(teacher_id), urls,
+                                                              api_key=teacher_keys.get(teacher_id))
                         await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
                         served[teacher_id] = await teachers[teacher_id].served_model()
                         if hidden:  # checked against the teacher head's width before any rollout
@@ -630,6 +646,8 @@ class AsyncDistillationTrainer:
                 positions = np.nonzero(np.isin(order, list(skip)))[0]
                 for position in positions:
                     prompt_id = epoch * num_rows + int(position)
+                    if self.on_policy is not None and not self.on_policy.selects(prompt_id):
+                        continue  # the teacher cache serves this prompt: nothing is generated for it
                     if prompt_id < self.total_prompts and not self.rollout_state.is_trained(prompt_id):
                         self.rollout_state.add(prompt_id)
                         row = int(order[position])
@@ -842,6 +860,7 @@ class AsyncDistillationTrainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.max_grad_norm)
                 if hasattr(grad_norm, "full_tensor"):
                     grad_norm = grad_norm.full_tensor()
+        self._check_finite(stats, grad_norm)
         learning_rate = self.scheduler.apply(self.step)
         optimizer_started = time.perf_counter()
         self.optimizer.step()
@@ -855,6 +874,20 @@ class AsyncDistillationTrainer:
             record = self._step_record(stats, window, grad_norm, fwd_bwd_s, optimizer_s)
         record["learning_rate"] = learning_rate
         return record
+
+    def _check_finite(self, stats: torch.Tensor, grad_norm: Any) -> None:
+        """Raise :class:`~fastdistill.errors.NonFiniteLossError` on every rank, before the optimizer steps, when any
+        rank's loss sum or the gradient norm is NaN or infinite (a step on such gradients would ruin the weights)."""
+        from fastdistill.errors import NonFiniteLossError
+
+        bad = torch.tensor([0.0 if math.isfinite(float(stats[1])) else 1.0,
+                            0.0 if grad_norm is None or math.isfinite(float(grad_norm)) else 1.0], dtype=torch.float64)
+        bad = self.dist.all_reduce_sum(bad)
+        if bad.any():
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: the {'loss' if bad[0] else 'gradient norm'} is not finite (on "
+                f"{int(bad.max())} rank(s)); the optimizer did not step and the step's prompts are not marked trained. "
+                "Lower the learning rate or check the teacher's scores; resume from the last checkpoint to go on.")
 
     def _warn_out_of_vocab(self, row: PackedRow) -> None:
         """Warn once per teacher whose candidates reach beyond the student's vocabulary (they are folded into the
