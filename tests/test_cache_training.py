@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +257,32 @@ def test_a_mixed_run_may_evaluate_and_verify():
     config = AsyncDistillationConfig(model_name_or_path="m", teacher_cache="cache", lmbda=0.25,
                                      eval_dataset="held.jsonl", verify_weight_sync=True)
     assert config.lmbda == 0.25
+
+
+def test_a_mixed_run_builds_its_prompts_from_the_cache_and_drops_only_the_prompts_it_generates(cache_and_student,
+                                                                                              tmp_path):
+    """``lmbda=0.5`` with ``skip_long_prompts``: the prompt table holds each cached row's prompt (read from the
+    shards' token arrays, not by assembling every sample), and a row too long for the student server is dropped only
+    where the run would generate it; where the cache serves it, it is trained from the cache."""
+    from fastdistill.cache import TeacherCache
+    from fastdistill.rollout import OnPolicyShare, ServedModel, row_of_prompt
+
+    cache, student = cache_and_student
+    opened = TeacherCache(cache)
+    trainer = AsyncDistillationTrainer(cache_config(cache, student, tmp_path / "mixed", lmbda=0.5,
+                                                    skip_long_prompts=True, max_completion_length=4))
+    assert len(trainer.rows) == len(opened)
+    for index in range(len(opened)):
+        sample = opened[index]
+        assert trainer.rows[index]["prompt_ids"] == sample.input_ids[: sample.prompt_length].tolist()
+    lengths = trainer.rows.lengths
+    limit = int(np.median(lengths)) + 4  # the longer half of the prompts + 4 completion tokens does not fit
+    long_rows = {int(row) for row in np.flatnonzero(lengths + 4 > limit)}
+    assert 0 < len(long_rows) < len(lengths)
+    served = {"student": ServedModel("s", limit), "default": ServedModel("t", 10_000)}
+    assert trainer._skip_long_prompts(served) == long_rows
+    share = OnPolicyShare(0.5)
+    dropped = [json.loads(line) for line in (tmp_path / "mixed" / "dropped_prompts.jsonl").read_text().splitlines()]
+    expected = [p for p in range(trainer.total_prompts) if row_of_prompt(p, len(opened), 42) in long_rows
+                and share.selects(p)]
+    assert sorted(d["prompt_id"] for d in dropped) == expected and expected

@@ -147,6 +147,7 @@ class AsyncDistillationTrainer:
         self.has_eval = self.dist.broadcast(bool(self.eval_rows))
         self._last_eval_step: int | None = None
         self._last_save_step: int | None = None
+        self._eval_too_long = 0  # held-out rows left out for not fitting a server (skip_long_prompts)
         # With max_steps=-1: an estimate (exact for the fixed-count batcher), corrected as rows are packed.
         self.max_steps = config.resolved_max_steps(self.num_prompts, self.dist.world_size)
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
@@ -289,8 +290,8 @@ class AsyncDistillationTrainer:
                 if evaluate:
                     with clock.phase("eval"):
                         self.metrics.update(self.evaluate())
-                if evaluate or self.step % config.logging_steps == 0:
-                    with clock.phase("logging"):
+                if (evaluate or self.step % config.logging_steps == 0) and not (last and self.has_eval):
+                    with clock.phase("logging"):  # the last step's record is logged with its evaluation
                         self._log_metrics()
                 if config.save_strategy == "steps" and self.step % config.save_steps == 0:
                     with clock.phase("checkpoint"):
@@ -381,8 +382,11 @@ class AsyncDistillationTrainer:
         if not self.dist.is_main:
             return {}
         answers = [row.get("answer") for row in self.eval_rows]
-        return held_out.eval_record(stats, samples, self.teacher_ids, answers=answers, tokenizer=self.tokenizer,
-                                    failed=len(self.eval_rows) - len(samples))
+        record = held_out.eval_record(stats, samples, self.teacher_ids, answers=answers, tokenizer=self.tokenizer,
+                                      failed=len(self.eval_rows) - len(samples))
+        if self._eval_too_long:
+            record["eval/too_long_total"] = float(self._eval_too_long)
+        return record
 
     def _log_metrics(self) -> None:
         logged = self.metrics.log(self.step)
@@ -448,6 +452,7 @@ class AsyncDistillationTrainer:
                 state=self.rollout_state, token_budget=token_budget if token_budget > 0 else None)
             if served is not None:
                 skip_rows = self._skip_long_prompts(served)
+                self._check_eval_rows(served)
         self._load_teacher_heads(served if self.dist.is_main else None)
         if self.weight_sync is None and not self._offline:
             from fastdistill.sync import weight_sync_from_config
@@ -611,15 +616,9 @@ class AsyncDistillationTrainer:
         config = self.config
         completion = config.max_completion_length
         teacher_ids = self.teacher_ids
-        limits: dict[int, tuple[str, int, int]] = {}  # row -> (server, needed tokens, its max_model_len)
-        for index, prompt in enumerate(self.rows.lengths.tolist()):  # not the rows: that would read every prompt
-            teacher_id = self.rows.teacher_id(index) if len(teacher_ids) > 1 else teacher_ids[0]
-            checks = [("student", prompt + completion, served["student"].max_model_len),
-                      (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
-            for server, needed, limit in checks:
-                if needed > limit:
-                    limits[index] = (server, needed, limit)
-                    break
+        # not the rows: that would read every prompt
+        routes = [self.rows.teacher_id(i) if len(teacher_ids) > 1 else teacher_ids[0] for i in range(len(self.rows))]
+        limits = _limits_exceeded(self.rows.lengths.tolist(), routes, served, completion)
         if not limits:
             return frozenset()
         longest = max(limits, key=lambda i: len(self.rows[i]["prompt_ids"]))
@@ -657,6 +656,30 @@ class AsyncDistillationTrainer:
                                                    f"{limit} (prompt + max_completion_length={completion})"))
             self._record_drops(drops, step=self.step)
         return skip
+
+    def _check_eval_rows(self, served: dict[str, Any]) -> None:
+        """Rank 0: held-out rows are checked like training rows. A row whose prompt plus ``max_completion_length``
+        cannot fit a server is a :class:`ConfigError`, or with ``skip_long_prompts`` left out of every evaluation
+        (counted in ``eval/too_long_total``)."""
+        if not self.eval_rows:
+            return
+        completion = self.config.max_completion_length
+        routes = [row.get("teacher_id") or self.teacher_ids[0] for row in self.eval_rows]
+        limits = _limits_exceeded([len(row["prompt_ids"]) for row in self.eval_rows], routes, served, completion)
+        if not limits:
+            return
+        index = max(limits, key=lambda i: len(self.eval_rows[i]["prompt_ids"]))
+        server, needed, limit = limits[index]
+        what = (f"eval_dataset: {len(limits)} of {len(self.eval_rows)} rows do not fit the servers: row {index} needs "
+                f"{needed} tokens with max_completion_length={completion}, but the {server} server serves "
+                f"max_model_len={limit}")
+        if not self.config.skip_long_prompts or len(limits) == len(self.eval_rows):
+            raise ConfigError(f"{what}. Lower max_completion_length, raise the servers' --max-model-len, shorten the "
+                              "held-out prompts" + ("" if len(limits) == len(self.eval_rows) else
+                                                    ", or set skip_long_prompts=True to leave them out"))
+        logger.warning("%s; leaving them out of every evaluation (skip_long_prompts=True)", what)
+        self.eval_rows = [row for i, row in enumerate(self.eval_rows) if i not in limits]
+        self._eval_too_long = len(limits)
 
     def _record_drops(self, drops: list[DroppedPrompt], step: int) -> None:
         """Rank 0: log each dropped prompt once and append it to ``dropped_prompts.jsonl`` with the step whose window
@@ -991,6 +1014,22 @@ class AsyncDistillationTrainer:
         for microbatch in self._window.microbatches:
             self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
         return record
+
+
+def _limits_exceeded(prompt_lengths: Sequence[int], teacher_ids: Sequence[str], served: dict[str, Any],
+                     completion: int) -> dict[int, tuple[str, int, int]]:
+    """Row -> ``(server, needed tokens, its max_model_len)`` for the rows whose prompt plus ``completion`` tokens
+    cannot fit the student's ``max_model_len``, or their teacher's (which scores prompt + completion and asks for one
+    more token)."""
+    limits = {}
+    for index, (prompt, teacher_id) in enumerate(zip(prompt_lengths, teacher_ids, strict=True)):
+        checks = [("student", prompt + completion, served["student"].max_model_len),
+                  (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
+        for server, needed, limit in checks:
+            if needed > limit:
+                limits[index] = (server, needed, limit)
+                break
+    return limits
 
 
 def truncate_step_log(path: Path, step: int) -> None:
