@@ -77,6 +77,20 @@ def collect_scored_samples(
     return [result for result in results if isinstance(result, RolloutSample)]
 
 
+def collect_held_out(config: Any, rows: Sequence[Mapping[str, Any]], *,
+                     student_model: str | None = None) -> list[RolloutSample]:
+    """:func:`collect_scored_samples` with the servers, keys, signals, top-K, completion length, seed and request
+    timeout of ``config`` (an :class:`~fastdistill.train.AsyncDistillationConfig`)."""
+    from fastdistill.rollout import RetryPolicy
+
+    return collect_scored_samples(
+        config.vllm_server_base_url, config.teacher_server_urls, rows, top_k=config.teacher_top_k,
+        max_tokens=config.max_completion_length, seed=config.seed, student_api_key=config.vllm_server_api_key,
+        teacher_api_keys=config.teacher_api_keys, student_model=student_model,
+        teacher_signals={t: config.teacher_signal_of(t) for t in config.teacher_ids},
+        hidden_dtype=config.teacher_hidden_dtype, retry=RetryPolicy(request_timeout_s=config.request_timeout))
+
+
 @torch.no_grad()
 def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                          beta: float = 0.0, temperature: float = 1.0, add_tail_bucket: bool = True) -> float:
@@ -270,12 +284,7 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
     prepared = prepare_eval_rows(rows, tokenizer, teacher_ids, split=config.dataset_test_split,
                                  dataset_config=config.dataset_config,
                                  chat_template_kwargs=config.chat_template_kwargs)
-    samples = collect_scored_samples(config.vllm_server_base_url, config.teacher_server_urls, prepared,
-                                     top_k=config.teacher_top_k, max_tokens=config.max_completion_length,
-                                     seed=config.seed, student_api_key=config.vllm_server_api_key,
-                                     teacher_api_keys=config.teacher_api_keys,
-                                     teacher_signals={t: config.teacher_signal_of(t) for t in teacher_ids},
-                                     hidden_dtype=config.teacher_hidden_dtype)
+    samples = collect_held_out(config, prepared)
     if not samples:
         from fastdistill.errors import RolloutsFailingError
 

@@ -1,0 +1,297 @@
+"""Assembling the rollout side of a run (rank 0): server checks, prompt-length checks, the rollout settings, the
+source, and the hidden-state teachers' heads (every rank).
+
+The trainer calls these in order at start-up; each takes what it needs explicitly, so each is testable alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fastdistill.errors import ConfigError
+from fastdistill.rollout import OnPolicyShare, RolloutConfig
+from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
+from fastdistill.train.checkpoint import RolloutState
+from fastdistill.train.source import CacheSource, ListSource, MixedSource, SynchronousSource, WorkerSource
+
+logger = logging.getLogger(__name__)
+
+DROPPED_PROMPTS_FILE = "dropped_prompts.jsonl"
+
+
+def open_cache(config: Any, tokenizer: Any) -> Any:
+    """The ``teacher_cache`` folder, its shards checked against the manifest's checksums, its tokenizer against the
+    student's and its loss settings against the run's (ConfigError otherwise)."""
+    from fastdistill.cache import CacheError, TeacherCache
+
+    if len(config.teacher_ids) != 1:
+        raise ConfigError(f"teacher_cache holds one teacher's scores; teacher_server_urls names "
+                          f"{len(config.teacher_ids)} teachers ({config.teacher_ids})")
+    try:
+        cache = TeacherCache(config.teacher_cache)
+    except CacheError as error:
+        raise ConfigError(f"teacher_cache: {error}") from error
+    cache.check_tokenizer(tokenizer)
+    cache.check_loss_settings(beta=config.beta, add_tail_bucket=config.add_tail_bucket)
+    return cache
+
+
+def training_rows(config: Any, rows: Any, tokenizer: Any) -> Any:
+    """The tokenised training prompts (a :class:`~fastdistill.rollout.PromptTable`) of ``rows`` (anything
+    ``train_dataset`` accepts), else of ``config.train_dataset``."""
+    from fastdistill.data.sources import prepare_prompts
+
+    if rows is None:
+        if config.train_dataset is None:
+            raise ValueError("no training data: pass train_dataset= (a datasets.Dataset or a list of rows "
+                             "{'prompt': ..., 'teacher_id': ...}) or set config.train_dataset to a file, a dataset "
+                             "folder or a Hugging Face dataset name")
+        rows = config.train_dataset
+    return prepare_prompts(rows, tokenizer, what="train_dataset", split=config.dataset_train_split,
+                           dataset_config=config.dataset_config, chat_template_kwargs=config.chat_template_kwargs)
+
+
+def held_out_rows(config: Any, rows: Any, tokenizer: Any) -> list[dict[str, Any]] | None:
+    """The tokenised held-out rows of ``rows``, else of ``config.eval_dataset``, each routed to its teacher, with
+    their optional ``answer`` (None without an eval dataset)."""
+    from fastdistill.train.evaluate import prepare_eval_rows
+
+    if rows is None:
+        if config.eval_dataset is None:
+            return None
+        rows = config.eval_dataset
+    return prepare_eval_rows(rows, tokenizer, config.teacher_ids, split=config.dataset_test_split,
+                             dataset_config=config.dataset_config, chat_template_kwargs=config.chat_template_kwargs)
+
+
+def check_servers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """Before any rollout: the servers are up and every teacher tokenizes like the student. Returns each server's
+    :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids) and each hidden-state teacher's
+    served width (one one-token request), which its head is checked against."""
+    from fastdistill.rollout import StudentClient, check_shared_vocabulary, teacher_client
+
+    keys = config.teacher_api_keys or {}
+
+    async def check() -> tuple[dict[str, Any], dict[str, int]]:
+        widths: dict[str, int] = {}
+        async with StudentClient(config.vllm_server_base_url, api_key=config.vllm_server_api_key) as student:
+            await student.wait_until_healthy(config.vllm_server_timeout)
+            served = {"student": await student.served_model()}
+            teachers = {}
+            try:
+                for teacher_id, urls in config.teacher_server_urls.items():
+                    signal = config.teacher_signal_of(teacher_id)
+                    teachers[teacher_id] = teacher_client(signal, urls, api_key=keys.get(teacher_id))
+                    await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
+                    served[teacher_id] = await teachers[teacher_id].served_model()
+                    if signal == "hidden":
+                        widths[teacher_id] = await teachers[teacher_id].served_width()
+                await check_shared_vocabulary(student, teachers)
+            finally:
+                for teacher in teachers.values():
+                    await teacher.close()
+            return served, widths
+
+    return asyncio.run(check())
+
+
+def limits_exceeded(prompt_lengths: Sequence[int], teacher_ids: Sequence[str], served: Mapping[str, Any],
+                    completion: int) -> dict[int, tuple[str, int, int]]:
+    """Row -> ``(server, needed tokens, its max_model_len)`` for the rows whose prompt plus ``completion`` tokens
+    cannot fit the student's ``max_model_len``, or their teacher's (which scores prompt + completion and asks for one
+    more token)."""
+    limits = {}
+    for index, (prompt, teacher_id) in enumerate(zip(prompt_lengths, teacher_ids, strict=True)):
+        checks = [("student", prompt + completion, served["student"].max_model_len),
+                  (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
+        for server, needed, limit in checks:
+            if needed > limit:
+                limits[index] = (server, needed, limit)
+                break
+    return limits
+
+
+def long_prompt_drops(rows: Any, teacher_ids: Sequence[str], served: Mapping[str, Any], config: Any, *,
+                      total_prompts: int | None, rollout_state: RolloutState,
+                      on_policy: OnPolicyShare | None) -> tuple[frozenset[int], list[DroppedPrompt]]:
+    """The dataset rows whose prompt plus ``max_completion_length`` cannot fit a server (:func:`limits_exceeded`)
+    and the drop notices of their prompts in this run.
+
+    Without ``skip_long_prompts`` any such row is a :class:`ConfigError`; with it, the rows are never dispatched and
+    each of their prompts that this run would generate (not those a mixed run's cache serves), not yet trained,
+    counts as done in ``rollout_state`` and gets a ``too_long`` notice."""
+    completion = config.max_completion_length
+    # from the table's lengths and codes, not its rows: that would read every prompt
+    routes = [rows.teacher_id(i) if len(teacher_ids) > 1 else teacher_ids[0] for i in range(len(rows))]
+    limits = limits_exceeded(rows.lengths.tolist(), routes, served, completion)
+    if not limits:
+        return frozenset(), []
+    longest = max(limits, key=lambda i: int(rows.lengths[i]))
+    server, needed, limit = limits[longest]
+    what = (f"{len(limits)} of {len(rows)} prompts do not fit the servers: the longest has {int(rows.lengths[longest])}"
+            f" tokens (row {longest}); with max_completion_length={completion} it needs {needed} tokens, but the "
+            f"{server} server serves max_model_len={limit}")
+    if len(limits) == len(rows):
+        raise ConfigError(f"{what}. No prompt can be trained: lower max_completion_length or raise the servers' "
+                          "--max-model-len.")
+    if not config.skip_long_prompts:
+        raise ConfigError(f"{what}. Lower max_completion_length, raise the servers' --max-model-len, or set "
+                          "skip_long_prompts=True to skip these prompts (they are listed in "
+                          f"{DROPPED_PROMPTS_FILE}).")
+    logger.warning("%s; skipping them (skip_long_prompts=True)", what)
+    skip = frozenset(limits)
+    drops = []
+    if total_prompts is not None:  # their prompts in this run are done, once
+        from fastdistill.rollout import epoch_order
+
+        num_rows = len(rows)
+        for epoch in range(math.ceil(total_prompts / num_rows)):
+            order = epoch_order(num_rows, config.seed, epoch, config.shuffle)
+            for position in np.nonzero(np.isin(order, list(skip)))[0]:
+                prompt_id = epoch * num_rows + int(position)
+                if on_policy is not None and not on_policy.selects(prompt_id):
+                    continue  # the teacher cache serves this prompt: nothing is generated for it
+                if prompt_id < total_prompts and not rollout_state.is_trained(prompt_id):
+                    rollout_state.add(prompt_id)
+                    row = int(order[position])
+                    server, needed, limit = limits[row]
+                    drops.append(DroppedPrompt(prompt_id=prompt_id, dataset_index=row, reason=TOO_LONG, server=server,
+                                               message=f"needs {needed} tokens > max_model_len={limit} (prompt + "
+                                               f"max_completion_length={completion})"))
+    return skip, drops
+
+
+def fitting_eval_rows(eval_rows: list[dict[str, Any]], teacher_ids: Sequence[str], served: Mapping[str, Any],
+                      config: Any) -> tuple[list[dict[str, Any]], int]:
+    """Held-out rows are checked like training rows: ``(the rows that fit, how many were left out)``. A row whose
+    prompt plus ``max_completion_length`` cannot fit a server is a :class:`ConfigError`, or with
+    ``skip_long_prompts`` left out of every evaluation (``eval/too_long_total``)."""
+    completion = config.max_completion_length
+    routes = [row.get("teacher_id") or teacher_ids[0] for row in eval_rows]
+    limits = limits_exceeded([len(row["prompt_ids"]) for row in eval_rows], routes, served, completion)
+    if not limits:
+        return eval_rows, 0
+    index = max(limits, key=lambda i: len(eval_rows[i]["prompt_ids"]))
+    server, needed, limit = limits[index]
+    what = (f"eval_dataset: {len(limits)} of {len(eval_rows)} rows do not fit the servers: row {index} needs "
+            f"{needed} tokens with max_completion_length={completion}, but the {server} server serves "
+            f"max_model_len={limit}")
+    everything = len(limits) == len(eval_rows)
+    if not config.skip_long_prompts or everything:
+        raise ConfigError(f"{what}. Lower max_completion_length, raise the servers' --max-model-len, shorten the "
+                          "held-out prompts" + ("" if everything else ", or set skip_long_prompts=True to leave them "
+                                                "out"))
+    logger.warning("%s; leaving them out of every evaluation (skip_long_prompts=True)", what)
+    return [row for i, row in enumerate(eval_rows) if i not in limits], len(limits)
+
+
+def eos_token_ids(hf_model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The ids a completion may end on: the model's generation config's eos ids and the tokenizer's."""
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = (tokenizer.eos_token_id, *ids)
+    return ids
+
+
+def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState, total_prompts: int | None,
+                   skip_rows: frozenset[int], on_policy: OnPolicyShare | None, eos_ids: tuple[int, ...],
+                   adapter_sync: bool) -> RolloutConfig:
+    """The rollout settings of a run: servers, keys and signals, sampling, lookahead, the resume cursor and its
+    skips, failure handling."""
+    from fastdistill.adapter_names import ADAPTER_PREFIX
+    from fastdistill.rollout import RetryPolicy
+
+    inflight = config.resolved_max_inflight_tasks(world_size)
+    return RolloutConfig(
+        student_url=config.vllm_server_base_url,
+        teacher_urls=config.teacher_server_urls,
+        teacher_top_k=config.teacher_top_k,
+        max_tokens=config.max_completion_length,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=-1 if config.top_k == 0 else config.top_k,
+        min_p=config.min_p,
+        repetition_penalty=config.repetition_penalty,
+        max_inflight_tasks=inflight,
+        initial_inflight_tasks=min(config.samples_per_step(world_size), inflight),
+        max_lookahead=config.resolved_max_lookahead(world_size),
+        shuffle=config.shuffle,
+        seed=config.seed,
+        start_index=rollout_state.prompt_index,
+        end_index=total_prompts,
+        skip_prompt_ids=frozenset(rollout_state.trained_after),
+        skip_rows=skip_rows,
+        on_policy=on_policy,
+        eos_token_ids=eos_ids,
+        student_api_key=config.vllm_server_api_key,
+        student_adapter_prefix=ADAPTER_PREFIX if adapter_sync else None,
+        teacher_api_keys=config.teacher_api_keys,
+        teacher_signals={teacher_id: config.teacher_signal_of(teacher_id) for teacher_id in config.teacher_ids},
+        teacher_hidden_dtype=config.teacher_hidden_dtype,
+        retry=RetryPolicy(request_timeout_s=config.request_timeout),
+    )
+
+
+def cache_source(cache: Any, config: Any, rollout_state: RolloutState, total_prompts: int | None,
+                 on_policy: OnPolicyShare | None) -> CacheSource:
+    """The teacher cache's rows from the resume point on (the off-policy share with ``lmbda`` > 0)."""
+    return CacheSource(cache, seed=config.seed, shuffle=config.shuffle, start_index=rollout_state.prompt_index,
+                       end_index=total_prompts, skip_prompt_ids=frozenset(rollout_state.trained_after),
+                       teacher_id=config.teacher_ids[0], on_policy=on_policy)
+
+
+def open_source(config: Any, *, world_size: int, samples: Any, cache: Any, offline: bool, rows: Any,
+                rollouts: RolloutConfig | None, rollout_state: RolloutState, total_prompts: int | None,
+                on_policy: OnPolicyShare | None, model_version: int) -> tuple[Any, Any]:
+    """Rank 0's source of samples and, for an asynchronous run, its started rollout worker (else None): the given
+    samples, the teacher cache alone, synchronous waves, or the worker's queue (mixed with the cache when ``lmbda``
+    > 0). The worker starts stamping rollouts with ``model_version``, the version the cold sync made the server
+    serve."""
+    if samples is not None:
+        return ListSource(samples), None
+    if cache is not None and offline:
+        return cache_source(cache, config, rollout_state, total_prompts, on_policy), None
+    if not config.async_mode:
+        return SynchronousSource(rows, rollouts, config.samples_per_step(world_size)), None
+    from fastdistill.rollout import RolloutWorker
+
+    worker = RolloutWorker(rollouts, rows, queue_maxsize=config.resolved_queue_maxsize(world_size))
+    worker.model_version = model_version
+    worker.start()
+    source: Any = WorkerSource(worker, max_staleness=config.max_staleness, stale_policy=config.stale_policy,
+                               heartbeat_stale_after_s=config.heartbeat_stale_after_s)
+    if cache is not None:
+        source = MixedSource(source, cache_source(cache, config, rollout_state, total_prompts, on_policy), on_policy,
+                             first_prompt=rollout_state.prompt_index,
+                             candidate_width=max(cache.candidate_width, config.teacher_top_k + 1))
+    return source, worker
+
+
+def load_teacher_heads(config: Any, dist: Any, served: Mapping[str, Any] | None, widths: Mapping[str, int], *,
+                       vocab_size: int, dtype: Any) -> dict[int, Any]:
+    """Every rank: teacher index -> the lm_head of each hidden-state teacher, in ``dtype`` on the training device
+    (not parameters: never trained, never saved). Rank 0 picks the folders (``teacher_model_paths``, else the id the
+    teacher server reports when it is a local folder); every rank checks that each head covers the student's
+    ``vocab_size`` rows and takes the width its server sends (rank 0's ``widths``, broadcast so that a mismatch stops
+    every rank rather than leaving the others at their next collective); ConfigError otherwise."""
+    hidden_ids = config.hidden_teacher_ids
+    if not hidden_ids:
+        return {}
+    from fastdistill.train.teacher_head import load_hidden_teacher_head, teacher_head_folder
+
+    folders = None
+    if dist.is_main:
+        folders = {teacher_id: teacher_head_folder(teacher_id, config.teacher_model_paths,
+                                                   served[teacher_id].name if served is not None else None)
+                   for teacher_id in hidden_ids}
+    folders, widths = dist.broadcast((folders, dict(widths)))
+    return {config.teacher_ids.index(teacher_id): load_hidden_teacher_head(
+        teacher_id, folder, vocab_size=vocab_size, dtype=dtype, device=dist.device, served_width=widths.get(teacher_id))
+        for teacher_id, folder in folders.items()}
