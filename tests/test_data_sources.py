@@ -368,7 +368,7 @@ def test_the_trainer_takes_a_dataset_object_or_a_folder_and_its_splits(tmp_path,
         assert isinstance(trainer.rows, PromptTable) and list(trainer.rows) == tokenize_prompts(train, tokenizer)
         assert trainer.num_prompts == 6 and trainer.has_eval
         # routed (each keeps its teacher), with the optional answer column (absent here)
-        assert list(trainer.eval_rows) == [{**row, "answer": None} for row in tokenize_prompts(test, tokenizer)]
+        assert list(trainer.evaluator.rows) == [{**row, "answer": None} for row in tokenize_prompts(test, tokenizer)]
     with pytest.raises(ConfigError, match=r"eval_dataset: .* has no split 'test'; its splits are \['train', "
                                           r"'validation'\]"):
         AsyncDistillationTrainer(AsyncDistillationConfig(**settings, output_dir=str(tmp_path / "c"),

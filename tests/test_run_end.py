@@ -112,11 +112,11 @@ def test_eval_rows_are_checked_like_training_rows(tmp_path, student_dir, samples
     with pytest.raises(ConfigError, match=r"^eval_dataset: 2 of 3 rows do not fit the servers: row 1 needs 41 tokens "
                        r"with max_completion_length=11, but the student server serves max_model_len=40\. .*"
                        r"skip_long_prompts=True"):
-        refusing._check_eval_rows(served())
+        refusing.evaluator.check_rows(served())
     skipping = AsyncDistillationTrainer(config(student_dir, tmp_path / "b", max_completion_length=11,
                                                skip_long_prompts=True), samples=samples, eval_dataset=rows)
-    skipping._check_eval_rows(served())
-    assert [len(row["prompt_ids"]) for row in skipping.eval_rows] == [10] and skipping._eval_too_long == 2
+    skipping.evaluator.check_rows(served())
+    assert [len(row["prompt_ids"]) for row in skipping.evaluator.rows] == [10] and skipping.evaluator.too_long == 2
     with pytest.raises(ConfigError, match="3 of 3 rows do not fit"):
         AsyncDistillationTrainer(config(student_dir, tmp_path / "c", max_completion_length=40, skip_long_prompts=True),
-                                 samples=samples, eval_dataset=rows)._check_eval_rows(served())
+                                 samples=samples, eval_dataset=rows).evaluator.check_rows(served())

@@ -207,6 +207,75 @@ def prepare_eval_rows(source: Any, tokenizer: Any, teacher_ids: Sequence[str], *
     return prepared
 
 
+class RunEvaluator:
+    """Held-out on-policy evaluation during a run (collective: every rank calls it).
+
+    ``rows`` (rank 0's :func:`prepare_eval_rows`; None elsewhere) are checked against the servers like training rows
+    (:meth:`check_rows`). Each evaluation: rank 0 asks the student server for a greedy completion of every row (up to
+    ``max_completion_length`` tokens) and the row's teacher to score it; each rank measures its share with the
+    trainer's current weights. The served weights are those of the last sync (with ``lora_sync="adapter"`` the
+    newest adapter generates). A row whose rollout fails is counted (``eval/failed_total``); an evaluation that fails
+    as a whole (a server down) counts every row as failed and the run goes on."""
+
+    def __init__(self, config: Any, dist: Any, rows: list[dict[str, Any]] | None, tokenizer: Any, *,
+                 vocab_size: int, bf16: bool):
+        self.config, self.dist, self.rows, self.tokenizer = config, dist, rows, tokenizer
+        self.vocab_size = vocab_size
+        self.bf16 = bf16 and dist.world_size == 1
+        self.enabled = dist.broadcast(bool(rows))
+        self.too_long = 0  # rows left out for not fitting a server (skip_long_prompts)
+        self.last_step: int | None = None
+
+    def check_rows(self, served: Mapping[str, Any]) -> None:
+        """Rank 0: drop or refuse rows that cannot fit a server (:func:`~fastdistill.train.pipeline.
+        fitting_eval_rows`)."""
+        from fastdistill.train.pipeline import fitting_eval_rows
+
+        if self.rows:
+            self.rows, self.too_long = fitting_eval_rows(self.rows, self.config.teacher_ids, served, self.config)
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module, hf_model: torch.nn.Module, step: int, *,
+                 student_model: str | None = None) -> dict[str, float]:
+        """The ``eval/...`` metrics on rank 0 (``{}`` elsewhere): ``eval/jsd`` (the sparse generalized JSD at
+        ``beta``, the dense one for a hidden-state teacher's rows, nats per scored token), ``eval/teacher_jsd/<id>``
+        with several teachers, ``eval/completion_length_mean``, ``eval/samples_total``, ``eval/failed_total``,
+        ``eval/too_long_total`` (when rows were left out) and ``eval/exact_match`` when the rows carry an ``answer``
+        (:func:`eval_record`). ``model`` is the :class:`~fastdistill.train.model.DistillationModel`, ``hf_model``
+        the model it wraps; ``student_model`` names what generates (an adapter; None: the served model)."""
+        from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError
+
+        config, dist = self.config, self.dist
+        samples = None
+        if dist.is_main:
+            try:
+                samples = collect_held_out(config, self.rows, student_model=student_model)
+            except (VLLMError, ServerDownError, RolloutsFailingError) as error:
+                # the run goes on (and the other ranks with it): every row of this evaluation counts as failed
+                logger.error("evaluation at step %d failed, every held-out row is counted in eval/failed_total: %s",
+                             step, error)
+                samples = []
+        samples = dist.broadcast(samples)
+        was_training = hf_model.training
+        hf_model.eval()
+        try:
+            stats = divergence_stats(model, samples, config.teacher_ids, beta=config.beta, device=dist.device,
+                                     vocab_size=self.vocab_size, rank=dist.rank, world_size=dist.world_size,
+                                     bf16=self.bf16)
+        finally:
+            hf_model.train(was_training)
+        stats = dist.all_reduce_sum(stats)
+        self.last_step = step
+        if not dist.is_main:
+            return {}
+        answers = [row.get("answer") for row in self.rows]
+        record = eval_record(stats, samples, config.teacher_ids, answers=answers, tokenizer=self.tokenizer,
+                             failed=len(self.rows) - len(samples))
+        if self.too_long:
+            record["eval/too_long_total"] = float(self.too_long)
+        return record
+
+
 # A served model that is not the evaluated one shows gaps of whole nats; the same weights agree to ~1e-6 in fp32 and
 # to ~1e-2 with a bf16 server.
 SERVED_MODEL_GAP_WARNING = 0.1

@@ -53,3 +53,15 @@ def flops_per_token(config: Any, seq_len: float) -> float:
     attention += 4 * heads * head_dim * seq_len
     mlp = 6 * h * text.intermediate_size
     return 3.0 * (text.num_hidden_layers * (attention + mlp) + 2 * text.vocab_size * h)
+
+
+def mfu_record(record: dict[str, float], model_config: Any, peak: float | None, world_size: int) -> dict[str, float]:
+    """``perf/mfu_fwd_bwd`` and ``perf/mfu_wall_clock`` of a step's ``record`` in % of the devices' dense ``peak``
+    (FLOP/s per device; None: unknown, no metrics), from its forwarded tokens and samples and its seconds."""
+    tokens, samples = record.get("batch/forwarded_tokens_per_step", 0.0), record.get("batch/samples_per_step", 0.0)
+    if peak is None or not tokens or not samples:
+        return {}
+    flops = flops_per_token(model_config, tokens / samples) * tokens
+    total_peak = peak * world_size
+    return {"perf/mfu_fwd_bwd": 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
+            "perf/mfu_wall_clock": 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}

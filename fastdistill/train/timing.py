@@ -68,6 +68,15 @@ class PhaseClock:
         step, self._step = dict(self._step), defaultdict(float)
         return step
 
+    def step_record(self, step_s: float) -> dict[str, float]:
+        """``perf/<phase>_s`` for the phases since the previous call (a step's window: from the previous step's end,
+        its evaluation, logging and checkpoint, then this step's collection, packing, ... weight sync) and
+        ``perf/other_s``, the step's seconds no phase measured, so that they add up to ``step_s``."""
+        phases = self.take_step()
+        record = {f"perf/{name}_s": seconds for name, seconds in phases.items()}
+        record["perf/other_s"] = step_s - sum(phases.values())
+        return record
+
     def totals(self) -> dict[str, float]:
         """Seconds per phase over the run, plus ``other`` (the rest) and ``total`` (start to stop, or to now)."""
         if self._started is None:

@@ -30,7 +30,6 @@ from torch import nn
 
 from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.data.batching import microbatch_metrics as batch_metrics
-from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError
 from fastdistill.rollout import OnPolicyShare, RolloutSample
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train import pipeline
@@ -38,6 +37,8 @@ from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpo
 from fastdistill.train.collector import Window, WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.distributed import init_distributed
+from fastdistill.train.evaluate import RunEvaluator
+from fastdistill.train.flops import mfu_record, peak_flops
 from fastdistill.train.metrics import MetricsLogger
 from fastdistill.train.model import (
     WRAPPER_PREFIX,
@@ -143,11 +144,11 @@ class AsyncDistillationTrainer:
         else:
             num_prompts = len(self.rows) if self.rows is not None else 0
         self.num_prompts = self.dist.broadcast(num_prompts)
-        self.eval_rows = pipeline.held_out_rows(config, eval_dataset, self.tokenizer) if self.dist.is_main else None
-        self.has_eval = self.dist.broadcast(bool(self.eval_rows))
-        self._last_eval_step: int | None = None
+        self.evaluator = RunEvaluator(
+            config, self.dist, pipeline.held_out_rows(config, eval_dataset, self.tokenizer) if self.dist.is_main
+            else None, self.tokenizer, vocab_size=self.student_vocab_size, bf16=self._use_bf16())
+        self.has_eval = self.evaluator.enabled
         self._last_save_step: int | None = None
-        self._eval_too_long = 0  # held-out rows left out for not fitting a server (skip_long_prompts)
         # With max_steps=-1: an estimate (exact for the fixed-count batcher), corrected as rows are packed.
         self.max_steps = config.resolved_max_steps(self.num_prompts, self.dist.world_size)
         # Prompts to train: every prompt of every epoch (a fractional last epoch rounds up); unbounded with max_steps.
@@ -156,8 +157,6 @@ class AsyncDistillationTrainer:
         self.on_policy = self._on_policy_share() if config.mixes_on_policy else None
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.max_steps)
         self.scheduler = LRSchedule(self.optimizer, config.lr_scheduler_type, self.max_steps, warmup)
-        from fastdistill.train.flops import peak_flops
-
         compute_dtype = torch.bfloat16 if self._use_bf16() else next(self.hf_model.parameters()).dtype
         self.peak_flops = peak_flops(self.dist.device, compute_dtype)  # None on CPU: no MFU metrics
         # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
@@ -250,8 +249,8 @@ class AsyncDistillationTrainer:
                 record["perf/step_s"] = now - last_step_end
                 record["perf/trained_tok_s_wall_clock"] = record.get("batch/trained_tokens_per_step", 0) / max(
                     record["perf/step_s"], 1e-9)
-                record.update(self._mfu(record))
-                record.update(self._phase_record(record["perf/step_s"]))
+                record.update(mfu_record(record, self.hf_model.config, self.peak_flops, self.dist.world_size))
+                record.update(clock.step_record(record["perf/step_s"]))
                 last_step_end = now
                 self.metrics.update(record)  # every step: values between two logging steps are reduced together
                 # the last step's evaluation runs after the export and the final checkpoint (the schedule's length is
@@ -279,7 +278,7 @@ class AsyncDistillationTrainer:
             if config.save_strategy == "steps" and self.step > 0 and self._last_save_step != self.step:
                 with clock.phase("checkpoint"):  # the end is resumable, whatever save_steps
                     self.save()
-            if self.has_eval and self._last_eval_step != self.step:
+            if self.has_eval and self.evaluator.last_step != self.step:
                 with clock.phase("eval"):
                     self.metrics.update(self.evaluate())
             if self.metrics.has_values():  # the last step, when it is not a logging step
@@ -307,75 +306,16 @@ class AsyncDistillationTrainer:
                                self.output_dir / DROPPED_PROMPTS_FILE)
         return summary
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out on-policy evaluation (collective: every rank calls it). Rank 0 asks the student server for a
-        greedy completion of every eval row (up to ``max_completion_length`` tokens) and the row's teacher to score
-        it; each rank measures its share with the trainer's current weights. The served weights are those of the last
-        sync (``weight_sync_steps``; with ``lora_sync="adapter"`` the newest adapter generates). Returns
-        ``eval/jsd`` (the sparse generalized JSD at ``beta``, the dense one for a hidden-state teacher's rows, nats
-        per scored token), ``eval/teacher_jsd/<id>`` with
-        several teachers, ``eval/completion_length_mean``, ``eval/samples_total`` and ``eval/exact_match`` when the
-        rows carry an ``answer`` (:func:`~fastdistill.train.evaluate.eval_record`)."""
-        from fastdistill.train import evaluate as held_out
-
-        config = self.config
-        samples = None
-        if self.dist.is_main:
-            try:
-                samples = held_out.collect_held_out(config, self.eval_rows,
-                                                    student_model=getattr(self.weight_sync, "served_model_name", None))
-            except (VLLMError, ServerDownError, RolloutsFailingError) as error:
-                # the run goes on (and the other ranks with it): every row of this evaluation counts as failed
-                logger.error("evaluation at step %d failed, every held-out row is counted in eval/failed_total: %s",
-                             self.step, error)
-                samples = []
-        samples = self.dist.broadcast(samples)
-        was_training = self.hf_model.training
-        self.hf_model.eval()
-        try:
-            stats = held_out.divergence_stats(
-                self.model, samples, self.teacher_ids, beta=config.beta, device=self.dist.device,
-                vocab_size=self.student_vocab_size, rank=self.dist.rank, world_size=self.dist.world_size,
-                bf16=self._use_bf16() and self.dist.world_size == 1)
-        finally:
-            self.hf_model.train(was_training)
-        stats = self.dist.all_reduce_sum(stats)
-        self._last_eval_step = self.step
-        if not self.dist.is_main:
-            return {}
-        answers = [row.get("answer") for row in self.eval_rows]
-        record = held_out.eval_record(stats, samples, self.teacher_ids, answers=answers, tokenizer=self.tokenizer,
-                                      failed=len(self.eval_rows) - len(samples))
-        if self._eval_too_long:
-            record["eval/too_long_total"] = float(self._eval_too_long)
-        return record
+        """Held-out on-policy evaluation with the trainer's current weights (collective: every rank calls it); see
+        :class:`~fastdistill.train.evaluate.RunEvaluator`."""
+        return self.evaluator(self.model, self.hf_model, self.step,
+                              student_model=getattr(self.weight_sync, "served_model_name", None))
 
     def _log_metrics(self) -> None:
         logged = self.metrics.log(self.step)
         if self.on_step_end is not None and self.dist.is_main:
             self.on_step_end(self.step, logged)
-
-    def _mfu(self, record: dict[str, float]) -> dict[str, float]:
-        """``perf/mfu_fwd_bwd`` and ``perf/mfu_wall_clock`` in % of the devices' dense peak (when it is known)."""
-        from fastdistill.train.flops import flops_per_token
-
-        tokens, samples = record.get("batch/forwarded_tokens_per_step", 0.0), record.get("batch/samples_per_step", 0.0)
-        if self.peak_flops is None or not tokens or not samples:
-            return {}
-        flops = flops_per_token(self.hf_model.config, tokens / samples) * tokens
-        total_peak = self.peak_flops * self.dist.world_size
-        return {"perf/mfu_fwd_bwd": 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
-                "perf/mfu_wall_clock": 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}
-
-    def _phase_record(self, step_s: float) -> dict[str, float]:
-        """``perf/<phase>_s`` for the phases of this step's window (from the previous step's end: its evaluation,
-        logging and checkpoint, then this step's collection, packing, ... weight sync) and ``perf/other_s``, the
-        step's seconds no phase measured, so that they add up to ``perf/step_s``."""
-        phases = self.clock.take_step()
-        record = {f"perf/{name}_s": seconds for name, seconds in phases.items()}
-        record["perf/other_s"] = step_s - sum(phases.values())
-        return record
 
     def _resume_path(self) -> Path | None:
         value = self.config.resume_from_checkpoint
@@ -417,7 +357,7 @@ class AsyncDistillationTrainer:
                 state=self.rollout_state, token_budget=token_budget if token_budget > 0 else None)
             if served is not None:
                 skip_rows = self._skip_long_prompts(served)
-                self._check_eval_rows(served)
+                self.evaluator.check_rows(served)
         self.model.teacher_heads = pipeline.load_teacher_heads(
             config, self.dist, served, widths, vocab_size=self.student_vocab_size,
             dtype=self.hf_model.get_output_embeddings().weight.dtype)
@@ -454,13 +394,6 @@ class AsyncDistillationTrainer:
                                                  on_policy=self.on_policy)
         self._record_drops(drops, step=self.step)
         return skip
-
-    def _check_eval_rows(self, served: dict[str, Any]) -> None:
-        """Rank 0: held-out rows are checked like training rows (:func:`~fastdistill.train.pipeline.
-        fitting_eval_rows`)."""
-        if self.eval_rows:
-            self.eval_rows, self._eval_too_long = pipeline.fitting_eval_rows(self.eval_rows, self.teacher_ids, served,
-                                                                             self.config)
 
     def _on_policy_share(self) -> OnPolicyShare:
         """The prompts a mixed run generates on-policy: ``lmbda`` of them, or a share annealed from ``lmbda`` to
