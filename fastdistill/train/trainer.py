@@ -38,7 +38,7 @@ from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastdistill.train.collector import Window, WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError
-from fastdistill.train.distributed import init_distributed
+from fastdistill.train.distributed import broadcast_samples, init_distributed, scatter_samples
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_problem
 from fastdistill.train.metrics import MetricsLogger
 from fastdistill.train.model import (
@@ -356,7 +356,7 @@ class AsyncDistillationTrainer:
                 student_model=getattr(self.weight_sync, "served_model_name", None),
                 teacher_signals={t: config.teacher_signal_of(t) for t in self.teacher_ids},
                 hidden_dtype=config.teacher_hidden_dtype)
-        samples = self.dist.broadcast(samples)
+        samples = broadcast_samples(self.dist, samples)  # the arrays as tensors, not pickles
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:
@@ -782,7 +782,7 @@ class AsyncDistillationTrainer:
                              total_steps) for rank in range(self.dist.world_size)]
             else:
                 per_rank = [None] * self.dist.world_size
-        return self.dist.scatter(per_rank)
+        return scatter_samples(self.dist, per_rank)  # the arrays as tensors, not pickles
 
     def _planned_steps(self, window: Window) -> int:
         """Rank 0: the schedule's step count. ``max_steps`` when set; else exact on the last window, and otherwise
