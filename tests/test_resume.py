@@ -224,3 +224,33 @@ def test_a_fresh_run_next_to_an_earlier_runs_checkpoint_is_refused(tmp_path, stu
     again = AsyncDistillationTrainer(config(student_dir, output), samples=samples)
     with pytest.raises(ConfigError, match=r"resume_from_checkpoint='latest' to continue it"):
         again.train()
+
+
+def test_with_two_ranks_every_rank_stops_on_a_refused_resume(tmp_path, student_dir):
+    """Rank 0 judges the resume; the other rank raises the same error instead of waiting for it in a collective."""
+    import os
+    import subprocess
+
+    values = {"teacher_server_urls": TEACHERS, "weight_sync_backend": "none", "learning_rate": 1e-3,
+              "num_train_epochs": 1, "gradient_checkpointing": False, "disable_tqdm": True, "token_budget": 0,
+              "per_device_train_batch_size": 2, "export_final_model": False, "save_strategy": "steps",
+              "save_steps": 2, "max_steps": 2}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+    def launch(name: str, overrides: dict) -> subprocess.CompletedProcess:
+        spec = {"student_dir": str(student_dir), "output_dir": str(tmp_path / "run"), "num_samples": 24, "seed": 3,
+                "config": {**values, **overrides}}
+        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               str(HERE / "run_trainer.py"), str(tmp_path / f"{name}.json")], capture_output=True,
+                              text=True, timeout=900, env=env)  # the timeout only guards against a hang
+
+    first = launch("first", {})
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
+    refused = launch("refused", {"seed": 7, "resume_from_checkpoint": "latest", "max_steps": 4})
+    assert refused.returncode != 0
+    output = (refused.stdout + refused.stderr).splitlines()
+    for rank in (0, 1):  # torchrun prefixes each rank's lines with [rank<r>]:
+        assert any(line.startswith(f"[rank{rank}]: fastdistill.errors.ConfigError: ") and
+                   "seed: 42 in the checkpoint, 7 now" in line for line in output), "\n".join(output[-40:])
