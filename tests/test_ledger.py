@@ -267,3 +267,22 @@ def test_resume_problem_from_scratch(tmp_path):
     assert "holds the ledgers of an earlier run (metrics.jsonl)" in resume_problem(ledger, None, identity, "latest")
     (tmp_path / "checkpoint-4").mkdir()
     assert "holds checkpoint-4 of an earlier run" in resume_problem(ledger, None, identity, None)
+
+
+def test_resume_problem_when_resuming(tmp_path):
+    identity = DataIdentity("dataset", 10, 1, True, 1, "f" * 64)
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    ledger = RunLedger(tmp_path)
+    assert resume_problem(ledger, checkpoint, identity, "latest") is None  # no rollout state: loading it raises
+    (checkpoint / "rollout_state.json").write_text("{")
+    assert "rollout_state.json cannot be read" in resume_problem(ledger, checkpoint, identity, "latest")
+    state = {"prompt_index": 4, "model_version": 0, "trained_prompt_ids_after": [], "data": identity.to_json()}
+    (checkpoint / "rollout_state.json").write_text(json.dumps(state))
+    assert resume_problem(ledger, checkpoint, identity, "latest") is None
+    other = DataIdentity("dataset", 10, 2, True, 1, "f" * 64)
+    assert "seed: 1 in the checkpoint, 2 now" in resume_problem(ledger, checkpoint, other, "latest")
+    ledger.append_trained(1, [0])
+    with open(ledger.trained_path, "a") as handle:
+        handle.write("garbage\n{\"step\": 2, \"prompt_ids\": [1]}\n")
+    assert "trained_prompts.jsonl line 2 is not a JSON record" in resume_problem(ledger, checkpoint, identity, None)

@@ -302,11 +302,15 @@ def resume_problem(ledger: RunLedger, checkpoint: Path | None, data: DataIdentit
                     "append to them and mix two runs' records. Move them aside (or delete them) to start afresh, or "
                     "choose another output_dir")
         return None
+    if not (checkpoint / "rollout_state.json").is_file():
+        return None  # not a checkpoint: loading it raises, on every rank
     try:
         ledger.check_readable()
+        recorded = read_rollout_state(checkpoint).data
     except ConfigError as error:
         return str(error)
-    recorded = read_rollout_state(checkpoint).data
+    except (OSError, ValueError, KeyError) as error:
+        return f"resume_from_checkpoint: {checkpoint}/rollout_state.json cannot be read: {error!r}"
     if recorded is None:
         logger.warning("%s records no data identity (written by an older fastdistill): resuming without checking "
                        "that the dataset, seed, shuffle and epochs are the ones it was trained on", checkpoint)
