@@ -113,7 +113,7 @@ class PromptTable(Sequence):
     def fingerprint(self) -> str:
         """sha256 (hex) of the rows' token ids, offsets and teacher ids (not the prompts: the tokens are what
         trains). Equal tables give equal fingerprints; any edited, added, removed or reordered row, or another
-        teacher for a row, changes it. Reads each array once (about 1 s per GB)."""
+        teacher for a row, changes it. Reads each array once (a few seconds per GB of tokens)."""
         digest = hashlib.sha256()
         header = {"rows": len(self), "tokens": int(self.token_ids.shape[0]), "teachers": list(self.teacher_names)}
         digest.update(json.dumps(header).encode("utf-8"))
