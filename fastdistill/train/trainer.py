@@ -57,6 +57,7 @@ __all__ = ["AsyncDistillationTrainer", "DistillationModel"]
 
 logger = logging.getLogger(__name__)
 
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -959,4 +960,3 @@ class AsyncDistillationTrainer:
         for microbatch in self._window.microbatches:
             self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
         return record
-
