@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -224,6 +225,8 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
     hf_logging.set_verbosity_error()
     started = time.perf_counter()
     output_dir.mkdir(parents=True, exist_ok=True)
+    # a rerun starts afresh: the trainer refuses to append to an earlier run's ledgers
+    shutil.rmtree(output_dir / "run", ignore_errors=True)
     rng = random.Random(seed)
     torch.manual_seed(seed)
 

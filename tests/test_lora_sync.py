@@ -91,3 +91,60 @@ def test_a_snapshot_of_the_stream_does_not_follow_later_training(lora_model):
     finally:
         with torch.no_grad():
             param.sub_(1.0)
+
+
+def counting_stream(monkeypatch) -> dict[str, int]:
+    """Make export_merged's merged stream count how many of its yielded tensors are alive at once."""
+    import fastdistill.train.lora as lora
+
+    counts = {"alive": 0, "peak": 0}
+    real = lora.merged_named_weights
+
+    def released() -> None:
+        counts["alive"] -= 1
+
+    def stream(model):
+        for name, tensor in real(model):
+            counts["alive"] += 1
+            counts["peak"] = max(counts["peak"], counts["alive"])
+            weakref.finalize(tensor, released)
+            yield name, tensor
+            del tensor
+
+    monkeypatch.setattr(lora, "merged_named_weights", stream)
+    return counts
+
+
+def test_the_export_on_other_ranks_holds_one_merged_tensor_at_a_time(lora_model, tmp_path, monkeypatch):
+    """Every rank takes part in the gathers, but only rank 0 keeps the tensors (on its CPU): the others drop each
+    one as it comes instead of holding the whole merged model on their device."""
+    from fastdistill.train.lora import export_merged
+
+    counts = counting_stream(monkeypatch)
+    assert export_merged(lora_model, None, tmp_path / "final", is_main=False) is None
+    assert counts["peak"] == 1, f"{counts['peak']} merged tensors were alive at once on a non-main rank"
+    assert not (tmp_path / "final").exists()
+
+
+def test_the_export_on_rank_0_equals_the_merged_weights_on_the_cpu(lora_model, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    import fastdistill.train.lora as lora
+
+    saved = {}
+    real_save = type(lora_model.get_base_model()).save_pretrained
+
+    def recording_save(model, path, state_dict, **kwargs):
+        saved.update(state_dict)
+        return real_save(model, path, state_dict=state_dict, **kwargs)
+
+    monkeypatch.setattr(type(lora_model.get_base_model()), "save_pretrained", recording_save)
+    tokenizer = build_tokenizer()
+    assert lora.export_merged(lora_model, tokenizer, tmp_path / "final", is_main=True) == tmp_path / "final"
+    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}
+    reference = peft_merge(lora_model)
+    exported = load_file(tmp_path / "final" / "model.safetensors")
+    assert set(exported) == set(reference)
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-7)
+    assert (tmp_path / "final" / "tokenizer_config.json").is_file()

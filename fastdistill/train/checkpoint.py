@@ -8,7 +8,9 @@ Layout of ``<output_dir>/checkpoint-<step>/``:
 - ``rng_state_<rank>.pt``: python / numpy / torch RNG states of every rank;
 - ``rollout_state.json``: TRL's keys ``prompt_index`` (first prompt not yet trained) and ``model_version``, plus ours,
   ``trained_prompt_ids_after`` (prompts beyond ``prompt_index`` already trained), so that a resume trains every
-  prompt exactly once (TRL 1.16 resumes at its first untrained prompt and replays everything after it).
+  prompt exactly once (TRL 1.16 resumes at its first untrained prompt and replays everything after it), and
+  ``data``, what the prompt ids refer to (row count, seed, shuffle flag, epochs and a fingerprint of the data: see
+  :class:`~fastdistill.train.ledger.DataIdentity`), which a resume checks.
 
 A checkpoint is written to ``checkpoint-<step>.tmp`` and renamed once every rank is done, so a run killed while
 saving leaves the previous checkpoint as the latest one.
@@ -40,10 +42,12 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 @dataclass
 class RolloutState:
-    """Which prompts are trained: all ids below ``prompt_index`` plus ``trained_after`` (ids above it)."""
+    """Which prompts are trained: all ids below ``prompt_index`` plus ``trained_after`` (ids above it); ``data``:
+    the JSON form of the run's :class:`~fastdistill.train.ledger.DataIdentity` (None when unknown)."""
 
     prompt_index: int = 0
     trained_after: set[int] = field(default_factory=set)
+    data: dict[str, Any] | None = None
 
     def add(self, prompt_id: int) -> None:
         """Mark ``prompt_id`` trained and advance ``prompt_index`` over the contiguous prefix."""
@@ -113,6 +117,7 @@ def save_checkpoint(
             "prompt_index": rollout.prompt_index,
             "model_version": model_version,
             "trained_prompt_ids_after": sorted(rollout.trained_after),
+            **({"data": rollout.data} if rollout.data is not None else {}),
         }))
     _barrier()
     if rank == 0:
@@ -155,9 +160,14 @@ def load_checkpoint(
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-    rollout_json = json.loads((path / "rollout_state.json").read_text())
-    rollout = RolloutState(int(rollout_json["prompt_index"]), set(rollout_json.get("trained_prompt_ids_after", [])))
-    return ResumedState(int(trainer_state["step"]), int(trainer_state["model_version"]), rollout)
+    return ResumedState(int(trainer_state["step"]), int(trainer_state["model_version"]), read_rollout_state(path))
+
+
+def read_rollout_state(path: str | Path) -> RolloutState:
+    """The rollout cursor and data record of checkpoint folder ``path`` (``rollout_state.json``; no model read)."""
+    rollout_json = json.loads((Path(path) / "rollout_state.json").read_text())
+    return RolloutState(int(rollout_json["prompt_index"]), set(rollout_json.get("trained_prompt_ids_after", [])),
+                        rollout_json.get("data"))
 
 
 def export_hf(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer: Any, path: str | Path,

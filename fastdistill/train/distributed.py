@@ -3,10 +3,13 @@ loop needs beyond FSDP2's."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,3 +63,174 @@ def init_distributed() -> Distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Distributed(rank, world_size, device)
+
+
+# ------------------------------------------------------------------------------------------------ samples as tensors
+#
+# Rollout samples carry numpy arrays (token ids, teacher candidates, a hidden-state teacher's (L, D) states: at a 7B
+# teacher's width that is MBs per sample); the helpers below pickle only a skeleton of them (the arrays replaced by
+# references, plus each array's dtype and shape) and send the arrays' bytes as uint8 tensors, packed into chunks of
+# at most CHUNK_BYTES, on the training device (NCCL sends device tensors; gloo CPU ones).
+
+CHUNK_BYTES = 256 << 20
+_ALIGN = 16  # every array starts on a 16-byte boundary of its chunk, so the received views are aligned
+
+
+@dataclass(frozen=True)
+class _ArrayRef:
+    index: int
+
+
+@dataclass(frozen=True)
+class ArrayPayload:
+    """A payload split for sending: ``skeleton`` (its structure, arrays replaced by references), ``specs`` (dtype
+    string and shape per array) and ``chunk_bytes`` (pickled, the :attr:`metadata`), and the ``arrays`` themselves
+    (sent as tensors). Both sides derive the chunk layout from the metadata (:func:`chunk_layout`)."""
+
+    skeleton: Any
+    specs: list[tuple[str, tuple[int, ...]]]
+    chunk_bytes: int
+    arrays: list[np.ndarray]
+
+    @property
+    def metadata(self) -> tuple[Any, list[tuple[str, tuple[int, ...]]], int]:
+        """What travels pickled: the skeleton, the specs and the chunk size."""
+        return self.skeleton, self.specs, self.chunk_bytes
+
+    @property
+    def chunks(self) -> list[tuple[list[tuple[int, int]], int]]:
+        """The chunk layout (see :func:`chunk_layout`)."""
+        return chunk_layout(self.specs, self.chunk_bytes)
+
+
+def chunk_layout(specs: list[tuple[str, tuple[int, ...]]], chunk_bytes: int) -> list[tuple[list[tuple[int, int]], int]]:
+    """Per chunk, the ``(array index, byte offset)`` of its arrays and its byte count: arrays in order, each at a
+    16-byte aligned offset, a chunk closed before it would pass ``chunk_bytes`` (a larger array gets its own)."""
+    chunks: list[tuple[list[tuple[int, int]], int]] = []
+    members: list[tuple[int, int]] = []
+    size = 0
+    for index, (dtype, shape) in enumerate(specs):
+        nbytes = np.dtype(dtype).itemsize * math.prod(shape)
+        start = -(-size // _ALIGN) * _ALIGN
+        if members and start + nbytes > chunk_bytes:
+            chunks.append((members, size))
+            members, start = [], 0
+        members.append((index, start))
+        size = start + nbytes
+    if members:
+        chunks.append((members, size))
+    return chunks
+
+
+def split_arrays(payload: Any, chunk_bytes: int | None = None) -> ArrayPayload:
+    """``payload`` (lists, tuples and dicts of dataclass instances such as
+    :class:`~fastdistill.rollout.RolloutSample`, bare numpy arrays and other picklable values) split into a skeleton
+    and its numpy arrays: every array that is a top-level field of a dataclass instance, or an element of a list,
+    tuple or dict, is replaced by a reference. The inputs are not modified. Chunks hold up to ``chunk_bytes``
+    (default :data:`CHUNK_BYTES`); a larger array gets a chunk of its own."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    arrays: list[np.ndarray] = []
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            arrays.append(np.ascontiguousarray(value))
+            return _ArrayRef(len(arrays) - 1)
+        if isinstance(value, list):
+            return [strip(item) for item in value]
+        if isinstance(value, tuple):
+            return tuple(strip(item) for item in value)
+        if isinstance(value, dict):
+            return {key: strip(item) for key, item in value.items()}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes = {f.name: strip(getattr(value, f.name)) for f in dataclasses.fields(value)
+                       if f.init and isinstance(getattr(value, f.name), np.ndarray)}
+            return dataclasses.replace(value, **changes) if changes else value
+        return value
+
+    skeleton = strip(payload)
+    specs = [(array.dtype.str, tuple(array.shape)) for array in arrays]
+    return ArrayPayload(skeleton, specs, chunk_bytes, arrays)
+
+
+def join_arrays(skeleton: Any, arrays: list[np.ndarray]) -> Any:
+    """The payload of :func:`split_arrays`'s ``skeleton`` with its references replaced by ``arrays``."""
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, _ArrayRef):
+            return arrays[value.index]
+        if isinstance(value, list):
+            return [fill(item) for item in value]
+        if isinstance(value, tuple):
+            return tuple(fill(item) for item in value)
+        if isinstance(value, dict):
+            return {key: fill(item) for key, item in value.items()}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes = {f.name: fill(getattr(value, f.name)) for f in dataclasses.fields(value)
+                       if f.init and isinstance(getattr(value, f.name), _ArrayRef)}
+            return dataclasses.replace(value, **changes) if changes else value
+        return value
+
+    return fill(skeleton)
+
+
+def _chunk_tensor(split: ArrayPayload, members: list[tuple[int, int]], size: int,
+                  device: torch.device) -> torch.Tensor:
+    buffer = np.zeros(size, np.uint8)
+    for index, offset in members:
+        array = split.arrays[index]
+        buffer[offset:offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+    return torch.from_numpy(buffer).to(device)
+
+
+def _unpack_chunks(metadata: Any, received: list[torch.Tensor]) -> Any:
+    skeleton, specs, chunk_bytes = metadata
+    chunks = chunk_layout(specs, chunk_bytes)
+    arrays: list[np.ndarray] = [np.empty(0)] * len(specs)
+    for (members, _), tensor in zip(chunks, received, strict=True):
+        host = tensor.cpu().numpy()
+        for index, offset in members:
+            dtype, shape = np.dtype(specs[index][0]), specs[index][1]
+            count = math.prod(shape)
+            arrays[index] = host[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+    return join_arrays(skeleton, arrays)
+
+
+def broadcast_samples(group: Distributed, payload: Any) -> Any:
+    """Rank 0's ``payload`` (e.g. a list of :class:`~fastdistill.rollout.RolloutSample`) on every rank, its numpy
+    arrays sent as tensors (``dist.broadcast`` of uint8 chunks) and only the small rest pickled. Collective; other
+    ranks pass anything (ignored). Rank 0 gets its own object back."""
+    if group.world_size == 1:
+        return payload
+    split = split_arrays(payload) if group.is_main else None
+    metadata = group.broadcast(split.metadata if split is not None else None)
+    received = []
+    for members, size in chunk_layout(*metadata[1:]):
+        tensor = (_chunk_tensor(split, members, size, group.device) if split is not None
+                  else torch.empty(size, dtype=torch.uint8, device=group.device))
+        if size:  # a chunk of empty arrays (e.g. a hidden teacher's (L, 0) candidates) has nothing to send
+            dist.broadcast(tensor, src=0)
+        received.append(tensor)
+    return payload if group.is_main else _unpack_chunks(metadata, received)
+
+
+def scatter_samples(group: Distributed, per_rank: list[Any] | None) -> Any:
+    """Rank 0 passes one payload per rank (lists, tuples of samples, ...); every rank gets its own, the numpy arrays
+    sent point to point as tensors (``dist.send`` / ``dist.recv`` of uint8 chunks) and only the small rest pickled
+    (``scatter_object_list``). Rank 0 keeps its own payload without a copy."""
+    if group.world_size == 1:
+        return per_rank[0] if per_rank is not None else None
+    splits = [split_arrays(payload) for payload in per_rank] if group.is_main else None
+    metadata = group.scatter([split.metadata for split in splits] if splits is not None else None)
+    if group.is_main:
+        for rank in range(1, group.world_size):
+            for members, size in splits[rank].chunks:
+                if size:
+                    dist.send(_chunk_tensor(splits[rank], members, size, group.device), dst=rank)
+        return per_rank[0]
+    received = []
+    for _, size in chunk_layout(*metadata[1:]):
+        tensor = torch.empty(size, dtype=torch.uint8, device=group.device)
+        if size:
+            dist.recv(tensor, src=0)
+        received.append(tensor)
+    return _unpack_chunks(metadata, received)

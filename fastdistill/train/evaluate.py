@@ -244,6 +244,7 @@ class RunEvaluator:
         (:func:`eval_record`). ``model`` is the :class:`~fastdistill.train.model.DistillationModel`, ``hf_model``
         the model it wraps; ``student_model`` names what generates (an adapter; None: the served model)."""
         from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError
+        from fastdistill.train.distributed import broadcast_samples
 
         config, dist = self.config, self.dist
         samples = None
@@ -255,7 +256,7 @@ class RunEvaluator:
                 logger.error("evaluation at step %d failed, every held-out row is counted in eval/failed_total: %s",
                              step, error)
                 samples = []
-        samples = dist.broadcast(samples)
+        samples = broadcast_samples(dist, samples)  # the arrays as tensors, not pickles
         was_training = hf_model.training
         hf_model.eval()
         try:

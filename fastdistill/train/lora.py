@@ -32,8 +32,15 @@ def is_lora(model: nn.Module) -> bool:
 
 
 def export_merged(peft_model: nn.Module, tokenizer: Any, path: str | Path, is_main: bool) -> Path | None:
-    """A Hugging Face folder of the merged model (collective under FSDP2; rank 0 writes)."""
-    state = dict(merged_named_weights(peft_model))
+    """A Hugging Face folder of the merged model at ``path``, written by rank 0 (collective under FSDP2: every rank
+    gathers and merges each tensor in turn). Streamed: rank 0 moves each merged tensor to its CPU as it comes and the
+    other ranks drop it, so no rank ever holds the whole merged model on its device. Returns ``path`` on rank 0,
+    None elsewhere."""
+    state = {}
+    for name, tensor in merged_named_weights(peft_model):
+        if is_main:
+            state[name] = tensor.cpu()
+        del tensor  # the device copy goes before the next one is gathered
     if not is_main:
         return None
     path = Path(path)

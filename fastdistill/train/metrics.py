@@ -9,12 +9,13 @@ sums ``teacher_jsd/total``), and the gauges ``learning_rate`` and ``model_versio
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from fastdistill.train.ledger import RunLedger
 
 PER_TEACHER_FAMILIES = ("teacher_jsd/", "teacher_reverse_kl/", "teacher_entropy/", "teacher_token_frac/",
                         "teacher_score_s/")
@@ -63,7 +64,8 @@ class MetricsLogger:
     """Collects metrics on the main rank and writes them every ``log`` call.
 
     Writes ``<output_dir>/metrics.jsonl`` (one JSON object per logged step, with ``step`` and wall-clock
-    ``time``), updates a tqdm progress bar over ``total_steps`` and forwards to the trackers in ``report_to``
+    ``time``; appended through :class:`~fastdistill.train.ledger.RunLedger`, so a kill leaves whole lines),
+    updates a tqdm progress bar over ``total_steps`` and forwards to the trackers in ``report_to``
     (``tensorboard``, ``wandb``, ``trackio``; each needs its package, a clear error otherwise). On other ranks
     every method is a no-op.
     """
@@ -88,7 +90,7 @@ class MetricsLogger:
             return
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._ledger = RunLedger(self.output_dir)
         self._progress = None
         if not disable_progress:
             from tqdm.auto import tqdm
@@ -128,7 +130,7 @@ class MetricsLogger:
         record.update(extra or {})
         self._values.clear()
         self.history.append({"step": step, **record})
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
+        self._ledger.append_metrics({"step": step, "time": time.time(), **record})
         for tracker in self._trackers:
             tracker.log(record, step)
         if self._progress is not None:
@@ -143,7 +145,6 @@ class MetricsLogger:
             return
         if self._progress is not None:
             self._progress.close()
-        self._jsonl.close()
         for tracker in self._trackers:
             tracker.close()
 

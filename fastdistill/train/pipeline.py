@@ -18,12 +18,10 @@ from fastdistill.errors import ConfigError
 from fastdistill.rollout import OnPolicyShare, RolloutConfig
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train.checkpoint import RolloutState
+from fastdistill.train.ledger import DROPPED_PROMPTS_FILE
 from fastdistill.train.source import CacheSource, ListSource, MixedSource, SynchronousSource, WorkerSource
 
 logger = logging.getLogger(__name__)
-
-DROPPED_PROMPTS_FILE = "dropped_prompts.jsonl"
-
 
 def open_cache(config: Any, tokenizer: Any) -> Any:
     """The ``teacher_cache`` folder, its shards checked against the manifest's checksums, its tokenizer against the

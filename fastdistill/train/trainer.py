@@ -30,15 +30,17 @@ from torch import nn
 
 from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.data.batching import microbatch_metrics as batch_metrics
+from fastdistill.errors import ConfigError
 from fastdistill.rollout import OnPolicyShare, RolloutSample
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train import pipeline
 from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastdistill.train.collector import Window, WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
-from fastdistill.train.distributed import init_distributed
+from fastdistill.train.distributed import init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator
 from fastdistill.train.flops import mfu_record, peak_flops
+from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_problem
 from fastdistill.train.metrics import MetricsLogger
 from fastdistill.train.model import (
     WRAPPER_PREFIX,
@@ -48,7 +50,6 @@ from fastdistill.train.model import (
     load_tokenizer,
     prepare_student,
 )
-from fastdistill.train.pipeline import DROPPED_PROMPTS_FILE
 from fastdistill.train.schedule import LRSchedule
 from fastdistill.train.source import SynchronousSource
 from fastdistill.train.step import TrainStep, step_record
@@ -58,9 +59,6 @@ from fastdistill.train.timing import PhaseClock
 __all__ = ["AsyncDistillationTrainer", "DistillationModel"]
 
 logger = logging.getLogger(__name__)
-
-TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"
-METRICS_FILE = "metrics.jsonl"
 
 
 def _seed_everything(seed: int) -> None:
@@ -205,12 +203,21 @@ class AsyncDistillationTrainer:
         summary."""
         config = self.config
         resume = self._resume_path()
+        ledger = RunLedger(self.output_dir)
+        data = None
+        if self.dist.is_main:  # the data a checkpoint of this run records, and checks on resume
+            data = data_identity(config, samples=self._samples, cache=self.cache, rows=self.rows)
+        # rank 0 judges; every rank raises its verdict (the others would otherwise wait in the next collective)
+        problem = self.dist.broadcast(resume_problem(ledger, resume, data, config.resume_from_checkpoint)
+                                      if self.dist.is_main else None)
+        if problem is not None:
+            raise ConfigError(problem)
         if resume is not None:
             state = load_checkpoint(resume, self.model, self.optimizer, self.scheduler)
             self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
             if self.dist.is_main:
-                for name in (TRAINED_PROMPTS_FILE, DROPPED_PROMPTS_FILE, METRICS_FILE):
-                    truncate_step_log(self.output_dir / name, self.step)
+                ledger.truncate(self.step)
+        self.rollout_state.data = data.to_json() if data is not None else None
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
             run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
@@ -416,13 +423,11 @@ class AsyncDistillationTrainer:
         if not drops:
             return
         self.dropped_total += len(drops)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.output_dir / DROPPED_PROMPTS_FILE, "a") as log:
-            for drop in drops:
-                if drop.reason != TOO_LONG:  # those are summarised in one warning
-                    logger.warning("prompt %s (dataset row %d) will not be trained: %s by %s: %s", drop.prompt_id,
-                                   drop.dataset_index, drop.reason, drop.server or "the batcher", drop.message)
-                log.write(json.dumps({"step": step, **drop.to_json()}) + "\n")
+        for drop in drops:
+            if drop.reason != TOO_LONG:  # those are summarised in one warning
+                logger.warning("prompt %s (dataset row %d) will not be trained: %s by %s: %s", drop.prompt_id,
+                               drop.dataset_index, drop.reason, drop.server or "the batcher", drop.message)
+        RunLedger(self.output_dir).append_drops(step, drops)
 
     def _stop_pipeline(self) -> None:
         """Stop everything that was started, each part even when an earlier one raises (an error propagates once all
@@ -461,7 +466,7 @@ class AsyncDistillationTrainer:
                              total_steps) for rank in range(self.dist.world_size)]
             else:
                 per_rank = [None] * self.dist.world_size
-        return self.dist.scatter(per_rank)
+        return scatter_samples(self.dist, per_rank)  # the arrays as tensors, not pickles
 
     def _planned_steps(self, window: Window) -> int:
         """Rank 0: the schedule's step count. ``max_steps`` when set; else exact on the last window, and otherwise
@@ -498,9 +503,7 @@ class AsyncDistillationTrainer:
             self.rollout_state.add(prompt_id)
         self._session_steps += 1
         self._session_samples += len(prompt_ids)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.output_dir / TRAINED_PROMPTS_FILE, "a") as log:
-            log.write(json.dumps({"step": self.step + 1, "prompt_ids": prompt_ids}) + "\n")
+        RunLedger(self.output_dir).append_trained(self.step + 1, prompt_ids)
 
     def _rank0_metrics(self) -> dict[str, Any]:
         """Rank 0's share of the step's record: the source's and the worker's metrics, the collector's counters and
@@ -524,13 +527,3 @@ class AsyncDistillationTrainer:
         for microbatch in self._window.microbatches:
             self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
         return record
-
-
-def truncate_step_log(path: Path, step: int) -> None:
-    """Drop the lines of a JSONL log whose ``step`` is after ``step`` (written by a run that died before its next
-    checkpoint, so a resume from ``step`` writes them again)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
-
