@@ -243,7 +243,8 @@ print(json.dumps(out))
 def step_install_kit(ctx: Context, timeout_s: float) -> dict:
     """Install the kit into the ``--target`` folder with the image's own interpreter, then import every contender
     through the check's environment (failed: a kit wheel is missing, or one does not import)."""
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     if not any(ctx.args.kit.glob("*.whl")):
         return {"status": "failed", "detail": f"no wheels in {ctx.args.kit} (build it: benchmarks/device_kit.py)"}
     install = run_command(kit_install_command(ctx), timeout_s, env=ctx.env())
@@ -258,7 +259,8 @@ def step_install_kit(ctx: Context, timeout_s: float) -> dict:
     versions = json.loads(lines[-1])
     broken = sorted(name for name, r in versions["imports"].items() if not r["ok"])
     return {"status": "failed" if broken else "ok", "detail": f"not importable: {', '.join(broken)}" if broken else "",
-            "kit": str(ctx.args.kit), "site": str(ctx.site()), "install": install, "versions": versions}
+            "seconds": round(time.monotonic() - started, 2), "kit": str(ctx.args.kit), "site": str(ctx.site()),
+            "install": install, "versions": versions}
 
 
 def step_install(ctx: Context, timeout_s: float) -> dict:
