@@ -107,6 +107,47 @@ def build(out: Path, python_version: str = IMAGE_PYTHON, packages: dict[str, str
     return info
 
 
+def install_command(python: str, kit: Path, site: Path) -> list[str]:
+    """``pip install`` of every wheel in ``kit`` into the ``--target`` folder ``site`` with ``python`` (the image's
+    own): no index, no dependencies resolved, no configuration read (``--isolated``: a machine's pip settings may name
+    indexes), nothing compiled or cached."""
+    wheels = sorted(str(w) for w in kit.glob("*.whl"))
+    return [python, "-m", "pip", "--isolated", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
+            "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(site), *wheels]
+
+
+# What the check imports once the kit is in: the kernels' stack and every contender of the benchmark.
+PROBE_MODULES = {"trl": "trl.experimental.async_distillation.async_distillation_trainer",
+                 "liger-kernel": "liger_kernel.transformers", "cut-cross-entropy": "cut_cross_entropy",
+                 "datasets": "datasets", "fastdistill": "fastdistill.loss",
+                 "fastdistill_kernels": "fastdistill_kernels"}
+PROBE = """
+import importlib, importlib.metadata as md, json, sys
+import torch, triton
+out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+       "triton": triton.__version__, "gpu": torch.cuda.is_available() and torch.cuda.get_device_name(),
+       "imports": {}}
+for name, module in json.loads(sys.argv[1]).items():
+    try:
+        mod = importlib.import_module(module)
+        try:
+            version = md.version(name)
+        except md.PackageNotFoundError:
+            version = getattr(mod, "__version__", "source tree")
+        out["imports"][name] = {"ok": True, "version": version, "file": getattr(mod, "__file__", None)}
+    except Exception as e:
+        out["imports"][name] = {"ok": False, "error": repr(e)[:500]}
+print(json.dumps(out))
+"""
+
+
+def probe_command(python: str, modules: dict[str, str] | None = None) -> list[str]:
+    """``python`` importing each of ``modules`` (distribution -> module; default :data:`PROBE_MODULES`); it prints one
+    JSON line: the interpreter's torch / triton / CUDA, and per module ``ok`` with its version and file, or the
+    error."""
+    return [python, "-c", PROBE, json.dumps(PROBE_MODULES if modules is None else modules)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the kit and print its contents and size; 1 when it cannot be built."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

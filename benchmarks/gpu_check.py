@@ -66,6 +66,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_kit  # noqa: E402
 import gpu_results  # noqa: E402
 from device_kit import NOT_CARRIED  # noqa: E402
 
@@ -86,11 +87,6 @@ STEPS = tuple(STEP_LIMITS)
 KERNEL_TEST_WORKERS = 8  # pytest-xdist processes for the compiled tests (compiles in parallel), where it is there
 # Environment of every step with --kit: nothing reaches for the network (pip, the Hugging Face hub, datasets).
 OFFLINE_ENV = {"PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# What the install step's probe imports: the kernels' stack and every contender of the benchmark.
-PROBE_MODULES = {"trl": "trl.experimental.async_distillation.async_distillation_trainer",
-                 "liger-kernel": "liger_kernel.transformers", "cut-cross-entropy": "cut_cross_entropy",
-                 "datasets": "datasets", "fastdistill": "fastdistill.loss",
-                 "fastdistill_kernels": "fastdistill_kernels"}
 MIN_STEP_S = 15  # a step with less time than this left is skipped
 RESERVE_S = 5  # kept for writing the JSON
 TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
@@ -212,32 +208,6 @@ def install_commands(ctx: Context) -> list[list[str]]:
     ]
 
 
-def kit_install_command(ctx: Context) -> list[str]:
-    """``pip install`` of every wheel in the kit into :meth:`Context.site`: no index, no dependencies resolved, no
-    configuration read (``--isolated``: this machine's pip settings name indexes), nothing compiled or cached."""
-    wheels = sorted(str(w) for w in ctx.args.kit.glob("*.whl"))
-    return [ctx.python, "-m", "pip", "--isolated", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
-            "--no-cache-dir", "--upgrade", "--disable-pip-version-check", "--target", str(ctx.site()), *wheels]
-
-
-PROBE = """
-import importlib, importlib.metadata as md, json, sys
-import torch, triton
-out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-       "triton": triton.__version__, "gpu": torch.cuda.is_available() and torch.cuda.get_device_name(),
-       "imports": {}}
-for name, module in json.loads(sys.argv[1]).items():
-    try:
-        mod = importlib.import_module(module)
-        try:
-            version = md.version(name)
-        except md.PackageNotFoundError:
-            version = getattr(mod, "__version__", "source tree")
-        out["imports"][name] = {"ok": True, "version": version, "file": getattr(mod, "__file__", None)}
-    except Exception as e:
-        out["imports"][name] = {"ok": False, "error": repr(e)[:500]}
-print(json.dumps(out))
-"""
 
 
 def step_install_kit(ctx: Context, timeout_s: float) -> dict:
@@ -247,11 +217,10 @@ def step_install_kit(ctx: Context, timeout_s: float) -> dict:
     deadline = started + timeout_s
     if not any(ctx.args.kit.glob("*.whl")):
         return {"status": "failed", "detail": f"no wheels in {ctx.args.kit} (build it: benchmarks/device_kit.py)"}
-    install = run_command(kit_install_command(ctx), timeout_s, env=ctx.env())
+    install = run_command(device_kit.install_command(ctx.python, ctx.args.kit, ctx.site()), timeout_s, env=ctx.env())
     if install["rc"] != 0:
         return {"status": "timeout" if install["timed_out"] else "failed", "detail": "kit install", **install}
-    probe = run_command([ctx.python, "-c", PROBE, json.dumps(PROBE_MODULES)], max(1.0, deadline - time.monotonic()),
-                        env=ctx.env())
+    probe = run_command(device_kit.probe_command(ctx.python), max(1.0, deadline - time.monotonic()), env=ctx.env())
     lines = [line for line in probe["output_tail"].splitlines() if line.startswith("{")]
     if probe["rc"] != 0 or not lines:
         return {"status": "timeout" if probe["timed_out"] else "failed", "detail": "import probe",

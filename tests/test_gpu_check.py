@@ -151,7 +151,7 @@ def test_kit_mode_environment_puts_kit_and_source_first_and_stays_offline(tmp_pa
     env = ctx.env()
     assert env["PYTHONPATH"].split(os.pathsep)[:3] == [str(tmp_path / "site"), str(ROOT), str(ROOT / "kernels")]
     assert all(env[k] == v for k, v in gpu_check.OFFLINE_ENV.items()) and "TRITON_INTERPRET" not in env
-    cmd = gpu_check.kit_install_command(ctx)
+    cmd = gpu_check.device_kit.install_command(ctx.python, args.kit, ctx.site())
     assert cmd[:3] == [sys.executable, "-m", "pip"]
     assert {"--isolated", "--no-index", "--no-deps"} <= set(cmd) and cmd[cmd.index("--target") + 1] == str(
         tmp_path / "site")
@@ -159,7 +159,7 @@ def test_kit_mode_environment_puts_kit_and_source_first_and_stays_offline(tmp_pa
     assert res["status"] == "failed" and "no wheels" in res["detail"]
 
 
-def test_a_kit_wheel_that_does_not_import_fails_the_install_step(tmp_path):
+def test_a_kit_wheel_that_does_not_import_fails_the_install_step(tmp_path, monkeypatch):
     """A wheel that installs but whose module is not importable (here a kit that lacks trl's dependencies entirely:
     an empty wheel named like one) is a failed install step, naming the package."""
     import zipfile
@@ -173,14 +173,9 @@ def test_a_kit_wheel_that_does_not_import_fails_the_install_step(tmp_path):
         zf.writestr("placeholder-1.0.dist-info/RECORD", "")
     args = gpu_check.parse_args(["--dry-run", "--kit", str(kit), "--site", str(tmp_path / "site")])
     ctx = gpu_check.Context(args=args, python=args.python, deadline=time.monotonic() + 120, workdir=tmp_path)
-    saved = dict(gpu_check.PROBE_MODULES)
-    try:
-        gpu_check.PROBE_MODULES.clear()
-        gpu_check.PROBE_MODULES.update({"placeholder": "placeholder", "no-such-package": "no_such_module_xyz"})
-        res = gpu_check.step_install(ctx, 90)
-    finally:
-        gpu_check.PROBE_MODULES.clear()
-        gpu_check.PROBE_MODULES.update(saved)
+    monkeypatch.setattr(gpu_check.device_kit, "PROBE_MODULES",
+                        {"placeholder": "placeholder", "no-such-package": "no_such_module_xyz"})
+    res = gpu_check.step_install(ctx, 90)
     assert res["status"] == "failed" and "no-such-package" in res["detail"], res
     assert (tmp_path / "site" / "placeholder-1.0.dist-info").is_dir()  # the wheel itself went in
 
