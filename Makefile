@@ -106,3 +106,8 @@ lint:
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis
+
+# The rehearsal's venv and both kits (build/ is not removed by `clean`).
+.PHONY: clean-gpu-check
+clean-gpu-check:
+	rm -rf $(REHEARSAL_VENV) $(REHEARSAL_KIT) $(DEVICE_KIT) $(TRITON36_DIR)

@@ -131,7 +131,9 @@ def test_pip_reached_no_index(rehearsal):
     assert _probe(rehearsal["python"], code, rehearsal["prefix"]) == "offline"
 
 
-def test_the_kit_for_the_image_fits_one_call(rehearsal):
+def test_the_kit_fits_one_call(rehearsal):
+    """The kit (here built for the rehearsal interpreter, from the same list as the GPU image's) holds every
+    contender and its missing dependencies, one version each, well under what one call carries."""
     manifest = json.loads((rehearsal["kit"] / "MANIFEST.json").read_text())
     names = {w["file"].split("-")[0] for w in manifest["wheels"]}
     assert {"trl", "liger_kernel", "cut_cross_entropy", "datasets", "dill", "multiprocess"} <= names, names
