@@ -44,7 +44,7 @@ SMEM_OVERFLOW: dict[tuple[str, str], str] = {}
 TRITON = ".".join(triton.__version__.split(".")[:2])
 PINNED_TRITON = "3.9"
 # ptxas spill stores (bytes per thread) in the plain half-precision variants at N=16384, D=3584, V=152064, S=65
-# (tiles 128×128×64, 3 stages), per Triton release (3.9.0 with ptxas 12.9 / 13.x, 3.6.0 with its ptxas 12.8). Under
+# (tiles 128×128×64, 3 stages), per Triton release (3.9.0 with its ptxas 12.9, 3.6.0 with its ptxas 12.8). Under
 # 3.9 the forward on sm_80 stopped spilling (112 / 84 B before) when its per-candidate loop became one candidate per
 # row per trip.
 SPILLS_BY_TRITON = {
