@@ -81,8 +81,8 @@ class WindowCollector:
         microbatches_per_step: ``gradient_accumulation_steps``.
         make_batcher: a new, empty batcher (:class:`~fastdistill.data.batching.TokenBudgetBatcher` or
             :class:`~fastdistill.data.batching.FixedCountBatcher`); one is replaced after every flush.
-        state: which prompts are done; the collector marks dropped prompts done in it, the trainer marks trained
-            ones after their step.
+        state: which prompts are done; the collector marks dropped prompts done in it, and trained ones when the
+            trainer reports their step (:meth:`mark_trained`).
         token_budget: the batcher's budget (for the message of an oversize drop), or None.
     """
 
@@ -100,6 +100,7 @@ class WindowCollector:
         self.new_drops: list[DroppedPrompt] = []  # dropped since the trainer last took them
         self.counters = CollectorCounters()
         self.exhausted = False
+        self.session_steps = self.session_samples = 0  # trained by this process (for the step-count estimate)
 
     # ------------------------------------------------------------------------------------------------ queries
 
@@ -123,6 +124,25 @@ class WindowCollector:
     def take_drops(self) -> list[DroppedPrompt]:
         drops, self.new_drops = self.new_drops, []
         return drops
+
+    def planned_steps(self, window: Window, step: int, max_steps: int) -> int:
+        """The schedule's step count once ``window`` is trained as step ``step + 1``: ``max_steps`` when set (not
+        -1); else exact on the last window, and otherwise the steps so far plus the prompts left at the samples per
+        step seen so far in this process."""
+        if max_steps != -1:
+            return max_steps
+        if window.last:
+            return step + 1
+        samples_per_step = (self.session_samples + window.num_samples) / (self.session_steps + 1)
+        left = self.remaining() - window.num_samples
+        return step + 1 + max(1, math.ceil(left / samples_per_step))
+
+    def mark_trained(self, window: Window) -> None:
+        """Record ``window``'s prompts (every rank's rows) as trained, after its step."""
+        for prompt_id in window.prompt_ids:
+            self.state.add(prompt_id)
+        self.session_steps += 1
+        self.session_samples += window.num_samples
 
     # ------------------------------------------------------------------------------------------------ the rule
 

@@ -159,7 +159,13 @@ class RunLedger:
         append_lines(self.trained_path, [{"step": step, "prompt_ids": [int(p) for p in prompt_ids]}])
 
     def append_drops(self, step: int, drops: Sequence[Any]) -> None:
-        """Record ``drops`` (:class:`~fastdistill.rollout.dropped.DroppedPrompt`), one line each, with ``step``."""
+        """Record ``drops`` (:class:`~fastdistill.rollout.dropped.DroppedPrompt`), one line each, with ``step`` (the
+        step whose window was being collected, so that a resume from an earlier checkpoint forgets them), and log each
+        once (prompts too long for a server are summarised in one warning where they are found)."""
+        for drop in drops:
+            if drop.reason != "too_long":
+                logger.warning("prompt %s (dataset row %d) will not be trained: %s by %s: %s", drop.prompt_id,
+                               drop.dataset_index, drop.reason, drop.server or "the batcher", drop.message)
         append_lines(self.dropped_path, [{"step": step, **drop.to_json()} for drop in drops])
 
     def append_metrics(self, record: dict[str, Any]) -> None:

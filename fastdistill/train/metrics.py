@@ -190,3 +190,31 @@ def _make_tracker(name: str, output_dir: Path, run_name: str | None, config: dic
     if name in ("wandb", "trackio"):
         return _ModuleTracker(name, run_name, config)
     raise ValueError(f"unknown tracker {name!r}; expected one of ['tensorboard', 'wandb', 'trackio']")
+
+
+def rank0_step_metrics(metrics: MetricsLogger, collector: Any, source: Any, window: Any,
+                       token_budget: int) -> dict[str, Any]:
+    """Rank 0's share of a step's record: the collector's counters (discarded and dropped samples, by reason) and the
+    source's rollout wait as values; the source's and the rollout worker's metrics and the window's packing metrics
+    (ghost rows left out) go into ``metrics`` to be reduced with the step's. Resets the source's wait and metrics."""
+    from fastdistill.data.batching import microbatch_metrics
+
+    counters = collector.take_counters()
+    dropped = counters.dropped
+    record: dict[str, Any] = {"perf/rollout_wait_s": source.wait_s,
+                              "sample/discarded_total": float(counters.discarded_total),
+                              "sample/dropped_prompts_total": float(sum(dropped.values()))}
+    for reason, count in dropped.items():
+        record[f"sample/dropped_prompts_{reason}_total"] = float(count)
+    if token_budget > 0:
+        record["batch/dropped_oversize_total"] = float(dropped.get("oversize", 0))
+    source.wait_s = 0.0
+    for key, values in source.metrics.items():
+        for value in values:
+            metrics.add(key, value)
+    source.metrics = {}
+    for payload in source.drain_worker_metrics():
+        metrics.update(payload)
+    for microbatch in window.microbatches:
+        metrics.update(microbatch_metrics([row for row in microbatch if row], token_budget or None))
+    return record

@@ -29,21 +29,18 @@ import torch
 from torch import nn
 
 from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
-from fastdistill.data.batching import microbatch_metrics as batch_metrics
-from fastdistill.errors import ConfigError
 from fastdistill.rollout import OnPolicyShare, RolloutSample
-from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
+from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.train import pipeline
-from fastdistill.train.checkpoint import RolloutState, export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from fastdistill.train.collector import Window, WindowCollector
+from fastdistill.train.checkpoint import RolloutState, export_final_model, resume_run, save_checkpoint
+from fastdistill.train.collector import WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.distributed import init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator
 from fastdistill.train.flops import mfu_record, peak_flops
-from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_problem
-from fastdistill.train.metrics import MetricsLogger
+from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity
+from fastdistill.train.metrics import MetricsLogger, rank0_step_metrics
 from fastdistill.train.model import (
-    WRAPPER_PREFIX,
     DistillationModel,
     check_master_weights,
     load_model,
@@ -125,22 +122,17 @@ class AsyncDistillationTrainer:
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
         )
         self._samples = samples
-        self.rows = None
         self.cache = (pipeline.open_cache(config, self.tokenizer) if config.teacher_cache is not None
                       and self.dist.is_main else None)
         # no server is asked for samples: given samples, or a teacher cache without on-policy share
-        offline = samples is not None or (config.teacher_cache is not None and not config.mixes_on_policy)
-        self._offline = offline
-        if self.cache is not None and not offline:  # a mixed run generates from the cached prompts
+        self._offline = samples is not None or (config.teacher_cache is not None and not config.mixes_on_policy)
+        self.rows = None  # rank 0: the prompts the rollouts generate from (a mixed run: the cached prompts)
+        if self.cache is not None and not self._offline:
             self.rows = self.cache.prompt_table()
-        elif not offline and self.dist.is_main:
+        elif not self._offline and self.dist.is_main:
             self.rows = pipeline.training_rows(config, train_dataset, self.tokenizer)
-        if samples is not None:
-            num_prompts = len(samples)
-        elif self.cache is not None:
-            num_prompts = len(self.cache)
-        else:
-            num_prompts = len(self.rows) if self.rows is not None else 0
+        num_prompts = len(samples if samples is not None else self.cache if self.cache is not None else
+                          self.rows if self.rows is not None else ())
         self.num_prompts = self.dist.broadcast(num_prompts)
         self.evaluator = RunEvaluator(
             config, self.dist, pipeline.held_out_rows(config, eval_dataset, self.tokenizer) if self.dist.is_main
@@ -164,8 +156,6 @@ class AsyncDistillationTrainer:
         self.collector: WindowCollector | None = None
         self.step = 0
         self.rollout_state = RolloutState()
-        self._session_steps = 0  # steps trained by this process (for the step-count estimate)
-        self._session_samples = 0
         self.dropped_total = 0
         self.clock = PhaseClock()  # where the run's seconds go (train_summary.json "time_s", perf/*_s per step)
         self._window_wait_s = 0.0  # rank 0: seconds the last window collection waited for rollouts
@@ -202,22 +192,10 @@ class AsyncDistillationTrainer:
         """Run until every prompt of ``num_train_epochs`` is trained or dropped (or ``max_steps``); return a
         summary."""
         config = self.config
-        resume = self._resume_path()
-        ledger = RunLedger(self.output_dir)
-        data = None
-        if self.dist.is_main:  # the data a checkpoint of this run records, and checks on resume
-            data = data_identity(config, samples=self._samples, cache=self.cache, rows=self.rows)
-        # rank 0 judges; every rank raises its verdict (the others would otherwise wait in the next collective)
-        problem = self.dist.broadcast(resume_problem(ledger, resume, data, config.resume_from_checkpoint)
-                                      if self.dist.is_main else None)
-        if problem is not None:
-            raise ConfigError(problem)
-        if resume is not None:
-            state = load_checkpoint(resume, self.model, self.optimizer, self.scheduler)
-            self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
-            if self.dist.is_main:
-                ledger.truncate(self.step)
-        self.rollout_state.data = data.to_json() if data is not None else None
+        state = resume_run(config, self.dist, self.model, self.optimizer, self.scheduler, data=(
+            data_identity(config, samples=self._samples, cache=self.cache, rows=self.rows) if self.dist.is_main
+            else None))
+        self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
             run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
@@ -276,12 +254,8 @@ class AsyncDistillationTrainer:
                         self.save()
             elapsed = time.perf_counter() - started
             with clock.phase("export"):
-                if config.export_final_model and config.lora_r > 0:
-                    from fastdistill.train.lora import export_merged
-
-                    export_merged(self.hf_model, self.tokenizer, self.output_dir / "final", self.dist.is_main)
-                elif config.export_final_model:
-                    export_hf(self.model, self.hf_model, self.tokenizer, self.output_dir / "final", WRAPPER_PREFIX)
+                export_final_model(config, self.model, self.hf_model, self.tokenizer, self.output_dir / "final",
+                                   self.dist.is_main)
             if config.save_strategy == "steps" and self.step > 0 and self._last_save_step != self.step:
                 with clock.phase("checkpoint"):  # the end is resumable, whatever save_steps
                     self.save()
@@ -323,17 +297,6 @@ class AsyncDistillationTrainer:
         logged = self.metrics.log(self.step)
         if self.on_step_end is not None and self.dist.is_main:
             self.on_step_end(self.step, logged)
-
-    def _resume_path(self) -> Path | None:
-        value = self.config.resume_from_checkpoint
-        if value is None:
-            return None
-        if value in ("latest", "true", "True"):
-            return latest_checkpoint(self.output_dir)
-        path = Path(value)
-        if not path.is_dir():
-            raise FileNotFoundError(f"resume_from_checkpoint={value!r} is not a checkpoint folder")
-        return path
 
     def save(self) -> Path:
         """Write ``checkpoint-<step>`` (collective)."""
@@ -418,16 +381,10 @@ class AsyncDistillationTrainer:
         return FixedCountBatcher(self.config.per_device_train_batch_size, self.dist.world_size)
 
     def _record_drops(self, drops: list[DroppedPrompt], step: int) -> None:
-        """Rank 0: log each dropped prompt once and append it to ``dropped_prompts.jsonl`` with the step whose window
-        was being collected (so that a resume from an earlier checkpoint forgets it)."""
-        if not drops:
-            return
-        self.dropped_total += len(drops)
-        for drop in drops:
-            if drop.reason != TOO_LONG:  # those are summarised in one warning
-                logger.warning("prompt %s (dataset row %d) will not be trained: %s by %s: %s", drop.prompt_id,
-                               drop.dataset_index, drop.reason, drop.server or "the batcher", drop.message)
-        RunLedger(self.output_dir).append_drops(step, drops)
+        """Rank 0: count the dropped prompts and list them in ``dropped_prompts.jsonl`` (:class:`RunLedger`)."""
+        if drops:
+            self.dropped_total += len(drops)
+            RunLedger(self.output_dir).append_drops(step, drops)
 
     def _stop_pipeline(self) -> None:
         """Stop everything that was started, each part even when an earlier one raises (an error propagates once all
@@ -461,23 +418,12 @@ class AsyncDistillationTrainer:
             self._record_drops(self.collector.take_drops(), step=self.step + 1)
             self._window = window
             if window is not None:
-                total_steps = self._planned_steps(window)
+                total_steps = self.collector.planned_steps(window, self.step, self.config.max_steps)
                 per_rank = [([(mb[rank] or next(r for r in mb if r), not mb[rank]) for mb in window.microbatches],
                              total_steps) for rank in range(self.dist.world_size)]
             else:
                 per_rank = [None] * self.dist.world_size
         return scatter_samples(self.dist, per_rank)  # the arrays as tensors, not pickles
-
-    def _planned_steps(self, window: Window) -> int:
-        """Rank 0: the schedule's step count. ``max_steps`` when set; else exact on the last window, and otherwise
-        the steps so far plus the prompts left at the samples per step seen so far in this process."""
-        if self.config.max_steps != -1:
-            return self.config.max_steps
-        if window.last:
-            return self.step + 1
-        samples_per_step = (self._session_samples + window.num_samples) / (self._session_steps + 1)
-        left = self.collector.remaining() - window.num_samples
-        return self.step + 1 + max(1, math.ceil(left / samples_per_step))
 
     # ---------------------------------------------------------------------------------------- one step
 
@@ -498,32 +444,9 @@ class AsyncDistillationTrainer:
     def _mark_trained(self) -> None:
         """Rank 0: record the step's prompts (all ranks' rows) as trained, in memory and in
         ``trained_prompts.jsonl`` (one line per step: the evidence that every prompt is trained exactly once)."""
-        prompt_ids = self._window.prompt_ids
-        for prompt_id in prompt_ids:
-            self.rollout_state.add(prompt_id)
-        self._session_steps += 1
-        self._session_samples += len(prompt_ids)
-        RunLedger(self.output_dir).append_trained(self.step + 1, prompt_ids)
+        self.collector.mark_trained(self._window)
+        RunLedger(self.output_dir).append_trained(self.step + 1, self._window.prompt_ids)
 
     def _rank0_metrics(self) -> dict[str, Any]:
-        """Rank 0's share of the step's record: the source's and the worker's metrics, the collector's counters and
-        the window's packing metrics (ghost rows left out)."""
-        counters = self.collector.take_counters()
-        dropped = counters.dropped
-        record: dict[str, Any] = {"perf/rollout_wait_s": self.source.wait_s,
-                                  "sample/discarded_total": float(counters.discarded_total),
-                                  "sample/dropped_prompts_total": float(sum(dropped.values()))}
-        for reason, count in dropped.items():
-            record[f"sample/dropped_prompts_{reason}_total"] = float(count)
-        if self.token_budget > 0:
-            record["batch/dropped_oversize_total"] = float(dropped.get("oversize", 0))
-        self.source.wait_s = 0.0
-        for key, values in self.source.metrics.items():
-            for value in values:
-                self.metrics.add(key, value)
-        self.source.metrics = {}
-        for payload in self.source.drain_worker_metrics():
-            self.metrics.update(payload)
-        for microbatch in self._window.microbatches:
-            self.metrics.update(batch_metrics([row for row in microbatch if row], self.token_budget or None))
-        return record
+        """Rank 0's share of the step's record (:func:`~fastdistill.train.metrics.rank0_step_metrics`)."""
+        return rank0_step_metrics(self.metrics, self.collector, self.source, self._window, self.token_budget)
