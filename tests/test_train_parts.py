@@ -11,8 +11,8 @@ from fastdistill.errors import ConfigError
 from fastdistill.rollout import OnPolicyShare, PromptTable, ServedModel
 from fastdistill.train.checkpoint import RolloutState
 from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.evaluate import fitting_eval_rows
 from fastdistill.train.pipeline import (
-    fitting_eval_rows,
     limits_exceeded,
     long_prompt_drops,
     open_source,

@@ -207,6 +207,44 @@ def prepare_eval_rows(source: Any, tokenizer: Any, teacher_ids: Sequence[str], *
     return prepared
 
 
+def held_out_rows(config: Any, rows: Any, tokenizer: Any) -> list[dict[str, Any]] | None:
+    """The tokenised held-out rows of ``rows``, else of ``config.eval_dataset``, each routed to its teacher, with
+    their optional ``answer`` (None without an eval dataset)."""
+    if rows is None:
+        if config.eval_dataset is None:
+            return None
+        rows = config.eval_dataset
+    return prepare_eval_rows(rows, tokenizer, config.teacher_ids, split=config.dataset_test_split,
+                             dataset_config=config.dataset_config, chat_template_kwargs=config.chat_template_kwargs)
+
+
+def fitting_eval_rows(eval_rows: list[dict[str, Any]], teacher_ids: Sequence[str], served: Mapping[str, Any],
+                      config: Any) -> tuple[list[dict[str, Any]], int]:
+    """Held-out rows are checked like training rows: ``(the rows that fit, how many were left out)``. A row whose
+    prompt plus ``max_completion_length`` cannot fit a server is a :class:`ConfigError`, or with
+    ``skip_long_prompts`` left out of every evaluation (``eval/too_long_total``)."""
+    from fastdistill.errors import ConfigError
+    from fastdistill.train.pipeline import limits_exceeded
+
+    completion = config.max_completion_length
+    routes = [row.get("teacher_id") or teacher_ids[0] for row in eval_rows]
+    limits = limits_exceeded([len(row["prompt_ids"]) for row in eval_rows], routes, served, completion)
+    if not limits:
+        return eval_rows, 0
+    index = max(limits, key=lambda i: len(eval_rows[i]["prompt_ids"]))
+    server, needed, limit = limits[index]
+    what = (f"eval_dataset: {len(limits)} of {len(eval_rows)} rows do not fit the servers: row {index} needs "
+            f"{needed} tokens with max_completion_length={completion}, but the {server} server serves "
+            f"max_model_len={limit}")
+    everything = len(limits) == len(eval_rows)
+    if not config.skip_long_prompts or everything:
+        raise ConfigError(f"{what}. Lower max_completion_length, raise the servers' --max-model-len, shorten the "
+                          "held-out prompts" + ("" if everything else ", or set skip_long_prompts=True to leave them "
+                                                "out"))
+    logger.warning("%s; leaving them out of every evaluation (skip_long_prompts=True)", what)
+    return [row for i, row in enumerate(eval_rows) if i not in limits], len(limits)
+
+
 class RunEvaluator:
     """Held-out on-policy evaluation during a run (collective: every rank calls it).
 
@@ -227,10 +265,7 @@ class RunEvaluator:
         self.last_step: int | None = None
 
     def check_rows(self, served: Mapping[str, Any]) -> None:
-        """Rank 0: drop or refuse rows that cannot fit a server (:func:`~fastdistill.train.pipeline.
-        fitting_eval_rows`)."""
-        from fastdistill.train.pipeline import fitting_eval_rows
-
+        """Rank 0: drop or refuse rows that cannot fit a server (:func:`fitting_eval_rows`)."""
         if self.rows:
             self.rows, self.too_long = fitting_eval_rows(self.rows, self.config.teacher_ids, served, self.config)
 

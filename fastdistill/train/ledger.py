@@ -327,3 +327,43 @@ def resume_problem(ledger: RunLedger, checkpoint: Path | None, data: DataIdentit
     return (f"resume_from_checkpoint: {checkpoint} was written for other data or another prompt order: "
             f"{'; '.join(changed)}. A prompt id stands for a row of an epoch's order, so resuming would train some "
             "prompts twice and others never. Restore what changed, or start a new run in another output_dir")
+
+
+def resume_path(value: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint folder ``resume_from_checkpoint`` names: None for None, the newest ``checkpoint-<step>`` of
+    ``output_dir`` (or None) for ``"latest"``/``"true"``, else that folder (FileNotFoundError when it is not one)."""
+    if value is None:
+        return None
+    if value in ("latest", "true", "True"):
+        from fastdistill.train.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(output_dir)
+    path = Path(value)
+    if not path.is_dir():
+        raise FileNotFoundError(f"resume_from_checkpoint={value!r} is not a checkpoint folder")
+    return path
+
+
+def resume_run(config: Any, dist: Any, model: Any, optimizer: Any, scheduler: Any, *,
+               data: Any) -> Any:
+    """Where a run starts (collective): from ``resume_from_checkpoint`` (its weights, optimizer, schedule and rollout
+    state loaded, the ledgers truncated to its step) or from scratch. Rank 0 judges the start against the ledgers and
+    the checkpoint's recorded data (``data``, this run's :class:`~fastdistill.train.ledger.DataIdentity`); every rank
+    raises its :class:`~fastdistill.errors.ConfigError` (the others would otherwise wait in the next collective).
+    The returned state's rollout state records ``data`` for the next checkpoint."""
+    from fastdistill.train.checkpoint import ResumedState, RolloutState, load_checkpoint
+
+    ledger = RunLedger(config.output_dir)
+    resume = resume_path(config.resume_from_checkpoint, config.output_dir)
+    problem = dist.broadcast(resume_problem(ledger, resume, data, config.resume_from_checkpoint)
+                             if dist.is_main else None)
+    if problem is not None:
+        raise ConfigError(problem)
+    if resume is None:
+        state = ResumedState(step=0, model_version=0, rollout=RolloutState())
+    else:
+        state = load_checkpoint(resume, model, optimizer, scheduler)
+        if dist.is_main:
+            ledger.truncate(state.step)
+    state.rollout.data = data.to_json() if data is not None else None
+    return state

@@ -32,13 +32,13 @@ from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.rollout import OnPolicyShare, RolloutSample
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.train import pipeline
-from fastdistill.train.checkpoint import RolloutState, export_final_model, resume_run, save_checkpoint
+from fastdistill.train.checkpoint import RolloutState, export_final_model, save_checkpoint
 from fastdistill.train.collector import WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.distributed import init_distributed, scatter_samples
-from fastdistill.train.evaluate import RunEvaluator
+from fastdistill.train.evaluate import RunEvaluator, held_out_rows
 from fastdistill.train.flops import mfu_record, peak_flops
-from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity
+from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_run
 from fastdistill.train.metrics import MetricsLogger, rank0_step_metrics
 from fastdistill.train.model import (
     DistillationModel,
@@ -135,7 +135,7 @@ class AsyncDistillationTrainer:
                           self.rows if self.rows is not None else ())
         self.num_prompts = self.dist.broadcast(num_prompts)
         self.evaluator = RunEvaluator(
-            config, self.dist, pipeline.held_out_rows(config, eval_dataset, self.tokenizer) if self.dist.is_main
+            config, self.dist, held_out_rows(config, eval_dataset, self.tokenizer) if self.dist.is_main
             else None, self.tokenizer, vocab_size=self.student_vocab_size, bf16=self._use_bf16())
         self.has_eval = self.evaluator.enabled
         self._last_save_step: int | None = None

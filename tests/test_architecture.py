@@ -1,0 +1,115 @@
+"""The package's shape: imports flow one way between the layers, no module imports another that imports it back
+(lazy imports inside functions included), and no library module outgrows ~500 lines.
+
+Read from the source with ``ast``, so an import hidden in a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"fastdistill": ROOT / "fastdistill", "fastdistill_kernels": ROOT / "kernels" / "fastdistill_kernels"}
+MAX_LINES = 500
+# Layers that must not import the training loop, and what else each must not import.
+FORBIDDEN = {
+    "fastdistill.loss": ("fastdistill.train", "fastdistill.rollout", "fastdistill.sync", "fastdistill.cache"),
+    "fastdistill.rollout": ("fastdistill.train", "fastdistill.sync", "fastdistill.loss"),
+    "fastdistill.data": ("fastdistill.train", "fastdistill.sync"),
+    "fastdistill.cache": ("fastdistill.train", "fastdistill.sync"),
+    "fastdistill.sync": ("fastdistill.train", "fastdistill.rollout"),
+    "fastdistill_kernels": ("fastdistill",),
+}
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for top, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((top, *parts[:-1])) if parts[-1] == "__init__" else ".".join((top, *parts))
+            modules[name] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """The project modules ``name`` imports anywhere in its file (a ``from package import submodule`` names the
+    submodule)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
+
+
+def within(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_imports_flow_one_way(layer):
+    wrong = sorted(f"{name} imports {target}" for name, targets in GRAPH.items() if within(name, layer)
+                   for target in targets if any(within(target, banned) for banned in FORBIDDEN[layer]))
+    assert not wrong, "\n".join(wrong)
+
+
+def real_edges(name: str) -> set[str]:
+    """``name``'s imports less a package's ``__init__`` importing its own submodules and a submodule importing its own
+    package (re-exports: the package's own business, which the interpreter resolves)."""
+    return {t for t in GRAPH[name] if not within(t, name) and not within(name, t)}
+
+
+def cycles() -> list[list[str]]:
+    """Every cycle of modules importing each other (up to 8 long), each once, starting at its smallest name."""
+    found = set()
+    for start in GRAPH:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for target in real_edges(node):
+                if target == start:
+                    first = path.index(min(path))
+                    found.add(tuple(path[first:] + path[:first]))
+                elif target not in path and len(path) < 8:
+                    stack.append((target, path + [target]))
+    return sorted(list(cycle) for cycle in found)
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    found = [" -> ".join(cycle + cycle[:1]) for cycle in cycles()]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not n.startswith("fastdistill.testing")))
+def test_no_library_module_outgrows_its_size(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines (> {MAX_LINES}): split it"
+
+
+def test_the_trainer_only_orchestrates():
+    lines = len(MODULES["fastdistill.train.trainer"].read_text().splitlines())
+    assert lines <= 460, f"trainer.py has {lines} lines: its parts belong in their own modules"
