@@ -24,6 +24,7 @@ from fastdistill.logit_head import (
 )
 
 EPS64 = torch.finfo(torch.float64).eps
+EPS32 = torch.finfo(torch.float32).eps
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -183,3 +184,56 @@ def test_head_logits_against_a_float64_formula():
     torch.testing.assert_close(got, expected, rtol=4 * EPS64, atol=4 * EPS64 * float(expected.abs().max()))
     assert head_logits(hidden, weight).dtype == torch.float32
     assert head_logits(hidden.bfloat16(), weight.bfloat16()).dtype == torch.float32
+
+
+def _scored_samples(vocab_size: int, count: int = 3):
+    """Random prompts and completions with random top-3 teacher candidates (plus the realised token)."""
+    import numpy as np
+
+    from fastdistill.rollout import RolloutSample
+
+    rng = np.random.default_rng(2)
+    samples = []
+    for index in range(count):
+        prompt, completion = rng.integers(3, vocab_size, 4), rng.integers(3, vocab_size, 5)
+        top = np.stack([rng.permutation(np.arange(3, vocab_size))[:3] for _ in completion])
+        ids = np.concatenate([top, completion[:, None]], axis=1).astype(np.int32)
+        lps = np.log(rng.dirichlet(np.ones(5), len(completion))[:, :4]).astype(np.float32)
+        samples.append(RolloutSample(
+            input_ids=np.concatenate([prompt, completion]).astype(np.int32),
+            completion_mask=np.r_[np.zeros(4), np.ones(5)].astype(np.int32), teacher_topk_ids=ids,
+            teacher_topk_logprobs=lps, rollout_logprobs=np.full(5, -1.0, np.float32), model_version=0,
+            teacher_id="default", prompt_id=index, dataset_index=index))
+    return samples
+
+
+@pytest.mark.parametrize("family", ["granite", "falcon_h1", "gemma2", "cohere", "hyperclovax", "qwen3"])
+def test_trainer_and_eval_losses_are_the_loss_on_the_family_logits(family):
+    """The trainer's model (:class:`DistillationModel`) and evaluation (``divergence_per_token``) compute the loss on
+    the logits the family's forward produces: the float64 reference loss on ``model(...).logits`` themselves (fed as
+    hidden states through an identity head)."""
+    from fastdistill.data.packing import pack_row
+    from fastdistill.loss import narrow_support, sparse_jsd_loss
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.evaluate import divergence_per_token
+    from fastdistill.train.model import DistillationModel
+
+    model = _model(_config(family))
+    samples = _scored_samples(SMALL["vocab_size"])
+    config = AsyncDistillationConfig(model_name_or_path="student", loss_backend="reference")
+    wrapped = DistillationModel(model, config)
+    scale = 1.0
+    for sample in samples:  # one sample per row: the eager attention of these tiny models does not unpack rows
+        row = pack_row([sample], ["default"], vocab_size=SMALL["vocab_size"])
+        ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(sample.input_ids[None]).long()).logits[0, 3:-1]
+            expected = sparse_jsd_loss(logits, torch.eye(SMALL["vocab_size"], dtype=torch.float64), ids, lps, mask,
+                                       backend="reference")
+            out, _ = wrapped(row, ids, lps, mask)
+        assert int(out.num_tokens) == int(expected.num_tokens) == 5
+        assert abs(float(out.jsd_sum) - float(expected.jsd_sum)) <= 1e-9 * max(1.0, float(expected.jsd_sum))
+        scale = max(scale, float(logits.abs().max()))
+        # evaluation runs in float32: a few eps32 of the logits' scale per term
+        per_token = divergence_per_token(model, [sample], ["default"])
+        assert abs(per_token - float(expected.jsd_sum) / 5) <= 64 * EPS32 * scale
