@@ -237,3 +237,41 @@ def test_trainer_and_eval_losses_are_the_loss_on_the_family_logits(family):
         # evaluation runs in float32: a few eps32 of the logits' scale per term
         per_token = divergence_per_token(model, [sample], ["default"])
         assert abs(per_token - float(expected.jsd_sum) / 5) <= 64 * EPS32 * scale
+
+
+def test_weight_sync_check_compares_the_server_with_the_loss_path(monkeypatch):
+    """``served_logprob_gap`` measures the server against the loss path's logits: a server that serves the Granite
+    model exactly (its own forward's log-probs) shows no gap, and a loss path reading the head wrong (a plain head
+    on Granite, as the student's loss did) shows one of whole nats."""
+    import asyncio
+
+    from aiohttp import web
+
+    import fastdistill.logit_head as logit_head_module
+    from fastdistill.sync import served_logprob_gap
+    from fastdistill.testing.stubs import serve_and_call
+
+    model = _model(_config("granite"))
+    with torch.no_grad():
+        served = {}
+        for ids in ([5, 9, 14, 3, 40, 41], [7, 8, 60, 61]):
+            served[tuple(ids)] = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0], -1)
+    model = model.float()
+
+    async def handler(request):
+        if request.method == "GET":
+            return web.json_response({"data": [{"id": "granite"}]})
+        ids = (await request.json())["prompt"]
+        logprobs = served[tuple(ids)]
+        positions = [None] + [{str(token): {"logprob": float(logprobs[i - 1, token])}} for i, token in
+                              enumerate(ids) if i > 0]
+        return web.json_response({"choices": [{"prompt_logprobs": positions}]})
+
+    def gap() -> float:
+        result = serve_and_call(handler, lambda url: asyncio.to_thread(served_logprob_gap, url, model, list(served)))
+        assert isinstance(result, float), result
+        return result
+
+    assert gap() <= 1e-5
+    monkeypatch.setattr(logit_head_module, "logit_head_from_config", lambda config: LogitHead())
+    assert gap() > 0.5
