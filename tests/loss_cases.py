@@ -117,3 +117,33 @@ def fp32_divergence_slack(term_scale: torch.Tensor) -> float:
     (:func:`divergence_term_scale`): 8·eps32 per unit, a handful of roundings per term (exp, mixture, log,
     difference, product, weighted sum) on each side."""
     return 8 * torch.finfo(torch.float32).eps * float(term_scale.mean()) if term_scale.numel() else 0.0
+
+
+def half_gradient_bounds(hidden, weight, student_logprobs, teacher_probs, row_log_scale, chain, grads, dtype):
+    """Element-wise bounds on |half-precision gradient − float64 reference| for (dh, dW, db), derived from the dtype.
+
+    The kernels compute in fp32 from the half inputs (exact in fp32) and round each gradient once to ``dtype``: an
+    entry is off by at most u·|exact| (u = 2^-8 for bfloat16, 2^-11 for float16) plus its fp32 error. Every entry of
+    the logit gradient dL/dz_v is a probability (student p_v or teacher q_v) times log-probs of the row, so its fp32
+    error is a few eps32 · (p_v + q_v) · L_n (L_n = ``row_log_scale``: 1 + the row's largest |log-prob| or |logit|)
+    times ``chain`` (scale / temperature); dh = (dL/dz) W, dW = (dL/dz)ᵀ h and db = Σ_n dL/dz carry those errors
+    through |W|, |h| and a sum. ``student_logprobs`` / ``teacher_probs`` are float64 (N, V) of the scored rows
+    (teacher mass on the candidates' ids; a tail bucket's is spread like the student's), ``grads`` the float64
+    reference gradients. Returns the three bound tensors, entry by entry."""
+    u = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    eps32 = torch.finfo(torch.float32).eps
+    mass = student_logprobs.exp() + teacher_probs
+    unit = 16 * eps32 * chain * row_log_scale[:, None] * mass
+    h, w = hidden.detach().double().abs(), weight.detach().double().abs()
+    ref_dh, ref_dw, ref_db = (g.detach().double().abs() for g in grads)
+    return u * ref_dh + unit @ w, u * ref_dw + unit.t() @ h, u * ref_db + unit.sum(0)
+
+
+def assert_elementwise(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    """Assert |actual − expected| ≤ bound entry by entry (no normalisation by the largest entry)."""
+    err = (actual.detach().double() - expected.detach().double()).abs()
+    excess = err / bound.clamp_min(1e-300)
+    worst = int(excess.argmax())
+    assert bool((err <= bound).all()), (f"{what}: entry {worst} off by {float(err.flatten()[worst]):.3e} > bound "
+                                        f"{float(bound.flatten()[worst]):.3e} (|expected| "
+                                        f"{float(expected.flatten()[worst].abs()):.3e})")

@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from loss_cases import rel_close
+from loss_cases import assert_elementwise, half_gradient_bounds, rel_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -252,15 +252,33 @@ def test_upstream_gradient_and_only_requested_gradients():
     assert not nograd.loss.requires_grad and math.isfinite(float(nograd.loss))
 
 
-def test_bfloat16_inputs_compute_in_fp32_and_return_bf16_grads():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_compute_in_fp32_and_round_each_gradient_once(dtype):
+    """Element by element (not relative to the largest entry): each gradient entry is the float64 one of the same
+    half-precision inputs rounded once, within the fp32 evaluation's error of that entry."""
     x = make_inputs(seed=15)
-    out, grads = run(x, torch.bfloat16, "torch", beta=0.3)
-    assert out.loss.dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in grads)
-    y = {k: v.to(torch.bfloat16).double() if v.is_floating_point() else v for k, v in x.items()}  # the same inputs
+    out, grads = run(x, dtype, "torch", beta=0.3)
+    assert out.loss.dtype == torch.float32 and all(g.dtype == dtype for g in grads)
+    y = {k: v.to(dtype).double() if v.is_floating_point() else v for k, v in x.items()}  # the same inputs
     ref, ref_grads = run(y, torch.float64, "reference", beta=0.3)
-    rel_close(out.loss, ref.loss, 1e-5, "bf16 loss")
-    for g, r in zip(grads, ref_grads, strict=True):
-        rel_close(g, r, 2**-7, "bf16 grad")  # the fp32 gradient rounded once to bfloat16
+    rel_close(out.loss, ref.loss, 1e-5, "half loss")
+    rows = y["mask"]
+    zs = y["hs"][rows] @ y["ws"].t() + y["bs"]
+    zt = y["ht"][rows] @ y["wt"].t() + y["bt"]
+    s, t = zs.log_softmax(-1), zt.log_softmax(-1)
+    weights = y["token_weights"][rows]
+    scale = weights * (1 + zs.abs().amax(1) + zt.abs().amax(1) + s.abs().amax(1) + t.abs().amax(1))
+    hs = torch.zeros_like(y["hs"])
+    hs[rows] = y["hs"][rows]
+    full_s = torch.full((y["hs"].shape[0], s.shape[1]), -torch.inf, dtype=torch.float64)
+    full_s[rows] = s
+    full_t = torch.zeros_like(full_s)
+    full_t[rows] = t.exp()
+    full_scale = torch.zeros(y["hs"].shape[0], dtype=torch.float64)
+    full_scale[rows] = scale
+    bounds = half_gradient_bounds(hs, y["ws"], full_s, full_t, full_scale, 1.0, ref_grads, dtype)
+    for name, g, r, bound in zip(("dh", "dW", "db"), grads, ref_grads, bounds, strict=True):
+        assert_elementwise(g, r, bound, f"{dtype} {name}")
 
 
 class _PeakLiveBytes(TorchDispatchMode):

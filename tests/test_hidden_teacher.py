@@ -19,13 +19,14 @@ from aiohttp import web
 from safetensors.torch import load_file, save_file
 
 from fastdistill.cli import build_parser, build_server, main
+from fastdistill.errors import ConfigError
 from fastdistill.rollout import RetryPolicy, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
 from fastdistill.rollout.hidden import HiddenTeacherClient, decode_hidden
 from fastdistill.serve import HIDDEN_POOLER_CONFIG, VLLMServer
 from fastdistill.testing.stubs import serve_and_call
 from fastdistill.testing.vllm_server import require_vllm, running
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-from fastdistill.train.teacher_head import TeacherHeadError, load_teacher_head
+from fastdistill.train.teacher_head import TeacherHeadError, load_hidden_teacher_head, load_teacher_head
 
 SERVER_KEY = "hidden-teacher-key"
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, request_timeout_s=5.0)
@@ -134,9 +135,10 @@ def test_teacher_head_bias(tmp_path):
     assert torch.equal(head.bias, bias.double()) and relative_error(head.logits(hidden), expected) <= 1e-12
 
 
-@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "hyperclovax", "falcon_h1"])
 def test_teacher_head_logit_scale_and_softcap_match_hf(tmp_path, family):
-    """Gemma2 softcaps (final_logit_softcapping), Cohere multiplies (logit_scale), Granite divides (logits_scaling)."""
+    """Gemma2 softcaps (final_logit_softcapping), Cohere multiplies (logit_scale), Granite divides (logits_scaling),
+    HyperCLOVA X multiplies by the same attribute, Falcon-H1 multiplies (lm_head_multiplier)."""
     import transformers
 
     common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -145,8 +147,15 @@ def test_teacher_head_logit_scale_and_softcap_match_hf(tmp_path, family):
         config = transformers.Gemma2Config(**common, final_logit_softcapping=0.5, attn_logit_softcapping=None)
     elif family == "cohere":
         config = transformers.CohereConfig(**common, logit_scale=0.3)
-    else:
+    elif family == "granite":
         config = transformers.GraniteConfig(**common, logits_scaling=4.0)
+    elif family == "hyperclovax":
+        from transformers.models.hyperclovax import HyperCLOVAXConfig
+
+        config = HyperCLOVAXConfig(**common, logits_scaling=4.0)
+    else:
+        config = transformers.FalconH1Config(**common, lm_head_multiplier=3.0, mamba_d_ssm=32, mamba_n_heads=2,
+                                             mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     model.save_pretrained(tmp_path / family)
@@ -156,8 +165,19 @@ def test_teacher_head_logit_scale_and_softcap_match_hf(tmp_path, family):
     with torch.no_grad():
         hidden32 = model.model(torch.tensor([ids])).last_hidden_state[0]
     assert relative_error(head.logits(hidden32), logits64) <= FP32_RELATIVE
-    expected_scale = {"gemma2": 1.0, "cohere": 0.3, "granite": 0.25}[family]
+    expected_scale = {"gemma2": 1.0, "cohere": 0.3, "granite": 0.25, "hyperclovax": 4.0, "falcon_h1": 3.0}[family]
     assert head.logit_scale == pytest.approx(expected_scale) and (head.softcap == 0.5) == (family == "gemma2")
+
+
+def test_teacher_head_of_an_unknown_family_with_a_logit_setting_is_refused(tmp_path):
+    folder, _ = tiny_checkpoint(tmp_path / "model", tied=False)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "my_remote_llm",
+                                                    "output_multiplier": 2.0}))
+    with pytest.raises(TeacherHeadError, match="output_multiplier=2.0"):
+        load_teacher_head(folder)
+    with pytest.raises(ConfigError, match="teacher 't'.*output_multiplier=2.0"):
+        load_hidden_teacher_head("t", folder, vocab_size=8, dtype=torch.float32)
 
 
 def test_teacher_head_reads_only_the_head_from_a_sharded_checkpoint(tmp_path):
@@ -568,3 +588,48 @@ def test_fastdistill_eval_against_served_student_and_hidden_teacher(hidden_serve
     print(f"eval/teacher_jsd/dense {got:.6g}, HF float64 {hf_value:.6g}, |diff| {abs(got - hf_value):.3g}, "
           f"bf16 bound {bound:.3g}, fp32 slack {slack:.3g}")
     assert abs(got - hf_value) <= bound + 1e-5 * abs(hf_value) + slack
+
+
+@pytest.mark.parametrize("student_dtype,served_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                        (torch.float32, torch.bfloat16),
+                                                        (torch.bfloat16, torch.float32)])
+def test_dense_loss_sees_one_dtype_on_both_sides(tmp_path, monkeypatch, student_dtype, served_dtype):
+    """The hidden teacher's head, loaded in float32, is used in the student's compute dtype (the common dtype of its
+    hidden states and lm_head), and so are the served hidden rows: the dense kernels are compiled and tested for one
+    dtype on both sides, never a float32 teacher tile beside bfloat16 student tiles. The head is converted once and
+    replaces the float32 copy."""
+    import fastdistill.train.model as model_module
+    from fastdistill.data.packing import pack_row
+    from fastdistill.loss import narrow_support
+    from fastdistill.rollout import Generation, RolloutSample, TeacherHiddenStates
+    from fastdistill.train.config import AsyncDistillationConfig
+
+    folder, teacher = tiny_checkpoint(tmp_path / "teacher", tied=False)
+    student = build_model(tiny_config(teacher.config.vocab_size, pad_token_id=0, eos_token_id=2), seed=4)
+    student = student.to(student_dtype).eval()
+    config = AsyncDistillationConfig(model_name_or_path="student", teacher_server_urls={"dense": "http://t"},
+                                     teacher_signal={"dense": "hidden"})
+    wrapped = model_module.DistillationModel(student, config)
+    wrapped.teacher_heads = {0: load_hidden_teacher_head("dense", folder, vocab_size=teacher.config.vocab_size,
+                                                         dtype=torch.float32)}
+    seen = []
+    real = model_module.dense_teacher_jsd_loss
+
+    def spy(s_hidden, s_weight, t_hidden, t_weight, **kw):
+        seen.append((s_hidden.dtype, s_weight.dtype, t_hidden.dtype, t_weight.dtype))
+        return real(s_hidden, s_weight, t_hidden, t_weight, **kw)
+
+    monkeypatch.setattr(model_module, "dense_teacher_jsd_loss", spy)
+    prompt, completion = [5, 6, 7], [8, 9, 10, 11]
+    with torch.no_grad():
+        hidden = teacher.model(torch.tensor([prompt + completion])).last_hidden_state[0, 2:6]
+    generation = Generation(np.asarray(completion, np.int32), np.full(4, -1.0, np.float32))
+    sample = RolloutSample.assemble(prompt, generation, TeacherHiddenStates(hidden.to(served_dtype)), model_version=0,
+                                    teacher_id="dense", prompt_id=0, dataset_index=0)
+    row = pack_row([sample], ["dense"], vocab_size=teacher.config.vocab_size)
+    ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
+    for _ in range(2):
+        out, _ = wrapped(row, ids, lps, mask)
+        assert torch.isfinite(out.loss)
+    assert seen == [(student_dtype,) * 4] * 2
+    assert wrapped.teacher_heads[0].weight.dtype == student_dtype

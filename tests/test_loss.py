@@ -7,13 +7,14 @@ import math
 
 import pytest
 import torch
-from loss_cases import make_case, rel_close
+from loss_cases import assert_elementwise, half_gradient_bounds, make_case, rel_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fastdistill import narrow_support, sparse_jsd_loss
 from fastdistill.loss.api import torch_sparse_jsd
 from fastdistill.loss.chunked import LossConfig
+from fastdistill.loss.support import canonical_mask
 
 BETAS = (0.0, 0.3, 0.5, 1.0)
 FIELDS = ("loss", "jsd_sum", "entropy_sum", "teacher_entropy_sum")
@@ -170,19 +171,55 @@ def test_exact_tail_is_accurate_in_fp32_where_subtraction_is_not():
     rel_close(out.loss, ref.loss, 1e-5, "exact tail, fp32")
 
 
-def test_bfloat16_inputs_compute_in_fp32_and_return_bf16_grads():
+def _sparse_half_bounds(case, h, w, b, ids, lps, mask, grads, dtype):
+    """:func:`half_gradient_bounds` for the sparse loss at scale 1, T = 1 (float64 quantities of the scored rows)."""
+    logits = h.detach().double() @ w.detach().double().t() + b.detach().double()
+    logp = logits.log_softmax(-1)
+    valid = canonical_mask(ids, lps, mask)
+    q = torch.zeros_like(logp).scatter_add_(1, ids.clamp_min(0), torch.where(valid, lps.double().exp(), 0.0))
+    tail = (1 - q.sum(1)).clamp_min(1e-300)
+    scale = 1 + logits.abs().amax(1) + logp.abs().amax(1).clamp_max(1e3) + tail.log().abs()
+    scale = scale + torch.where(valid, lps.double().abs(), 0.0).amax(1)
+    return half_gradient_bounds(h, w, logp, q, scale, 1.0, grads, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_compute_in_fp32_and_round_each_gradient_once(dtype):
+    """Element by element, not relative to the largest entry: every gradient entry is the float64 one rounded once
+    to the half dtype, within the fp32 evaluation's error of that entry (the tail vocabulary's small entries too)."""
+    case = make_case(seed=10)
+    ids, lps, mask = case.narrowed(0.0)
+    h, w, b = case.leaves(dtype)
+    out = sparse_jsd_loss(h, w, ids, lps, mask, bias=b)
+    grads = torch.autograd.grad(out.loss, (h, w, b))
+    assert out.loss.dtype == torch.float32 and all(g.dtype == dtype for g in grads)
+    hr, wr, br = (x.detach().to(torch.float64).requires_grad_(True) for x in (h, w, b))
+    ref = sparse_jsd_loss(hr, wr, ids, lps, mask, bias=br, backend="reference")
+    ref_grads = torch.autograd.grad(ref.loss, (hr, wr, br))
+    rel_close(out.loss, ref.loss, 1e-5, "half loss")
+    bounds = _sparse_half_bounds(case, h, w, b, ids, lps, mask, ref_grads, dtype)
+    for name, g, r, bound in zip(("dh", "dW", "db"), grads, ref_grads, bounds, strict=True):
+        assert_elementwise(g, r, bound, f"{dtype} {name}")
+
+
+def test_elementwise_check_sees_a_wrong_tail_gradient_that_a_max_normalised_one_misses():
+    """The oracle can catch the bug: a dW whose rows of never-candidate tokens are 2 % off passes a 1e-2 check
+    relative to the largest entry but fails the element-wise bound."""
     case = make_case(seed=10)
     ids, lps, mask = case.narrowed(0.0)
     h, w, b = case.leaves(torch.bfloat16)
-    out = sparse_jsd_loss(h, w, ids, lps, mask, bias=b)
-    out.loss.backward()
-    assert out.loss.dtype == torch.float32 and h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
     hr, wr, br = (x.detach().to(torch.float64).requires_grad_(True) for x in (h, w, b))
-    ref = sparse_jsd_loss(hr, wr, ids, lps, mask, bias=br, backend="reference")
-    ref.loss.backward()
-    rel_close(out.loss, ref.loss, 1e-5, "bf16 loss")
-    rel_close(h.grad, hr.grad, 1e-2, "bf16 dh")
-    rel_close(w.grad, wr.grad, 1e-2, "bf16 dW")
+    ref_grads = torch.autograd.grad(sparse_jsd_loss(hr, wr, ids, lps, mask, bias=br, backend="reference").loss,
+                                    (hr, wr, br))
+    never = torch.ones(w.shape[0], dtype=torch.bool)
+    never[ids[canonical_mask(ids, lps, mask)]] = False
+    assert int(never.sum()) > 0
+    wrong = ref_grads[1].clone()
+    wrong[never] *= 1.02
+    rel_close(wrong, ref_grads[1], 1e-2, "max-normalised")
+    bound = _sparse_half_bounds(case, h, w, b, ids, lps, mask, ref_grads, torch.bfloat16)[1]
+    with pytest.raises(AssertionError, match="off by"):
+        assert_elementwise(wrong, ref_grads[1], bound, "dW")
 
 
 def test_per_teacher_statistics_partition_the_totals():

@@ -181,14 +181,81 @@ def test_patches_are_idempotent_and_reversible():
     assert dist_module._chunked_divergence_loss is original_loss
 
 
-def test_logit_postprocessing_reads_configs_like_trl():
+class Zero3Like(torch.nn.Module):
+    """A wrapper that partitions like DeepSpeed ZeRO-3 / FSDP with resharding: outside its forward every parameter of
+    the wrapped model is an empty tensor; inside, the full values are put back, and released when it returns."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self.full = {name: p.data for name, p in module.named_parameters()}
+        self._release()
+
+    def _release(self) -> None:
+        for p in self.module.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def forward(self, *args, **kwargs):
+        for name, p in self.module.named_parameters():
+            p.data = self.full[name]
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._release()
+
+
+def _gkd_self(teacher, beta):
     from types import SimpleNamespace
 
-    assert integ.logit_postprocessing(SimpleNamespace(model_type="x")) == (1.0, None)
-    assert integ.logit_postprocessing(SimpleNamespace(model_type="x", logit_scale=0.5,
-                                                      final_logit_softcapping=30.0)) == (0.5, 30.0)
-    assert integ.logit_postprocessing(SimpleNamespace(model_type="granite", logits_scaling=4.0)) == (0.25, None)
-    assert integ.logit_postprocessing(SimpleNamespace(model_type="hyperclovax", logits_scaling=4.0)) == (4.0, None)
+    def unwrap(m):
+        return m.module if isinstance(m, Zero3Like) else m
+
+    return SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=unwrap), teacher_model=teacher, beta=beta)
+
+
+def _gkd_batch(vocab_size):
+    g = torch.Generator().manual_seed(8)
+    input_ids = torch.randint(3, vocab_size, (2, 7), generator=g)
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def test_gkd_loss_reads_the_lm_heads_inside_the_wrapped_forwards():
+    """With both models partitioned outside their forward (ZeRO-3 / FSDP), the patched loss is the unwrapped one:
+    nothing reads a parameter outside a forward."""
+    tokenizer = build_tokenizer()
+    student, teacher = models(tokenizer)
+    batch = _gkd_batch(len(tokenizer))
+    with torch.no_grad():
+        expected = integ.gkd_compute_loss(_gkd_self(teacher, 0.5), student, batch)
+        got = integ.gkd_compute_loss(_gkd_self(Zero3Like(teacher), 0.5), Zero3Like(student), batch)
+    assert torch.isfinite(expected) and float(got) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_gkd_loss_uses_each_models_logit_head():
+    """A Granite student (logits divided by logits_scaling = 8) and a Gemma2-style softcapped teacher: the patched
+    loss equals TRL's generalized_jsd_loss on the models' own logits (their forwards)."""
+    import transformers
+
+    common = dict(vocab_size=70, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(3)
+    student = transformers.AutoModelForCausalLM.from_config(transformers.GraniteConfig(**common, logits_scaling=8.0))
+    teacher = transformers.AutoModelForCausalLM.from_config(
+        transformers.Gemma2Config(**common, final_logit_softcapping=2.0)).eval()
+    for model in (student, teacher):
+        with torch.no_grad():
+            model.get_output_embeddings().weight.normal_(0.0, 1.0)
+    student, teacher = student.double(), teacher.double()
+    batch = _gkd_batch(70)
+    ours = integ.gkd_compute_loss(_gkd_self(teacher, 0.5), student, batch)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=batch["input_ids"]).logits
+    student_logits = student(input_ids=batch["input_ids"]).logits
+    theirs = gkd_module.GKDTrainer.generalized_jsd_loss(student_logits[:, :-1], teacher_logits[:, :-1],
+                                                        labels=batch["labels"][:, 1:], beta=0.5)
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
 
 # --- real trainers, one optimizer step each, with and without the patch ---------------------------------------------

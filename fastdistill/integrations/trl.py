@@ -23,7 +23,9 @@ with fastdistill_dense_loss_in_trl():   # or patch_trl_dense() / unpatch_trl_den
   attribute for :func:`trl_chunked_divergence_loss` (same arguments, same ``(loss, entropy_sum, n_valid)``).
 - ``GKDTrainer.compute_loss`` runs both full models for ``(B, T, V)`` logits; the patch replaces it (on the class) by
   :func:`gkd_compute_loss`, which runs both backbones for last hidden states and calls
-  :func:`dense_generalized_jsd_loss` with both lm_heads, so no ``(B, T, V)`` tensor exists.
+  :func:`dense_generalized_jsd_loss` with both lm_heads, so no ``(B, T, V)`` tensor exists; each lm_head is read
+  inside its model's forward (FSDP / ZeRO-3 gather parameters only there) and each model's logit scale and softcap
+  come from :func:`fastdistill.logit_head.logit_head_from_config`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from fastdistill.logit_head import LogitHead, causal_lm_parts, logit_head_from_config
 from fastdistill.loss import sparse_jsd_loss
 from fastdistill.loss.dense import dense_teacher_jsd_loss
 
@@ -238,27 +241,39 @@ def dense_generalized_jsd_loss(
     return loss / (n_scored * student_lm_head_weight.size(0))
 
 
-def logit_postprocessing(config: Any) -> tuple[float, float | None]:
-    """``(logit_scale, final_logit_softcapping)`` of a model's text config, read the way TRL's
-    ``DistillationTrainer`` reads them (``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, or the
-    inverse of ``logits_scaling`` — its value itself on HyperCLOVA X; 1.0 when none is set)."""
-    scale = getattr(config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(config, "lm_head_multiplier", None)
-    if scale is None and getattr(config, "logits_scaling", None) is not None:
-        scale = config.logits_scaling if config.model_type == "hyperclovax" else 1 / config.logits_scaling
-    return (1.0 if scale is None else float(scale)), getattr(config, "final_logit_softcapping", None)
+def _gkd_teacher_side(teacher: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      copy_head: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Inside the teacher wrapper's forward (its parameters gathered): the backbone's last hidden states ``(B, L, H)``
+    and the lm_head's weight and bias, detached; copied when ``copy_head`` (a sharded teacher frees the gathered
+    tensors when its forward returns)."""
+    backbone, head = causal_lm_parts(teacher)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    weight, bias = _gathered(head.weight.detach(), None if head.bias is None else head.bias.detach(), hidden.dtype)
+    if copy_head:
+        weight, bias = weight.clone(), None if bias is None else bias.clone()
+    return hidden, weight, bias
 
 
-def _backbone_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The backbone's output (``last_hidden_state`` ``(B, L, H)``) of a causal LM, skipping its lm_head."""
-    from accelerate.utils import is_peft_model
-
-    if is_peft_model(model):
-        model = model.base_model.model
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+def _gkd_student_loss(student: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      labels: torch.Tensor, teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                      teacher_head: LogitHead, beta: float, num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
+    """Inside the student wrapper's forward (its parameters gathered, so the lm_head is whole under FSDP and
+    ZeRO-3): the backbone, the lm_head and the loss; returns ``(loss, the backbone's output)``."""
+    backbone, head = causal_lm_parts(student)
+    outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    weight, bias = _gathered(head.weight, head.bias, outputs.last_hidden_state.dtype)
+    student_head = logit_head_from_config(student.config)
+    teacher_hidden, teacher_weight, teacher_bias = teacher
+    device = weight.device
+    # causal shift: the hidden state at position i predicts the token at i + 1
+    loss = dense_generalized_jsd_loss(
+        outputs.last_hidden_state[:, :-1, :].to(device), teacher_hidden[:, :-1, :].to(device), weight,
+        teacher_weight.to(device), labels=labels[:, 1:].to(device), beta=beta, num_items_in_batch=num_items_in_batch,
+        student_lm_head_bias=bias, teacher_lm_head_bias=None if teacher_bias is None else teacher_bias.to(device),
+        student_logit_scale=student_head.scale, student_softcap=student_head.softcap,
+        teacher_logit_scale=teacher_head.scale, teacher_softcap=teacher_head.softcap,
+    )
+    return loss, outputs
 
 
 def gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -266,36 +281,26 @@ def gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_bat
     shift, ``labels != -100`` mask, ``self.beta``, temperature 1 and ``num_items_in_batch``) from both backbones'
     last hidden states and lm_heads, without ``(B, T, V)`` logits.
 
+    Both sides run inside their wrapper's forward (TRL's ``_ForwardRedirection``), lm_head included: under FSDP or
+    DeepSpeed ZeRO-3 a parameter read outside the forward is a shard. The teacher's gathered head is copied out of
+    its forward when the teacher is wrapped (sharded); the student's loss is computed inside its own forward. Each
+    model's logit head is read by :func:`fastdistill.logit_head.logit_head_from_config`.
+
     With ``return_outputs=True`` it returns ``(loss, outputs)`` where ``outputs`` is the student backbone's output
     (``last_hidden_state`` ``(B, L, H)``, unshifted) instead of TRL's ``CausalLMOutput`` with logits.
     """
     from trl.models.utils import _ForwardRedirection
 
     redirect = _ForwardRedirection()
-    unwrapped_student = self.accelerator.unwrap_model(model)
-    student_outputs = redirect(model, unwrapped_student, _backbone_hidden_states, unwrapped_student,
-                               inputs["input_ids"], inputs["attention_mask"])
     self.teacher_model.eval()
     unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
     with torch.no_grad():
-        teacher_outputs = redirect(self.teacher_model, unwrapped_teacher, _backbone_hidden_states, unwrapped_teacher,
-                                   inputs["input_ids"], inputs["attention_mask"])
-    student_head = unwrapped_student.get_output_embeddings()
-    teacher_head = unwrapped_teacher.get_output_embeddings()
-    student_scale, student_softcap = logit_postprocessing(unwrapped_student.config.get_text_config())
-    teacher_scale, teacher_softcap = logit_postprocessing(unwrapped_teacher.config.get_text_config())
-    device = student_head.weight.device
-    # causal shift: the hidden state at position i predicts the token at i + 1
-    loss = dense_generalized_jsd_loss(
-        student_outputs.last_hidden_state[:, :-1, :].to(device),
-        teacher_outputs.last_hidden_state[:, :-1, :].to(device),
-        student_head.weight, teacher_head.weight.to(device),
-        labels=inputs["labels"][:, 1:].to(device), beta=self.beta, num_items_in_batch=num_items_in_batch,
-        student_lm_head_bias=student_head.bias,
-        teacher_lm_head_bias=None if teacher_head.bias is None else teacher_head.bias.to(device),
-        student_logit_scale=student_scale, student_softcap=student_softcap,
-        teacher_logit_scale=teacher_scale, teacher_softcap=teacher_softcap,
-    )
+        teacher = redirect(self.teacher_model, unwrapped_teacher, _gkd_teacher_side, unwrapped_teacher,
+                           inputs["input_ids"], inputs["attention_mask"], self.teacher_model is not unwrapped_teacher)
+    unwrapped_student = self.accelerator.unwrap_model(model)
+    loss, student_outputs = redirect(model, unwrapped_student, _gkd_student_loss, unwrapped_student,
+                                     inputs["input_ids"], inputs["attention_mask"], inputs["labels"], teacher,
+                                     logit_head_from_config(unwrapped_teacher.config), self.beta, num_items_in_batch)
     return (loss, student_outputs) if return_outputs else loss
 
 

@@ -4,7 +4,7 @@ policy gradient, sampled teacher candidates, normalisation."""
 from .api import SparseJSDOutput, sparse_jsd_loss
 from .dense import DenseJSDOutput, dense_teacher_jsd_loss
 from .normalization import scored_positions, window_loss_scale, window_token_count
-from .policy_gradient import PolicyGradientOutput, reverse_kl_pg_loss, sampled_token_logprobs
+from .policy_gradient import PolicyGradientOutput, importance_ratios, reverse_kl_pg_loss, sampled_token_logprobs
 from .sampled import (
     SampledCandidates,
     SampledKDOutput,
@@ -23,6 +23,7 @@ __all__ = [
     "candidates_from_draws",
     "dense_teacher_jsd_loss",
     "fold_out_of_vocab",
+    "importance_ratios",
     "narrow_support",
     "reverse_kl_pg_loss",
     "sample_teacher_candidates",

@@ -5,39 +5,17 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 
 from .chunked import LossConfig, sparse_jsd_rows
+from .outputs import SparseJSDOutput, summarize
 from .support import _check_beta, canonical_mask
 
 BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TAIL_MODES = ("exact", "trl")
 TRITON_ENV = "FASTDISTILL_TRITON"  # "1": backend="auto" uses the kernels on CUDA before they are marked validated
-
-
-@dataclass
-class SparseJSDOutput:
-    """Result of :func:`sparse_jsd_loss`. All fields are tensors on the input device.
-
-    Attributes:
-        loss: 0-dim, differentiable: Σ over scored positions of the per-position divergence (nats). Divide by
-            the window's token count yourself (see :mod:`fastdistill.loss.normalization`).
-        jsd_sum: 0-dim, the same sum, detached.
-        entropy_sum: 0-dim, Σ of the student's full-vocabulary entropy at the temperature (nats), detached.
-        teacher_entropy_sum: 0-dim, Σ of the teacher's entropy over support + tail (nats), detached.
-        num_tokens: 0-dim int64, number of scored positions (those with at least one valid slot).
-        per_teacher: ``(num_teachers, 3)``: per teacher index, (scored positions, jsd sum, teacher-entropy sum).
-    """
-
-    loss: torch.Tensor
-    jsd_sum: torch.Tensor
-    entropy_sum: torch.Tensor
-    teacher_entropy_sum: torch.Tensor
-    num_tokens: torch.Tensor
-    per_teacher: torch.Tensor
 
 
 def sparse_jsd_loss(
@@ -205,25 +183,6 @@ def _scored_rows(hidden, ids, lps, mask, teacher_index, token_weights=None):
     teacher_index = None if teacher_index is None else teacher_index[idx]
     token_weights = None if token_weights is None else token_weights[idx]
     return hidden.index_select(0, idx), ids[idx], lps[idx], valid[idx], teacher_index, token_weights
-
-
-def summarize(loss, div, ent, tent, teacher_index, num_teachers) -> SparseJSDOutput:
-    """Pack per-row statistics of the scored rows into a :class:`SparseJSDOutput`."""
-    with torch.no_grad():
-        per_row = torch.stack([torch.ones_like(div), div, tent], dim=1)
-        per_teacher = torch.zeros(num_teachers, 3, dtype=div.dtype, device=div.device)
-        if teacher_index is None:  # a single teacher: everything is teacher 0
-            per_teacher[0] = per_row.sum(dim=0)
-        else:
-            per_teacher.index_add_(0, teacher_index.long(), per_row)
-        return SparseJSDOutput(
-            loss=loss,
-            jsd_sum=div.sum(),
-            entropy_sum=ent.sum(),
-            teacher_entropy_sum=tent.sum(),
-            num_tokens=torch.tensor(div.numel(), dtype=torch.int64, device=div.device),
-            per_teacher=per_teacher,
-        )
 
 
 class _SparseJSD(torch.autograd.Function):

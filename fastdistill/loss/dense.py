@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from .api import (
-    SparseJSDOutput,
     _is_number,
     _triton_is_default,
     _validate_weights,
@@ -35,22 +34,10 @@ from .api import (
     saved_gradients,
 )
 from .chunked import default_chunk_rows
+from .outputs import DenseJSDOutput, summarize_dense
 from .support import _check_beta
 
 DENSE_BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
-
-
-@dataclass
-class DenseJSDOutput(SparseJSDOutput):
-    """Result of :func:`dense_teacher_jsd_loss`: the fields of :class:`SparseJSDOutput` (``teacher_entropy_sum`` is
-    the teacher's entropy over the student's vocabulary after renormalisation) plus
-
-    Attributes:
-        teacher_dropped_mass_sum: 0-dim, Σ over scored positions of the teacher's probability on ids ≥ V_s (rows of
-            a padded teacher vocabulary), before renormalisation; 0 when the vocabularies have the same size.
-    """
-
-    teacher_dropped_mass_sum: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -200,14 +187,6 @@ def _triton_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, studen
         loss, div, ent, tent, dropped = chunked_dense_teacher_jsd(s_hidden, s_weight, t_hidden, t_weight, **kw,
                                                                   row_weights=token_weights, chunk_rows=chunk_rows)
     return summarize_dense(loss, div.detach(), ent, tent, dropped, teacher_index, num_teachers)
-
-
-def summarize_dense(loss, div, ent, tent, dropped, teacher_index, num_teachers) -> DenseJSDOutput:
-    """Pack per-row statistics of the scored rows into a :class:`DenseJSDOutput`."""
-    from .api import summarize
-
-    out = summarize(loss, div, ent, tent, teacher_index, num_teachers)
-    return DenseJSDOutput(**vars(out), teacher_dropped_mass_sum=dropped.detach().sum())
 
 
 def _student_top_k_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head,

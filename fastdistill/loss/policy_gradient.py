@@ -10,6 +10,14 @@ reverse KL at the visited state, using only the teacher's log-prob of the sample
 with the learner's weights (instead of the stale rollout's) is what makes it robust to asynchrony (the AsyncOPD
 paper's estimator). ``w`` optionally corrects for the rollout policy μ ≠ π_θ.
 
+Importance ratios (here and for stale samples, :func:`importance_ratios`) follow one convention: π_θ is evaluated
+at the **sampling temperature** τ, the distribution the student server sampled y from (with ``--logprobs-mode
+processed_logprobs`` its reported log-prob μ(y) is that distribution's), so the ratio corrects only for the weights
+having moved since the rollout, and a fresh sample's ratio is 1. The advantage and the loss use π_θ at the loss
+``temperature`` (the teacher's, 1 for served teachers); with τ ≠ 1 the estimator is the reverse-KL gradient at the
+states and tokens of the tempered sampling policy, as it is without the ratio. Top-k / top-p truncation of the
+sampler is not modelled.
+
 The full-vocabulary log-sum-exp is taken in bounded row chunks under activation checkpointing, so at most one
 ``(chunk, V)`` logits tile is alive, in forward and in backward.
 """
@@ -21,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from fastdistill.logit_head import LogitHead, head_logits
 
 CHUNK_ROWS = 256
 
@@ -51,19 +61,16 @@ class PolicyGradientOutput:
 
 
 def _token_logprobs(hidden, weight, bias, actual_ids, logit_scale, softcap, temperature):
-    logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-    logits = logits * logit_scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
+    logits = head_logits(hidden, weight, bias, LogitHead(float(logit_scale), softcap), temperature=temperature)
     return logits.gather(1, actual_ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
 
 
 def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_ids: torch.Tensor, *,
                            bias: torch.Tensor | None = None, logit_scale: float = 1.0, softcap: float | None = None,
                            temperature: float = 1.0, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """log π_θ(y) of ``actual_ids`` (N,) over the full vocabulary, float32 (N,), differentiable, with at most one
-    ``(chunk_rows, V)`` logits tile alive (checkpointed per chunk)."""
+    """log π_θ(y) of ``actual_ids`` (N,) over the full vocabulary, float32 (N,) (float64 for float64 inputs),
+    differentiable, with at most one ``(chunk_rows, V)`` logits tile alive (checkpointed per chunk). Logits as
+    :func:`fastdistill.logit_head.head_logits` computes them."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
@@ -73,6 +80,20 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_id
         else:
             parts.append(_token_logprobs(*args))
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+@torch.no_grad()
+def importance_ratios(hidden: torch.Tensor, weight: torch.Tensor, actual_ids: torch.Tensor,
+                      rollout_logprobs: torch.Tensor, *, bias: torch.Tensor | None = None, logit_scale: float = 1.0,
+                      softcap: float | None = None, sampling_temperature: float = 1.0,
+                      chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """π_θ(y) / μ(y) per sampled token, (N,) float32, no gradient: the current student's probability of
+    ``actual_ids`` (N,) at the sampling temperature (``hidden`` (N, D), ``weight`` (V, D), the head's
+    ``logit_scale`` / ``softcap``) over the rollout policy's, ``rollout_logprobs`` (N,) (nats, what the student server
+    reported for the sample). A sample scored with the weights it was generated with has ratio 1."""
+    logprob = sampled_token_logprobs(hidden, weight, actual_ids.long(), bias=bias, logit_scale=logit_scale,
+                                     softcap=softcap, temperature=sampling_temperature, chunk_rows=chunk_rows)
+    return torch.exp(logprob.float() - rollout_logprobs.float())
 
 
 def reverse_kl_pg_loss(
@@ -85,6 +106,7 @@ def reverse_kl_pg_loss(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     temperature: float = 1.0,
+    sampling_temperature: float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     ratio_clip: float | None = None,
     token_weights: torch.Tensor | None = None,
@@ -95,6 +117,9 @@ def reverse_kl_pg_loss(
         hidden: ``(N, D)`` student hidden states of the positions; weight ``(V, D)``; bias ``(V,)`` or None.
         actual_ids: ``(N,)`` the sampled tokens y.
         teacher_logprobs: ``(N,)`` log π_T(y) (nats), finite.
+        temperature: divides the student logits of the advantage and the loss.
+        sampling_temperature: the temperature y was sampled at (None: ``temperature``); the importance ratio's π_θ
+            is taken there (:func:`importance_ratios`), so a fresh sample's ratio is 1.
         rollout_logprobs: ``(N,)`` log μ(y) of the rollout policy, or None (no importance ratio).
         ratio_clip: upper clip of the importance ratio (None: unclipped); needs ``rollout_logprobs``.
         token_weights: ``(N,)`` extra constant weights, or None.
@@ -111,22 +136,30 @@ def reverse_kl_pg_loss(
         raise ValueError(f"actual_ids must lie in [0, V) = [0, {weight.shape[0]})")
     if n and not bool(torch.isfinite(teacher_logprobs).all()):
         raise ValueError("teacher_logprobs must be finite (the teacher's log-prob of every sampled token)")
+    for name, value in (("temperature", temperature), ("sampling_temperature", sampling_temperature)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     if ratio_clip is not None and (rollout_logprobs is None or not math.isfinite(ratio_clip) or ratio_clip <= 0):
         raise ValueError("ratio_clip needs rollout_logprobs and must be a finite number > 0")
     logprob = sampled_token_logprobs(hidden, weight, actual_ids.long(), bias=bias, logit_scale=logit_scale,
                                      softcap=softcap, temperature=temperature)
     with torch.no_grad():
-        advantage = teacher_logprobs.float() - logprob
+        advantage = teacher_logprobs.to(logprob.dtype) - logprob  # float32, float64 for float64 inputs
         coefficient = advantage.clone()
         ratio = torch.zeros(0, device=hidden.device)
         clipped = torch.zeros((), device=hidden.device)
         if rollout_logprobs is not None:
-            ratio = torch.exp(logprob - rollout_logprobs.float())
+            if sampling_temperature is None or sampling_temperature == temperature:
+                ratio = torch.exp(logprob - rollout_logprobs.to(logprob.dtype))
+            else:
+                ratio = importance_ratios(hidden, weight, actual_ids, rollout_logprobs, bias=bias,
+                                          logit_scale=logit_scale, softcap=softcap,
+                                          sampling_temperature=sampling_temperature)
             capped = ratio if ratio_clip is None else ratio.clamp(max=ratio_clip)
             clipped = (capped < ratio).sum()
-            coefficient = coefficient * capped
+            coefficient = coefficient * capped.to(coefficient.dtype)
         if token_weights is not None:
-            coefficient = coefficient * token_weights.float()
+            coefficient = coefficient * token_weights.to(coefficient.dtype)
     loss = -(coefficient * logprob).sum()
     if n == 0:  # keep the graph connected so that backward (and FSDP's gradient sync) still runs
         loss = loss + 0.0 * (hidden.sum() + weight.sum())

@@ -11,12 +11,13 @@ import math
 
 import torch
 
+from .chunked import LossConfig
+from .outputs import DenseJSDOutput, summarize, summarize_dense
+
 
 def reference_sparse_jsd(hidden, weight, ids, lps, mask, *, bias=None, cfg, teacher_index=None, num_teachers=1,
                          token_weights=None):
     """Same contract as :func:`fastdistill.sparse_jsd_loss` (``cfg`` is a ``LossConfig``); O(N·V) memory."""
-    from .api import summarize
-
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     dtype = dtype if dtype == torch.float64 else torch.float32
     x = hidden.to(dtype) @ weight.to(dtype).t()
@@ -102,8 +103,6 @@ def reference_dense_teacher_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, 
                                 student_top_k=None):
     """Same contract as :func:`fastdistill.dense_teacher_jsd_loss` (``student`` / ``teacher`` are its ``Head``s):
     both distributions materialised as ``(N, V)`` probabilities, the divergence in probability space; O(N·V)."""
-    from .dense import DenseJSDOutput, summarize_dense
-
     any64 = torch.float64 in (s_hidden.dtype, s_weight.dtype, t_hidden.dtype, t_weight.dtype)
     dtype = torch.float64 if any64 else torch.float32
     V = s_weight.shape[0]
@@ -123,8 +122,6 @@ def reference_dense_teacher_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, 
     q = q_full[:, :V] / q_kept.unsqueeze(1)  # the teacher's mass on ids >= V is dropped, the rest renormalised
     rows = torch.arange(p.shape[0], device=p.device) if mask is None else mask.nonzero().squeeze(1)
     if student_top_k is not None:  # the student's top-k tokens (+ tails) with the teacher's log-probs on them
-        from .chunked import LossConfig
-
         ids = p[rows].topk(student_top_k, dim=1).indices
         cfg = LossConfig(logit_scale=student.scale, softcap=student.softcap, beta=beta,
                          temperature=student.temperature, add_tail_bucket=True, tail_mode="exact")

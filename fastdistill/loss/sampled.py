@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fastdistill.logit_head import LogitHead, head_logits
+
 CHUNK_ROWS = 256  # rows per checkpointed chunk: at most one (CHUNK_ROWS, V) logits tile is alive
 
 
@@ -217,11 +219,8 @@ def _candidate_logprobs(hidden, weight, bias, ids, logit_scale, softcap, tempera
 
 
 def _chunk_logprobs(hidden, weight, bias, ids, logit_scale, softcap, temperature, dtype):
-    logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
-    logits = logits * logit_scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
+    logits = head_logits(hidden, weight, bias, LogitHead(float(logit_scale), softcap), temperature=temperature,
+                         dtype=dtype)
     return logits.gather(1, ids) - torch.logsumexp(logits, dim=1, keepdim=True)
 
 

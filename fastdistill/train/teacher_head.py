@@ -2,10 +2,9 @@
 
 A hidden-state teacher server (``fastdistill serve-teacher --signal hidden``) returns final hidden states; the
 trainer turns them into the teacher's logits with the head loaded here: ``softcap(logit_scale * (hidden @
-weight.T + bias))``, the same conventions the student's head follows (``logit_scale`` and
-``final_logit_softcapping`` from the config, 1 and none when absent; Granite's ``logits_scaling`` divides, so it
-becomes ``logit_scale = 1 / logits_scaling``). Only the head's tensors are read from the safetensors files, not
-the rest of the model.
+weight.T + bias))``, the scalars read from its config.json by the reader the student's head uses
+(:func:`fastdistill.logit_head.logit_head_from_config`: each family's own rule, a ConfigError for a family whose
+head it cannot reproduce). Only the head's tensors are read from the safetensors files, not the rest of the model.
 
 :func:`teacher_head_folder` and :func:`load_hidden_teacher_head` are the rules the trainer and ``fastdistill eval``
 share for a ``teacher_signal: hidden`` teacher: where its head comes from, that it covers the student's vocabulary,
@@ -14,6 +13,7 @@ and that its width is the width the server sends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fastdistill.errors import ConfigError, TeacherHeadError
+from fastdistill.logit_head import LogitHead, head_logits, logit_head_from_config
 
 # Where checkpoints keep the output projection, and the input embedding a tied head reuses (first match wins).
 HEAD_WEIGHT_NAMES = ("lm_head.weight", "language_model.lm_head.weight", "embed_out.weight", "output.weight")
@@ -33,7 +34,7 @@ EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_toke
 
 @dataclass(frozen=True)
 class TeacherHead:
-    """The teacher's lm_head: ``weight`` (V, D), ``bias`` (V,) or None, and the scalar logit settings.
+    """The teacher's lm_head: ``weight`` (V, D), ``bias`` (V,) or None, and its :class:`LogitHead` scalars.
 
     ``tied`` says whether ``weight`` is the input embedding (``tie_word_embeddings``). V is the checkpoint's row
     count, which may exceed the tokenizer's vocabulary (padded embeddings).
@@ -41,16 +42,27 @@ class TeacherHead:
 
     weight: torch.Tensor
     bias: torch.Tensor | None
-    logit_scale: float
-    softcap: float | None
+    head: LogitHead
     tied: bool
+
+    @property
+    def logit_scale(self) -> float:
+        """The scale of :attr:`head`."""
+        return self.head.scale
+
+    @property
+    def softcap(self) -> float | None:
+        """The softcap of :attr:`head` (None: none)."""
+        return self.head.softcap
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher logits (..., V) for final hidden states (..., D), computed in the head's dtype."""
-        logits = torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias) * self.logit_scale
-        if self.softcap is not None:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        return logits
+        return head_logits(hidden, self.weight, self.bias, self.head, dtype=self.weight.dtype)
+
+    def to(self, dtype: torch.dtype) -> TeacherHead:
+        """The same head with its tensors in ``dtype``."""
+        return dataclasses.replace(self, weight=self.weight.to(dtype),
+                                   bias=None if self.bias is None else self.bias.to(dtype))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -64,14 +76,11 @@ def _setting(config: dict[str, Any], key: str) -> Any:
     return text[key] if key in text else config.get(key)
 
 
-def head_settings(config: dict[str, Any]) -> tuple[float, float | None, bool | None]:
-    """``(logit_scale, softcap, tie_word_embeddings)`` from a parsed config.json (the last None when absent)."""
-    logit_scale = float(_setting(config, "logit_scale") or 1.0)
-    if scaling := _setting(config, "logits_scaling"):  # Granite divides its logits by this
-        logit_scale /= float(scaling)
-    softcap = _setting(config, "final_logit_softcapping")
+def head_settings(config: dict[str, Any]) -> tuple[LogitHead, bool | None]:
+    """``(logit head, tie_word_embeddings)`` from a parsed config.json (the last None when absent); ConfigError
+    from :func:`~fastdistill.logit_head.logit_head_from_config` for a head it cannot reproduce."""
     tied = _setting(config, "tie_word_embeddings")
-    return logit_scale, (float(softcap) if softcap else None), (None if tied is None else bool(tied))
+    return logit_head_from_config(config), (None if tied is None else bool(tied))
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -108,8 +117,9 @@ def load_teacher_head(model_dir: str | Path, dtype: torch.dtype | None = torch.f
     The weight is the input embedding for a tied model (``tie_word_embeddings: true``), ``lm_head.weight`` (or
     another known head name) for an untied one, and without that setting the head when the checkpoint holds one,
     else the embedding; the bias is ``lm_head.bias`` when present. ``dtype`` casts the tensors (None keeps the
-    checkpoint's). Raises :class:`TeacherHeadError` when the folder, its config.json, its safetensors or the head's
-    tensors are missing, or the shapes disagree.
+    checkpoint's); load it in the student's compute dtype (bfloat16 for a bf16 run), the dtype the dense loss uses
+    on both sides. Raises :class:`TeacherHeadError` when the folder, its config.json, its safetensors or the head's
+    tensors are missing, the shapes disagree, or the config's logit head cannot be reproduced.
     """
     folder = Path(model_dir)
     if not folder.is_dir():
@@ -118,7 +128,10 @@ def load_teacher_head(model_dir: str | Path, dtype: torch.dtype | None = torch.f
     if not config_path.is_file():
         raise TeacherHeadError(f"{folder} has no config.json")
     config = json.loads(config_path.read_text())
-    logit_scale, softcap, tied = head_settings(config)
+    try:
+        head, tied = head_settings(config)
+    except ConfigError as error:
+        raise TeacherHeadError(f"{folder}: {error}") from error
     files = _tensor_files(folder)
     # A tied model computes with its embedding (whatever else the checkpoint holds), an untied one with its head;
     # without the setting (each model class has its own default), the head when the checkpoint has one.
@@ -146,8 +159,7 @@ def load_teacher_head(model_dir: str | Path, dtype: torch.dtype | None = torch.f
     return TeacherHead(
         weight=weight.to(device=device, **cast),
         bias=None if bias is None else bias.to(device=device, **cast),
-        logit_scale=logit_scale,
-        softcap=softcap,
+        head=head,
         tied=head_name in EMBEDDING_NAMES,
     )
 
