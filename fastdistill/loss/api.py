@@ -9,12 +9,11 @@ import os
 import torch
 
 from .chunked import LossConfig, sparse_jsd_rows
+from .options import BACKENDS, TAIL_MODES
 from .outputs import SparseJSDOutput, summarize
 from .support import _check_beta, canonical_mask
 
-BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TAIL_MODES = ("exact", "trl")
 TRITON_ENV = "FASTDISTILL_TRITON"  # "1": backend="auto" uses the kernels on CUDA before they are marked validated
 
 

@@ -34,10 +34,9 @@ from .api import (
     saved_gradients,
 )
 from .chunked import default_chunk_rows
+from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
 from .support import _check_beta
-
-DENSE_BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 
 
 @dataclass(frozen=True)
@@ -455,8 +454,8 @@ def _validate_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, s_sc
     for name, cap in (("student_softcap", s_softcap), ("teacher_softcap", t_softcap)):
         if cap is not None and (not _is_number(cap) or not (math.isfinite(cap) and cap > 0)):
             raise ValueError(f"{name} must be None or a finite number > 0, got {cap!r}")
-    if backend not in DENSE_BACKENDS:
-        raise ValueError(f"backend must be one of {DENSE_BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be None or an int >= 1, got {chunk_rows!r}")
     if not isinstance(num_teachers, int) or isinstance(num_teachers, bool) or num_teachers < 1:

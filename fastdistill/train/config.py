@@ -18,12 +18,12 @@ from typing import Any
 import yaml
 
 from fastdistill.errors import ConfigError
+from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
+from fastdistill.loss.options import TAIL_MODES
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
 
 LOSS_TYPES = ("jsd", "reverse_kl_pg")
 STALE_POLICIES = ("drop", "importance")
-TAIL_MODES = ("exact", "trl")
-LOSS_BACKENDS = ("auto", "torch", "reference", "triton", "triton-chunked")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
