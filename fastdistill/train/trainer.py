@@ -331,7 +331,7 @@ class AsyncDistillationTrainer:
         self.model.teacher_heads = pipeline.load_teacher_heads(
             config, self.dist, served, widths, vocab_size=self.student_vocab_size,
             dtype=torch.bfloat16 if self._use_bf16() and self.dist.world_size > 1 else
-            self.hf_model.get_output_embeddings().weight.dtype)  # the compute dtype (autocast computes in fp32)
+            self.hf_model.get_output_embeddings().weight.dtype)  # bf16 weights under FSDP; one process autocasts
         if self.weight_sync is None and not self._offline:
             from fastdistill.sync import weight_sync_from_config
 
