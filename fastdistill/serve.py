@@ -15,9 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -26,6 +23,7 @@ import torch
 
 from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
 from fastdistill.errors import VLLMServerError
+from fastdistill.http_client import poll_until_healthy, run_blocking
 from fastdistill.sync.network import is_loopback_host
 
 Role = Literal["teacher", "student"]
@@ -60,19 +58,8 @@ _LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 def wait_until_healthy(url: str, *, alive: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> str:
     """Poll ``url/health`` until it answers 200 (``"healthy"``), ``alive()`` turns False (``"exited"``: the server
-    process died during start-up) or ``timeout_s`` seconds pass (``"timeout"``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            return "exited"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return "healthy"
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(poll_s)
-    return "timeout"
+    process died during start-up) or ``timeout_s`` seconds pass (``"timeout"``). Blocking; never through a proxy."""
+    return run_blocking(lambda: poll_until_healthy(url, alive=alive, timeout_s=timeout_s, poll_s=poll_s))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
