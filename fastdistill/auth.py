@@ -11,8 +11,9 @@ these environment variables:
 
 An empty variable counts as unset. Each variable also has a ``_FILE`` form (``FASTDISTILL_STUDENT_API_KEY_FILE``,
 ``FASTDISTILL_TEACHER_API_KEY_<ID>_FILE``, ``FASTDISTILL_TEACHER_API_KEY_FILE``) naming a file that holds the key, read
-when the variable itself is unset: what ``fastdistill serve-*`` writes when it generates a key (mode 0600; a file that
-other users may read is refused). Clients send the key as ``Authorization: Bearer <key>``.
+when the variable itself is unset (mode 0600: a file that other users may read is refused). Last comes the key that
+``fastdistill serve-<role>`` generated when it was given none (:func:`default_key_file`, ``~/.cache/fastdistill/keys/
+<role>.key``), so a trainer run by the same user finds it. Clients send the key as ``Authorization: Bearer <key>``.
 
 The mask ``"***"`` that saved configs and trackers show in place of a key is never a key: a config copied from a run's
 saved one fails with a :class:`~fastdistill.errors.ConfigError` naming the field instead of sending ``***``.
@@ -108,22 +109,35 @@ def key_from_file_or_new(path: str | Path) -> tuple[str, bool]:
     return write_new_key_file(path), True
 
 
-def default_key_file(role: str, port: int, environ: Mapping[str, str] | None = None) -> Path:
-    """Where ``fastdistill serve-<role>`` keeps the key it generates for ``port``:
-    ``$XDG_CACHE_HOME/fastdistill/keys/<role>-<port>.key`` (default ``~/.cache/...``)."""
+def default_key_file(role: str, environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``fastdistill serve-<role>`` keeps the key it generates when given none, and where the trainer looks for
+    it when it has no other: ``$XDG_CACHE_HOME/fastdistill/keys/<role>.key`` (default ``~/.cache/...``). One key per
+    user and role: the replicas of a server, and every teacher, share it."""
     cache = (os.environ if environ is None else environ).get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "fastdistill" / "keys" / f"{role}-{port}.key"
+    return Path(cache) / "fastdistill" / "keys" / f"{role}.key"
 
 
-def student_api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """``$FASTDISTILL_STUDENT_API_KEY``, or None when unset or empty."""
-    return _env(STUDENT_KEY_ENV, environ)
+def _generated_key(role: str, environ: Mapping[str, str] | None) -> str | None:
+    path = default_key_file(role, environ)
+    return read_key_file(path, what=f"the key fastdistill serve-{role} generated") if path.exists() else None
 
 
-def teacher_api_key_from_env(teacher_id: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """Teacher ``teacher_id``'s key from ``$FASTDISTILL_TEACHER_API_KEY_<ID>``, else ``$FASTDISTILL_TEACHER_API_KEY``,
-    else None."""
-    return _env(teacher_key_env(teacher_id), environ) or _env(TEACHER_KEY_ENV, environ)
+def student_api_key_from_env(environ: Mapping[str, str] | None = None, *, generated: bool = True) -> str | None:
+    """``$FASTDISTILL_STUDENT_API_KEY`` (or the file ``$FASTDISTILL_STUDENT_API_KEY_FILE`` names), else, with
+    ``generated``, the key ``fastdistill serve-student`` generated (:func:`default_key_file`) when it exists, else
+    None."""
+    key = _env(STUDENT_KEY_ENV, environ)
+    return key if key is not None or not generated else _generated_key("student", environ)
+
+
+def teacher_api_key_from_env(
+    teacher_id: str, environ: Mapping[str, str] | None = None, *, generated: bool = True
+) -> str | None:
+    """Teacher ``teacher_id``'s key from ``$FASTDISTILL_TEACHER_API_KEY_<ID>``, else ``$FASTDISTILL_TEACHER_API_KEY``
+    (each or its ``_FILE`` form), else, with ``generated``, the key ``fastdistill serve-teacher`` generated when it
+    exists, else None."""
+    key = _env(teacher_key_env(teacher_id), environ) or _env(TEACHER_KEY_ENV, environ)
+    return key if key is not None or not generated else _generated_key("teacher", environ)
 
 
 def teacher_api_keys_with_env(

@@ -112,28 +112,30 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
     if args.api_key is not None:
         return args.api_key
-    return student_api_key_from_env() if args.role == "student" else teacher_api_key_from_env("default")
+    if args.role == "student":
+        return student_api_key_from_env(generated=False)
+    return teacher_api_key_from_env("default", generated=False)
 
 
 def _served_key(args: argparse.Namespace) -> str | None:
     """The key ``serve-<role>`` starts the server with: ``--api-key``, else the key in ``--api-key-file`` (generated
     there when the file does not exist), else the role's variables or ``$VLLM_API_KEY``, else none with
-    ``--no-api-key``, else a key generated into (or reused from) :func:`fastdistill.auth.default_key_file`. Says on
-    stderr where a key file is and how the trainer reads it; never prints the key. ``--dry-run`` writes nothing."""
+    ``--no-api-key`` (a dev-mode server must then listen on loopback), else a key generated into (or reused from)
+    :func:`fastdistill.auth.default_key_file`. Says on stderr where a key file is and how the trainer reads it; never
+    prints the key. ``--dry-run`` writes nothing."""
     import secrets
 
     from fastdistill.auth import VLLM_KEY_ENV, default_key_file, key_from_file_or_new, read_key_file
 
-    if args.api_key is not None and args.api_key_file is not None:
-        raise ConfigError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None and (args.api_key_file is not None or args.no_api_key):
+        raise ConfigError("give one of --api-key, --api-key-file and --no-api-key, not both")
     path = args.api_key_file
     if path is None:
         if (key := _api_key(args) or os.environ.get(VLLM_KEY_ENV) or None) is not None or args.no_api_key:
             return key
-        path = default_key_file(args.role, args.port)
+        path = default_key_file(args.role)
     if args.no_api_key:
         raise ConfigError("give --api-key-file or --no-api-key, not both")
-    variable = f"FASTDISTILL_{args.role.upper()}_API_KEY_FILE"
     if args.dry_run and not path.expanduser().exists():
         logger.info("would generate an API key into %s (mode 0600)", path)
         return secrets.token_urlsafe(32)
@@ -141,8 +143,11 @@ def _served_key(args: argparse.Namespace) -> str | None:
         key, new = read_key_file(path, what="--api-key-file"), False
     else:
         key, new = key_from_file_or_new(path)
-    logger.info("API key %s %s (mode 0600): the trainer reads it with %s=%s", "generated into" if new else "read from",
-                path, variable, path)
+    variable = f"FASTDISTILL_{args.role.upper()}_API_KEY_FILE"
+    found = ("a trainer run by this user finds it there" if path == default_key_file(args.role)
+             else f"the trainer reads it with {variable}={path}")
+    logger.info("API key %s %s (mode 0600): %s; elsewhere, give it with %s", "generated into" if new else "read from",
+                path, found, variable)
     return key
 
 
@@ -225,11 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "arguments show in the process list")
         serve.add_argument("--api-key-file", type=Path, default=None,
                            help=f"read the key from this file (mode 0600), or generate one into it when it does not "
-                                f"exist; without a key from anywhere: ~/.cache/fastdistill/keys/{role}-PORT.key. The "
-                                f"trainer reads it with {variable}_FILE=PATH")
+                                f"exist; without a key from anywhere: ~/.cache/fastdistill/keys/{role}.key, where a "
+                                f"trainer of the same user finds it. The trainer reads another file with "
+                                f"{variable}_FILE=PATH")
         serve.add_argument("--no-api-key", action="store_true",
-                           help="serve without a key (loopback only for a student): every local user can then "
-                                "use the server" + (" and replace its weights" if role == "student" else ""))
+                           help="when no key is given (--api-key, the variables), serve without one instead of "
+                                "generating one (loopback only for a student): every local user can then use the "
+                                "server" + (" and replace its weights" if role == "student" else ""))
         if role == "teacher":
             serve.add_argument("--signal", choices=("topk", "hidden"), default="topk",
                                help="what the teacher serves: topk (default) prompt log-probs on /v1/completions, or "

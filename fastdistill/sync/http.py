@@ -19,7 +19,7 @@ def _hint(route: str, error: HTTPFailure, backend: str, sent_key: bool) -> str |
             return "the server refused this API key: check that the trainer and the server use the same key"
         return (
             "the server requires an API key: set the student's key (vllm_server_api_key, or the environment "
-            "variable FASTDISTILL_STUDENT_API_KEY; VLLMWeightSync(api_key=...))"
+            "variable FASTDISTILL_STUDENT_API_KEY or FASTDISTILL_STUDENT_API_KEY_FILE; VLLMWeightSync(api_key=...))"
         )
     if error.status == 404:
         return (
