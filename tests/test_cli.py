@@ -13,7 +13,8 @@ from fastdistill.cli import main
 
 
 def test_serve_teacher_dry_run_prints_the_teacher_flags(capsys):
-    assert main(["serve-teacher", "some/model", "--port", "9001", "--no-api-key", "--dry-run", "--", "--seed", "3"]) == 0
+    argv = ["serve-teacher", "some/model", "--port", "9001", "--no-api-key", "--dry-run", "--", "--seed", "3"]
+    assert main(argv) == 0
     command = capsys.readouterr().err
     assert "vllm.entrypoints.openai.api_server" in command and "--model some/model" in command
     assert "--max-logprobs -1" in command and "--logprobs-mode processed_logprobs" in command
