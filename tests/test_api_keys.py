@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import urllib.error
-import urllib.request
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -32,6 +30,7 @@ from fastdistill.auth import (  # noqa: E402
     mask_secrets,
     teacher_key_env,
 )
+from fastdistill.http_client import HTTPFailure, request_json_blocking  # noqa: E402
 from fastdistill.rollout import (  # noqa: E402
     RetryPolicy,
     RolloutConfig,
@@ -368,13 +367,13 @@ def keyed(tmp_path_factory):
 
 
 def status_of(url: str, method: str = "GET", body: object = None, key: str | None = None) -> int:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    """The HTTP status ``url`` answers (200 for any success), through fastdistill's HTTP layer."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=60) as answer:
-            return answer.status
-    except urllib.error.HTTPError as error:
-        return error.code
+        request_json_blocking(method, url, body, timeout_s=60, api_key=key)
+    except HTTPFailure as failure:
+        assert failure.status is not None, failure.message
+        return failure.status
+    return 200
 
 
 @pytest.mark.vllm

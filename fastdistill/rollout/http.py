@@ -65,7 +65,8 @@ def _unauthorized_hint(sent_key: bool) -> str:
         "The server requires an API key: give the client api_key= (training config: vllm_server_api_key and "
         "teacher_api_keys, or the environment variables FASTDISTILL_STUDENT_API_KEY and "
         "FASTDISTILL_TEACHER_API_KEY[_<ID>], or their _FILE forms naming a key file). A key that `fastdistill "
-        "serve-*` generated is in the server's log and read from ~/.cache/fastdistill/keys/<role>.key by default."
+        "serve-*` generated is in ~/.cache/fastdistill/keys/<role>.key (its log names the file), which the training "
+        "config reads by default."
     )
 
 
