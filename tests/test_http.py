@@ -213,3 +213,13 @@ def test_request_json_sends_the_key_only_as_a_bearer_header():
         return [await request_json("GET", url + "/x", timeout_s=30, api_key=key) for key in (None, "k-1")]
 
     assert serve_and_call(echo, call) == [{"authorization": None}, {"authorization": "Bearer k-1"}]
+
+
+def test_the_http_layer_imports_no_torch():
+    """The rollout worker's child imports it: it must stay light."""
+    import subprocess
+    import sys
+
+    code = "import sys, fastdistill.http_client; print('torch' in sys.modules)"
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "False"
