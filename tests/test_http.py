@@ -129,8 +129,8 @@ def dead_proxy(monkeypatch) -> str:
 def test_the_dead_proxy_stops_a_client_that_honours_it(dead_proxy):
     """The oracle of the tests below: a client that follows the variables (urllib) cannot reach a loopback server."""
     with serving(models_and_health) as url:
-        with pytest.raises(urllib.error.URLError):
-            urllib.request.urlopen(url + "/health", timeout=30)
+        with pytest.raises(urllib.error.URLError):  # a new opener: urlopen's reads the variables once per process
+            urllib.request.build_opener().open(url + "/health", timeout=30)
 
 
 def test_the_launcher_wait_reaches_a_loopback_server_despite_a_proxy(dead_proxy):
