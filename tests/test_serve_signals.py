@@ -164,3 +164,23 @@ def test_a_real_vllm_server_stops_with_the_serve_cli(tmp_path, signum):
         if cli.poll() is None:
             cli.kill()
         cli.wait()
+
+
+def test_a_server_that_dies_leaves_nothing_and_the_cli_reports_its_signal(tmp_path, stand_in):
+    """The server's first process killed on its own (the OOM killer): the CLI ends what is left of its group (the
+    engine stand-in, which holds the port) and exits with 128 + 9."""
+    port = free_port()
+    cli = start_cli(tmp_path, "teacher", "some/model", port, stand_in)
+    try:
+        outcome = wait_until_healthy(f"http://127.0.0.1:{port}", alive=lambda: cli.poll() is None, timeout_s=120)
+        assert outcome == "healthy", (tmp_path / "cli.log").read_text()
+        server_pid, engine_pid = map(int, (tmp_path / "pids").read_text().split())
+        os.kill(server_pid, signal.SIGKILL)
+        wait_for(lambda: cli.poll() is not None, 60, "the CLI still runs")
+        wait_for(lambda: port_refuses(port), 60, f"port {port} still accepts connections")
+        wait_for(lambda: not alive(engine_pid), 60, "the engine stand-in outlived its server")
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        cli.wait()
+    assert cli.returncode == 128 + signal.SIGKILL
