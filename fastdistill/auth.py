@@ -9,14 +9,22 @@ these environment variables:
   than ``A-Z`` and ``0-9`` replaced by ``_``: teacher ``"math-v2"`` reads ``FASTDISTILL_TEACHER_API_KEY_MATH_V2``);
 - ``FASTDISTILL_TEACHER_API_KEY``: the key of every teacher without a variable of its own.
 
-An empty variable counts as unset. Clients send the key as ``Authorization: Bearer <key>``.
+An empty variable counts as unset. Each variable also has a ``_FILE`` form (``FASTDISTILL_STUDENT_API_KEY_FILE``,
+``FASTDISTILL_TEACHER_API_KEY_<ID>_FILE``, ``FASTDISTILL_TEACHER_API_KEY_FILE``) naming a file that holds the key, read
+when the variable itself is unset (mode 0600: a file that other users may read is refused). Last comes the key that
+``fastdistill serve-<role>`` generated when it was given none (:func:`default_key_file`, ``~/.cache/fastdistill/keys/
+<role>.key``), so a trainer run by the same user finds it. Clients send the key as ``Authorization: Bearer <key>``.
+
+The mask ``"***"`` that saved configs and trackers show in place of a key is never a key: a config copied from a run's
+saved one fails with a :class:`~fastdistill.errors.ConfigError` naming the field instead of sending ``***``.
 
 vLLM's own ``--api-key`` (or ``VLLM_API_KEY``) only guards the paths under ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere``: the dev-mode routes a student needs for weight sync (``/collective_rpc``, ``/pause``,
 ``/init_weight_transfer_engine``, ``/update_weights``, ``/server_info``, ...) and ``/tokenize`` stay open.
 :class:`RequireAPIKey` guards every route but ``/health`` and ``/ping``; the launcher
 (:class:`fastdistill.serve.VLLMServer`) adds it to every server started with a key. This module imports nothing
-outside the standard library: it runs inside vLLM's API server and in the rollout worker's CUDA-free child.
+outside the standard library but :mod:`fastdistill.errors` (itself import-free): it runs inside vLLM's API server and
+in the rollout worker's CUDA-free child.
 """
 
 from __future__ import annotations
@@ -26,8 +34,12 @@ import json
 import os
 import re
 import secrets
+import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
+
+from fastdistill.errors import ConfigError
 
 STUDENT_KEY_ENV = "FASTDISTILL_STUDENT_API_KEY"
 TEACHER_KEY_ENV = "FASTDISTILL_TEACHER_API_KEY"
@@ -48,18 +60,84 @@ def teacher_key_env(teacher_id: str) -> str:
 
 
 def _env(name: str, environ: Mapping[str, str] | None) -> str | None:
-    return (os.environ if environ is None else environ).get(name) or None
+    """``$name``, else the key in the file ``$name_FILE`` names, else None."""
+    environ = os.environ if environ is None else environ
+    if value := environ.get(name):
+        return value
+    if path := environ.get(f"{name}_FILE"):
+        return read_key_file(path, what=f"${name}_FILE")
+    return None
 
 
-def student_api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """``$FASTDISTILL_STUDENT_API_KEY``, or None when unset or empty."""
-    return _env(STUDENT_KEY_ENV, environ)
+def read_key_file(path: str | Path, *, what: str = "the key file") -> str:
+    """The key held in the file ``path`` (surrounding whitespace ignored).
+
+    Raises :class:`ConfigError` naming ``what`` when the file is missing, when users other than its owner may read
+    or write it (``chmod 600`` it), or when it holds no valid key; the message never quotes the file's content."""
+    path = Path(path).expanduser()
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{what}: cannot read API key file {str(path)!r} ({error.strerror})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{what}: API key file {str(path)!r} is open to other users (mode {stat.S_IMODE(mode):o}): "
+                          f"chmod 600 {path}")
+    key = text.strip()
+    if problem := api_key_problem(key):
+        raise ConfigError(f"{what}: the API key in {str(path)!r} must be {problem}")
+    return key
 
 
-def teacher_api_key_from_env(teacher_id: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """Teacher ``teacher_id``'s key from ``$FASTDISTILL_TEACHER_API_KEY_<ID>``, else ``$FASTDISTILL_TEACHER_API_KEY``,
-    else None."""
-    return _env(teacher_key_env(teacher_id), environ) or _env(TEACHER_KEY_ENV, environ)
+def write_new_key_file(path: str | Path) -> str:
+    """Generate a key (32 random bytes, URL-safe base64), write it to the new file ``path`` with mode 0600 (its
+    folder is created with mode 0700 when missing) and return it. Raises ``FileExistsError`` when ``path`` exists."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(key + "\n")
+    return key
+
+
+def key_from_file_or_new(path: str | Path) -> tuple[str, bool]:
+    """The key in ``path`` (:func:`read_key_file`) when the file exists, else a new one written there
+    (:func:`write_new_key_file`); the flag says whether it is new."""
+    if Path(path).expanduser().exists():
+        return read_key_file(path, what="--api-key-file"), False
+    return write_new_key_file(path), True
+
+
+def default_key_file(role: str, environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``fastdistill serve-<role>`` keeps the key it generates when given none, and where the trainer looks for
+    it when it has no other: ``$XDG_CACHE_HOME/fastdistill/keys/<role>.key`` (default ``~/.cache/...``). One key per
+    user and role: the replicas of a server, and every teacher, share it."""
+    cache = (os.environ if environ is None else environ).get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "fastdistill" / "keys" / f"{role}.key"
+
+
+def _generated_key(role: str, environ: Mapping[str, str] | None) -> str | None:
+    path = default_key_file(role, environ)
+    return read_key_file(path, what=f"the key fastdistill serve-{role} generated") if path.exists() else None
+
+
+def student_api_key_from_env(environ: Mapping[str, str] | None = None, *, generated: bool = True) -> str | None:
+    """``$FASTDISTILL_STUDENT_API_KEY`` (or the file ``$FASTDISTILL_STUDENT_API_KEY_FILE`` names), else, with
+    ``generated``, the key ``fastdistill serve-student`` generated (:func:`default_key_file`) when it exists, else
+    None."""
+    key = _env(STUDENT_KEY_ENV, environ)
+    return key if key is not None or not generated else _generated_key("student", environ)
+
+
+def teacher_api_key_from_env(
+    teacher_id: str, environ: Mapping[str, str] | None = None, *, generated: bool = True
+) -> str | None:
+    """Teacher ``teacher_id``'s key from ``$FASTDISTILL_TEACHER_API_KEY_<ID>``, else ``$FASTDISTILL_TEACHER_API_KEY``
+    (each or its ``_FILE`` form), else, with ``generated``, the key ``fastdistill serve-teacher`` generated when it
+    exists, else None."""
+    key = _env(teacher_key_env(teacher_id), environ) or _env(TEACHER_KEY_ENV, environ)
+    return key if key is not None or not generated else _generated_key("teacher", environ)
 
 
 def teacher_api_keys_with_env(
@@ -80,6 +158,9 @@ def api_key_problem(key: object) -> str | None:
     """Why ``key`` cannot be an API key (None when it can). Never quotes the key."""
     if not isinstance(key, str):
         return f"a string (got a {type(key).__name__})"
+    if key == MASK:
+        return (f"the real key, not the mask {MASK!r} that saved configs and trackers show in its place (give the key "
+                "or leave the field out and set its environment variable)")
     if not _KEY_PATTERN.fullmatch(key):
         return "a non-empty string of visible ASCII characters without spaces (the value is not shown)"
     return None

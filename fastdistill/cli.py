@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from fastdistill.errors import ConfigError
 
 if TYPE_CHECKING:
     from fastdistill.serve import VLLMServer
@@ -42,8 +43,6 @@ def _train(args: argparse.Namespace) -> int:
 def _teacher_urls(values: list[str]) -> dict[str, str | list[str]]:
     """``--teacher-url`` values (``URL`` or ``ID=URL``, repeatable; one id twice lists replicas) as the config's
     ``teacher_server_urls``."""
-    from fastdistill.train.config import ConfigError
-
     urls: dict[str, list[str]] = {}
     for value in values:
         teacher_id, sep, url = value.partition("=")
@@ -59,7 +58,6 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from fastdistill.train import AsyncDistillationConfig
-    from fastdistill.train.config import ConfigError
     from fastdistill.train.evaluate import evaluate_saved_model
 
     overrides = list(args.overrides)
@@ -108,16 +106,54 @@ def _score(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """``--api-key``, else the role's environment variable (``FASTDISTILL_STUDENT_API_KEY`` /
-    ``FASTDISTILL_TEACHER_API_KEY``); ``VLLM_API_KEY`` is read by the launcher after these."""
-    from fastdistill.auth import STUDENT_KEY_ENV, TEACHER_KEY_ENV
+    ``FASTDISTILL_TEACHER_API_KEY``, or the file their ``_FILE`` forms name); ``VLLM_API_KEY`` is read by the launcher
+    after these."""
+    from fastdistill.auth import student_api_key_from_env, teacher_api_key_from_env
 
     if args.api_key is not None:
         return args.api_key
-    return os.environ.get(STUDENT_KEY_ENV if args.role == "student" else TEACHER_KEY_ENV) or None
+    if args.role == "student":
+        return student_api_key_from_env(generated=False)
+    return teacher_api_key_from_env("default", generated=False)
 
 
-def build_server(args: argparse.Namespace) -> VLLMServer:
-    """The :class:`fastdistill.serve.VLLMServer` that ``serve-<role>`` starts (raises ValueError on bad settings)."""
+def _served_key(args: argparse.Namespace) -> str | None:
+    """The key ``serve-<role>`` starts the server with: ``--api-key``, else the key in ``--api-key-file`` (generated
+    there when the file does not exist), else the role's variables or ``$VLLM_API_KEY``, else none with
+    ``--no-api-key`` (a dev-mode server must then listen on loopback), else a key generated into (or reused from)
+    :func:`fastdistill.auth.default_key_file`. Says on stderr where a key file is and how the trainer reads it; never
+    prints the key. ``--dry-run`` writes nothing."""
+    import secrets
+
+    from fastdistill.auth import VLLM_KEY_ENV, default_key_file, key_from_file_or_new, read_key_file
+
+    if args.api_key is not None and (args.api_key_file is not None or args.no_api_key):
+        raise ConfigError("give one of --api-key, --api-key-file and --no-api-key, not both")
+    path = args.api_key_file
+    if path is None:
+        if (key := _api_key(args) or os.environ.get(VLLM_KEY_ENV) or None) is not None or args.no_api_key:
+            return key
+        path = default_key_file(args.role)
+    if args.no_api_key:
+        raise ConfigError("give --api-key-file or --no-api-key, not both")
+    if args.dry_run and not path.expanduser().exists():
+        logger.info("would generate an API key into %s (mode 0600)", path)
+        return secrets.token_urlsafe(32)
+    if args.dry_run:
+        key, new = read_key_file(path, what="--api-key-file"), False
+    else:
+        key, new = key_from_file_or_new(path)
+    variable = f"FASTDISTILL_{args.role.upper()}_API_KEY_FILE"
+    found = ("a trainer run by this user finds it there" if path == default_key_file(args.role)
+             else f"the trainer reads it with {variable}={path}")
+    logger.info("API key %s %s (mode 0600): %s; elsewhere, give it with %s", "generated into" if new else "read from",
+                path, found, variable)
+    return key
+
+
+def build_server(args: argparse.Namespace, api_key: str | None = None) -> VLLMServer:
+    """The :class:`fastdistill.serve.VLLMServer` that ``serve-<role>`` starts (raises ValueError on bad settings).
+    ``api_key`` (default: ``--api-key`` or the role's variables, see :func:`_api_key`) is the server's key."""
     import torch
 
     from fastdistill.serve import VLLMServer
@@ -127,15 +163,18 @@ def build_server(args: argparse.Namespace) -> VLLMServer:
     dtype = args.dtype or ("auto" if cuda else "float32")
     return VLLMServer(args.model, role=args.role, host=args.host, port=args.port, dtype=dtype, cpu=not cuda,
                       max_model_len=args.max_model_len, extra_args=list(args.vllm_args),
-                      weight_transfer_backend=backend, cpus=args.cpus, api_key=_api_key(args),
+                      weight_transfer_backend=backend, cpus=args.cpus, api_key=api_key or _api_key(args),
                       max_lora_rank=args.max_lora_rank if getattr(args, "enable_lora", False) else None,
                       max_loras=getattr(args, "max_loras", 4), signal=getattr(args, "signal", "topk"))
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Start the server in the foreground (:meth:`VLLMServer.run_in_foreground`: stopping this process stops it)."""
     try:
-        server = build_server(args)
+        server = build_server(args, api_key=_served_key(args))
     except ValueError as error:
+        if isinstance(error, ConfigError):
+            raise
         logger.error("%s", error)
         return 2
     pinned = f"taskset -c {','.join(map(str, args.cpus))} " if args.cpus else ""
@@ -143,9 +182,7 @@ def _serve(args: argparse.Namespace) -> int:
     logger.info("%s%s%s", pinned, " ".join(server.command()), guarded)
     if args.dry_run:
         return 0
-    if args.cpus:
-        os.sched_setaffinity(0, args.cpus)  # vLLM and all its processes inherit it
-    return subprocess.call(server.command(), env=server.environment())
+    return server.run_in_foreground()
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -189,7 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
                            help="pin the whole server to these cores, e.g. 0 or 0,2-3 (OpenMP threads follow)")
         serve.add_argument("--api-key", default=None,
                            help=f"require this key on every route but /health (default: ${variable}, then "
-                                "$VLLM_API_KEY); prefer the variable: arguments show in the process list")
+                                "$VLLM_API_KEY, then a generated key, see --api-key-file); prefer the variable: "
+                                "arguments show in the process list")
+        serve.add_argument("--api-key-file", type=Path, default=None,
+                           help=f"read the key from this file (mode 0600), or generate one into it when it does not "
+                                f"exist; without a key from anywhere: ~/.cache/fastdistill/keys/{role}.key, where a "
+                                f"trainer of the same user finds it. The trainer reads another file with "
+                                f"{variable}_FILE=PATH")
+        serve.add_argument("--no-api-key", action="store_true",
+                           help="when no key is given (--api-key, the variables), serve without one instead of "
+                                "generating one (loopback only for a student): every local user can then use the "
+                                "server" + (" and replace its weights" if role == "student" else ""))
         if role == "teacher":
             serve.add_argument("--signal", choices=("topk", "hidden"), default="topk",
                                help="what the teacher serves: topk (default) prompt log-probs on /v1/completions, or "
@@ -287,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.weight_transfer = "nccl" if torch.cuda.is_available() else "gloo"
-    from fastdistill.cache.format import CacheError
-    from fastdistill.train.config import ConfigError
+    from fastdistill.errors import CacheError
 
     handler = _log_to_stderr()
     try:

@@ -8,6 +8,7 @@ vLLM may live in a separate virtual environment from the trainer.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -16,8 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -26,6 +25,7 @@ import torch
 
 from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
 from fastdistill.errors import VLLMServerError
+from fastdistill.http_client import poll_until_healthy, run_blocking
 from fastdistill.sync.network import is_loopback_host
 
 Role = Literal["teacher", "student"]
@@ -60,19 +60,8 @@ _LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 def wait_until_healthy(url: str, *, alive: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> str:
     """Poll ``url/health`` until it answers 200 (``"healthy"``), ``alive()`` turns False (``"exited"``: the server
-    process died during start-up) or ``timeout_s`` seconds pass (``"timeout"``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not alive():
-            return "exited"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return "healthy"
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(poll_s)
-    return "timeout"
+    process died during start-up) or ``timeout_s`` seconds pass (``"timeout"``). Blocking; never through a proxy."""
+    return run_blocking(lambda: poll_until_healthy(url, alive=alive, timeout_s=timeout_s, poll_s=poll_s))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,13 +89,60 @@ def _signal_group(group_id: int, sig: signal.Signals) -> None:
         pass
 
 
+def _group_is_empty(group_id: int) -> bool:
+    """No running process is left in process group ``group_id``: zombies (exited, waiting for a parent that may
+    never reap them) do not count. Reads ``/proc`` where there is one."""
+    try:
+        os.killpg(group_id, 0)
+    except ProcessLookupError:
+        return True
+    if not os.path.isdir("/proc/self"):
+        return False
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group_id:  # state, ppid, pgrp, ...
+            return False
+    return True
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Signals `fastdistill serve-*` passes on to the server: stop requests (kill, Ctrl-C, a closed terminal).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _death_signal_setter(sig: signal.Signals) -> Callable[[], None]:
+    """A ``preexec_fn`` step: ask the kernel to send the child ``sig`` when this process's current thread ends,
+    however it ends (SIGKILL included; ``PR_SET_PDEATHSIG``, Linux only, kept across exec), and send it at once when
+    the parent is already gone. libc is loaded here, in the parent: loading a library between fork and exec can
+    deadlock."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the child only gets the forwarded signals
+        return lambda: None
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), sig)
+
+    return set_death_signal
+
+
 class VLLMServer:
     """A vLLM server for ``model_dir`` in the given ``role``, on ``host:port`` (default: a free port of 127.0.0.1).
 
     Use as a context manager (``with VLLMServer(dir, role="teacher") as server: server.url``) or call
     :meth:`start` / :meth:`stop`. ``start`` returns once ``GET /health`` answers 200, or raises
     :class:`VLLMServerError` with the log tail if the process dies or ``startup_timeout_s`` passes.
-    The log goes to ``log_path`` (a temporary file by default).
+    The log goes to ``log_path``; by default to a temporary file made at :meth:`start` and removed at :meth:`stop`,
+    unless the start failed (the error names the file and quotes its tail).
 
     ``cpu=True`` (the default when torch sees no CUDA device) sets ``VLLM_TARGET_DEVICE=cpu`` and
     ``VLLM_CPU_KVCACHE_SPACE=kv_cache_space_gib`` unless the caller's environment already sets them, passes
@@ -195,7 +231,8 @@ class VLLMServer:
         self.kv_cache_space_gib = kv_cache_space_gib
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
-        self.log_path = Path(log_path) if log_path else _temporary_log_path(role)
+        self.log_path: Path | None = Path(log_path) if log_path else None  # a temporary file from start() on
+        self._temporary_log = False
         self.startup_timeout_s = startup_timeout_s
         self.weight_transfer_backend = weight_transfer_backend
         self.max_lora_rank = max_lora_rank
@@ -288,6 +325,9 @@ class VLLMServer:
         """Launch the process and wait until it is healthy; on any failure stop it and raise."""
         if self.process is not None:
             raise VLLMServerError(f"server already started (pid {self.process.pid})")
+        if self.log_path is None or self._temporary_log:
+            self._remove_temporary_log()
+            self.log_path, self._temporary_log = _temporary_log_path(self.role), True
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command(),
@@ -301,6 +341,7 @@ class VLLMServer:
         try:
             self._wait_until_healthy()
         except BaseException:
+            self._temporary_log = False  # kept: the error names it
             self.stop()
             raise
         return self
@@ -319,6 +360,8 @@ class VLLMServer:
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log."""
+        if self.log_path is None:
+            return "<no log: the server was not started>"
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError as error:
@@ -336,6 +379,65 @@ class VLLMServer:
         except subprocess.TimeoutExpired:
             pass
         _signal_group(process.pid, signal.SIGKILL)  # a stuck leader, or engine-core children that outlived it
+        process.wait()
+        self._remove_temporary_log()
+
+    def _remove_temporary_log(self) -> None:
+        if self._temporary_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path, self._temporary_log = None, False
+
+    def run_in_foreground(self, grace_s: float = 15.0) -> int:
+        """Run the server as this process's child, its output on this process's, until it exits (what
+        ``fastdistill serve-*`` does); returns its exit status (128 + the signal's number when a signal ended it).
+
+        The server runs in its own process group. SIGTERM, SIGINT and SIGHUP sent to this process go to that group
+        (vLLM stops its engine core itself); when this process dies, even by SIGKILL, the kernel sends the server
+        SIGTERM. Once the server's first process has exited, whatever is left of its group gets ``grace_s`` seconds,
+        then SIGKILL. Call it from the main thread: the kernel's death signal follows the thread that started the
+        child."""
+        if self.process is not None:
+            raise VLLMServerError(f"server already started (pid {self.process.pid})")
+        started: list[subprocess.Popen[bytes]] = []
+        pending: list[int] = []  # signals that arrived before the child existed
+
+        def forward(signum: int, _frame: object) -> None:
+            if started:
+                _signal_group(started[0].pid, signal.Signals(signum))
+            else:
+                pending.append(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+        die_with_parent = _death_signal_setter(signal.SIGTERM)
+
+        def prepare_child() -> None:
+            die_with_parent()
+            if self.cpus is not None:
+                self._pin()
+
+        try:
+            process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, env=self.environment(),
+                                       start_new_session=True, preexec_fn=prepare_child)
+            started.append(process)
+            for signum in pending:
+                _signal_group(process.pid, signal.Signals(signum))
+            returncode = process.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if started:
+                self._end_group(started[0], grace_s)
+        return 128 - returncode if returncode < 0 else returncode
+
+    @staticmethod
+    def _end_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+        """After the group leader ``process`` exited (or on an error): TERM what is left of its group, KILL it
+        after ``grace_s`` seconds."""
+        _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while not _group_is_empty(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_group(process.pid, signal.SIGKILL)
         process.wait()
 
     def __enter__(self) -> VLLMServer:

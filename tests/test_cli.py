@@ -13,7 +13,8 @@ from fastdistill.cli import main
 
 
 def test_serve_teacher_dry_run_prints_the_teacher_flags(capsys):
-    assert main(["serve-teacher", "some/model", "--port", "9001", "--dry-run", "--", "--seed", "3"]) == 0
+    argv = ["serve-teacher", "some/model", "--port", "9001", "--no-api-key", "--dry-run", "--", "--seed", "3"]
+    assert main(argv) == 0
     command = capsys.readouterr().err
     assert "vllm.entrypoints.openai.api_server" in command and "--model some/model" in command
     assert "--max-logprobs -1" in command and "--logprobs-mode processed_logprobs" in command
@@ -31,7 +32,7 @@ def test_serve_student_dry_run_enables_weight_transfer(capsys):
 
 def test_serve_pins_the_server_to_cores(capsys):
     core = sorted(os.sched_getaffinity(0))[0]
-    assert main(["serve-teacher", "some/model", "--cpus", str(core), "--dry-run"]) == 0
+    assert main(["serve-teacher", "some/model", "--cpus", str(core), "--no-api-key", "--dry-run"]) == 0
     assert capsys.readouterr().err.startswith(f"fastdistill: taskset -c {core} ")
     with pytest.raises(SystemExit) as exit_info:
         main(["serve-teacher", "some/model", "--cpus", "zero", "--dry-run"])
@@ -72,12 +73,23 @@ def test_serve_passes_enforce_eager_only_on_cpu(capsys, monkeypatch):
     assert '--weight-transfer-config {"backend": "nccl"}' in gpu
 
 
-def test_serve_takes_an_api_key_and_keeps_it_out_of_the_command(capsys, monkeypatch):
+KEY_VARIABLES = ("FASTDISTILL_STUDENT_API_KEY", "FASTDISTILL_TEACHER_API_KEY", "VLLM_API_KEY",
+                 "FASTDISTILL_STUDENT_API_KEY_FILE", "FASTDISTILL_TEACHER_API_KEY_FILE")
+
+
+@pytest.fixture
+def no_keys(monkeypatch, tmp_path):
+    """No key in the environment; generated keys go under tmp_path (XDG_CACHE_HOME)."""
+    for name in KEY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "fastdistill" / "keys"
+
+
+def test_serve_takes_an_api_key_and_keeps_it_out_of_the_command(capsys, monkeypatch, no_keys):
     from fastdistill.cli import build_parser, build_server
 
-    for name in ("FASTDISTILL_STUDENT_API_KEY", "FASTDISTILL_TEACHER_API_KEY", "VLLM_API_KEY"):
-        monkeypatch.delenv(name, raising=False)
-    assert main(["serve-student", "some/model", "--host", "0.0.0.0", "--dry-run"]) == 2
+    assert main(["serve-student", "some/model", "--host", "0.0.0.0", "--no-api-key", "--dry-run"]) == 2
     assert capsys.readouterr().err.startswith(
         "fastdistill: refusing to start a dev-mode vLLM student server (VLLM_SERVER_DEV_MODE=1) on host '0.0.0.0' "
         "without an API key")
@@ -94,6 +106,57 @@ def test_serve_takes_an_api_key_and_keeps_it_out_of_the_command(capsys, monkeypa
             args.weight_transfer = "gloo"
         server = build_server(args)
         assert server.environment()["VLLM_API_KEY"] == key and key not in " ".join(server.command())
+    assert not no_keys.exists()  # a key from the environment: no key file
+
+
+def _serve_args(argv: list[str]):
+    from fastdistill.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    args.vllm_args = []
+    args.weight_transfer = "gloo" if args.role == "student" else None
+    return args
+
+
+@pytest.mark.parametrize("role", ["student", "teacher"])
+def test_serve_without_a_key_generates_one_into_a_private_file_the_trainer_reads(capsys, caplog, monkeypatch, no_keys,
+                                                                                 role):
+    from fastdistill.auth import student_api_key_from_env, teacher_api_key_from_env
+    from fastdistill.cli import _served_key
+
+    assert main([f"serve-{role}", "some/model", "--port", "8123", "--dry-run"]) == 0
+    printed = capsys.readouterr().err
+    assert f"would generate an API key into {no_keys / f'{role}.key'} (mode 0600)" in printed
+    assert "--middleware fastdistill.auth.RequireAPIKey" in printed and not no_keys.exists()  # dry: nothing written
+    assert (student_api_key_from_env() if role == "student" else teacher_api_key_from_env("any")) is None
+    key = _served_key(_serve_args([f"serve-{role}", "some/model", "--port", "8123"]))
+    path = no_keys / f"{role}.key"
+    assert path.read_text().strip() == key and path.stat().st_mode & 0o777 == 0o600
+    variable = f"FASTDISTILL_{role.upper()}_API_KEY_FILE"
+    assert (f"API key generated into {path} (mode 0600): a trainer run by this user finds it there; elsewhere, give "
+            f"it with {variable}") in caplog.text
+    assert key not in caplog.text
+    assert _served_key(_serve_args([f"serve-{role}", "some/model", "--port", "8124"])) == key  # replicas share it
+    assert f"API key read from {path}" in caplog.text
+    # the trainer's side: the config's defaults read the generated key
+    assert (student_api_key_from_env() if role == "student" else teacher_api_key_from_env("any")) == key
+    assert _served_key(_serve_args([f"serve-{role}", "some/model", "--no-api-key"])) is None
+
+
+def test_serve_key_file_options_and_their_errors(capsys, caplog, tmp_path, no_keys):
+    from fastdistill.cli import _served_key
+
+    chosen = tmp_path / "mine.key"
+    key = _served_key(_serve_args(["serve-student", "m", "--api-key-file", str(chosen)]))
+    assert chosen.read_text().strip() == key and not no_keys.exists()
+    chosen.chmod(0o640)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve-student", "m", "--api-key-file", str(chosen), "--dry-run"])
+    assert exit_info.value.code == 2 and "is open to other users (mode 640): chmod 600" in capsys.readouterr().err
+    for argv in (["--api-key", "k", "--api-key-file", str(chosen)], ["--no-api-key", "--api-key-file", str(chosen)]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve-teacher", "m", *argv, "--dry-run"])
+        assert exit_info.value.code == 2 and "not both" in capsys.readouterr().err
 
 
 def test_wait_until_healthy_reports_healthy_exited_and_timeout():

@@ -226,6 +226,47 @@ def test_launcher_reports_a_server_that_dies_with_its_log_tail(tmp_path):
     assert server.process is None
 
 
+HEALTHY_STAND_IN = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+
+args = sys.argv
+ThreadingHTTPServer((args[args.index("--host") + 1], int(args[args.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_temporary_log_is_removed_at_stop_and_kept_when_the_start_fails(tmp_path):
+    import sys
+    import tempfile
+
+    script = tmp_path / "healthy.py"
+    script.write_text(HEALTHY_STAND_IN)
+    server = VLLMServer(tmp_path, role="teacher", python=fake_python(tmp_path, f'exec {sys.executable} {script} "$@"'))
+    assert server.log_path is None  # nothing made before start
+    server.start()
+    log = server.log_path
+    assert log is not None and log.exists() and log.parent == Path(tempfile.gettempdir())
+    server.stop()
+    assert not log.exists() and server.log_path is None
+    named = VLLMServer(tmp_path, role="teacher", python=fake_python(tmp_path, f'exec {sys.executable} {script} "$@"'),
+                       log_path=tmp_path / "mine.log")
+    named.start()
+    named.stop()
+    assert (tmp_path / "mine.log").exists()  # a log the caller named stays
+    failing = VLLMServer(tmp_path, role="teacher", python=fake_python(tmp_path, "echo 'boom'; exit 3"))
+    with pytest.raises(VLLMServerError) as failure:
+        failing.start()
+    assert failing.log_path is not None and failing.log_path.exists() and str(failing.log_path) in str(failure.value)
+    failing.log_path.unlink()
+
+
 def test_launcher_times_out_and_kills_the_process_group(tmp_path):
     pid_file = tmp_path / "child.pid"
     script = f"sleep 60 & echo $! > {pid_file}; echo 'still loading'; wait"

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastdistill.http_client import request_json_blocking
 from fastdistill.serve import VLLMServer, vllm_python
 from fastdistill.sync import (
     VLLMWeightSync,
@@ -611,8 +612,7 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
 
 
 def weight_version(url: str) -> str | None:
-    with urllib.request.urlopen(url + "/weight_info", timeout=10) as response:
-        return json.loads(response.read())["weight_version"]
+    return request_json_blocking("GET", url + "/weight_info", timeout_s=10)["weight_version"]
 
 
 def push_and_check(sync: VLLMWeightSync, url: str, model: torch.nn.Module, version: int, seed: int) -> dict:

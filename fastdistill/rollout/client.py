@@ -3,7 +3,8 @@
 Both speak vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts (the request and answer format
 TRL's ``AsyncDistillationTrainer`` uses: ``return_token_ids`` and ``logprobs`` for generation, ``prompt_logprobs``
 with ``max_tokens=1`` for scoring), and return numpy arrays: int32 token ids and float32 natural-log probabilities.
-A server started with an API key gets it as ``Authorization: Bearer <key>`` on every request.
+A server started with an API key gets it as ``Authorization: Bearer <key>`` on every request. The requests go
+through :mod:`fastdistill.http_client` (never through a proxy) with :mod:`fastdistill.rollout.http`'s retries.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import aiohttp
 import numpy as np
 
 from fastdistill.auth import api_key_problem, bearer_headers
+from fastdistill.http_client import health_problem, new_session
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMResponseError, request_json_pooled
 from fastdistill.rollout.replicas import ReplicaPool
 
@@ -115,7 +117,7 @@ class _VLLMEndpoint:
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = new_session()
         return self._session
 
     async def _request(
@@ -143,19 +145,10 @@ class _VLLMEndpoint:
         deadline = time.monotonic() + timeout_s
         session = self._get_session()
         for url in self.pool.urls:
-            last_problem = "no answer yet"
-            while True:
-                try:
-                    async with session.get(
-                        url + "/health", timeout=aiohttp.ClientTimeout(total=poll_interval_s * 5), headers=self._headers
-                    ) as response:
-                        if response.status == 200:
-                            break
-                        last_problem = f"HTTP {response.status}"
-                except (TimeoutError, aiohttp.ClientError) as error:
-                    last_problem = repr(error)
+            while (problem := await health_problem(session, url, timeout_s=poll_interval_s * 5,
+                                                   headers=self._headers)) is not None:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{url}/health not ready after {timeout_s:.0f} s (last: {last_problem})")
+                    raise TimeoutError(f"{url}/health not ready after {timeout_s:.0f} s (last: {problem})")
                 await asyncio.sleep(poll_interval_s)
 
     async def served_model(self) -> ServedModel:

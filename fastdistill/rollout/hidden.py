@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from fastdistill.http_client import DECODE_IN_THREAD_BYTES
 from fastdistill.rollout.client import _VLLMEndpoint
 from fastdistill.rollout.http import VLLMResponseError
 
@@ -31,7 +32,6 @@ HiddenDType = Literal["float32", "bfloat16"]
 _TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Little-endian wire words: float32 as is, bfloat16 as its 16 raw bits (numpy has no bfloat16).
 _WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
-_DECODE_IN_THREAD_BYTES = 1 << 20
 
 _NOT_A_HIDDEN_TEACHER = (
     "The server does not serve per-token hidden states: start the teacher with `fastdistill serve-teacher MODEL "
@@ -133,7 +133,7 @@ class HiddenTeacherClient(_VLLMEndpoint):
         }
         body = await self._request("POST", "/pooling", payload, rejection_hint=_pooling_hint)
         args = (self._where("/pooling"), body, len(sequence), self.dtype, self.hidden_size)
-        if _encoded_length(body) > _DECODE_IN_THREAD_BYTES:
+        if _encoded_length(body) > DECODE_IN_THREAD_BYTES:
             # a long answer is decoded in a worker thread: the event loop keeps serving the other requests
             hidden = await asyncio.get_running_loop().run_in_executor(None, decode_hidden, *args)
         else:

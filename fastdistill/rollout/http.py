@@ -1,4 +1,5 @@
-"""JSON-over-HTTP calls to a vLLM server with retries for transient failures only.
+"""The rollouts' retry and replica logic on top of :mod:`fastdistill.http_client` (which sends the requests, never
+through a proxy, and parses error bodies): retries for transient failures only, and failover between replicas.
 
 Transient: connection errors, timeouts, HTTP 429 and 5xx. Those are retried with capped exponential backoff and
 jitter. Any other 4xx fails at once with the server's own message; a body that is not the expected JSON fails at
@@ -8,7 +9,6 @@ once too (retrying would not change it).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -18,13 +18,10 @@ from typing import Any
 import aiohttp
 
 from fastdistill.errors import VLLMError, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
+from fastdistill.http_client import NO_ANSWER_ERRORS, decode_json, send, server_message
 from fastdistill.rollout.replicas import Replica, ReplicaPool
 
 __all__ = ["VLLMError", "VLLMRequestError", "VLLMResponseError", "VLLMUnavailableError"]
-
-# Bodies larger than this are decoded in a worker thread so that a big prompt_logprobs answer does not stall
-# the event loop (and the other requests in flight) while it parses.
-_DECODE_IN_THREAD_BYTES = 1 << 20
 
 
 class _TransientHTTPStatus(Exception):
@@ -67,7 +64,9 @@ def _unauthorized_hint(sent_key: bool) -> str:
     return (
         "The server requires an API key: give the client api_key= (training config: vllm_server_api_key and "
         "teacher_api_keys, or the environment variables FASTDISTILL_STUDENT_API_KEY and "
-        "FASTDISTILL_TEACHER_API_KEY[_<ID>])."
+        "FASTDISTILL_TEACHER_API_KEY[_<ID>], or their _FILE forms naming a key file). A key that `fastdistill "
+        "serve-*` generated is in ~/.cache/fastdistill/keys/<role>.key (its log names the file), which the training "
+        "config reads by default."
     )
 
 
@@ -75,30 +74,11 @@ def _is_transient_status(status: int) -> bool:
     return status == 429 or status >= 500
 
 
-def _server_message(body: str) -> str:
-    """The human-readable message of a vLLM/OpenAI error body, or the raw body when it has none."""
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return body.strip()
-    if isinstance(payload, dict):
-        error = payload.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in payload:
-            return str(payload["message"])
-        if "detail" in payload:
-            return str(payload["detail"])
-    return body.strip()
-
-
 async def _decode_json(url: str, body: bytes) -> Any:
     try:
-        if len(body) > _DECODE_IN_THREAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
-        return json.loads(body)
+        return await decode_json(url, body)
     except ValueError as error:
-        raise VLLMResponseError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
+        raise VLLMResponseError(str(error)) from error
 
 
 @dataclass
@@ -132,7 +112,6 @@ async def request_json_pooled(
     once (a failover, no backoff), otherwise after the usual backoff. A request that finds every replica down waits
     for the first cooldown to end before its first attempt. ``retry.max_attempts`` bounds all attempts.
     """
-    timeout = aiohttp.ClientTimeout(total=retry.request_timeout_s)
     last_error: BaseException | None = None
     failed: Replica | None = None
     backoffs = 0
@@ -153,21 +132,20 @@ async def request_json_pooled(
             await asyncio.sleep(wait_s)
         url = replica.url + path
         try:
-            async with session.request(method, url, json=payload, timeout=timeout, headers=headers) as response:
-                body = await response.read()
-                if response.status < 400:
-                    pool.record_success(replica)
-                    return await _decode_json(url, body)
-                text = body.decode("utf-8", errors="replace")
-                if _is_transient_status(response.status):
-                    raise _TransientHTTPStatus(response.status, text)
-                pool.record_success(replica)  # the server is up; it rejected this request
-                message = _server_message(text)
-                hint = rejection_hint(response.status, message) if rejection_hint else None
-                if hint is None and response.status == 401:
-                    hint = _unauthorized_hint(sent_key=bool(headers and "Authorization" in headers))
-                raise VLLMRequestError(url, response.status, message, hint)
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, _TransientHTTPStatus) as error:
+            status, body = await send(session, method, url, payload=payload, timeout_s=retry.request_timeout_s,
+                                      headers=headers)
+            if status < 400:
+                pool.record_success(replica)
+                return await _decode_json(url, body)
+            if _is_transient_status(status):
+                raise _TransientHTTPStatus(status, body.decode("utf-8", errors="replace"))
+            pool.record_success(replica)  # the server is up; it rejected this request
+            message = server_message(body)
+            hint = rejection_hint(status, message) if rejection_hint else None
+            if hint is None and status == 401:
+                hint = _unauthorized_hint(sent_key=bool(headers and "Authorization" in headers))
+            raise VLLMRequestError(url, status, message, hint)
+        except (*NO_ANSWER_ERRORS, _TransientHTTPStatus) as error:
             last_error = error
             failed = replica
             pool.record_failure(replica, error)

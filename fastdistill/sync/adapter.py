@@ -26,8 +26,8 @@ from typing import Any
 from fastdistill.adapter_names import ADAPTER_PREFIX, adapter_name
 from fastdistill.auth import api_key_problem
 from fastdistill.errors import ConfigError
+from fastdistill.http_client import HTTPFailure, request_json_blocking
 from fastdistill.sync.errors import WeightSyncError
-from fastdistill.sync.http import HTTPFailure, http_json
 from fastdistill.sync.weights import WeightSync, _ranks_agree
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,8 @@ class AdapterWeightSync(WeightSync):
 
     def _call(self, method: str, route: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         try:
-            return http_json(method, self.base_url + route, payload, timeout_s=timeout_s or self.timeout_s,
-                             api_key=self._api_key)
+            return request_json_blocking(method, self.base_url + route, payload,
+                                         timeout_s=timeout_s or self.timeout_s, api_key=self._api_key)
         except HTTPFailure as error:
             status = f" (HTTP {error.status})" if error.status is not None else ""
             raise WeightSyncError(f"{method} {self.base_url}{route} failed{status}: {error.message}") from None

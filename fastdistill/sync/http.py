@@ -1,64 +1,15 @@
-"""The weight sync's HTTP calls to vLLM's dev-mode routes (blocking, stdlib only), with errors that say what to fix."""
+"""The weight sync's HTTP calls to vLLM's dev-mode routes (blocking, through :mod:`fastdistill.http_client`: no
+proxy, one error-body parser), with errors that say what to fix."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import torch
 
-from fastdistill.auth import bearer_headers
+from fastdistill.http_client import HTTPFailure, request_json_blocking
 from fastdistill.sync.errors import WeightSyncError
 from fastdistill.sync.transport import dtype_from_name
-
-
-class HTTPFailure(Exception):
-    """One failed request: ``status`` is None when there was no answer; ``message`` is the server's own words."""
-
-    def __init__(self, status: int | None, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def server_message(body: bytes) -> str:
-    """The human-readable message of a vLLM error body (``error``/``detail``/``message``), else the raw text."""
-    text = body.decode("utf-8", errors="replace").strip()
-    try:
-        payload = json.loads(text)
-    except ValueError:
-        return text[:2000]
-    if isinstance(payload, dict):
-        for key in ("error", "detail", "message"):
-            value = payload.get(key)
-            if isinstance(value, dict):
-                value = value.get("message", value)
-            if value:
-                return str(value)[:2000]
-    return text[:2000]
-
-
-def http_json(method: str, url: str, payload: Any = None, *, timeout_s: float, api_key: str | None = None) -> Any:
-    """One JSON request; the decoded answer, or :class:`HTTPFailure`. ``api_key`` goes as a bearer token."""
-    data = None if payload is None else json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", **bearer_headers(api_key)}
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read()
-    except urllib.error.HTTPError as error:
-        raise HTTPFailure(error.code, server_message(error.read())) from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
-        reason = getattr(error, "reason", error)
-        raise HTTPFailure(None, f"no answer ({type(reason).__name__}: {reason})") from None
-    if not body:
-        return None
-    try:
-        return json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", errors="replace")
 
 
 def _hint(route: str, error: HTTPFailure, backend: str, sent_key: bool) -> str | None:
@@ -68,7 +19,7 @@ def _hint(route: str, error: HTTPFailure, backend: str, sent_key: bool) -> str |
             return "the server refused this API key: check that the trainer and the server use the same key"
         return (
             "the server requires an API key: set the student's key (vllm_server_api_key, or the environment "
-            "variable FASTDISTILL_STUDENT_API_KEY; VLLMWeightSync(api_key=...))"
+            "variable FASTDISTILL_STUDENT_API_KEY or FASTDISTILL_STUDENT_API_KEY_FILE; VLLMWeightSync(api_key=...))"
         )
     if error.status == 404:
         return (
@@ -92,10 +43,10 @@ def request(
     backend: str = "gloo",
     api_key: str | None = None,
 ) -> Any:
-    """:func:`http_json` on ``base_url + route`` whose failures are :class:`WeightSyncError` with the server's message
-    and, where known, the fix. The key never appears in a message."""
+    """:func:`~fastdistill.http_client.request_json_blocking` on ``base_url + route`` whose failures are
+    :class:`WeightSyncError` with the server's message and, where known, the fix. The key never appears in a message."""
     try:
-        return http_json(method, base_url + route, payload, timeout_s=timeout_s, api_key=api_key)
+        return request_json_blocking(method, base_url + route, payload, timeout_s=timeout_s, api_key=api_key)
     except HTTPFailure as error:
         status = f" (HTTP {error.status})" if error.status is not None else ""
         message = f"{method} {base_url}{route} failed{status}: {error.message}"

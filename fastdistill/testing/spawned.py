@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,8 +13,11 @@ from typing import Any
 
 def file_rendezvous() -> str:
     """An ``init_method`` for ``torch.distributed.init_process_group`` through a new file: unlike a free TCP port
-    picked in advance, nothing else on the machine can take it before the ranks meet."""
-    return "file://" + os.path.join(tempfile.mkdtemp(prefix="fastdistill-rendezvous-"), "store")
+    picked in advance, nothing else on the machine can take it before the ranks meet. The folder is removed when this
+    process exits."""
+    folder = tempfile.mkdtemp(prefix="fastdistill-rendezvous-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return "file://" + os.path.join(folder, "store")
 
 
 def run_ranks(target: Callable[..., None], args: Sequence[Any], *, world_size: int = 2, timeout_s: float = 120.0,

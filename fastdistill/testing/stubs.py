@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from fastdistill.serve import free_port
@@ -34,6 +36,34 @@ def serve_and_call(handler: Callable[[Any], Awaitable[Any]], client_call: Callab
             await runner.cleanup()
 
     return asyncio.run(main())
+
+
+@contextlib.contextmanager
+def serving(handler: Callable[[Any], Awaitable[Any]], host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve every path and method with the aiohttp ``handler`` on ``host``:<free port> from a background thread's
+    event loop (so blocking clients can call it from this thread); yields the base URL, stops the server on exit."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    port = free_port(host)
+
+    async def start() -> None:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+
+    thread = threading.Thread(target=loop.run_forever, name="stub-server", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+        yield f"http://{host}:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=60)
+        loop.close()
 
 
 def interface_ipv4_addresses() -> list[str]:
