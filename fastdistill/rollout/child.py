@@ -17,9 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from fastdistill.errors import VLLMError
+from fastdistill.http_client import new_session
 from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.dispatch import PromptDispatcher
 from fastdistill.rollout.dropped import DroppedPrompt
@@ -123,9 +122,8 @@ class RolloutLoop:
             pass
 
     async def run(self) -> None:
-        connector = aiohttp.TCPConnector(limit=2 * self.config.max_inflight_tasks)
         stats = RequestStats()
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with new_session(connection_limit=2 * self.config.max_inflight_tasks) as session:
             student, teachers = open_clients(self.config, session=session, stats=stats)
             self.rollouts = Rollouts(self.config, self.rows, student, teachers,
                                      current_version=lambda: int(self.channels.model_version.value))

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError, VLLMUnavailableError
+from fastdistill.http_client import new_session
 from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.adapters import generate_with_adapter
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
@@ -264,7 +265,7 @@ class Rollouts:
 async def run_wave(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], batch: Sequence[tuple[int, int]], *,
                    model_version: int = 0) -> list[RolloutSample | DroppedPrompt]:
     """One :meth:`Rollouts.wave` with clients opened for it and closed after (evaluation, one-off scoring)."""
-    async with aiohttp.ClientSession() as session:
+    async with new_session(connection_limit=2 * config.max_inflight_tasks) as session:
         student, teachers = open_clients(config, session=session)
         rollouts = Rollouts(config, rows, student, teachers, current_version=lambda: model_version)
         return await rollouts.wave(batch)

@@ -46,7 +46,9 @@ def collect_scored_samples(
     """One scored sample per row ``{"prompt_ids", "teacher_id"?}``, through the one rollout sequence
     (:class:`~fastdistill.rollout.Rollouts`): the student server's completion (greedy by default; request seed
     ``seed + row``) scored by the row's teacher (the first teacher when the row names none). ``teacher_urls`` maps
-    teacher id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`.
+    teacher id to a URL or a list of replica URLs; API keys as in :class:`~fastdistill.train.AsyncDistillationConfig`
+    (a key not given is read as the trainer reads it: its environment variable, else the key file ``fastdistill
+    serve-*`` generated).
     ``student_model`` names what the student generates with (a LoRA adapter's name; None: the served model).
     ``teacher_signals`` maps a teacher id to ``"hidden"`` for a hidden-state teacher (its samples carry
     ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K.
@@ -54,6 +56,7 @@ def collect_scored_samples(
     A row whose rollout fails (a server rejects it, or stays unavailable through the retries) is logged and left out:
     the samples (``prompt_id`` = ``dataset_index`` = the row's index) are those of the rows that succeeded, in row
     order, so ``len(rows) - len(result)`` rows failed."""
+    from fastdistill.auth import student_api_key_from_env, teacher_api_keys_with_env
     from fastdistill.rollout import RetryPolicy, RolloutConfig
     from fastdistill.rollout.dropped import DroppedPrompt
     from fastdistill.rollout.order import routed_table
@@ -61,6 +64,9 @@ def collect_scored_samples(
 
     if not rows:
         return []
+    # keys not given come from the environment, else from the key files `fastdistill serve-*` generated
+    student_api_key = student_api_key if student_api_key is not None else student_api_key_from_env()
+    teacher_api_keys = teacher_api_keys_with_env(teacher_urls, teacher_api_keys)
     config = RolloutConfig(
         student_url=student_url, teacher_urls=dict(teacher_urls), teacher_top_k=top_k, max_tokens=max_tokens,
         temperature=temperature, generation_seed=seed, student_model=student_model, student_api_key=student_api_key,

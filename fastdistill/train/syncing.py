@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastdistill.errors import ConfigError
 from fastdistill.train.timing import PhaseClock
 
 
@@ -23,11 +22,8 @@ class WeightSyncSchedule:
     ``on_served(version)`` is called once the server serves ``version`` (the rollout worker stamps rollouts with it);
     ``probes`` are token-id prompts for ``verify_weight_sync``; ``student_model_name`` is the served model's id."""
 
-    def __init__(self, weight_sync: Any, config: Any, hf_model: Any, *, world_size: int, clock: PhaseClock,
+    def __init__(self, weight_sync: Any, config: Any, hf_model: Any, *, clock: PhaseClock,
                  model_version: int = 0, probes: Sequence[Sequence[int]] = (), student_model_name: str | None = None):
-        if config.verify_weight_sync and world_size > 1 and weight_sync is not None:
-            raise ConfigError(f"verify_weight_sync=True needs a single trainer process (this run has {world_size} "
-                              "ranks): the check runs the whole model on one process; set verify_weight_sync=False")
         self.weight_sync = weight_sync
         self.config = config
         self.hf_model = hf_model

@@ -35,7 +35,7 @@ from fastdistill.train import pipeline
 from fastdistill.train.checkpoint import RolloutState, export_final_model, save_checkpoint
 from fastdistill.train.collector import WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
-from fastdistill.train.distributed import init_distributed, scatter_samples
+from fastdistill.train.distributed import check_world_size, init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator, held_out_rows
 from fastdistill.train.flops import mfu_record, peak_flops
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_run
@@ -103,9 +103,7 @@ class AsyncDistillationTrainer:
     ):
         self.config = config
         self.dist = init_distributed()
-        if config.weight_sync_overlap and self.dist.world_size > 1:
-            raise ValueError("weight_sync_overlap=True needs a single trainer process (its snapshot is gathered on the "
-                             "training thread, but a sharded push would run collectives from another thread)")
+        check_world_size(config, self.dist.world_size)  # options that need one process, refused before any work
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
         self.teacher_ids = config.teacher_ids
@@ -159,8 +157,7 @@ class AsyncDistillationTrainer:
         self.dropped_total = 0
         self.clock = PhaseClock()  # where the run's seconds go (train_summary.json "time_s", perf/*_s per step)
         self._window_wait_s = 0.0  # rank 0: seconds the last window collection waited for rollouts
-        self.syncs = WeightSyncSchedule(weight_sync, config, self.hf_model, world_size=self.dist.world_size,
-                                        clock=self.clock)
+        self.syncs = WeightSyncSchedule(weight_sync, config, self.hf_model, clock=self.clock)
         self.train_step = TrainStep(self.model, self.optimizer, self.scheduler, config, self.dist, self.teacher_ids,
                                     vocab_size=self.student_vocab_size, bf16=self._use_bf16(), clock=self.clock)
 
@@ -274,6 +271,7 @@ class AsyncDistillationTrainer:
                 self.metrics.close()
                 self.shutdown_s = time.perf_counter() - stopping
                 clock.stop()
+                self.dist.close()  # the process group this trainer made
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
                    "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
                    "dropped_stale_total": getattr(self.source, "dropped_stale_total", 0),
