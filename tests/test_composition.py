@@ -143,6 +143,32 @@ def run_params() -> list[Any]:
     return params
 
 
+# ------------------------------------------------------------------------------------------------ the docs' tables
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "train.md"
+DOC_NAMES = {"topk": "top-K"}  # how docs/train.md spells a value (others: as they are)
+
+
+def docs_tables() -> list[str]:
+    """The lines of the two tables in ``docs/train.md`` ("What composes"): each pair of factors with its pairs of
+    values and the runs that hold them (or "refused"), then the runs."""
+    def name(value: Any) -> str:
+        return DOC_NAMES.get(value, str(value))
+
+    lines = []
+    for a, b in itertools.combinations(FACTORS, 2):
+        cells = []
+        for x, y in itertools.product(FACTORS[a], FACTORS[b]):
+            pair = Pair({(a, x), (b, y)})
+            runs = [str(i + 1) for i, run in enumerate(RUNS) if pair in pairs_of(run)]
+            cells.append(f"{name(x)} × {name(y)}: refused" if pair in REFUSED_PAIRS
+                         else f"{name(x)} × {name(y)} ({', '.join(runs)})")
+        lines.append(f"| {a} × {b} | " + "; ".join(cells) + " |")
+    for i, run in enumerate(RUNS):
+        lines.append(f"| {i + 1} | " + " | ".join(name(value) for value in run.values()) + " |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------ configurations
 
 
@@ -196,11 +222,18 @@ def test_the_runs_are_the_greedy_all_pairs_design():
     assert REFUSED_PAIRS.keys() <= every_pair and KNOWN_BROKEN.keys() <= covered
 
 
+def test_the_docs_tables_are_these_runs():
+    """docs/train.md shows this design: print ``docs_tables()`` to regenerate its two tables."""
+    text = DOCS.read_text()
+    missing = [line for line in docs_tables() if line not in text.splitlines()]
+    assert not missing, "docs/train.md's composition tables are out of date:\n" + "\n".join(missing)
+
+
 @pytest.mark.parametrize("pair", list(REFUSED_PAIRS), ids=lambda pair: "-".join(str(v) for _, v in sorted(pair)))
 def test_a_refused_pair_is_a_config_error_naming_both_options(pair, tmp_path):
-    """Every combination holding a refused pair (and no other) fails at config time (what ``fastdistill train`` loads first,
-    before any server is asked) with a ConfigError that names both options; the same combination with either of
-    the two values changed to a supported one loads."""
+    """Every combination holding a refused pair (and no other) fails at config time (what ``fastdistill train``
+    loads first, before any server is asked) with a ConfigError that names both options; the same combination with
+    either of the two values changed to a supported one loads."""
     where = Endpoints("student", "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11",
                       "prompts.jsonl", "cache")
     holding = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
