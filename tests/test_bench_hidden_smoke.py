@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hidden_teacher.py"
 
@@ -45,6 +46,7 @@ def check_runs(result: dict, seeds: list[int]) -> None:
     assert 0 < teacher["teacher_top_k_mass"]["1"] <= teacher["teacher_top_k_mass"]["2"] <= 1
 
 
+@pytest.mark.slow
 def test_bench_hidden_zipf_smallest(tmp_path):
     result, stdout = run_bench(tmp_path, "--train-prompts", "16", "--held-out", "4", "--run-seeds", "0", "1")
     assert result["task"] == "zipf" and result["train_prompts"] == 16 and result["held_out_prompts"] == 4
@@ -54,6 +56,7 @@ def test_bench_hidden_zipf_smallest(tmp_path):
     assert "topk-2@1ep" in stdout and "language entropy" in stdout
 
 
+@pytest.mark.slow
 def test_bench_hidden_demo_smallest(tmp_path):
     result, _ = run_bench(tmp_path, "--task", "demo")
     assert result["task"] == "demo"

@@ -32,6 +32,7 @@ def _inputs(bench, N=12, D=16, V=96, K=4, dtype=torch.float32):
     return bench.make_inputs(N, D, V, K, dtype, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_bench_kernels_quick(tmp_path):
     pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
     out = tmp_path / "bench_kernels.json"

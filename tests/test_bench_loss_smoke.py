@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_loss.py"
 
 
+@pytest.mark.slow
 def test_bench_loss_quick(tmp_path):
     out = tmp_path / "bench.json"
     # tail_mode="trl" makes ours compute the same clamped student tail as dense and TRL, so the losses match.
@@ -60,6 +63,7 @@ def test_workers_get_exactly_the_allocator_setting(monkeypatch):
     assert bench_loss.worker_env("mmap-threshold-1MiB")["MALLOC_MMAP_THRESHOLD_"] == "1048576"
 
 
+@pytest.mark.slow
 def test_bench_loss_dense_teacher_quick(tmp_path):
     """--dense: TRL GKD, TRL Distillation, Liger and ours on one tiny config; every measurement exists and the four
     mean divergences agree (fp32 evaluations of the same generalized JSD, β = 0.5)."""

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout.py"
 
 
+@pytest.mark.slow
 def test_bench_rollout_stub_part(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(SCRIPT), "--stub-only", "--stub-samples", "30", "--max-tokens", "8", "--top-k", "4",

@@ -249,6 +249,7 @@ def test_unusable_sources_are_config_errors(tokenizer, tmp_path):
             prepare_prompts(source, tokenizer)
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_name_is_a_clear_error_offline(tmp_path):
     """In a fresh process with the Hub switched off (the variables are read when datasets is imported), so nothing
     is fetched."""

@@ -27,6 +27,7 @@ def _gpu_check():
     return sys.modules["gpu_check_under_test"]
 
 
+@pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     pytest.importorskip("triton", reason="the dry run's kernel steps need triton (the CPU interpreter)")
     out = tmp_path / "gpu_check.json"

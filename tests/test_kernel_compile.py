@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compile  # every test but one reads a ptxas compile report (minutes)
+
 triton = pytest.importorskip("triton", reason="compiling the kernels needs the triton package")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_report.py"

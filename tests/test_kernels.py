@@ -90,6 +90,7 @@ API_GRID = [
 ]
 
 
+@pytest.mark.slow
 @on_interpreter
 @pytest.mark.parametrize("beta,tail,mode,softcap,T,dtype", API_GRID)
 def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, dtype):
@@ -115,6 +116,7 @@ def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, 
         rel_close(g, r, grad_rtol, name)
 
 
+@pytest.mark.slow
 @on_interpreter
 @pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,6 +171,7 @@ def _concentrated_case(N=40, D=48, V=512, K=8, seed=5):
     return h, w, b, ids, lps, torch.ones(N, K, dtype=torch.bool)
 
 
+@pytest.mark.slow
 @on_interpreter
 @pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
 def test_gradient_filter_error_stays_within_its_bound(backward_mode):

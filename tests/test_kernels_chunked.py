@@ -92,6 +92,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow
 @on_interpreter
 @pytest.mark.parametrize("beta,tail,mode,softcap,T,scale,bias,weighted", GRID)
 def test_matches_float64_reference(beta, tail, mode, softcap, T, scale, bias, weighted):
@@ -113,6 +114,7 @@ def test_matches_float64_reference(beta, tail, mode, softcap, T, scale, bias, we
         rel_close(g, r, FP32_RTOL, name)
 
 
+@pytest.mark.slow
 @on_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta,softcap", [(0.0, None), (0.5, 4.0), (1.0, None)])
@@ -155,6 +157,7 @@ def test_rows_whose_candidates_cover_the_vocabulary(tail_mode):
             rel_close(a, r, FP32_RTOL, f"{name}, beta={beta}")
 
 
+@pytest.mark.slow
 @on_interpreter
 @pytest.mark.parametrize("chunk_rows", [1, 7, 40, None])
 def test_chunk_size_does_not_change_the_result(chunk_rows):
@@ -356,6 +359,7 @@ def compiled() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("target", ["sm80", "sm90"])
 @pytest.mark.parametrize("features", ["plain", "bias+softcap"])
 @pytest.mark.parametrize("kernel", ["_chunk_stats_kernel", "_chunk_grad_kernel"])

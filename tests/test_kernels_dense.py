@@ -32,6 +32,7 @@ CASES = [  # beta, temperature, softcap (student; teacher 4.0), padded teacher v
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 @pytest.mark.parametrize("beta,T,softcap,padded,chunk_rows", CASES)
 def test_triton_matches_float64_reference(backend, beta, T, softcap, padded, chunk_rows):
@@ -96,6 +97,7 @@ def test_float64_inputs_are_refused_with_a_pointer_to_the_torch_path(backend):
         run(x, torch.float64, backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_extreme_logits_stay_finite_and_match_the_float64_torch_path(backend):
     """Logit gaps of hundreds of nats (most fp32 probabilities underflow): the bounds of the torch path's test of

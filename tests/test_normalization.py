@@ -62,6 +62,7 @@ def _token_mean_grads() -> list[torch.Tensor]:
     return [p.grad for p in (*backbone.parameters(), head)]
 
 
+@pytest.mark.slow
 def test_two_rank_window_equals_global_token_mean(tmp_path):
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
     expected = _token_mean_grads()

@@ -107,6 +107,7 @@ def test_export_refuses_a_missing_file_and_a_folder_it_did_not_write(tmp_path):
         export_gguf_model(tmp_path, "model.gguf", tmp_path / "other", dtype="int8")
 
 
+@pytest.mark.slow
 def test_smollm2_export_holds_the_gguf_weights_and_a_chat_tokenizer(smollm2_dir):
     """Tensors without llama.cpp's q/k row permutation, dequantized straight from the file, equal the export's; the
     tokenizer has SmolLM2's vocabulary and ChatML template; a second export call finds the cache."""

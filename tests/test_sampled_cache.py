@@ -142,6 +142,7 @@ def test_draws_do_not_depend_on_sharding_and_follow_the_seed(tokenizer, tokenize
     assert any(not np.array_equal(one[i].teacher_topk_ids, other[i].teacher_topk_ids) for i in range(len(rows)))
 
 
+@pytest.mark.slow
 def test_a_killed_sampled_run_resumes_into_identical_shards(tokenizer, tokenizer_dir, tmp_path):
     rows = conversations(6)
     dataset = write_jsonl(tmp_path / "rows.jsonl", rows)

@@ -109,6 +109,7 @@ def _receiver(port: int, manifest: list[TensorSpec], bucket: int, results) -> No
     results.put((buffer.getvalue(), len(storages)))
 
 
+@pytest.mark.slow
 def test_transport_round_trip_between_processes():
     tensors = mixed_tensors()
     manifest = manifest_of(tensors)
@@ -225,6 +226,7 @@ def run_fsdp_ranks(server_url: str | None) -> list[dict]:
     return run_ranks(_fsdp_rank, (file_rendezvous(), server_url))
 
 
+@pytest.mark.slow
 def test_iter_named_weights_gathers_fsdp2_parameters():
     outcomes = run_fsdp_ranks(server_url=None)
     assert all(o["all_equal"] and o["count"] == len(tiny_model(tied=False).state_dict()) for o in outcomes)

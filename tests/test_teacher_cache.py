@@ -278,6 +278,7 @@ def score_command(dataset: Path, url: str, output: Path, tokenizer_dir: Path, *e
             "--tokenizer", str(tokenizer_dir), *extra]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_at_its_first_unfinished_shard(tokenizer, tokenizer_dir, tmp_path):
     rows = conversations(6)
     dataset = write_jsonl(tmp_path / "rows.jsonl", rows)

