@@ -64,10 +64,7 @@ REFUSED_PAIRS: dict[Pair, tuple[str, str]] = {
 }
 
 # Supported pairs that fail today: each run holding one is a strict xfail, so that the fix shows as XPASS.
-KNOWN_BROKEN: dict[Pair, str] = {
-    Pair({("async_mode", "sync"), ("signal", "hidden")}):
-        "sync source ignores teacher_signal; fixed in the one-rollout change",
-}
+KNOWN_BROKEN: dict[Pair, str] = {}
 
 NUM_ROWS = 12  # dataset rows and cached rows: one epoch is prompt ids 0..11
 LONG_ROW = 5  # the online dataset's row too long for the servers' max_model_len (dropped as too_long)
@@ -119,15 +116,12 @@ RUNS: list[dict[str, Any]] = [dict(zip(FACTORS, values, strict=True)) for values
     # async_mode, signal, source, weight_sync, ranks, start
     ("async", "topk", "online", "full", 1, "fresh"),
     ("sync", "topk", "cache", "adapter", 2, "resumed"),
-    ("async", "hidden", "online", "adapter", 1, "resumed"),
+    ("sync", "hidden", "online", "adapter", 1, "fresh"),
+    ("async", "hidden", "online", "full", 2, "resumed"),
+    ("async", "topk", "mixed", "adapter", 1, "resumed"),
+    ("async", "topk", "cache", "full", 1, "fresh"),
     ("async", "topk", "mixed", "full", 2, "fresh"),
-    ("sync", "topk", "cache", "full", 1, "fresh"),
-    ("async", "hidden", "online", "full", 2, "fresh"),
-    ("async", "topk", "mixed", "adapter", 1, "fresh"),
-    ("async", "topk", "cache", "full", 1, "resumed"),
     ("sync", "topk", "online", "full", 1, "fresh"),
-    ("async", "topk", "mixed", "full", 1, "resumed"),
-    ("sync", "hidden", "online", "full", 1, "fresh"),
 ]]
 
 

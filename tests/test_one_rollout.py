@@ -295,3 +295,32 @@ def test_the_rollout_child_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "False"
+
+
+def test_a_short_run_whose_every_rollout_fails_ends_with_the_servers_error_not_as_trained():
+    """Fewer prompts than ``max_consecutive_failures``, every teacher request refused: at the end of the prompts the
+    synchronous source and the worker both stop with the server's message (the run once ended "successfully" after
+    0 steps, every prompt dropped)."""
+
+    async def refuse(body):
+        return 404, {"error": {"message": "The model `teacher` does not exist."}}
+
+    rows = dataset(4, teacher_ids=("math",))
+    with StubServer("student", student_stub()) as student, StubServer("math", refuse) as math:
+        config = rollout_config(student, {"math": math}, end_index=len(rows))
+        source = SynchronousSource(rows, config, wave_size=2)
+        try:
+            with pytest.raises(RolloutsFailingError, match=r"every rollout of this run failed \(4 prompts dropped, "
+                               r"none scored\); last \(teacher math\).*does not exist"):
+                drain(source)
+        finally:
+            source.close()
+        worker = RolloutWorker(config, rows, queue_maxsize=8)
+        worker.start()
+        try:
+            source = WorkerSource(worker, max_staleness=0, stale_policy="drop", heartbeat_stale_after_s=HEALTHY_S,
+                                  poll_s=0.2)
+            with pytest.raises(RuntimeError, match=r"RolloutsFailingError: every rollout of this run failed"):
+                in_thread(lambda: drain(source))
+        finally:
+            worker.stop()

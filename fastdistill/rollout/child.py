@@ -159,6 +159,7 @@ class RolloutLoop:
                     inflight.add(task)
                 if not inflight:
                     if self.dispatcher.exhausted and not self.announced_exhausted:
+                        self.rollouts.failures.check_any_succeeded()
                         if await self.put(WorkerExhausted(self.redo_seen)) is None:
                             return
                         self.announced_exhausted = True

@@ -101,10 +101,23 @@ class RolloutFailures:
         self.attempts: dict[int, int] = {}  # prompt id -> failed attempts so far
         self.consecutive = 0
         self.failed = self.dropped = self.redispatched = 0
+        self.samples_total = self.dropped_total = 0  # over the whole run
+        self.last_error: VLLMError | None = None
 
     def succeeded(self, prompt_id: int) -> None:
         self.consecutive = 0
+        self.samples_total += 1
         self.attempts.pop(prompt_id, None)
+
+    def check_any_succeeded(self) -> None:
+        """At the end of the prompts: raise :class:`RolloutsFailingError` when rollouts were dropped and none ever
+        succeeded (a run shorter than ``max_consecutive_failures`` whose every rollout fails must not end as if it
+        had trained)."""
+        if self.samples_total == 0 and self.dropped_total:
+            error = self.last_error
+            raise RolloutsFailingError(
+                f"every rollout of this run failed ({self.dropped_total} prompts dropped, none scored); last "
+                f"({getattr(error, 'server', None) or 'a server'}): {error}") from error
 
     def failed_with(self, prompt_id: int, row_index: int, error: VLLMError) -> Redispatch | DroppedPrompt:
         """Count a rollout that raised ``error`` (a :class:`VLLMError` carrying ``.server`` and, when the teacher
@@ -119,6 +132,8 @@ class RolloutFailures:
             return Redispatch(prompt_id, row_index, getattr(error, "kept", None))
         self.attempts.pop(prompt_id, None)
         self.dropped += 1
+        self.dropped_total += 1
+        self.last_error = error
         if unavailable:
             reason = drop_reasons.UNAVAILABLE
             message = f"{self.config.max_rollout_attempts} attempts failed; last: {error}"

@@ -276,6 +276,8 @@ class SynchronousSource:
             while len(batch) < self.wave_size and (item := self.dispatcher.next()) is not None:
                 batch.append(item[:2])
             if not batch:
+                if self._rollouts is not None:
+                    self._rollouts.failures.check_any_succeeded()
                 raise SourceExhausted
             started = time.perf_counter()
             self._model_version = model_version
