@@ -322,12 +322,27 @@ class VLLMServer:
         os.sched_setaffinity(0, self.cpus)  # in the child before exec: inherited by all of vLLM's processes
 
     def start(self) -> VLLMServer:
-        """Launch the process and wait until it is healthy; on any failure stop it and raise."""
+        """Launch the process (:meth:`launch`) and wait until it is healthy; on any failure stop it and raise."""
+        self.launch()
+        return self.wait_started()
+
+    def launch(self) -> VLLMServer:
+        """Start the server's process, in its own process group, without waiting for it. The server gets SIGTERM
+        when the thread that launched it ends, however it ends (SIGKILL of this process included; Linux): a test
+        or a demo killed mid-run leaves no server behind. Launch from a thread that lives as long as the server (the
+        main thread)."""
         if self.process is not None:
             raise VLLMServerError(f"server already started (pid {self.process.pid})")
         if self.log_path is None or self._temporary_log:
             self._remove_temporary_log()
             self.log_path, self._temporary_log = _temporary_log_path(self.role), True
+        die_with_parent = _death_signal_setter(signal.SIGTERM)
+
+        def prepare_child() -> None:
+            die_with_parent()
+            if self.cpus is not None:
+                self._pin()
+
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command(),
@@ -336,8 +351,12 @@ class VLLMServer:
                 stdin=subprocess.DEVNULL,
                 env=self.environment(),
                 start_new_session=True,
-                preexec_fn=self._pin if self.cpus is not None else None,
+                preexec_fn=prepare_child,
             )
+        return self
+
+    def wait_started(self) -> VLLMServer:
+        """Wait until the launched server is healthy; on any failure stop it and raise."""
         try:
             self._wait_until_healthy()
         except BaseException:

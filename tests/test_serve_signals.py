@@ -184,3 +184,35 @@ def test_a_server_that_dies_leaves_nothing_and_the_cli_reports_its_signal(tmp_pa
             cli.kill()
         cli.wait()
     assert cli.returncode == 128 + signal.SIGKILL
+
+
+def test_servers_a_killed_library_user_started_stop_with_it(tmp_path, stand_in):
+    """A test run or a demo SIGKILLed while its servers run (``VLLMServer.start``, ``start_together``): the kernel
+    stops each server's first process, which stops its child; every port is freed."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys, time\n"
+        "from fastdistill.serve import VLLMServer\n"
+        "from fastdistill.testing.vllm_server import start_together\n"
+        "if __name__ == '__main__':\n"
+        "    servers = [VLLMServer('some/model', role='teacher'), VLLMServer('other/model', role='teacher')]\n"
+        "    servers[0].start()\n"
+        "    start_together(servers[1])\n"
+        "    print(' '.join(str(s.port) for s in servers), flush=True)\n"
+        "    time.sleep(600)\n")
+    env = {**stand_in, "PYTHONPATH": os.pathsep.join(sys.path)}
+    user = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        ports = [int(port) for port in user.stdout.readline().split()]
+        assert len(ports) == 2, "the servers did not start"
+        processes = [pid for pid in descendants(user.pid)]
+        assert len(processes) >= 4  # two stand-ins, each with its child
+        user.send_signal(signal.SIGKILL)
+        user.wait(60)
+        for port in ports:
+            wait_for(lambda port=port: port_refuses(port), 60, f"port {port} still accepts connections")
+        wait_for(lambda: not any(map(alive, processes)), 60, "a server process outlived the killed user")
+    finally:
+        if user.poll() is None:
+            user.kill()
+        user.wait()

@@ -40,11 +40,23 @@ def require_vllm() -> None:
 
 
 def start_together(*servers: VLLMServer) -> None:
-    """Start several servers side by side (start-up is mostly waiting); if any fails, stop them all and raise."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Start several servers side by side (start-up is mostly waiting); if any fails, stop them all and raise.
 
-    with ThreadPoolExecutor(len(servers)) as pool:
-        errors = [future.exception() for future in [pool.submit(server.start) for server in servers]]
+    Each is launched from the calling thread (the kernel stops a server when the thread that launched it ends), then
+    all are waited for together."""
+    errors: list[BaseException | None] = []
+    for server in servers:
+        try:
+            server.launch()
+            errors.append(None)
+        except BaseException as error:  # the others are stopped below
+            errors.append(error)
+    for index, server in enumerate(servers):
+        if errors[index] is None:
+            try:
+                server.wait_started()
+            except BaseException as error:
+                errors[index] = error
     failed = [error for error in errors if error is not None]
     if failed:
         for server in servers:
