@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_cases import TEACHERS, offline_config, synthetic_run_samples, tiny_student_dir
 
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill.tiny import build_tokenizer
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError
 from fastdistill.train.trainer import AsyncDistillationTrainer
 
@@ -18,31 +19,22 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from test_cache_training import NUM_ROWS, cache_and_student, cache_config  # noqa: E402, F401 (a fixture)
 
-TEACHERS = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}
 LEDGERS = ("trained_prompts.jsonl", "dropped_prompts.jsonl", "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
 def student_dir(tmp_path_factory):
-    tokenizer = build_tokenizer()
-    model = build_model(tiny_config(len(tokenizer), pad_token_id=0, eos_token_id=2), seed=7)
-    return save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("student"))
+    return tiny_student_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def samples():
-    from run_trainer import teacher_and_samples
-
-    return teacher_and_samples(24, seed=3, teacher_ids=list(TEACHERS))
+    return synthetic_run_samples(24)
 
 
 def config(student_dir, output_dir, **overrides) -> AsyncDistillationConfig:
-    values = dict(model_name_or_path=str(student_dir), output_dir=str(output_dir), teacher_server_urls=TEACHERS,
-                  weight_sync_backend="none", learning_rate=1e-3, num_train_epochs=1, gradient_checkpointing=False,
-                  disable_tqdm=True, token_budget=0, export_final_model=False, per_device_train_batch_size=4,
-                  save_strategy="steps", save_steps=2)
-    values.update(overrides)
-    return AsyncDistillationConfig(**values)
+    settings = dict(per_device_train_batch_size=4, save_strategy="steps", save_steps=2)
+    return offline_config(student_dir, output_dir, **{**settings, **overrides})
 
 
 def read_jsonl(path: Path) -> list[dict]:

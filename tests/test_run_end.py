@@ -4,44 +4,32 @@ rather than fatal, and a non-finite loss stops the run before the optimizer step
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_cases import offline_config, synthetic_run_samples, tiny_student_dir
 
 import fastdistill.train.evaluate as evaluate
 from fastdistill.errors import NonFiniteLossError, VLLMUnavailableError
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.trainer import AsyncDistillationTrainer
 
 HERE = Path(__file__).parent
-TEACHERS = {"a": "http://127.0.0.1:9", "b": "http://127.0.0.1:10"}
 
 
 @pytest.fixture(scope="module")
 def student_dir(tmp_path_factory):
-    tokenizer = build_tokenizer()
-    model = build_model(tiny_config(len(tokenizer), pad_token_id=0, eos_token_id=2), seed=7)
-    return save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("student"))
+    return tiny_student_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def samples():
-    sys.path.insert(0, str(HERE))
-    from run_trainer import teacher_and_samples
-
-    return teacher_and_samples(16, seed=3, teacher_ids=list(TEACHERS))
+    return synthetic_run_samples(16)
 
 
 def config(student_dir, output_dir, **overrides) -> AsyncDistillationConfig:
-    values = dict(model_name_or_path=str(student_dir), output_dir=str(output_dir), teacher_server_urls=TEACHERS,
-                  weight_sync_backend="none", learning_rate=1e-3, num_train_epochs=1, gradient_checkpointing=False,
-                  disable_tqdm=True, save_strategy="no", token_budget=0, export_final_model=False,
-                  per_device_train_batch_size=4)
-    values.update(overrides)
-    return AsyncDistillationConfig(**values)
+    return offline_config(student_dir, output_dir, **{**dict(per_device_train_batch_size=4), **overrides})
 
 
 def read_jsonl(path: Path) -> list[dict]:
