@@ -21,7 +21,9 @@ checked equal to the reference's.
 Part 2 (``trainer``): the trainer's side of the queue: a producer process puts pickled samples into a
 multiprocessing queue, the trainer's process takes them through :class:`~fastdistill.train.source.WorkerSource`
 (``next``: unpickling, staleness) and packs a step's worth with :func:`~fastdistill.data.packing.pack_row`; CPU µs
-per completion token of the consumer.
+per completion token of the consumer, with ``--torch-threads`` intra-op threads (default 1, as bench_e2e.py runs the
+trainer: on a shared 2-core machine torch's thread pool spinning against other load makes pack_row's small tensor ops
+ten times slower).
 
     python benchmarks/bench_worker_ceiling.py                         # full grid, tables + JSON
     python benchmarks/bench_worker_ceiling.py --top-k 8 --lengths 16 --prompt-lengths 8 --min-round-s 0.01
@@ -50,6 +52,7 @@ from fastdistill.rollout.decode import scores_from_body, scores_from_prompt_logp
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_worker_ceiling.json"
 VOCAB = 151_936  # a Qwen-sized vocabulary: token ids of 1 to 6 digits
+TARGET_TOK_S = 200_000  # scored tokens/s a node of 8 GPUs generates with a small student: the rollout path's goal
 OUTSIDE_TOP_K = 0.3  # share of positions whose realised token is outside the teacher's top-K (K + 1 entries)
 
 
@@ -277,15 +280,27 @@ def machine() -> dict:
 
 def print_tables(result: dict) -> None:
     names = list(result["decode"][0]["us_per_token"]) if result["decode"] else []
+    if names:
+        _print_decode_table(result, names)
+    if result["trainer"]:
+        _print_trainer_table(result)
+
+
+def _print_decode_table(result: dict, names: list[str]) -> None:
     print("\nDecoding one rollout's answers (student + teacher), CPU µs per scored token (tokens/s per process)")
-    print("| K | L | P | teacher MB | " + " | ".join(names) + " | json / best | all agree |")
-    print("|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|:---:|")
+    print("| K | L | P | teacher MB | " + " | ".join(names) + " | json / best | cores for 200k tok/s: json, best "
+          "| all agree |")
+    print("|---:|---:|---:|---:|" + "---:|" * len(names) + "---:|---:|:---:|")
     for row in result["decode"]:
         cost = row["us_per_token"]
         cells = [f"{cost[name]:.2f} ({1e6 / cost[name] / 1e3:.0f}k)" for name in names]
         print(f"| {row['top_k']} | {row['completion_length']} | {row['prompt_length']} | "
               f"{row['teacher_body_mb']:.2f} | " + " | ".join(cells)
-              + f" | {cost['json'] / min(cost.values()):.1f}× | {'yes' if all(row['agrees'].values()) else 'NO'} |")
+              + f" | {cost['json'] / min(cost.values()):.1f}× | {TARGET_TOK_S * cost['json'] / 1e6:.1f}, "
+              f"{TARGET_TOK_S * min(cost.values()) / 1e6:.1f} | {'yes' if all(row['agrees'].values()) else 'NO'} |")
+
+
+def _print_trainer_table(result: dict) -> None:
     print("\nThe trainer's side of the queue, CPU µs per completion token")
     print("| K | L | P | samples/step | WorkerSource.next | pack_row | total |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -304,16 +319,24 @@ def main() -> None:
     parser.add_argument("--min-round-s", type=float, default=0.3, help="CPU seconds per timing round (3 rounds)")
     parser.add_argument("--trainer-steps", type=int, default=8)
     parser.add_argument("--samples-per-step", type=int, default=8)
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads for the trainer part")
+    parser.add_argument("--parts", nargs="+", choices=("decode", "trainer"), default=["decode", "trainer"])
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
     args = parser.parse_args()
     if len(args.prompt_lengths) != len(args.lengths):
         parser.error("give one prompt length per completion length")
 
-    result: dict = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
-    result["decode"] = bench_decode(args.top_k, args.lengths, args.prompt_lengths, args.min_round_s)
-    result["trainer"] = [bench_trainer_side(top_k, length, prompt, args.trainer_steps, args.samples_per_step)
-                         for top_k in args.top_k
-                         for length, prompt in zip(args.lengths, args.prompt_lengths, strict=True)]
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    result: dict = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "decode": [],
+                    "trainer": []}
+    if "decode" in args.parts:
+        result["decode"] = bench_decode(args.top_k, args.lengths, args.prompt_lengths, args.min_round_s)
+    if "trainer" in args.parts:
+        result["trainer"] = [bench_trainer_side(top_k, length, prompt, args.trainer_steps, args.samples_per_step)
+                             for top_k in args.top_k
+                             for length, prompt in zip(args.lengths, args.prompt_lengths, strict=True)]
     print_tables(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
