@@ -7,9 +7,10 @@ top-K — and the student's generation answer with ``token_ids`` and ``logprobs`
 and one teacher answer) with each decoding choice, side by side in one run:
 
 - ``json``: ``json.loads`` + :func:`~fastdistill.rollout.parse_prompt_logprobs` (the client's path today);
+- ``json+flat``: ``json.loads`` + :func:`~fastdistill.rollout.decode.scores_from_prompt_logprobs` (rows flattened
+  once, sorted by numpy; the one-line change in the client);
 - ``orjson``: ``orjson.loads`` + the same parser;
-- ``orjson+flat``: ``orjson.loads`` + :func:`~fastdistill.rollout.decode.scores_from_prompt_logprobs` (rows
-  flattened once, sorted by numpy);
+- ``orjson+flat``: ``orjson.loads`` + :func:`~fastdistill.rollout.decode.scores_from_prompt_logprobs`;
 - ``msgspec``: :func:`~fastdistill.rollout.decode.scores_from_body` on the raw bytes (prompt rows skipped as
   ``msgspec.Raw``, completion rows into typed structs) and a typed struct for the student's answer.
 
@@ -159,6 +160,7 @@ def decoders(prompt_length: int, completion_length: int, top_k: int) -> dict[str
         return ids, logprobs, scores_from_body("bench", teacher, prompt_length, completion_length, top_k)
 
     return {"json": with_loads(json.loads, parse_prompt_logprobs),
+            "json+flat": with_loads(json.loads, scores_from_prompt_logprobs),
             "orjson": with_loads(orjson.loads, parse_prompt_logprobs),
             "orjson+flat": with_loads(orjson.loads, scores_from_prompt_logprobs),
             "msgspec": with_msgspec}
