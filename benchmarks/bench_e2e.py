@@ -208,8 +208,9 @@ def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     report: dict[str, Any] = {}
     print("\nSteady state (steps after the warm-up; start-up and shut-down excluded), medians over repeats, "
           "seconds per step")
-    columns = ("tok/s", "step", "gen", "score", *STEADY_PHASES[1:], "rest", "start+stop share")
-    print(f"{'mode':<7}" + "".join(f"{c:>12}" for c in columns) + "   (gen + score = rollout wait)")
+    columns = ("tok/s", "step", "gen", "score", *STEADY_PHASES[1:], "rest")
+    print(f"{'mode':<7}" + "".join(f"{c:>12}" for c in columns) + f"{'start+stop share':>18}"
+          + "   (gen + score = rollout wait)")
     for name in modes:
         runs = [run["steady"] for run in results[name]]
 
@@ -224,7 +225,7 @@ def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         report[f"{name}_steady"] = row
         cells = [row["trained_tokens_per_s"], row["step_s"], row["generation_s"], row["scoring_s"],
                  *(row[f"{p}_s"] for p in STEADY_PHASES[1:]), row["rest_s"]]
-        print(f"{name:<7}" + "".join(f"{c:>12.3f}" for c in cells) + f"{row['startup_shutdown_share']:>12.1%}")
+        print(f"{name:<7}" + "".join(f"{c:>12.3f}" for c in cells) + f"{row['startup_shutdown_share']:>18.1%}")
     if len(modes) == 2:
         limits = [overlap_limit(run["steady"]) for run in results["sync"]]
         paired = [a["steady"]["trained_tokens_per_s"] / b["steady"]["trained_tokens_per_s"]
