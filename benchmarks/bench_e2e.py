@@ -157,7 +157,14 @@ def steady_state(steps: list[dict[str, Any]], time_s: dict[str, float], warmup_s
     durations = [step["rollout/duration_s"] for step in kept if step.get("rollout/duration_s")]
     scoring = [step.get("rollout/score_s", 0.0) for step in kept if step.get("rollout/duration_s")]
     score_share = sum(scoring) / sum(durations) if durations else 0.0
+    # Little's law: rollouts finish at (in flight) / (duration) per second, so a step's samples take this long to
+    # generate and score at the pipeline's depth; the bound of a run is max(that, the step's training)
+    inflight = [step["rollout/inflight"] for step in kept if step.get("rollout/inflight")]
+    samples = sum(step.get("batch/samples_per_step", 0.0) for step in kept) / len(kept)
+    mean_duration = sum(durations) / len(durations) if durations else 0.0
+    capacity_s = samples * mean_duration / (sum(inflight) / len(inflight)) if inflight else None
     return {
+        "rollout_capacity_s": capacity_s,
         "steps": len(kept),
         "trained_tokens_per_s": sum(step["batch/trained_tokens_per_step"] for step in kept) / seconds,
         "step_s": seconds / len(kept),
@@ -240,6 +247,14 @@ def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                        "overlap_efficiency_per_repeat": efficiency})
         print(f"overlap limit from the sync run: G = {generation:.3f} s (generation + scoring), T = {training:.3f} s "
               f"(the rest of the step) per step -> (G + T) / max(G, T) = {report['overlap_limit']:.2f}x")
+        bounds = [max(run["steady"]["rollout_capacity_s"] or 0.0,
+                      run["steady"]["step_s"] - run["steady"]["phases_s"]["rollout_wait"]) for run in results["async"]]
+        own = [bound / run["steady"]["step_s"] for bound, run in zip(bounds, results["async"], strict=True)]
+        report.update({"async_bound_step_s": statistics.median(bounds), "async_efficiency_own_bound":
+                       statistics.median(own)})
+        print(f"async's own bound: max(rollout capacity = samples/step x rollout duration / rollouts in flight, "
+              f"training) = {report['async_bound_step_s']:.3f} s per step; async runs at "
+              f"{report['async_efficiency_own_bound']:.0%} of it")
         print(f"steady async / sync: {report['steady_async_over_sync']:.2f}x -> efficiency "
               f"{report['overlap_efficiency']:.0%} of the limit (per repeat: "
               f"{', '.join(f'{e:.0%}' for e in efficiency)})")

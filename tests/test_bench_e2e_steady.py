@@ -15,7 +15,8 @@ spec.loader.exec_module(bench_e2e)
 def step(wait, fwd_bwd, rest, tokens, duration=1.0, score=0.25):
     return {"perf/step_s": wait + fwd_bwd + 0.1 + 0.05 + rest, "perf/rollout_wait_s": wait, "perf/fwd_bwd_s": fwd_bwd,
             "perf/optimizer_s": 0.1, "perf/weight_sync_s": 0.05, "batch/trained_tokens_per_step": tokens,
-            "rollout/duration_s": duration, "rollout/score_s": score}
+            "rollout/duration_s": duration, "rollout/score_s": score, "rollout/inflight": 4.0,
+            "batch/samples_per_step": 8.0}
 
 
 def test_steady_state_leaves_out_the_warm_up_and_splits_the_wait():
@@ -29,6 +30,7 @@ def test_steady_state_leaves_out_the_warm_up_and_splits_the_wait():
                                                 "weight_sync": 0.05, "rest": 0.35})
     assert (steady["generation_s"], steady["scoring_s"]) == pytest.approx((1.5, 0.5))
     assert steady["startup_shutdown_share"] == pytest.approx(0.1)
+    assert steady["rollout_capacity_s"] == pytest.approx(8 * 1.0 / 4.0)  # 4 in flight of 1 s each: 4 samples/s
     generation, training, limit = bench_e2e.overlap_limit(steady)
     assert (generation, training, limit) == pytest.approx((2.0, 1.5, 3.5 / 2.0))
     with pytest.raises(ValueError, match="leave none"):
@@ -45,3 +47,5 @@ def test_the_report_compares_async_over_sync_with_the_limit(capsys):
     assert report["overlap_efficiency"] == pytest.approx(4.0 / 2.75 / 2.0)
     out = capsys.readouterr().out
     assert "(G + T) / max(G, T) = 2.00x" in out and "efficiency 73% of the limit" in out
+    # async: capacity 8 x 1 s / 4 in flight = 2 s, training 2.75 s: bound 2.75 s per step, met at 100 %
+    assert report["async_bound_step_s"] == pytest.approx(2.75) and report["async_efficiency_own_bound"] == pytest.approx(1.0)
