@@ -26,7 +26,10 @@ whole wave, generation + scoring; split between the two by the worker's ``rollou
 forward+backward, optimizer, weight sync, the rest of the step. From the synchronous run's phases, the overlap
 limit: with generation G and training T per step, an asynchronous pipeline can at best take max(G, T) per step
 instead of G + T, so async/sync is at most (G + T) / max(G, T); the efficiency is the measured steady-state
-async/sync over that limit.
+async/sync over that limit. That limit assumes the asynchronous worker generates as fast as a synchronous wave; it
+keeps more rollouts in flight (the lookahead), so vLLM batches more of them and it can beat the limit. Hence also
+the asynchronous run's own bound: per step, max(its rollout capacity, its training), the capacity by Little's law
+(samples per step x mean ``rollout/duration_s`` / mean ``rollout/inflight``), and the share of it reached.
 """
 
 from __future__ import annotations
