@@ -48,4 +48,5 @@ def test_the_report_compares_async_over_sync_with_the_limit(capsys):
     out = capsys.readouterr().out
     assert "(G + T) / max(G, T) = 2.00x" in out and "efficiency 73% of the limit" in out
     # async: capacity 8 x 1 s / 4 in flight = 2 s, training 2.75 s: bound 2.75 s per step, met at 100 %
-    assert report["async_bound_step_s"] == pytest.approx(2.75) and report["async_efficiency_own_bound"] == pytest.approx(1.0)
+    assert report["async_bound_step_s"] == pytest.approx(2.75)
+    assert report["async_efficiency_own_bound"] == pytest.approx(1.0)
