@@ -17,6 +17,19 @@ away, and the shutdown time. With ``--repeats N`` the contenders run interleaved
 and the async/sync and async/TRL ratios are the medians of the per-repeat ratios (each repeat runs its contenders
 back to back, which cancels the machine's drift between repeats). ``--json FILE`` writes the numbers
 (``make bench-e2e``: 5 repeats → ``benchmarks/results/e2e.json``).
+
+Steady state: besides the whole-run numbers, every fastdistill run is measured over its steps after the first
+``--warmup-steps`` (the pipeline filling), from the per-step records of ``metrics.jsonl``; start-up (servers
+connected, worker started, first weight sync) and shut-down lie outside every step, so they are excluded, and their
+share of the whole run is printed. Per mode, the seconds per step of each phase: rollout wait (in sync mode the
+whole wave, generation + scoring; split between the two by the worker's ``rollout/score_s`` / ``rollout/duration_s``),
+forward+backward, optimizer, weight sync, the rest of the step. From the synchronous run's phases, the overlap
+limit: with generation G and training T per step, an asynchronous pipeline can at best take max(G, T) per step
+instead of G + T, so async/sync is at most (G + T) / max(G, T); the efficiency is the measured steady-state
+async/sync over that limit. That limit assumes the asynchronous worker generates as fast as a synchronous wave; it
+keeps more rollouts in flight (the lookahead), so vLLM batches more of them and it can beat the limit. Hence also
+the asynchronous run's own bound: per step, max(its rollout capacity, its training), the capacity by Little's law
+(samples per step x mean ``rollout/duration_s`` / mean ``rollout/inflight``), and the share of it reached.
 """
 
 from __future__ import annotations
@@ -95,6 +108,7 @@ def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str,
                                     + sum(s.get("sample/discarded_total", 0.0) for s in steps))
     summary["trained_samples"] = sum(s["batch/samples_per_step"] for s in steps)
     summary["final_dir"] = str(output_dir / "final")
+    summary["steady"] = steady_state(steps, summary["time_s"], args.warmup_steps)
     return summary
 
 
@@ -127,6 +141,52 @@ def _run(command: list[str], cpus: set[int] | None, log: Path) -> None:
         raise RuntimeError(f"{' '.join(command[:4])} failed; log {log}:\n" + log.read_text()[-3000:])
 
 
+STEADY_PHASES = ("rollout_wait", "fwd_bwd", "optimizer", "weight_sync")
+
+
+def steady_state(steps: list[dict[str, Any]], time_s: dict[str, float], warmup_steps: int) -> dict[str, Any]:
+    """Steady-state numbers of one fastdistill run from its per-step records (``metrics.jsonl``, logging every
+    step) past the first ``warmup_steps``: trained tokens/s, seconds per step of each phase of ``STEADY_PHASES``
+    (``perf/<phase>_s``) and ``rest`` (the step's other seconds), generation and scoring seconds per step (the
+    rollout wait split by the worker's mean ``rollout/score_s`` / ``rollout/duration_s``; meaningful where the
+    trainer waits for whole waves, the synchronous mode), and the share of the run's wall time (``time_s``, the
+    summary's phases) spent in start-up and shut-down."""
+    kept = steps[warmup_steps:]
+    if not kept:
+        raise ValueError(f"{len(steps)} steps leave none after {warmup_steps} warm-up steps")
+    seconds = sum(step["perf/step_s"] for step in kept)
+    phases = {name: sum(step.get(f"perf/{name}_s", 0.0) for step in kept) / len(kept) for name in STEADY_PHASES}
+    phases["rest"] = seconds / len(kept) - sum(phases.values())
+    durations = [step["rollout/duration_s"] for step in kept if step.get("rollout/duration_s")]
+    scoring = [step.get("rollout/score_s", 0.0) for step in kept if step.get("rollout/duration_s")]
+    score_share = sum(scoring) / sum(durations) if durations else 0.0
+    # Little's law: rollouts finish at (in flight) / (duration) per second, so a step's samples take this long to
+    # generate and score at the pipeline's depth; the bound of a run is max(that, the step's training)
+    inflight = [step["rollout/inflight"] for step in kept if step.get("rollout/inflight")]
+    samples = sum(step.get("batch/samples_per_step", 0.0) for step in kept) / len(kept)
+    mean_duration = sum(durations) / len(durations) if durations else 0.0
+    capacity_s = samples * mean_duration / (sum(inflight) / len(inflight)) if inflight else None
+    return {
+        "rollout_capacity_s": capacity_s,
+        "steps": len(kept),
+        "trained_tokens_per_s": sum(step["batch/trained_tokens_per_step"] for step in kept) / seconds,
+        "step_s": seconds / len(kept),
+        "phases_s": phases,
+        "generation_s": phases["rollout_wait"] * (1.0 - score_share),
+        "scoring_s": phases["rollout_wait"] * score_share,
+        "startup_shutdown_share": (time_s.get("startup", 0.0) + time_s.get("shutdown", 0.0)) / time_s["total"],
+    }
+
+
+def overlap_limit(sync_steady: dict[str, Any]) -> tuple[float, float, float]:
+    """(G, T, limit) from a synchronous run's steady state: G = generation + scoring seconds per step (the rollout
+    wait), T = the rest of the step (training, weight sync, bookkeeping); limit = (G + T) / max(G, T), the best
+    async/sync throughput ratio that overlapping the two can give."""
+    generation = sync_steady["phases_s"]["rollout_wait"]
+    training = sync_steady["step_s"] - generation
+    return generation, training, (generation + training) / max(generation, training, 1e-12)
+
+
 def held_out_jsd(final_dir: str, urls: dict[str, str], held_rows: list[dict]) -> float:
     """The jsd/token of the final student on its greedy answers to the held-out prompts (served by the student
     server, which holds the run's last weights), scored by the teacher."""
@@ -148,12 +208,70 @@ def warm_up(urls: dict[str, str], rows: list[dict]) -> None:
         collect_scored_samples(urls["student"], {"default": urls["teacher"]}, rows, top_k=8, max_tokens=32)
 
 
+def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Print the steady-state table (medians over repeats, per mode: tok/s and seconds per step of each phase) and,
+    with both modes, the overlap limit from the synchronous run's phases beside the measured async/sync (the median
+    of the repeats' paired ratios) and their quotient, the efficiency. Returns those numbers."""
+    modes = [name for name in ("async", "sync") if name in results]
+    if not modes:
+        return {}
+    report: dict[str, Any] = {}
+    print("\nSteady state (steps after the warm-up; start-up and shut-down excluded), medians over repeats, "
+          "seconds per step")
+    columns = ("tok/s", "step", "gen", "score", *STEADY_PHASES[1:], "rest")
+    print(f"{'mode':<7}" + "".join(f"{c:>12}" for c in columns) + f"{'start+stop share':>18}"
+          + "   (gen + score = rollout wait)")
+    for name in modes:
+        runs = [run["steady"] for run in results[name]]
+
+        def median(get, runs=runs):
+            return statistics.median(get(run) for run in runs)
+
+        row = {"trained_tokens_per_s": median(lambda r: r["trained_tokens_per_s"]),
+               "step_s": median(lambda r: r["step_s"]), "generation_s": median(lambda r: r["generation_s"]),
+               "scoring_s": median(lambda r: r["scoring_s"]),
+               **{f"{p}_s": median(lambda r, p=p: r["phases_s"][p]) for p in (*STEADY_PHASES, "rest")},
+               "startup_shutdown_share": median(lambda r: r["startup_shutdown_share"])}
+        report[f"{name}_steady"] = row
+        cells = [row["trained_tokens_per_s"], row["step_s"], row["generation_s"], row["scoring_s"],
+                 *(row[f"{p}_s"] for p in STEADY_PHASES[1:]), row["rest_s"]]
+        print(f"{name:<7}" + "".join(f"{c:>12.3f}" for c in cells) + f"{row['startup_shutdown_share']:>18.1%}")
+    if len(modes) == 2:
+        limits = [overlap_limit(run["steady"]) for run in results["sync"]]
+        paired = [a["steady"]["trained_tokens_per_s"] / b["steady"]["trained_tokens_per_s"]
+                  for a, b in zip(results["async"], results["sync"], strict=True)]
+        efficiency = [ratio / limit[2] for ratio, limit in zip(paired, limits, strict=True)]
+        generation, training = (statistics.median(limit[i] for limit in limits) for i in (0, 1))
+        report.update({"sync_generation_per_step_s": generation, "sync_training_per_step_s": training,
+                       "overlap_limit": statistics.median(limit[2] for limit in limits),
+                       "steady_async_over_sync": statistics.median(paired),
+                       "steady_async_over_sync_per_repeat": paired,
+                       "overlap_efficiency": statistics.median(efficiency),
+                       "overlap_efficiency_per_repeat": efficiency})
+        print(f"overlap limit from the sync run: G = {generation:.3f} s (generation + scoring), T = {training:.3f} s "
+              f"(the rest of the step) per step -> (G + T) / max(G, T) = {report['overlap_limit']:.2f}x")
+        bounds = [max(run["steady"]["rollout_capacity_s"] or 0.0,
+                      run["steady"]["step_s"] - run["steady"]["phases_s"]["rollout_wait"]) for run in results["async"]]
+        own = [bound / run["steady"]["step_s"] for bound, run in zip(bounds, results["async"], strict=True)]
+        report.update({"async_bound_step_s": statistics.median(bounds), "async_efficiency_own_bound":
+                       statistics.median(own)})
+        print(f"async's own bound: max(rollout capacity = samples/step x rollout duration / rollouts in flight, "
+              f"training) = {report['async_bound_step_s']:.3f} s per step; async runs at "
+              f"{report['async_efficiency_own_bound']:.0%} of it")
+        print(f"steady async / sync: {report['steady_async_over_sync']:.2f}x -> efficiency "
+              f"{report['overlap_efficiency']:.0%} of the limit (per repeat: "
+              f"{', '.join(f'{e:.0%}' for e in efficiency)})")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=5,
+                        help="steps left out of the steady-state numbers (the pipeline filling)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every contender this many times, interleaved, and report medians")
     parser.add_argument("--skip-trl", action="store_true")
@@ -255,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async / {other} throughput: {statistics.median(paired):.2f}x (median of the repeats' ratios "
                   f"{', '.join(f'{r:.2f}' for r in paired)}; ratio of the medians "
                   f"{report[f'async_over_{other}_of_medians']:.2f}x)")
+    report.update(steady_report(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

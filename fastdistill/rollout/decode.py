@@ -1,0 +1,159 @@
+"""Fast decoding of a vLLM teacher's ``prompt_logprobs`` answer into :class:`~fastdistill.rollout.TeacherScores`.
+
+A scoring answer carries one entry per sequence token, prompt rows included, each ``{token_id_str: {"logprob",
+"rank", "decoded_token"}}`` with K or K+1 candidates. Decoding it with ``json.loads`` and sorting every row in Python
+costs tens of CPU microseconds per scored token, enough for the rollout worker rather than the GPUs to set the pace.
+Two faster paths with the contract of :func:`~fastdistill.rollout.parse_prompt_logprobs`:
+
+- :func:`scores_from_prompt_logprobs`: the already-decoded JSON (as the HTTP layer returns it); the rows are
+  flattened once and sorted by numpy (rank, then token id, then log-prob: the order of the reference's tuples).
+- :func:`scores_from_body`: the raw body bytes. msgspec skips the prompt rows without building Python objects for
+  them (``msgspec.Raw``) and decodes the completion rows into typed structs (``decoded_token`` is never built).
+
+Both are bit-identical to the reference: anything the fast path does not handle exactly as the reference would
+(a body that is not strict JSON, such as a ``NaN`` literal; a value of another type; a token id beyond int32; two
+keys naming one token id; a row with too many candidates; a wrong row count) is handed to the reference path, which
+then produces the same result or raises the same :class:`~fastdistill.errors.VLLMResponseError`.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import chain
+from operator import attrgetter, itemgetter
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from fastdistill.errors import VLLMResponseError
+from fastdistill.rollout.client import TeacherScores, _first_choice, parse_prompt_logprobs
+
+__all__ = ["scores_from_body", "scores_from_prompt_logprobs"]
+
+_INT32 = np.iinfo(np.int32)
+_RANK_SPAN = 1 << 32  # ranks below this share one sort key with their row
+
+
+class _Candidate(msgspec.Struct, gc=False):
+    logprob: float
+    rank: int
+
+
+class _Choice(msgspec.Struct, gc=False):
+    prompt_logprobs: list[msgspec.Raw] | None = None
+
+
+class _Body(msgspec.Struct, gc=False):
+    choices: list[_Choice]
+
+
+_BODY_DECODER = msgspec.json.Decoder(_Body)
+_ROWS_DECODER = msgspec.json.Decoder(list[dict[int, _Candidate] | None])
+
+
+class _NotExact(Exception):
+    """The fast path cannot promise the reference's result: decode this answer with the reference."""
+
+
+def _scores_from_flat(counts: np.ndarray, tokens: np.ndarray, ranks: np.ndarray, logprobs: np.ndarray,
+                      completion_length: int, top_k: int) -> TeacherScores:
+    """TeacherScores from the candidates of every completion row flattened in row order: ``counts`` int64 (L,)
+    candidates per row, ``tokens`` / ``ranks`` int64 and ``logprobs`` float64 (sum(counts),). Raises
+    :class:`_NotExact` where the reference would raise or could order differently."""
+    width = top_k + 1
+    candidate_ids = np.full((completion_length, width), -1, dtype=np.int32)
+    scores = np.full((completion_length, width), -np.inf, dtype=np.float32)
+    if tokens.size == 0:
+        return TeacherScores(candidate_ids, scores)
+    if tokens.min() < _INT32.min or tokens.max() > _INT32.max:
+        raise _NotExact  # the reference's int32 assignment raises OverflowError
+    rows = np.repeat(np.arange(completion_length, dtype=np.int64), counts)
+    tied = True
+    if ranks.min() >= 0 and ranks.max() < _RANK_SPAN:
+        # one int64 key (row, rank) sorts in one pass; only ties in rank need the reference's full key order
+        order = np.argsort(rows * _RANK_SPAN + ranks, kind="stable")
+        rows, tokens, ranks, logprobs = rows[order], tokens[order], ranks[order], logprobs[order]
+        tied = bool(np.any((rows[1:] == rows[:-1]) & (ranks[1:] == ranks[:-1])))
+    if tied:
+        order = np.lexsort((logprobs, tokens, ranks, rows))
+        rows, tokens, ranks, logprobs = rows[order], tokens[order], ranks[order], logprobs[order]
+        if np.any((rows[1:] == rows[:-1]) & (ranks[1:] == ranks[:-1]) & (tokens[1:] == tokens[:-1])):
+            raise _NotExact  # two keys of one row name one id ("5" and "05"): tuple order with NaN is not total
+    kept = ~np.isnan(logprobs)
+    rows, tokens, logprobs = rows[kept], tokens[kept], logprobs[kept]
+    per_row = np.bincount(rows, minlength=completion_length)
+    if per_row.max(initial=0) > width:
+        raise _NotExact  # the reference names the row in its error
+    starts = np.zeros(completion_length, dtype=np.int64)
+    np.cumsum(per_row[:-1], out=starts[1:])
+    slots = np.arange(rows.shape[0], dtype=np.int64) - starts[rows]
+    candidate_ids[rows, slots] = tokens
+    scores[rows, slots] = logprobs
+    return TeacherScores(candidate_ids, scores)
+
+
+def _flatten_decoded(rows: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(counts, tokens, ranks, logprobs) of json-decoded rows, converted as the reference converts them
+    (``int(token)``, ``int(rank)``, ``float(logprob)``); any conversion error raises it."""
+    present = [entry if entry else {} for entry in rows]
+    counts = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
+    total = int(counts.sum())
+    candidates = list(chain.from_iterable(entry.values() for entry in present))
+    tokens = np.fromiter(map(int, chain.from_iterable(present)), dtype=np.int64, count=total)
+    ranks = np.fromiter(map(int, map(itemgetter("rank"), candidates)), dtype=np.int64, count=total)
+    logprobs = np.fromiter(map(float, map(itemgetter("logprob"), candidates)), dtype=np.float64, count=total)
+    return counts, tokens, ranks, logprobs
+
+
+def scores_from_prompt_logprobs(url: str, per_position: Any, prompt_length: int, completion_length: int,
+                                top_k: int) -> TeacherScores:
+    """:func:`~fastdistill.rollout.parse_prompt_logprobs` (same arguments, result and errors), faster: vLLM's
+    decoded ``choices[0].prompt_logprobs`` (prompt_length + completion_length entries) to :class:`TeacherScores`
+    (completion_length, top_k + 1)."""
+    if isinstance(per_position, list) and len(per_position) == prompt_length + completion_length:
+        try:
+            flat = _flatten_decoded(per_position[prompt_length:])
+            return _scores_from_flat(*flat, completion_length, top_k)
+        except (_NotExact, AttributeError, KeyError, TypeError, ValueError, OverflowError):
+            pass
+    return parse_prompt_logprobs(url, per_position, prompt_length, completion_length, top_k)
+
+
+def _fast_body_scores(body: bytes, prompt_length: int, completion_length: int, top_k: int) -> TeacherScores:
+    choices = _BODY_DECODER.decode(body).choices
+    if not choices or choices[0].prompt_logprobs is None:
+        raise _NotExact
+    raw_rows = choices[0].prompt_logprobs
+    if len(raw_rows) != prompt_length + completion_length:
+        raise _NotExact
+    segment = b"[" + b",".join(raw_rows[prompt_length:]) + b"]"
+    if b'"-0"' in segment:
+        raise _NotExact  # "-0" and "0" are one int key for msgspec, two candidates for the reference
+    rows = _ROWS_DECODER.decode(segment)
+    present = [entry if entry else {} for entry in rows]
+    counts = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
+    total = int(counts.sum())
+    candidates = list(chain.from_iterable(entry.values() for entry in present))
+    tokens = np.fromiter(chain.from_iterable(present), dtype=np.int64, count=total)
+    ranks = np.fromiter(map(attrgetter("rank"), candidates), dtype=np.int64, count=total)
+    logprobs = np.fromiter(map(attrgetter("logprob"), candidates), dtype=np.float64, count=total)
+    return _scores_from_flat(counts, tokens, ranks, logprobs, completion_length, top_k)
+
+
+def scores_from_body(url: str, body: bytes, prompt_length: int, completion_length: int,
+                     top_k: int) -> TeacherScores:
+    """The raw body of a teacher's ``/v1/completions`` answer (``prompt_logprobs=top_k``, prompt_length +
+    completion_length sequence tokens) to :class:`TeacherScores` (completion_length, top_k + 1): the result and the
+    errors of ``json.loads`` + the client's first-choice check + :func:`~fastdistill.rollout.parse_prompt_logprobs`
+    (:class:`VLLMResponseError` naming ``url`` for a body that is not JSON, has no choices or malformed rows)."""
+    try:
+        return _fast_body_scores(body, prompt_length, completion_length, top_k)
+    except (_NotExact, msgspec.DecodeError, OverflowError):  # ValidationError is a DecodeError
+        pass
+    try:
+        decoded = json.loads(body)
+    except ValueError as error:
+        raise VLLMResponseError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
+    per_position = _first_choice(url, decoded).get("prompt_logprobs")
+    return parse_prompt_logprobs(url, per_position, prompt_length, completion_length, top_k)
