@@ -10,7 +10,6 @@ through :mod:`fastdistill.http_client` (never through a proxy) with :mod:`fastdi
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,12 @@ import numpy as np
 
 from fastdistill.auth import api_key_problem, bearer_headers
 from fastdistill.http_client import health_problem, new_session
+from fastdistill.rollout.decode import (  # TeacherScores and parse_prompt_logprobs: re-exported
+    TeacherScores,
+    _first_choice,
+    parse_prompt_logprobs,  # noqa: F401
+    scores_from_body,
+)
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMResponseError, request_json_pooled
 from fastdistill.rollout.replicas import ReplicaPool
 
@@ -39,18 +44,6 @@ class Generation:
     """One sampled completion: ``token_ids`` int32 (L,) and the rollout policy's log-prob of each, float32 (L,)."""
 
     token_ids: np.ndarray
-    logprobs: np.ndarray
-
-
-@dataclass(frozen=True)
-class TeacherScores:
-    """Teacher candidates per completion position, shape (L, K+1) each.
-
-    Row i holds the candidates for predicting completion token i: the teacher's top-K sorted by rank, then the
-    realised token when it is outside the top-K. Empty slots are id -1 with log-prob -inf.
-    """
-
-    candidate_ids: np.ndarray
     logprobs: np.ndarray
 
 
@@ -126,6 +119,7 @@ class _VLLMEndpoint:
         path: str,
         payload: dict[str, Any] | None = None,
         rejection_hint: Callable[[int, str], str | None] | None = None,
+        decode: Callable[[str, bytes], Any] | None = None,
     ) -> Any:
         return await request_json_pooled(
             self._get_session(),
@@ -137,6 +131,7 @@ class _VLLMEndpoint:
             rejection_hint=rejection_hint,
             stats=self.stats,
             headers=self._headers,
+            decode=decode,
         )
 
     async def wait_until_healthy(self, timeout_s: float = 300.0, poll_interval_s: float = 1.0) -> None:
@@ -179,16 +174,6 @@ class _VLLMEndpoint:
         if self._model_name is None:
             self._model_name = (await self.served_model()).name
         return self._model_name
-
-
-def _first_choice(url: str, body: Any) -> dict[str, Any]:
-    try:
-        choice = body["choices"][0]
-    except (KeyError, IndexError, TypeError) as error:
-        raise VLLMResponseError(f"{url}: completion body without choices: {body!r:.300}") from error
-    if not isinstance(choice, dict):
-        raise VLLMResponseError(f"{url}: completion choice is not an object: {choice!r:.300}")
-    return choice
 
 
 class StudentClient(_VLLMEndpoint):
@@ -304,43 +289,8 @@ class TeacherClient(_VLLMEndpoint):
             "temperature": temperature,
             "prompt_logprobs": top_k,
         }
-        url = self._where("/v1/completions")
-        body = await self._request("POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint)
-        return parse_prompt_logprobs(
-            url, _first_choice(url, body).get("prompt_logprobs"), len(prompt), len(completion), top_k
-        )
-
-
-def parse_prompt_logprobs(
-    url: str, per_position: Any, prompt_length: int, completion_length: int, top_k: int
-) -> TeacherScores:
-    """Turn vLLM's ``choices[0].prompt_logprobs`` (one entry per sequence token: None or ``{token_id_str:
-    {"logprob", "rank", ...}}``) into :class:`TeacherScores` (completion_length, top_k + 1) for the completion
-    positions: candidates sorted by rank, NaN log-probs dropped, -1 / -inf padding. ``url`` names the server in
-    the :class:`VLLMResponseError` raised on a malformed answer."""
-    width = top_k + 1
-    candidate_ids = np.full((completion_length, width), -1, dtype=np.int32)
-    logprobs = np.full((completion_length, width), -np.inf, dtype=np.float32)
-    if not isinstance(per_position, list) or len(per_position) != prompt_length + completion_length:
-        raise VLLMResponseError(
-            f"{url}: expected prompt_logprobs with {prompt_length + completion_length} entries, "
-            f"got {per_position!r:.300}"
-        )
-    for row, entry in enumerate(per_position[prompt_length:]):
-        if not entry:
-            continue
-        try:
-            ranked = sorted(
-                (int(candidate["rank"]), int(token), float(candidate["logprob"])) for token, candidate in entry.items()
-            )
-        except (AttributeError, KeyError, TypeError, ValueError) as error:
-            raise VLLMResponseError(f"{url}: malformed prompt_logprobs entry {entry!r:.300}") from error
-        ranked = [item for item in ranked if not math.isnan(item[2])]
-        if len(ranked) > width:
-            raise VLLMResponseError(
-                f"{url}: {len(ranked)} candidates at completion position {row}, expected at most {width}"
-            )
-        for slot, (_, token, logprob) in enumerate(ranked):
-            candidate_ids[row, slot] = token
-            logprobs[row, slot] = logprob
-    return TeacherScores(candidate_ids, logprobs)
+        prompt_length, completion_length = len(prompt), len(completion)
+        # the body is decoded straight to the scores (msgspec, prompt rows skipped): a few µs per scored token
+        return await self._request(
+            "POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint,
+            decode=lambda url, body: scores_from_body(url, body, prompt_length, completion_length, top_k))

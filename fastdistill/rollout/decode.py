@@ -19,6 +19,8 @@ then produces the same result or raises the same :class:`~fastdistill.errors.VLL
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -27,9 +29,65 @@ import msgspec
 import numpy as np
 
 from fastdistill.errors import VLLMResponseError
-from fastdistill.rollout.client import TeacherScores, _first_choice, parse_prompt_logprobs
 
-__all__ = ["scores_from_body", "scores_from_prompt_logprobs"]
+__all__ = ["TeacherScores", "parse_prompt_logprobs", "scores_from_body", "scores_from_prompt_logprobs"]
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """Teacher candidates per completion position, shape (L, K+1) each.
+
+    Row i holds the candidates for predicting completion token i: the teacher's top-K sorted by rank, then the
+    realised token when it is outside the top-K. Empty slots are id -1 with log-prob -inf.
+    """
+
+    candidate_ids: np.ndarray
+    logprobs: np.ndarray
+
+
+def _first_choice(url: str, body: Any) -> dict[str, Any]:
+    try:
+        choice = body["choices"][0]
+    except (KeyError, IndexError, TypeError) as error:
+        raise VLLMResponseError(f"{url}: completion body without choices: {body!r:.300}") from error
+    if not isinstance(choice, dict):
+        raise VLLMResponseError(f"{url}: completion choice is not an object: {choice!r:.300}")
+    return choice
+
+
+def parse_prompt_logprobs(
+    url: str, per_position: Any, prompt_length: int, completion_length: int, top_k: int
+) -> TeacherScores:
+    """Turn vLLM's ``choices[0].prompt_logprobs`` (one entry per sequence token: None or ``{token_id_str:
+    {"logprob", "rank", ...}}``) into :class:`TeacherScores` (completion_length, top_k + 1) for the completion
+    positions: candidates sorted by rank, NaN log-probs dropped, -1 / -inf padding. ``url`` names the server in
+    the :class:`VLLMResponseError` raised on a malformed answer."""
+    width = top_k + 1
+    candidate_ids = np.full((completion_length, width), -1, dtype=np.int32)
+    logprobs = np.full((completion_length, width), -np.inf, dtype=np.float32)
+    if not isinstance(per_position, list) or len(per_position) != prompt_length + completion_length:
+        raise VLLMResponseError(
+            f"{url}: expected prompt_logprobs with {prompt_length + completion_length} entries, "
+            f"got {per_position!r:.300}"
+        )
+    for row, entry in enumerate(per_position[prompt_length:]):
+        if not entry:
+            continue
+        try:
+            ranked = sorted(
+                (int(candidate["rank"]), int(token), float(candidate["logprob"])) for token, candidate in entry.items()
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
+            raise VLLMResponseError(f"{url}: malformed prompt_logprobs entry {entry!r:.300}") from error
+        ranked = [item for item in ranked if not math.isnan(item[2])]
+        if len(ranked) > width:
+            raise VLLMResponseError(
+                f"{url}: {len(ranked)} candidates at completion position {row}, expected at most {width}"
+            )
+        for slot, (_, token, logprob) in enumerate(ranked):
+            candidate_ids[row, slot] = token
+            logprobs[row, slot] = logprob
+    return TeacherScores(candidate_ids, logprobs)
 
 _INT32 = np.iinfo(np.int32)
 _RANK_SPAN = 1 << 32  # ranks below this share one sort key with their row

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from fastdistill.errors import VLLMError, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
-from fastdistill.http_client import NO_ANSWER_ERRORS, decode_json, send, server_message
+from fastdistill.http_client import DECODE_IN_THREAD_BYTES, NO_ANSWER_ERRORS, decode_json, send, server_message
 from fastdistill.rollout.replicas import Replica, ReplicaPool
 
 __all__ = ["VLLMError", "VLLMRequestError", "VLLMResponseError", "VLLMUnavailableError"]
@@ -74,7 +74,12 @@ def _is_transient_status(status: int) -> bool:
     return status == 429 or status >= 500
 
 
-async def _decode_json(url: str, body: bytes) -> Any:
+async def _decode_json(url: str, body: bytes, decode: Callable[[str, bytes], Any] | None = None) -> Any:
+    """The body as JSON, or as ``decode(url, body)`` makes it (in a worker thread when it is large)."""
+    if decode is not None:
+        if len(body) > DECODE_IN_THREAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(None, decode, url, body)
+        return decode(url, body)
     try:
         return await decode_json(url, body)
     except ValueError as error:
@@ -101,9 +106,11 @@ async def request_json_pooled(
     rejection_hint: Callable[[int, str], str | None] | None = None,
     stats: RequestStats | None = None,
     headers: Mapping[str, str] | None = None,
+    decode: Callable[[str, bytes], Any] | None = None,
 ) -> Any:
-    """Send one request to ``replica.url + path`` for a replica of ``pool`` and return the decoded JSON body,
-    retrying transient failures as ``retry`` says; ``headers`` (e.g. the API key's) go with every attempt.
+    """Send one request to ``replica.url + path`` for a replica of ``pool`` and return the decoded JSON body (or
+    ``decode(url, body)`` of a 2xx body), retrying transient failures as ``retry`` says; ``headers`` (e.g. the API
+    key's) go with every attempt.
 
     ``rejection_hint(status, server_message)`` may return an extra line for the :class:`VLLMRequestError` raised on a
     non-transient 4xx (e.g. which server flag to change); a 401 without one says how to give the key.
@@ -136,7 +143,7 @@ async def request_json_pooled(
                                       headers=headers)
             if status < 400:
                 pool.record_success(replica)
-                return await _decode_json(url, body)
+                return await _decode_json(url, body, decode)
             if _is_transient_status(status):
                 raise _TransientHTTPStatus(status, body.decode("utf-8", errors="replace"))
             pool.record_success(replica)  # the server is up; it rejected this request
