@@ -30,7 +30,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -243,6 +242,7 @@ def build_checkpoints(folder: Path) -> tuple[Path, Path, list[list[int]]]:
 def bench_vllm(inflights: list[int], samples: int, max_tokens: int, top_k: int) -> dict:
     """Samples/s and scored tokens/s through the worker against real tiny vLLM servers, per in-flight cap."""
     from fastdistill.serve import VLLMServer, vllm_python
+    from fastdistill.testing.vllm_server import start_together
 
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         student_dir, teacher_dir, prompts = build_checkpoints(Path(tmp))
@@ -251,12 +251,8 @@ def bench_vllm(inflights: list[int], samples: int, max_tokens: int, top_k: int) 
             VLLMServer(teacher_dir, role="teacher", log_path=Path(tmp) / "teacher.log"),
         ]
         started = time.perf_counter()
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(server.start) for server in servers]
-            errors = [future.exception() for future in futures]
+        start_together(*servers)  # launched from this thread: a server stops when the thread that launched it ends
         try:
-            if any(errors):
-                raise next(error for error in errors if error)
             startup_s = time.perf_counter() - started
             print(f"vLLM servers up in {startup_s:.0f} s ({vllm_python()})", file=sys.stderr)
             rows = [{"prompt_ids": prompt} for prompt in prompts]
