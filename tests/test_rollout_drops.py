@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_rollout_worker import StubServer, config, dataset, student_stub, teacher_stub  # noqa: E402
 
-from fastdistill.rollout import RolloutWorker  # noqa: E402
+from fastdistill.rollout import RolloutWorker, WorkerExhausted  # noqa: E402
 from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
 from fastdistill.train.source import SourceExhausted, SynchronousSource  # noqa: E402
 
@@ -33,7 +33,8 @@ def rejecting_teacher(rejected_first_tokens):
 
 def test_worker_stops_at_end_index_and_names_the_teacher_that_refused():
     """end_index=7 over 5 rows: prompt ids 0..6 are dispatched (the cursor crosses into the second epoch) and no
-    more, except row 3 (skip_rows); the teacher's 400 arrives as a notice naming that teacher and its message."""
+    more, except row 3 (skip_rows); the teacher's 400 arrives as a notice naming that teacher and its message; the
+    last item is the worker's "nothing left" notice."""
     with (StubServer("student", student_stub()) as student,
           StubServer("teacher", rejecting_teacher({11})) as teacher):
         rows = dataset(5, teacher_ids=("math",))  # first tokens 10..14; row 1 is refused by the teacher
@@ -52,6 +53,8 @@ def test_worker_stops_at_end_index_and_names_the_teacher_that_refused():
                 except queue.Empty:
                     continue
                 items[item.prompt_id] = item
+            # then the worker says it has nothing left, and nothing comes after that notice
+            assert worker.samples.get(timeout=DEADLINE_S) == WorkerExhausted(redo_seen=0)
             assert worker.samples.empty()
         finally:
             worker.stop()
