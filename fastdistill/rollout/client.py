@@ -41,10 +41,15 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class Generation:
-    """One sampled completion: ``token_ids`` int32 (L,) and the rollout policy's log-prob of each, float32 (L,)."""
+    """One sampled completion: ``token_ids`` int32 (L,) and the rollout policy's log-prob of each, float32 (L,).
+
+    With student queries (``RolloutConfig.student_queries``): ``query_ids`` int32 (L, S) and ``query_logprobs``
+    float32 (L, S), the S ids per position and the rollout policy's log-prob of each; else None."""
 
     token_ids: np.ndarray
     logprobs: np.ndarray
+    query_ids: np.ndarray | None = None
+    query_logprobs: np.ndarray | None = None
 
 
 _Endpoint = TypeVar("_Endpoint", bound="_VLLMEndpoint")

@@ -15,6 +15,9 @@ from fastdistill.rollout.replicas import normalize_urls
 
 TEACHER_SIGNALS = ("topk", "hidden")  # what a teacher server returns: its top-K prompt_logprobs, or hidden states
 HIDDEN_DTYPES = ("bfloat16", "float32")  # the wire dtype of a hidden-state teacher's rows
+# which ids per completion position the teacher also scores for the student-side estimators: none, N draws from the
+# rollout policy μ (the realised token first), or the rollout student's top-N ids
+STUDENT_QUERIES = ("none", "samples", "topk")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,11 @@ class RolloutConfig:
     teacher it does not name) or ``"hidden"`` (a ``fastdistill serve-teacher --signal hidden`` server, scored with
     :class:`~fastdistill.rollout.hidden.HiddenTeacherClient`: the sample carries the teacher's final hidden states
     in ``teacher_hidden``, in ``teacher_hidden_dtype``, and no candidates).
+
+    Student queries: ``student_queries`` (one of ``STUDENT_QUERIES``) asks for ``num_student_queries`` ids per
+    completion position besides the teacher's top-K: ``"samples"`` draws them from the distribution the student
+    server sampled from (column 0 is the realised token), ``"topk"`` takes the student's top ids; the sample carries
+    them with their rollout log-probs and the teacher's log-probs at them (``RolloutSample.query_*``).
 
     Lookahead: at most ``max_inflight_tasks`` rollouts are in flight, reached by a slow start from
     ``initial_inflight_tasks`` (None: at once); ``max_lookahead`` (None: no such bound) caps rollouts in flight plus
@@ -96,8 +104,15 @@ class RolloutConfig:
     teacher_signals: Mapping[str, str] | None = None
     teacher_hidden_dtype: str = "bfloat16"
     generation_seed: int | None = None
+    student_queries: str = "none"
+    num_student_queries: int = 0
 
     def __post_init__(self) -> None:
+        if self.student_queries not in STUDENT_QUERIES:
+            raise ValueError(f"student_queries must be one of {list(STUDENT_QUERIES)}, got {self.student_queries!r}")
+        if (self.student_queries == "none") != (self.num_student_queries == 0) or self.num_student_queries < 0:
+            raise ValueError(f"num_student_queries must be >= 1 with student_queries={self.student_queries!r} and 0 "
+                             f"without, got {self.num_student_queries}")
         if not self.teacher_urls:
             raise ValueError("teacher_urls is empty: at least one teacher is needed")
         for teacher_id, signal in (self.teacher_signals or {}).items():

@@ -39,10 +39,13 @@ class TeacherScores:
 
     Row i holds the candidates for predicting completion token i: the teacher's top-K sorted by rank, then the
     realised token when it is outside the top-K. Empty slots are id -1 with log-prob -inf.
+    ``query_logprobs``: None, or float32 (L, S) the teacher's log-probs at the ids the request asked for
+    (``TeacherClient.score(query_ids=...)``).
     """
 
     candidate_ids: np.ndarray
     logprobs: np.ndarray
+    query_logprobs: np.ndarray | None = None
 
 
 def _first_choice(url: str, body: Any) -> dict[str, Any]:

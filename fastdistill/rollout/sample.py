@@ -41,6 +41,10 @@ class RolloutSample:
     - ``prompt_id``: position in the worker's (epoch, shuffled order) stream; resuming at ``start_index=prompt_id``
       dispatches this row again. ``dataset_index``: the row's index in the dataset.
     - ``enqueued_at``: wall-clock seconds (``time.time()``) of the put into the sample queue.
+    - ``query_ids`` / ``query_behaviour_logprobs`` / ``query_teacher_logprobs``: None, or int32 / float32 / float32
+      (L, S) for the student-side estimators (``RolloutConfig.student_queries``): row j holds S ids for completion
+      position j (draws from the rollout policy μ with the realised token in column 0, or the rollout student's
+      top-S), log μ at them (the distribution the student server sampled from) and the teacher's log π_T at them.
     """
 
     input_ids: np.ndarray
@@ -57,6 +61,9 @@ class RolloutSample:
     metrics: dict[str, float] = field(default_factory=dict)
     enqueued_at: float | None = None
     teacher_hidden: np.ndarray | None = None
+    query_ids: np.ndarray | None = None
+    query_behaviour_logprobs: np.ndarray | None = None
+    query_teacher_logprobs: np.ndarray | None = None
 
     @classmethod
     def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation,
