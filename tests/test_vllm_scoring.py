@@ -287,3 +287,28 @@ def test_query_ids_of_the_wrong_shape_are_refused_before_any_request():
             run(teacher.score([1], [2], top_k=1, query_ids=bad))
     with pytest.raises(ValueError, match="non-empty prompt"):
         run(teacher.score([], [2], top_k=1, query_ids=np.zeros((1, 1), dtype=int)))
+
+
+def test_a_run_whose_loss_reads_query_logprobs_refuses_a_teacher_without_the_plugin_at_start_up():
+    from types import SimpleNamespace
+
+    from fastdistill.testing.stubs import serving
+    from fastdistill.train.pipeline import check_servers
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/health":
+            return web.Response(text="")
+        if request.path == "/tokenize":
+            return web.json_response({"tokens": [len((await request.json())["prompt"])]})
+        return await stub(STOCK_BODY)(request)
+
+    with serving(handler) as url:
+        def config(student_queries):
+            return SimpleNamespace(vllm_server_base_url=url, vllm_server_api_key=None, vllm_server_timeout=5.0,
+                                   teacher_api_keys=None, teacher_server_urls={"t": url},
+                                   teacher_signal_of=lambda teacher_id: "topk", student_queries=student_queries)
+
+        served, _ = check_servers(config("none"))  # a loss without query ids never asks
+        assert set(served) == {"student", "t"}
+        with pytest.raises(VLLMResponseError, match="does not run fastdistill's teacher-scoring plugin"):
+            check_servers(config("samples"))

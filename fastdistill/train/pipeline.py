@@ -56,7 +56,8 @@ def training_rows(config: Any, rows: Any, tokenizer: Any) -> Any:
 
 
 def check_servers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
-    """Before any rollout: the servers are up and every teacher tokenizes like the student. Returns each server's
+    """Before any rollout: the servers are up, every teacher tokenizes like the student and, when the loss reads
+    teacher log-probs at student query ids, each top-K teacher runs the scoring plugin. Returns each server's
     :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids) and each hidden-state teacher's
     served width (one one-token request), which its head is checked against."""
     from fastdistill.rollout import StudentClient, check_shared_vocabulary, teacher_client
@@ -75,6 +76,8 @@ def check_servers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
                     teachers[teacher_id] = teacher_client(signal, urls, api_key=keys.get(teacher_id))
                     await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
                     served[teacher_id] = await teachers[teacher_id].served_model()
+                    if signal == "topk" and getattr(config, "student_queries", "none") != "none":
+                        await teachers[teacher_id].check_query_scoring()  # the loss reads log-probs at query ids
                     if signal == "hidden":
                         widths[teacher_id] = await teachers[teacher_id].served_width()
                 await check_shared_vocabulary(student, teachers)
