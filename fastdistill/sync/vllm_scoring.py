@@ -156,6 +156,18 @@ def request_problem(request: Any, vocab_size: int) -> str | None:
     return None
 
 
+def _engine_problem(serving: Any) -> str | None:
+    """Why this server's engine cannot score (it runs vLLM's V2 model runner, which the plugin does not patch), or
+    None; asked once per serving object."""
+    if not hasattr(serving, "_fastdistill_engine_problem"):
+        config = getattr(serving.engine_client, "vllm_config", None)
+        v2 = bool(getattr(config, "use_v2_model_runner", False))
+        serving._fastdistill_engine_problem = (
+            "fastdistill scoring patches vLLM's V1 model runner but this server runs the V2 one: start the teacher "
+            "with VLLM_USE_V2_MODEL_RUNNER=0" if v2 else None)
+    return serving._fastdistill_engine_problem
+
+
 def _is_scoring(request: Any) -> bool:
     xargs = getattr(request, "vllm_xargs", None)
     return bool(xargs) and XARG_START in xargs
@@ -183,7 +195,7 @@ def _patch_serving(module: ModuleType) -> None:
 
     async def _create_completion(self: Any, request: Any, raw_request: Any = None) -> Any:
         if _is_scoring(request):
-            problem = request_problem(request, self.model_config.get_vocab_size())
+            problem = _engine_problem(self) or request_problem(request, self.model_config.get_vocab_size())
             if problem is not None:
                 return self.create_error_response(problem, param="vllm_xargs")
         return await create(self, request, raw_request)
