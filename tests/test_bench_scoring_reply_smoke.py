@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scoring_reply.py"
 
 
+@pytest.mark.slow
 def test_bench_scoring_reply_tiny(tmp_path):
     out = tmp_path / "reply.json"
     cmd = [sys.executable, str(SCRIPT), "--top-k", "4", "8", "--lengths", "12", "--prompt-lengths", "5",

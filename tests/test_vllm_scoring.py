@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -110,7 +112,7 @@ def test_query_logprobs_match_float64_hf_over_chunked_batched_prefills(scoring_s
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("top_k", [1, 8, 32])
+@pytest.mark.parametrize("top_k", [1, 32])
 def test_top_k_part_equals_the_stock_prompt_logprobs_answer(scoring_server, top_k):
     server, _, vocab = scoring_server
     rng = np.random.default_rng(top_k)
@@ -320,3 +322,27 @@ def test_a_run_whose_loss_reads_query_logprobs_refuses_a_teacher_without_the_plu
         assert set(served) == {"student", "t"}
         with pytest.raises(VLLMResponseError, match="does not run fastdistill's teacher-scoring plugin"):
             check_servers(config("samples"))
+
+
+def test_a_module_is_patched_once_whether_imported_before_or_after_the_hook(tmp_path, monkeypatch):
+    from fastdistill.sync.vllm_scoring import _when_imported
+
+    for name in ("early_module", "late_module"):
+        (tmp_path / f"{name}.py").write_text("value = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patched = []
+
+    def patch(module):
+        patched.append(module.__name__)
+        module.value += 1
+
+    import early_module  # noqa: F401  # imported before: patched at once
+
+    _when_imported("early_module", patch)
+    _when_imported("late_module", patch)
+    assert patched == ["early_module"] and "late_module" not in sys.modules  # nothing imported for the hook
+    late_module = importlib.import_module("late_module")
+    again = importlib.import_module("early_module")  # a second import runs nothing
+    assert patched == ["early_module", "late_module"] and late_module.value == 2 and again.value == 2
+    monkeypatch.delitem(sys.modules, "early_module")
+    monkeypatch.delitem(sys.modules, "late_module")
