@@ -196,6 +196,26 @@ def test_ids_outside_the_vocabulary_are_a_rejection(scoring_server):
 
 
 @pytest.mark.vllm
+def test_unchecked_arguments_by_another_route_leave_the_engine_serving(scoring_server):
+    # /v1/chat/completions passes vllm_xargs to the engine unchecked: the model runner must survive bad ones
+    server, _, vocab = scoring_server
+    bad = {XARG_START: 0, "fastdistill_top_k": 1, XARG_NUM_QUERIES: 1, XARG_QUERY_IDS: "not base64!"}
+    chat = {"model": str(server.model_dir), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "vllm_xargs": bad}
+
+    async def chat_then_score():
+        async with aiohttp.ClientSession() as session, \
+                session.post(server.url + "/v1/chat/completions", json=chat) as answer:
+            status = answer.status
+        async with TeacherClient(server.url, retry=FAST_RETRY) as teacher:
+            return status, await teacher.score([5, 6], [7, 8], top_k=2, query_ids=np.array([[1], [vocab - 1]]))
+
+    status, scores = run(chat_then_score())
+    assert status == 200 and scores.query_logprobs.shape == (2, 1)
+    assert "fastdistill scoring failed for request" in server.log_path.read_text()
+
+
+@pytest.mark.vllm
 def test_the_probe_passes_on_a_server_with_the_plugin(scoring_server):
     server, _, _ = scoring_server
 

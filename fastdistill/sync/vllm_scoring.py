@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -50,6 +51,7 @@ SERVING_MODULE = "vllm.entrypoints.openai.completion.serving"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 CHUNK_ROWS = 512  # rows of logits materialised at once (rows x vocab fp32)
 _PATCHED = "_fastdistill_scoring"
+_LOGGER = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ import hooks
@@ -268,9 +270,8 @@ def _score_rows(runner: Any, state: _RequestScores, hidden: Any, first_row: int,
 def score_scheduled_requests(runner: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int]) -> None:
     """For each scoring request of this step: score its rows among the scheduled tokens (``hidden_states`` of the
     whole batch in ``runner.query_start_loc`` order); a request whose prefill ends here moves its matrix to
-    ``runner._fastdistill_finished``."""
-    import torch
-
+    ``runner._fastdistill_finished``. A request that fails here (arguments that reached the engine by a route that
+    does not check them) is logged and left without scores; the engine goes on."""
     states: dict[str, _RequestScores] = runner.__dict__.setdefault("_fastdistill_states", {})
     finished: dict[str, Any] = runner.__dict__.setdefault("_fastdistill_finished", {})
     for req_id in [req_id for req_id in states if req_id not in runner.requests]:
@@ -281,27 +282,39 @@ def score_scheduled_requests(runner: Any, hidden_states: Any, num_scheduled_toke
         xargs = getattr(params, "extra_args", None)
         if not xargs or XARG_START not in xargs or request.prompt_token_ids is None:
             continue
-        prompt_len = len(request.prompt_token_ids)
-        chunk_start = request.num_computed_tokens
-        if chunk_start >= prompt_len:
+        try:
+            _score_request(runner, req_id, request, num_tokens, hidden_states, states, finished)
+        except Exception:  # noqa: BLE001 - one request's bad arguments must not stop the engine
+            _LOGGER.exception("fastdistill scoring failed for request %s; it gets no scores", req_id)
             states.pop(req_id, None)
-            continue
-        state = states.get(req_id)
-        if state is None:
-            if chunk_start > int(xargs[XARG_START]):
-                continue  # its first scored rows were never computed here: the API server reports no scores
-            state = states[req_id] = _RequestScores(xargs, prompt_len, runner.device)
-        low, high = max(state.start, chunk_start), min(chunk_start + num_tokens, prompt_len - 1)
-        if low < high:
-            offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - chunk_start
-            prompt_ids = torch.as_tensor(request.prompt_token_ids[low + 1:high + 1], dtype=torch.int64,
-                                         device=runner.device)
-            for first in range(low, high, CHUNK_ROWS):
-                last = min(first + CHUNK_ROWS, high)
-                _score_rows(runner, state, hidden_states[offset + first:offset + last], first,
-                            prompt_ids[first - low:last - low])
-        if chunk_start + num_tokens >= prompt_len:
-            finished[req_id] = states.pop(req_id).matrix
+
+
+def _score_request(runner: Any, req_id: str, request: Any, num_tokens: int, hidden_states: Any,
+                   states: dict[str, _RequestScores], finished: dict[str, Any]) -> None:
+    import torch
+
+    xargs = request.sampling_params.extra_args
+    prompt_len = len(request.prompt_token_ids)
+    chunk_start = request.num_computed_tokens
+    if chunk_start >= prompt_len:
+        states.pop(req_id, None)
+        return
+    state = states.get(req_id)
+    if state is None:
+        if chunk_start > int(xargs[XARG_START]):
+            return  # its first scored rows were never computed here: the API server reports no scores
+        state = states[req_id] = _RequestScores(xargs, prompt_len, runner.device)
+    low, high = max(state.start, chunk_start), min(chunk_start + num_tokens, prompt_len - 1)
+    if low < high:
+        offset = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]]) - chunk_start
+        prompt_ids = torch.as_tensor(request.prompt_token_ids[low + 1:high + 1], dtype=torch.int64,
+                                     device=runner.device)
+        for first in range(low, high, CHUNK_ROWS):
+            last = min(first + CHUNK_ROWS, high)
+            _score_rows(runner, state, hidden_states[offset + first:offset + last], first,
+                        prompt_ids[first - low:last - low])
+    if chunk_start + num_tokens >= prompt_len:
+        finished[req_id] = states.pop(req_id).matrix
 
 
 def _patch_runner(module: ModuleType) -> None:
