@@ -263,7 +263,8 @@ _LAST_RANK = np.iinfo(np.int64).max
 def candidates_from_rows(rows: ScoredRows, completion_ids: np.ndarray, top_k: int) -> TeacherScores:
     """:class:`TeacherScores` (L, top_k + 1) from a decoded plugin reply, as stock ``prompt_logprobs`` give them: the
     top-K and the realised token ``completion_ids`` int (L,) when outside the top-K, ordered by rank then token id
-    (the realised token's rank counts the strictly more likely ids, so a tie at the top-K boundary sorts it in)."""
+    (vLLM's rank of the realised token counts the ids at least as likely, so a tie at the top-K boundary can sort it
+    in among them)."""
     length = completion_ids.shape[0]
     realised = completion_ids.astype(np.int32).reshape(length, 1)
     candidate_ids = np.concatenate([rows.topk_ids, realised], axis=1)

@@ -11,12 +11,13 @@ does the same on the V1 runner, in two places (the wire format is :mod:`fastdist
   name ``fastdistill_score_start`` is checked (token-id prompt, rows, K, S, the ids decode and lie in the
   vocabulary; else a 400 naming the problem), never reads the prefix cache (every scored row's hidden state must be
   computed), and its choices get the ``fastdistill_scores`` field from ``RequestOutput.prompt_token_id_logprobs``.
+  A server whose engine runs the V2 model runner (which this plugin does not patch) refuses them with a 400.
 - Model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``, which vLLM-CPU's runner extends): after the
   stock prompt log-probs of a step, each such request's scheduled rows in [start, prompt_len - 1) go through the
-  model's logits head in chunks, an fp32 log-softmax (vLLM's own, so the top-K equal stock ``prompt_logprobs``)
-  and gathers at the top-K, the realised token and the query ids, into a float32 matrix per request. When its
-  prefill ends the matrix leaves in ``ModelRunnerOutput.prompt_token_id_logprobs_dict``, the field vLLM's scheduler
-  and output processor already carry to ``RequestOutput.prompt_token_id_logprobs``.
+  model's logits head in chunks, an fp32 log-softmax (vLLM's sampler's, so the top-K equal stock
+  ``prompt_logprobs``) and gathers at the top-K, the realised token and the query ids, into a float32 matrix per
+  request. When its prefill ends the matrix leaves in ``ModelRunnerOutput.prompt_token_id_logprobs_dict``, the
+  field vLLM's scheduler and output processor already carry to ``RequestOutput.prompt_token_id_logprobs``.
 
 :func:`install` patches each module when (or if already) imported, so a process imports neither for the plugin's
 sake; it is idempotent. Nothing here imports vLLM or torch at import time.
@@ -255,14 +256,18 @@ def _score_rows(runner: Any, state: _RequestScores, hidden: Any, first_row: int,
         scores = logits.to(torch.float32)
     else:
         scores = runner.sampler.compute_logprobs(logits)
-    ids, logprobs, ranks = runner.sampler.gather_logprobs(scores, state.top_k, target_ids)[:3]
+    # what the sampler's gather_logprobs computes for stock prompt log-probs (torch.topk; rank = ids at least as
+    # likely), without its torch.compile'd rank count, whose first call compiles for seconds on CPU
+    token_logprobs = scores.gather(-1, target_ids.unsqueeze(-1))
+    ranks = (scores >= token_logprobs).sum(-1)
+    topk_logprobs, topk_ids = torch.topk(scores, state.top_k, dim=-1)
     row = slice(first_row - state.start, first_row - state.start + hidden.shape[0])
     k = state.top_k
     out = state.matrix[row]
-    out[:, 0] = logprobs[:, 0].cpu()
+    out[:, 0] = token_logprobs[:, 0].cpu()
     out[:, 1] = ranks.to(torch.int32).view(torch.float32).cpu()
-    out[:, FIXED_COLUMNS:FIXED_COLUMNS + k] = logprobs[:, 1:].cpu()
-    out[:, FIXED_COLUMNS + k:FIXED_COLUMNS + 2 * k] = ids[:, 1:].to(torch.int32).view(torch.float32).cpu()
+    out[:, FIXED_COLUMNS:FIXED_COLUMNS + k] = topk_logprobs.cpu()
+    out[:, FIXED_COLUMNS + k:FIXED_COLUMNS + 2 * k] = topk_ids.to(torch.int32).view(torch.float32).cpu()
     if state.query_ids is not None:
         out[:, FIXED_COLUMNS + 2 * k:] = scores.gather(-1, state.query_ids[row]).cpu()
 
