@@ -312,7 +312,7 @@ def test_a_compact_answer_of_the_wrong_shape_or_size_is_a_response_error():
 def test_query_ids_of_the_wrong_shape_are_refused_before_any_request():
     teacher = TeacherClient("http://127.0.0.1:9")
     for bad, match in ((np.zeros((2, 1)), "shape"), (np.zeros((1, 0), dtype=int), "shape"),
-                       (np.zeros((1, 1)), "integer")):
+                       (np.zeros((1, 1)), "integer"), (np.full((1, 1), 2**32 + 5), "within int32")):
         with pytest.raises(ValueError, match=match):
             run(teacher.score([1], [2], top_k=1, query_ids=bad))
     with pytest.raises(ValueError, match="non-empty prompt"):

@@ -262,6 +262,9 @@ def _query_array(query_ids: Any, completion_length: int) -> np.ndarray:
                          f"got {array.shape}")
     if array.dtype.kind not in "iu":
         raise ValueError(f"query_ids must hold integer token ids, got dtype {array.dtype}")
+    limits = np.iinfo(np.int32)
+    if array.size and (array.min() < limits.min or array.max() > limits.max):
+        raise ValueError(f"query_ids must be token ids within int32, got values in [{array.min()}, {array.max()}]")
     return array.astype(np.int32, copy=False)
 
 
