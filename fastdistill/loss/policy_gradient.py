@@ -164,8 +164,9 @@ def stabilized_ratios(log_ratio: torch.Tensor, advantage: torch.Tensor, *, stabi
         raise ValueError(f"ratio_clip is the plain estimator's truncation; stabilizer={stabilizer!r} clips itself")
     if stabilizer in ("ppo_clip", "decoupled_ppo"):
         clip_log = log_ratio
-        if stabilizer == "decoupled_ppo" and proximal_log_ratio is not None:
-            clip_log = log_ratio - proximal_log_ratio.to(log_ratio.dtype)  # log π_θ/π_prox
+        if stabilizer == "decoupled_ppo":  # log π_θ/π_prox; 0 when the current weights are the proximal policy
+            clip_log = torch.zeros_like(log_ratio) if proximal_log_ratio is None else (
+                log_ratio - proximal_log_ratio.to(log_ratio.dtype))
         clip_ratio = torch.exp(clip_log)
         clipped = ((advantage > 0) & (clip_ratio > 1.0 + clip_eps)) | ((advantage < 0) & (clip_ratio < 1.0 - clip_eps))
         return RatioWeights(torch.where(clipped, torch.zeros_like(ratio), ratio), clipped, none)
