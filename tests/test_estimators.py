@@ -9,6 +9,7 @@ gradients use an identity lm_head (D = V, weight = I), so that the hidden state 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -446,3 +447,203 @@ def bad_calls():
 def test_bad_inputs_are_value_errors_naming_the_problem(kwargs, match):
     with pytest.raises(ValueError, match=match):
         query_reverse_kl_loss(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+
+
+def test_config_maps_the_loss_types_to_student_queries_and_refuses_what_cannot_work():
+    from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+
+    base = dict(model_name_or_path="m", weight_sync_backend="none")
+    mc = AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=4, top_k=8)
+    topk = AsyncDistillationConfig(**base, loss_type="reverse_kl_student_topk", num_student_queries=3)
+    assert (mc.student_queries, topk.student_queries) == ("samples", "topk")
+    assert AsyncDistillationConfig(**base).student_queries == "none"
+    for stabilizer in ("ppo_clip", "decoupled_ppo", "m2po"):
+        AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=2, top_k=8,
+                                pg_stabilizer=stabilizer)
+        AsyncDistillationConfig(**base, loss_type="reverse_kl_pg", pg_importance_ratio=True, pg_stabilizer=stabilizer)
+    refused = [
+        (dict(loss_type="reverse_kl_mc"), "num_student_queries must be an int >= 1 with loss_type='reverse_kl_mc'"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=0), "num_student_queries must be an int >= 1"),
+        (dict(num_student_queries=2), "num_student_queries must be 0 with loss_type='jsd'"),
+        (dict(loss_type="reverse_kl_mc", num_student_queries=2),
+         "top_k must be a top-k with loss_type='reverse_kl_mc'"),
+        (dict(pg_stabilizer="ppo_clip"), "pg_stabilizer must be 'none' with loss_type='jsd'"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=2, pg_stabilizer="m2po"),
+         "pg_stabilizer must be 'none' with loss_type='reverse_kl_student_topk'"),
+        (dict(loss_type="reverse_kl_pg", pg_stabilizer="ppo_clip"), "pg_importance_ratio=False"),
+        (dict(loss_type="reverse_kl_pg", pg_importance_ratio=True, pg_ratio_clip=2.0, pg_stabilizer="ppo_clip"),
+         "pg_ratio_clip must be None with pg_stabilizer='ppo_clip'"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=2, pg_ratio_clip=2.0),
+         "pg_ratio_clip must be None, or a number > 0"),
+        (dict(pg_stabilizer="trust_region"), "pg_stabilizer must be one of"),
+        (dict(pg_clip_eps=1.5), "pg_clip_eps must be in (0, 1)"),
+        (dict(m2po_budget=0.0), "m2po_budget must be a finite number > 0"),
+        (dict(loss_type="reverse_kl_mc", num_student_queries=2, top_k=8, teacher_cache="cache"),
+         "loss_type must be 'jsd' with teacher_cache"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=2, teacher_cache="cache"),
+         "loss_type must be 'jsd' with teacher_cache"),
+    ]
+    for overrides, message in refused:
+        with pytest.raises(ConfigError) as error:
+            AsyncDistillationConfig(**{**base, **overrides})
+        assert message in str(error.value), (overrides, str(error.value))
+    AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=2, top_k=8, pg_ratio_clip=2.0)
+    # a hidden-state teacher is supported: the trainer computes log π_T at the query ids from the teacher's head
+    AsyncDistillationConfig(**base, loss_type="reverse_kl_student_topk", num_student_queries=2,
+                            teacher_server_urls={"d": "http://127.0.0.1:10"}, teacher_signal="hidden")
+
+
+def test_the_rollout_config_asks_for_the_loss_types_queries():
+    from fastdistill.train.checkpoint import RolloutState
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.pipeline import rollout_config
+
+    for loss, extra, kind in (("reverse_kl_mc", dict(top_k=8), "samples"), ("reverse_kl_student_topk", {}, "topk")):
+        cfg = AsyncDistillationConfig(model_name_or_path="m", weight_sync_backend="none", loss_type=loss,
+                                      num_student_queries=3, **extra)
+        rollouts = rollout_config(cfg, world_size=1, rollout_state=RolloutState(), total_prompts=4,
+                                  skip_rows=frozenset(), on_policy=None, eos_ids=(2,), adapter_sync=False)
+        assert (rollouts.student_queries, rollouts.num_student_queries) == (kind, 3)
+
+
+QUERIES = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """(tokenizer, student folder, top-K teacher model, hidden teacher folder and model) of the tiny family."""
+    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    student = build_model(tiny_config(vocab, pad_token_id=0, eos_token_id=2), seed=7)
+    student_dir = save_pretrained_dir(student, tokenizer, tmp_path_factory.mktemp("student"))
+    teacher = build_model(tiny_config(vocab, pad_token_id=0, eos_token_id=2), seed=103).float().eval()
+    teacher_dir = save_pretrained_dir(teacher, tokenizer, tmp_path_factory.mktemp("teacher"))
+    return tokenizer, student_dir, teacher, teacher_dir
+
+
+def completion_logprobs(model, sample) -> torch.Tensor:
+    """(L, V) float64 log-probs of ``model`` at the positions predicting each completion token."""
+    with torch.no_grad():
+        logits = model(torch.tensor(sample.input_ids[None].astype("int64")), use_cache=False).logits[0]
+    return torch.log_softmax(logits.double(), -1)[sample.prompt_length - 1 : -1]
+
+
+def with_queries(samples, student, teacher, kind: str):
+    """The samples with student queries: μ is the student's distribution sharpened (so π_θ ≠ μ), draws from it with
+    the realised token first ("samples") or its top-S ("topk"), and the teacher's log-probs at them."""
+    import dataclasses
+
+    import numpy as np
+
+    rng = torch.Generator().manual_seed(4)
+    out = []
+    for sample in samples:
+        mu = torch.log_softmax(completion_logprobs(student, sample) * 1.5, -1)
+        if kind == "samples":
+            ids = torch.multinomial(mu.exp(), QUERIES, replacement=True, generator=rng)
+            ids[:, 0] = torch.from_numpy(sample.completion_ids.astype("int64"))
+        else:
+            ids = torch.topk(mu, QUERIES, dim=-1).indices
+        teacher_lp = completion_logprobs(teacher, sample).gather(1, ids)
+        out.append(dataclasses.replace(sample, query_ids=ids.numpy().astype(np.int32),
+                                       query_behaviour_logprobs=mu.gather(1, ids).numpy().astype(np.float32),
+                                       query_teacher_logprobs=teacher_lp.numpy().astype(np.float32)))
+    return out
+
+
+def oracle_estimate(student, sample, kind: str) -> torch.Tensor:
+    """(L,) per position from the Hugging Face student's float64 log-probs: (1/S) Σ_n w_n (log π_θ − log π_T)(a_n)
+    with w = π_θ/μ, or the support-plus-tail KL."""
+    logp = completion_logprobs(student, sample)
+    ids = torch.from_numpy(sample.query_ids.astype("int64"))
+    lp, mu = logp.gather(1, ids), torch.from_numpy(sample.query_behaviour_logprobs).double()
+    teacher = torch.from_numpy(sample.query_teacher_logprobs).double()
+    if kind == "samples":
+        return (torch.exp(lp - mu) * (lp - teacher)).mean(1)
+    p_tail, q_tail = 1 - lp.exp().sum(1), 1 - teacher.exp().sum(1)
+    return (lp.exp() * (lp - teacher)).sum(1) + p_tail * (p_tail.log() - q_tail.log())
+
+
+@pytest.mark.parametrize("loss_type,kind", [("reverse_kl_mc", "samples"), ("reverse_kl_student_topk", "topk")])
+def test_a_training_step_logs_the_estimate_of_the_current_student(loss_type, kind, tiny_models, tmp_path):
+    """One trainer step on samples with queries: the logged reverse_kl is the mean over positions of the estimate
+    computed here from the Hugging Face student (before the step), with the pg metrics; the weights move."""
+    from trainer_cases import offline_config
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill.train.trainer import AsyncDistillationTrainer
+
+    tokenizer, student_dir, teacher, _ = tiny_models
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    samples = with_queries(synthetic_samples(teacher, len(tokenizer), 4, seed=5), student, teacher, kind)
+    cfg = offline_config(student_dir, tmp_path, teacher_server_urls={"default": "http://127.0.0.1:9"},
+                         loss_type=loss_type, num_student_queries=QUERIES, max_steps=1, top_k=8,
+                         per_device_train_batch_size=4, export_final_model=True)
+    AsyncDistillationTrainer(cfg, samples=samples).train()
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    want = torch.cat([oracle_estimate(student, s, kind) for s in samples]).mean()
+    assert logged["reverse_kl"] == pytest.approx(float(want), rel=1e-4)
+    assert "pg/advantage_std" in logged
+    assert ("pg/ratio_mean" in logged) == (kind == "samples")
+    assert ("pg/support_mass_mean" in logged) == (kind == "topk")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert not torch.equal(trained.lm_head.weight, student.lm_head.weight)
+
+
+@pytest.mark.parametrize("loss_type,kind", [("reverse_kl_pg", None), ("reverse_kl_mc", "samples"),
+                                            ("reverse_kl_student_topk", "topk")])
+def test_a_hidden_state_teacher_gets_its_query_logprobs_from_its_head(loss_type, kind, tiny_models):
+    """A hidden-state teacher sends no log-probs: the model computes log π_T at the query ids (the sampled token
+    for reverse_kl_pg) from the teacher's head on its hidden states; the loss equals the one on the same samples
+    with the teacher's log-probs on the wire (to float32 rounding of the two routes)."""
+    import dataclasses
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.data.packing import pack_row
+    from fastdistill.loss import narrow_support
+    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.model import DistillationModel
+    from fastdistill.train.teacher_head import load_teacher_head
+
+    tokenizer, student_dir, teacher, teacher_dir = tiny_models
+    student = AutoModelForCausalLM.from_pretrained(student_dir).float()
+    samples = synthetic_samples(teacher, len(tokenizer), 3, seed=6)
+    if kind is not None:
+        samples = with_queries(samples, student.eval(), teacher, kind)
+    hidden_samples = []
+    for s in samples:
+        with torch.no_grad():
+            states = teacher.model(torch.tensor(s.input_ids[None].astype("int64"))).last_hidden_state[0]
+        rows = states[s.prompt_length - 1 : -1].float().numpy()
+        width = (len(s.completion_ids), 0)
+        hidden_samples.append(dataclasses.replace(
+            s, teacher_hidden=rows, teacher_topk_ids=np.zeros(width, np.int32),
+            teacher_topk_logprobs=np.zeros(width, np.float32), query_teacher_logprobs=None))
+    extra = dict(num_student_queries=QUERIES, top_k=8) if kind else {}
+    outputs = []
+    for batch, signal in ((samples, "topk"), (hidden_samples, "hidden")):
+        cfg = AsyncDistillationConfig(model_name_or_path=str(student_dir), weight_sync_backend="none",
+                                      teacher_server_urls={"default": "http://127.0.0.1:9"}, teacher_signal=signal,
+                                      loss_type=loss_type, **extra)
+        model = DistillationModel(student, cfg)
+        model.teacher_heads = {0: load_teacher_head(teacher_dir)} if signal == "hidden" else {}
+        row = pack_row(batch, ["default"], vocab_size=len(tokenizer))
+        support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
+        out, _ = model(row, *support)
+        outputs.append(out)
+    topk_out, hidden_out = outputs
+    # the synthetic top-K rows carry the realised token (top-K, or added): every position is scored either way
+    assert int(hidden_out.num_tokens) == int(topk_out.num_tokens) == row.num_trained
+    assert float(hidden_out.jsd_sum) == pytest.approx(float(topk_out.jsd_sum), rel=1e-5, abs=1e-5)
+    assert float(hidden_out.jsd_sum) != 0.0
+    grads = torch.autograd.grad(hidden_out.loss, student.lm_head.weight)
+    assert bool(torch.isfinite(grads[0]).all()) and grads[0].abs().sum() > 0
