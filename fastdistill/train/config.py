@@ -20,14 +20,16 @@ import yaml
 from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
-from fastdistill.loss.policy_gradient import PG_STABILIZERS
-from fastdistill.rollout.behaviour import samples_route_problem
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
+from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_loss_options
+from fastdistill.train.config_checks import at_least as _at_least
+from fastdistill.train.config_checks import check as _check
+from fastdistill.train.config_checks import choice as _choice
+from fastdistill.train.config_checks import is_int as _is_int
+from fastdistill.train.config_checks import positive as _positive
+from fastdistill.train.config_checks import value_range as _range
 
-LOSS_TYPES = ("jsd", "reverse_kl_pg", "reverse_kl_mc", "reverse_kl_student_topk")
-# the policy-gradient family (pg_stabilizer applies) and the loss types that read student queries, with their kind
-PG_LOSS_TYPES = ("reverse_kl_pg", "reverse_kl_mc")
-QUERY_LOSS_TYPES = {"reverse_kl_mc": "samples", "reverse_kl_student_topk": "topk"}
+__all__ = ["LOSS_TYPES", "PG_LOSS_TYPES", "QUERY_LOSS_TYPES", "AsyncDistillationConfig", "ConfigError"]
 STALE_POLICIES = ("drop", "importance")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -254,7 +256,7 @@ class AsyncDistillationConfig:
                self.save_total_limit, "None or >= 1")
         _check(self.importance_ratio_clip >= 1.0, "importance_ratio_clip", self.importance_ratio_clip, ">= 1")
         _check(self.bf16 is None or isinstance(self.bf16, bool), "bf16", self.bf16, "None (automatic) or a bool")
-        self._validate_estimator()
+        validate_loss_options(self)
         _check(not (self.weight_sync_overlap and self.verify_weight_sync), "weight_sync_overlap",
                self.weight_sync_overlap, "False with verify_weight_sync=True (the trainer moves on during the push)")
         _check(self.weight_sync_one_call in (None, True, False), "weight_sync_one_call", self.weight_sync_one_call,
@@ -287,34 +289,6 @@ class AsyncDistillationConfig:
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
-
-    def _validate_estimator(self) -> None:
-        """The policy-gradient and student-query options against ``loss_type`` (docs/loss.md)."""
-        loss, ratio = self.loss_type, self.loss_type == "reverse_kl_mc" or self.pg_importance_ratio
-        _check(self.pg_ratio_clip is None or (_number(self.pg_ratio_clip) and self.pg_ratio_clip > 0
-                                              and loss in PG_LOSS_TYPES and ratio), "pg_ratio_clip",
-               self.pg_ratio_clip, "None, or a number > 0 together with pg_importance_ratio=True (loss_type "
-               "'reverse_kl_pg') or with loss_type 'reverse_kl_mc'")
-        _choice(self, "pg_stabilizer", PG_STABILIZERS)
-        if self.pg_stabilizer != "none":
-            _check(loss in PG_LOSS_TYPES, "pg_stabilizer", self.pg_stabilizer,
-                   f"'none' with loss_type={loss!r} (it stabilizes the policy-gradient family {list(PG_LOSS_TYPES)})")
-            _check(ratio, "pg_stabilizer", self.pg_stabilizer, "'none' with loss_type='reverse_kl_pg' and "
-                   "pg_importance_ratio=False (a stabilizer acts on the importance ratio π_θ/μ)")
-            _check(self.pg_ratio_clip is None, "pg_ratio_clip", self.pg_ratio_clip,
-                   f"None with pg_stabilizer={self.pg_stabilizer!r} (the stabilizer clips the ratio itself)")
-        _check(_number(self.pg_clip_eps) and 0 < self.pg_clip_eps < 1, "pg_clip_eps", self.pg_clip_eps, "in (0, 1)")
-        _positive(self, "m2po_budget")
-        S = self.num_student_queries
-        if loss in QUERY_LOSS_TYPES:
-            _check(_is_int(S) and S >= 1, "num_student_queries", S,
-                   f"an int >= 1 with loss_type={loss!r} (the ids per position it reads)")
-            if loss == "reverse_kl_mc":
-                problem = samples_route_problem(-1 if self.top_k == 0 else self.top_k, S)
-                _check(problem is None, "top_k", self.top_k, f"a top-k with loss_type='reverse_kl_mc': {problem}")
-        else:
-            _check(S == 0, "num_student_queries", S, f"0 with loss_type={loss!r} (only "
-                   f"{list(QUERY_LOSS_TYPES)} read student queries)")
 
     def _validate_teacher_cache(self) -> None:
         """``teacher_cache`` replaces the servers: the options that need them, or the rollout policy's log-probs, are
@@ -501,41 +475,3 @@ class AsyncDistillationConfig:
                 raise ConfigError(f"override {override!r} must look like key=value")
             values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
         return cls.from_dict(values)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {expected}, got {value!r}")
-
-
-def _choice(config: AsyncDistillationConfig, name: str, choices: Sequence[str]) -> None:
-    value = getattr(config, name)
-    _check(value in choices, name, value, f"one of {list(choices)}")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _range(config: AsyncDistillationConfig, name: str, low: float, high: float, *, low_open: bool = False,
-           high_open: bool = False) -> None:
-    value = getattr(config, name)
-    ok = _number(value) and (value > low if low_open else value >= low) and (value < high if high_open else
-                                                                              value <= high)
-    _check(ok, name, value, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
-
-
-def _positive(config: AsyncDistillationConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        _check(_number(value) and value > 0, name, value, "a finite number > 0")
-
-
-def _at_least(config: AsyncDistillationConfig, low: int, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        _check(_is_int(value) and value >= low, name, value, f"an int >= {low}")
