@@ -28,8 +28,10 @@ when the support is the whole vocabulary. Its gradient with respect to a logit z
 ℓ_v = log(p_v/q_v) on the support and ℓ_v = log(P_tail/Q_tail) (the tail's average log-ratio) off it, where the
 dense gradient has p_v(log(p_v/q_v) − KL): the bias is zero when the support covers the vocabulary, or when
 log(p_v/q_v) is the same at every tail id, and otherwise nonzero (tests/test_estimators.py measures it). The tail
-term (rather than renormalising over the support, which gives the tail logits no gradient at all) keeps the student's
-tail mass pulled toward the teacher's. No ratio: the sum is exact at the visited state, whichever policy chose S.
+term, rather than the truncated sum alone (AsyncOPD's ``reverse_kl_rollout_student_topk``: not a divergence, it can
+be negative) or a renormalisation over the support (which gives the tail logits no gradient at all), keeps the
+student's tail mass pulled toward the teacher's. No ratio: the sum is exact at the visited state, whichever policy
+chose S.
 
 Both need on the wire, per completion position: S query ids, log μ at them (the student server's processed
 log-probs) and log π_T at them (``RolloutSample.query_*``). The full-vocabulary log-sum-exp is taken in bounded row
