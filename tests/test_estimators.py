@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -612,6 +613,7 @@ def test_a_hidden_state_teacher_gets_its_query_logprobs_from_its_head(loss_type,
     from fastdistill.testing.synthetic import synthetic_samples
     from fastdistill.train.config import AsyncDistillationConfig
     from fastdistill.train.model import DistillationModel
+    from fastdistill.train.step import TrainStep
     from fastdistill.train.teacher_head import load_teacher_head
 
     tokenizer, student_dir, teacher, teacher_dir = tiny_models
@@ -640,6 +642,8 @@ def test_a_hidden_state_teacher_gets_its_query_logprobs_from_its_head(loss_type,
         support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
         out, _ = model(row, *support)
         outputs.append(out)
+        # the step's token count (the loss's normaliser) counts the positions the model scored
+        assert TrainStep._scored_count(SimpleNamespace(config=cfg), row, support) == int(out.num_tokens)
     topk_out, hidden_out = outputs
     # the synthetic top-K rows carry the realised token (top-K, or added): every position is scored either way
     assert int(hidden_out.num_tokens) == int(topk_out.num_tokens) == row.num_trained
@@ -647,3 +651,22 @@ def test_a_hidden_state_teacher_gets_its_query_logprobs_from_its_head(loss_type,
     assert float(hidden_out.jsd_sum) != 0.0
     grads = torch.autograd.grad(hidden_out.loss, student.lm_head.weight)
     assert bool(torch.isfinite(grads[0]).all()) and grads[0].abs().sum() > 0
+
+
+def test_a_row_without_queries_is_refused_by_a_query_loss_type(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.data.packing import pack_row
+    from fastdistill.loss import narrow_support
+    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.model import DistillationModel
+
+    tokenizer, student_dir, teacher, _ = tiny_models
+    cfg = AsyncDistillationConfig(model_name_or_path=str(student_dir), weight_sync_backend="none",
+                                  loss_type="reverse_kl_student_topk", num_student_queries=2)
+    model = DistillationModel(AutoModelForCausalLM.from_pretrained(student_dir), cfg)
+    row = pack_row(synthetic_samples(teacher, len(tokenizer), 2, seed=8), ["default"], vocab_size=len(tokenizer))
+    support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
+    with pytest.raises(ValueError, match="reads student queries, and this row's samples carry none"):
+        model(row, *support)
