@@ -20,9 +20,14 @@ import yaml
 from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
+from fastdistill.loss.policy_gradient import PG_STABILIZERS
+from fastdistill.rollout.behaviour import samples_route_problem
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
 
-LOSS_TYPES = ("jsd", "reverse_kl_pg")
+LOSS_TYPES = ("jsd", "reverse_kl_pg", "reverse_kl_mc", "reverse_kl_student_topk")
+# the policy-gradient family (pg_stabilizer applies) and the loss types that read student queries, with their kind
+PG_LOSS_TYPES = ("reverse_kl_pg", "reverse_kl_mc")
+QUERY_LOSS_TYPES = {"reverse_kl_mc": "samples", "reverse_kl_student_topk": "topk"}
 STALE_POLICIES = ("drop", "importance")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -120,9 +125,21 @@ class AsyncDistillationConfig:
     teacher_top_k: int = 8
     add_tail_bucket: bool = True
     tail_mode: str = "exact"  # ours: "trl" reproduces TRL's clamped tail
-    loss_type: str = "jsd"  # ours: "reverse_kl_pg" = AsyncOPD's learner-time-advantage policy gradient
-    pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (rollout log-prob)
-    pg_ratio_clip: float | None = None  # ours: upper clip of that ratio
+    # ours: "reverse_kl_pg" = AsyncOPD's learner-time-advantage policy gradient on the sampled token; "reverse_kl_mc"
+    # = the same over num_student_queries draws from the rollout policy μ per position, importance-weighted by π_θ/μ;
+    # "reverse_kl_student_topk" = the exact reverse KL over the rollout student's top-num_student_queries ids plus a
+    # tail bucket (docs/loss.md, "Student-side reverse-KL estimators")
+    loss_type: str = "jsd"
+    pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (reverse_kl_mc always does)
+    pg_ratio_clip: float | None = None  # ours: upper clip of that ratio (reverse_kl_pg and reverse_kl_mc)
+    # ours: S, the student queries per completion position of reverse_kl_mc / reverse_kl_student_topk (0 otherwise)
+    num_student_queries: int = 0
+    # ours: the policy-gradient family's stabilizer: "none", "ppo_clip" (clip π_θ/μ to [1 − pg_clip_eps, 1 +
+    # pg_clip_eps] in PPO's min form), "decoupled_ppo" (the same on π_θ/π_prox, π_prox the step-start weights,
+    # IS weight π_prox/μ) or "m2po" (mask the largest (log π_θ/μ)² until their mean ≤ m2po_budget)
+    pg_stabilizer: str = "none"
+    pg_clip_eps: float = 0.2
+    m2po_budget: float = 0.01
     loss_backend: str = "auto"  # ours
     # ours: what each teacher server returns: "topk" (prompt_logprobs, the default) or "hidden" (final hidden states,
     # `fastdistill serve-teacher --signal hidden`; the trainer applies the teacher's lm_head: the full vocabulary);
@@ -237,9 +254,7 @@ class AsyncDistillationConfig:
                self.save_total_limit, "None or >= 1")
         _check(self.importance_ratio_clip >= 1.0, "importance_ratio_clip", self.importance_ratio_clip, ">= 1")
         _check(self.bf16 is None or isinstance(self.bf16, bool), "bf16", self.bf16, "None (automatic) or a bool")
-        _check(self.pg_ratio_clip is None or (_number(self.pg_ratio_clip) and self.pg_ratio_clip > 0
-                                              and self.pg_importance_ratio), "pg_ratio_clip", self.pg_ratio_clip,
-               "None, or a number > 0 together with pg_importance_ratio=True")
+        self._validate_estimator()
         _check(not (self.weight_sync_overlap and self.verify_weight_sync), "weight_sync_overlap",
                self.weight_sync_overlap, "False with verify_weight_sync=True (the trainer moves on during the push)")
         _check(self.weight_sync_one_call in (None, True, False), "weight_sync_one_call", self.weight_sync_one_call,
@@ -272,6 +287,34 @@ class AsyncDistillationConfig:
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
+
+    def _validate_estimator(self) -> None:
+        """The policy-gradient and student-query options against ``loss_type`` (docs/loss.md)."""
+        loss, ratio = self.loss_type, self.loss_type == "reverse_kl_mc" or self.pg_importance_ratio
+        _check(self.pg_ratio_clip is None or (_number(self.pg_ratio_clip) and self.pg_ratio_clip > 0
+                                              and loss in PG_LOSS_TYPES and ratio), "pg_ratio_clip",
+               self.pg_ratio_clip, "None, or a number > 0 together with pg_importance_ratio=True (loss_type "
+               "'reverse_kl_pg') or with loss_type 'reverse_kl_mc'")
+        _choice(self, "pg_stabilizer", PG_STABILIZERS)
+        if self.pg_stabilizer != "none":
+            _check(loss in PG_LOSS_TYPES, "pg_stabilizer", self.pg_stabilizer,
+                   f"'none' with loss_type={loss!r} (it stabilizes the policy-gradient family {list(PG_LOSS_TYPES)})")
+            _check(ratio, "pg_stabilizer", self.pg_stabilizer, "'none' with loss_type='reverse_kl_pg' and "
+                   "pg_importance_ratio=False (a stabilizer acts on the importance ratio π_θ/μ)")
+            _check(self.pg_ratio_clip is None, "pg_ratio_clip", self.pg_ratio_clip,
+                   f"None with pg_stabilizer={self.pg_stabilizer!r} (the stabilizer clips the ratio itself)")
+        _check(_number(self.pg_clip_eps) and 0 < self.pg_clip_eps < 1, "pg_clip_eps", self.pg_clip_eps, "in (0, 1)")
+        _positive(self, "m2po_budget")
+        S = self.num_student_queries
+        if loss in QUERY_LOSS_TYPES:
+            _check(_is_int(S) and S >= 1, "num_student_queries", S,
+                   f"an int >= 1 with loss_type={loss!r} (the ids per position it reads)")
+            if loss == "reverse_kl_mc":
+                problem = samples_route_problem(-1 if self.top_k == 0 else self.top_k, S)
+                _check(problem is None, "top_k", self.top_k, f"a top-k with loss_type='reverse_kl_mc': {problem}")
+        else:
+            _check(S == 0, "num_student_queries", S, f"0 with loss_type={loss!r} (only "
+                   f"{list(QUERY_LOSS_TYPES)} read student queries)")
 
     def _validate_teacher_cache(self) -> None:
         """``teacher_cache`` replaces the servers: the options that need them, or the rollout policy's log-probs, are
@@ -341,9 +384,6 @@ class AsyncDistillationConfig:
         _check(self.teacher_cache is None, "teacher_cache", self.teacher_cache,
                f"None with a hidden-signal teacher (teacher_signal 'hidden' for {hidden}): a teacher cache holds "
                "top-K log-probs, not hidden states")
-        _check(self.loss_type == "jsd", "loss_type", self.loss_type,
-               f"'jsd' with a hidden-signal teacher ({hidden}): reverse_kl_pg reads the teacher's log-prob of the "
-               "sampled token from its top-K candidates")
 
     # ----------------------------------------------------------------------------------------------- derived values
 
@@ -362,6 +402,12 @@ class AsyncDistillationConfig:
     def teacher_ids(self) -> list[str]:
         """Teacher ids in configuration order; index i is ``teacher_index`` i in the loss."""
         return list(self.teacher_server_urls)
+
+    @property
+    def student_queries(self) -> str:
+        """What the rollout asks the student server for per position (``RolloutConfig.student_queries``):
+        ``"samples"`` for reverse_kl_mc, ``"topk"`` for reverse_kl_student_topk, else ``"none"``."""
+        return QUERY_LOSS_TYPES.get(self.loss_type, "none")
 
     @property
     def mixes_on_policy(self) -> bool:
