@@ -441,6 +441,7 @@ def bad_calls():
         case("importance_ratio=False leaves no ratio", importance_ratio=False, stabilizer="ppo_clip"),
         case("clips itself", stabilizer="ppo_clip", ratio_clip=2.0),
         case("proximal_logprobs are decoupled PPO's", proximal_logprobs=lp),
+        case("sampling_top_k must be None or an int", sampling_top_k=2.5),
     ]
 
 
@@ -670,3 +671,69 @@ def test_a_row_without_queries_is_refused_by_a_query_loss_type(tiny_models):
     support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
     with pytest.raises(ValueError, match="reads student queries, and this row's samples carry none"):
         model(row, *support)
+
+
+# ------------------------------------------------------------------------------------------------ top-k sampling
+
+
+def truncated(logp: torch.Tensor, k: int) -> torch.Tensor:
+    """log of ``logp``'s top-k renormalised, −inf elsewhere (rows), from its definition."""
+    top = torch.topk(logp, k, dim=-1)
+    out = torch.full_like(logp, -math.inf)
+    return out.scatter(-1, top.indices, top.values - torch.logsumexp(top.values, -1, keepdim=True))
+
+
+def test_under_top_k_sampling_a_fresh_ratio_is_the_top_k_mass_and_the_stabilizers_read_the_lag_instead():
+    """μ = the current student's top-3 of 6, renormalised (a fresh rollout under top-k): r = π_θ/μ is the top-3 mass Z
+    on every draw, so M2PO masks every entry and PPO-clip clips the negative-advantage ones; with
+    ``sampling_top_k=3`` they judge the move by μ_θ/μ = 1 and reduce to the plain estimator."""
+    from fastdistill.loss.policy_gradient import sampler_log_ratio
+
+    z, ids, _, teacher = stabilizer_case(0.0, draws=3)
+    logp = torch.log_softmax(z, 1)
+    mu = truncated(logp, 3)
+    ids = torch.topk(logp, 3, dim=1).indices  # draws inside μ's support
+    behaviour = mu.gather(1, ids)
+    mass = torch.topk(logp, 3, dim=1).values.exp().sum(1)
+    lag = sampler_log_ratio(z, torch.eye(V, dtype=torch.float64), ids, behaviour, bias=None, logit_scale=1.0,
+                            softcap=None, sampling_temperature=1.0, sampling_top_k=3)
+    torch.testing.assert_close(lag, torch.zeros_like(lag), rtol=0, atol=1e-14)
+    assert sampler_log_ratio(z, torch.eye(V, dtype=torch.float64), ids, behaviour, bias=None, logit_scale=1.0,
+                             softcap=None, sampling_temperature=1.0, sampling_top_k=V) is None
+    plain, want = loss_gradient(z, ids, behaviour, teacher)
+    torch.testing.assert_close(torch.exp(torch.log_softmax(z, 1).gather(1, ids) - behaviour),
+                               mass[:, None].expand_as(ids), rtol=1e-12, atol=0)
+    blind, _ = loss_gradient(z, ids, behaviour, teacher, stabilizer="m2po")
+    assert int(blind.masked) == ids.numel()
+    for stabilizer in ("m2po", "ppo_clip"):
+        out, grad = loss_gradient(z, ids, behaviour, teacher, stabilizer=stabilizer, sampling_top_k=3)
+        assert int(out.masked) == int(out.clipped) == 0
+        torch.testing.assert_close(grad, want, rtol=1e-13, atol=1e-15)
+
+
+def test_the_sampler_lag_ratio_is_the_truncated_distributions_ratio_and_ppo_clips_on_it():
+    """A stale rollout (μ = the top-3 of perturbed logits): sampler_log_ratio = log μ_θ − log μ with μ_θ the current
+    top-3 renormalised (−inf outside it), and PPO-clip clips exactly where that ratio leaves [0.8, 1.2] against the
+    advantage's sign, weighting the rest by π_θ/μ."""
+    from fastdistill.loss.policy_gradient import sampler_log_ratio
+
+    z, _, _, _ = stabilizer_case(0.0, draws=3)
+    g = torch.Generator().manual_seed(21)
+    old = z + 0.4 * torch.randn(z.shape, generator=g, dtype=torch.float64)
+    mu = truncated(torch.log_softmax(old, 1), 3)
+    ids = torch.topk(old, 3, dim=1).indices
+    behaviour = mu.gather(1, ids)
+    teacher = torch.log_softmax(torch.randn(z.shape, generator=g, dtype=torch.float64), 1).gather(1, ids)
+    current = truncated(torch.log_softmax(z, 1), 3).gather(1, ids)
+    lag = sampler_log_ratio(z, torch.eye(V, dtype=torch.float64), ids, behaviour, bias=None, logit_scale=1.0,
+                            softcap=None, sampling_temperature=1.0, sampling_top_k=3)
+    torch.testing.assert_close(lag, current - behaviour, rtol=1e-12, atol=1e-14)
+    assert bool(torch.isinf(lag).any())  # some stale draws left the current top-3
+    out, grad = loss_gradient(z, ids, behaviour, teacher, stabilizer="ppo_clip", sampling_top_k=3)
+    logp = torch.log_softmax(z, 1).gather(1, ids)
+    r_lag, a = lag.exp(), teacher - logp
+    expected = ((a > 0) & (r_lag > 1.2)) | ((a < 0) & (r_lag < 0.8))
+    assert 0 < int(expected.sum()) < expected.numel() and int(out.clipped) == int(expected.sum())
+    keep = (~expected).double()
+    torch.testing.assert_close(grad, objective_gradient(z, ids, behaviour, teacher, lambda r, adv, _: keep * r * adv),
+                               rtol=1e-12, atol=1e-14)

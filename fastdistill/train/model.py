@@ -75,11 +75,13 @@ class DistillationModel(nn.Module):
         self.loss_type = config.loss_type
         self.pg_importance_ratio = config.pg_importance_ratio
         self.pg_ratio_clip = config.pg_ratio_clip
-        # the stabilizer of the policy-gradient family; decoupled PPO's proximal policy is the step-start weights,
-        # which are the weights of every micro-batch's forward (the optimizer steps once, after them all), so the
-        # detached log-probs of that forward are π_prox: no extra forward pass
+        # the stabilizer of the policy-gradient family, judging the policy's move against the rollout's top-k
+        # sampling distribution; decoupled PPO's proximal policy is the step-start weights, which are the weights of
+        # every micro-batch's forward (the optimizer steps once, after them all), so the detached log-probs of that
+        # forward are π_prox: no extra forward pass
         self.pg_stabilizer = {"stabilizer": config.pg_stabilizer, "clip_eps": config.pg_clip_eps,
-                              "m2po_budget": config.m2po_budget}
+                              "m2po_budget": config.m2po_budget,
+                              "sampling_top_k": config.top_k if config.top_k >= 1 else None}
         self.teacher_heads: dict[int, TeacherHead] = {}
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
