@@ -393,6 +393,41 @@ def test_float32_agrees_with_float64_within_the_rounding_bound(estimator):
     assert float(per_position.max() / out64.reverse_kl.abs().max()) < 1e-3  # a bound tight enough to mean something
 
 
+@pytest.mark.parametrize("estimator", ["multi_sample", "student_topk"])
+def test_no_n_by_v_tensor_is_kept_for_backward(estimator):
+    """1024 positions, V = 64: every tensor autograd saves for backward is smaller than one (256, V) chunk tile
+    (checkpointing keeps only each chunk's inputs), let alone (N, V); the gradient is the unchunked one's."""
+    from fastdistill.loss.policy_gradient import CHUNK_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    n, vocab, d, draws = 1024, 64, 8, 4
+    hidden = torch.randn(n, d, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, d, generator=g, requires_grad=True)
+    ids = torch.argsort(torch.rand(n, vocab, generator=g), 1)[:, :draws]
+    lps = torch.full((n, draws), -3.0)
+    largest = []
+
+    def pack(t):
+        largest.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = query_reverse_kl_loss(hidden, weight, ids, lps, lps, estimator=estimator)
+    assert max(largest) < CHUNK_ROWS * vocab < n * vocab, max(largest)
+    grads = torch.autograd.grad(out.loss, (hidden, weight))
+    logits = hidden @ weight.t()
+    logp = torch.log_softmax(logits, 1)
+    lp = logp.gather(1, ids)
+    if estimator == "multi_sample":
+        advantage = (lps - lp).detach()
+        dense = -(torch.exp(lp - lps).detach() * advantage * lp).sum() / draws
+    else:
+        tail = torch.logsumexp(logits.scatter(1, ids, -math.inf), 1) - torch.logsumexp(logits, 1)
+        dense = (lp.exp() * (lp - lps)).sum() + (tail.exp() * (tail - torch.log1p(-lps.exp().sum(1)))).sum()
+    for got, want in zip(grads, torch.autograd.grad(dense, (hidden, weight)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_no_positions_still_connects_the_graph():
     weight = torch.randn(V, 3, requires_grad=True)
     hidden = torch.zeros(0, 3, requires_grad=True)
