@@ -200,3 +200,17 @@ def _merge_same_ids(ids: np.ndarray, lps: np.ndarray) -> tuple[np.ndarray, np.nd
                 lps[row, slots[0]] = np.logaddexp.reduce(lps[row, slots].astype(np.float64))
                 ids[row, slots[1:]], lps[row, slots[1:]] = -1, -np.inf
     return ids, lps
+
+
+def concatenate_targets(targets: list[CrossTokenizerTargets]) -> CrossTokenizerTargets:
+    """Several samples' targets as one, rows in order, group ids renumbered to stay unique (a packed row or a
+    batch). The samples must share W and K."""
+    if not targets:
+        raise ValueError("concatenate_targets needs at least one sample's targets")
+    offsets = np.cumsum([0] + [t.num_groups for t in targets[:-1]])
+    group_index = np.concatenate([np.where(t.group_index >= 0, t.group_index + off, -1)
+                                  for t, off in zip(targets, offsets, strict=True)]).astype(np.int32)
+    fields = ("group_start", "shared_ids", "shared_logprobs", "unshared_logprobs", "continuation_logprob",
+              "group_logprob")
+    return CrossTokenizerTargets(group_index=group_index,
+                                 **{name: np.concatenate([getattr(t, name) for t in targets]) for name in fields})
