@@ -189,8 +189,9 @@ def _check_tiling(spans: np.ndarray, included: np.ndarray, side: str) -> np.ndar
     bad = np.concatenate([[starts[0] != 0], starts[1:] != ends[:-1]]) | (ends <= starts)
     if bool(bad.any()):
         first = int(np.argmax(bad))
+        before = kept[first - 1].tolist() if first else "none"
         raise AlignmentError(f"the {side} byte spans do not tile the completion's bytes in order (included token "
-                             f"{first}: {kept[first].tolist()}, after {kept[first - 1].tolist() if first else 'none'}): "
+                             f"{first}: {kept[first].tolist()}, after {before}): "
                              "each included token needs ≥ 1 byte and consecutive spans must meet; a character split "
                              "over tokens needs spans from the token bytes, not from character offsets")
     return ends
