@@ -140,6 +140,7 @@ def build_targets(alignment: Alignment, teacher_ids: np.ndarray, teacher_candida
         teacher_ids: int ``(Lt,)``, the teacher's completion tokens.
         teacher_candidate_ids / teacher_candidate_logprobs: ``(Lt, W)`` the teacher's answer for them: the ranked
             top-K in slots ``< top_k``, then the realised token when it is outside the top-K; -1 / -inf empty.
+            The float targets come out float32 (float64 for float64 log-probs).
         vocab: the vocabulary map. ``top_k``: K, the ranked slots (``≤ W``).
 
     Returns:
@@ -147,7 +148,9 @@ def build_targets(alignment: Alignment, teacher_ids: np.ndarray, teacher_candida
     """
     teacher_ids = np.asarray(teacher_ids, dtype=np.int64)
     cand = np.asarray(teacher_candidate_ids, dtype=np.int64)
-    lps = np.asarray(teacher_candidate_logprobs, dtype=np.float32)
+    lps = np.asarray(teacher_candidate_logprobs)
+    out_dtype = np.float64 if lps.dtype == np.float64 else np.float32
+    lps = lps.astype(np.float64)
     n_t = alignment.teacher_group.shape[0]
     if teacher_ids.shape != (n_t,) or cand.ndim != 2 or cand.shape[0] != n_t or lps.shape != cand.shape:
         raise ValueError(f"teacher arrays must be ({n_t},) ids and ({n_t}, W) candidates for the aligned teacher "
@@ -168,15 +171,15 @@ def build_targets(alignment: Alignment, teacher_ids: np.ndarray, teacher_candida
     rows_ids, rows_lps = cand[t_first], lps[t_first]  # (G, W): the teacher's answer at each group's first token
     usable = (rows_ids >= 0) & np.isfinite(rows_lps)
     mapped = np.where(usable, vocab.teacher_to_student[np.clip(rows_ids, 0, None)], -1)
-    shared_ids, shared_lps = _merge_same_ids(mapped, np.where(mapped >= 0, rows_lps, -np.inf).astype(np.float32))
+    shared_ids, shared_lps = _merge_same_ids(mapped, np.where(mapped >= 0, rows_lps, -np.inf))
     unshared = np.where(usable & (mapped < 0), rows_lps, -np.inf)[:, :top_k]
     unshared = -np.sort(-unshared, axis=1)
 
     out_shared_ids = np.full((n_s, width), -1, dtype=np.int32)
-    out_shared_lps = np.full((n_s, width), -np.inf, dtype=np.float32)
-    out_unshared = np.full((n_s, top_k), -np.inf, dtype=np.float32)
-    continuation = np.zeros(n_s, dtype=np.float32)
-    group_logprob = np.zeros(n_s, dtype=np.float32)
+    out_shared_lps = np.full((n_s, width), -np.inf, dtype=out_dtype)
+    out_unshared = np.full((n_s, top_k), -np.inf, dtype=out_dtype)
+    continuation = np.zeros(n_s, dtype=out_dtype)
+    group_logprob = np.zeros(n_s, dtype=out_dtype)
     start = np.zeros(n_s, dtype=bool)
     start[s_first] = True
     out_shared_ids[s_first], out_shared_lps[s_first], out_unshared[s_first] = shared_ids, shared_lps, unshared
