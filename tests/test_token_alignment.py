@@ -126,8 +126,13 @@ def test_token_bytes_of_the_tiny_tokenizers(student, teacher):
         for text in TEXTS:  # concatenated token bytes spell the text exactly
             ids = tok(text, add_special_tokens=False)["input_ids"]
             assert b"".join(tb.token_bytes(ids)) == text.encode()
+            raw, spans, included = tb.spans(ids + [tok.eos_token_id])  # the vectorised path, a special included
+            want = spans_from_token_bytes(tb.token_bytes(ids + [tok.eos_token_id]))
+            assert raw == want[0] and spans.tolist() == want[1].tolist() and included.tolist() == want[2].tolist()
     with pytest.raises(ValueError, match="outside the tokenizer"):
         student.token_bytes([len(student.pieces)])
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        student.spans([3, -1])
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -259,3 +264,26 @@ def test_concatenate_targets_renumbers_groups():
     assert both.num_groups == 4 and both.shared_ids.shape == (8, 4)
     with pytest.raises(ValueError, match="at least one"):
         concatenate_targets([])
+
+
+def test_merging_slots_with_the_same_student_id_against_a_loop():
+    from fastdistill.data.cross_tokenizer_targets import _merge_same_ids
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-1, 6, size=(50, 7)).astype(np.int32)
+    lps = np.where(ids >= 0, np.log(rng.random((50, 7))), -np.inf)
+    got_ids, got_lps = _merge_same_ids(ids, lps)
+    for row in range(50):
+        want: dict[int, float] = {}
+        first: dict[int, int] = {}
+        for slot, (token, lp) in enumerate(zip(ids[row], lps[row], strict=True)):
+            if token >= 0:
+                want[int(token)] = want.get(int(token), 0.0) + float(np.exp(lp))
+                first.setdefault(int(token), slot)
+        expected_ids = np.full(7, -1)
+        for token, slot in first.items():
+            expected_ids[slot] = token
+        assert got_ids[row].tolist() == expected_ids.tolist()
+        for token, slot in first.items():
+            assert np.exp(got_lps[row, slot]) == pytest.approx(want[token], rel=1e-12)
+        assert np.isneginf(got_lps[row][expected_ids < 0]).all()

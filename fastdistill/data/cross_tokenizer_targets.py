@@ -193,16 +193,31 @@ def build_targets(alignment: Alignment, teacher_ids: np.ndarray, teacher_candida
 
 def _merge_same_ids(ids: np.ndarray, lps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows where several slots hold the same student id (teacher tokens with the same bytes) keep it once, in its
-    first slot, with the slots' probabilities added; the others become empty."""
-    ids, lps = ids.astype(np.int32), lps.copy()
-    ordered = np.sort(np.where(ids >= 0, ids, np.iinfo(np.int32).max), axis=1)
-    for row in np.nonzero((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != np.iinfo(np.int32).max))[0]:
-        for token in np.unique(ids[row][ids[row] >= 0]):
-            slots = np.nonzero(ids[row] == token)[0]
-            if slots.shape[0] > 1:
-                lps[row, slots[0]] = np.logaddexp.reduce(lps[row, slots].astype(np.float64))
-                ids[row, slots[1:]], lps[row, slots[1:]] = -1, -np.inf
-    return ids, lps
+    first slot, with the slots' probabilities added; the others become empty. Vectorised over rows."""
+    ids = ids.astype(np.int32)
+    if ids.size == 0:
+        return ids, lps
+    big = np.iinfo(np.int32).max
+    keys = np.where(ids >= 0, ids, big)
+    order = np.argsort(keys, axis=1, kind="stable")
+    ordered = np.take_along_axis(keys, order, axis=1)
+    repeat = np.zeros(ordered.shape, dtype=bool)
+    repeat[:, 1:] = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != big)
+    if not repeat.any():
+        return ids, lps
+    rows, width = ids.shape
+    flat_lps = np.take_along_axis(lps.astype(np.float64), order, axis=1).ravel()
+    firsts = np.flatnonzero(~repeat.ravel())  # every segment of equal ids (row-major: segments never span rows)
+    merged = np.logaddexp.reduceat(flat_lps, firsts)
+    out_ids = np.full(rows * width, -1, dtype=np.int32)
+    out_lps = np.full(rows * width, -np.inf, dtype=lps.dtype)
+    # the stable sort puts each id's earliest slot first in its segment
+    target = (firsts // width) * width + order.ravel()[firsts]
+    out_ids[target] = ordered.ravel()[firsts]
+    out_lps[target] = merged
+    empty = out_ids == big
+    out_ids[empty], out_lps[empty] = -1, -np.inf
+    return out_ids.reshape(rows, width), out_lps.reshape(rows, width)
 
 
 def concatenate_targets(targets: list[CrossTokenizerTargets]) -> CrossTokenizerTargets:

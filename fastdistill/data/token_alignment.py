@@ -24,7 +24,7 @@ completion with an :class:`AlignmentError` rather than align it wrongly.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -69,11 +69,14 @@ class TokenizerBytes:
         pieces: ``len(tokenizer)`` entries: the token's bytes, or None for a special token (chat markers, eos, pad)
             and for a token whose bytes cannot be read.
         byte_level: whether the bytes are exact (a byte-level BPE) rather than decoded one token at a time.
+        lengths: int64 ``(len(tokenizer),)``, the bytes per id (0 where ``pieces`` is None).
     """
 
     tokenizer: Any
     pieces: tuple[bytes | None, ...]
     byte_level: bool
+    lengths: np.ndarray = field(repr=False)
+    _joinable: np.ndarray = field(repr=False)  # object array: the bytes, b"" for None (for one vectorised join)
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenizerBytes:
@@ -98,17 +101,35 @@ class TokenizerBytes:
             else:
                 text = tokenizer.convert_tokens_to_string([token])
                 pieces.append(None if "\ufffd" in text else text.encode("utf-8"))
-        return cls(tokenizer=tokenizer, pieces=tuple(pieces), byte_level=byte_level)
+        lengths = np.fromiter((len(p) if p else 0 for p in pieces), dtype=np.int64, count=size)
+        joinable = np.empty(size, dtype=object)
+        joinable[:] = [p or b"" for p in pieces]
+        return cls(tokenizer=tokenizer, pieces=tuple(pieces), byte_level=byte_level, lengths=lengths,
+                   _joinable=joinable)
+
+    def _checked(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(self.pieces)):
+            bad = int(ids[(ids < 0) | (ids >= len(self.pieces))][0])
+            raise ValueError(f"token id {bad} is outside the tokenizer's {len(self.pieces)} ids")
+        return ids
 
     def token_bytes(self, ids: Sequence[int] | np.ndarray) -> list[bytes | None]:
         """The bytes of each id (None: special or unreadable); an id outside ``[0, len(pieces))`` raises ValueError."""
-        size = len(self.pieces)
-        out = []
-        for token_id in np.asarray(ids, dtype=np.int64).tolist():
-            if not 0 <= token_id < size:
-                raise ValueError(f"token id {token_id} is outside the tokenizer's {size} ids")
-            out.append(self.pieces[token_id])
-        return out
+        return [self.pieces[i] for i in self._checked(ids).tolist()]
+
+    def spans(self, ids: Sequence[int] | np.ndarray) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """:func:`spans_from_token_bytes` of ``ids``' bytes, vectorised: ``(text_bytes, spans (n, 2), included)``."""
+        ids = self._checked(ids)
+        lengths = self.lengths[ids]
+        return b"".join(self._joinable[ids].tolist()), _spans_of_lengths(lengths), lengths > 0
+
+
+def _spans_of_lengths(lengths: np.ndarray) -> np.ndarray:
+    ends = np.cumsum(lengths)
+    spans = np.stack([ends - lengths, ends], axis=1)
+    spans[lengths == 0] = -1
+    return spans
 
 
 def spans_from_token_bytes(pieces: Sequence[bytes | None]) -> tuple[bytes, np.ndarray, np.ndarray]:
@@ -123,11 +144,7 @@ def spans_from_token_bytes(pieces: Sequence[bytes | None]) -> tuple[bytes, np.nd
         excluded like a special token).
     """
     lengths = np.fromiter((0 if p is None else len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    included = lengths > 0
-    ends = np.cumsum(lengths)
-    spans = np.stack([ends - lengths, ends], axis=1) if len(pieces) else np.zeros((0, 2), np.int64)
-    spans[~included] = -1
-    return b"".join(p for p in pieces if p), spans, included
+    return b"".join(p for p in pieces if p), _spans_of_lengths(lengths), lengths > 0
 
 
 def byte_offsets_from_char_offsets(text: str, char_offsets: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
@@ -247,7 +264,7 @@ def student_completion_spans(student: TokenizerBytes, completion_ids: Sequence[i
     Raises:
         AlignmentError: the tokens' bytes are not valid UTF-8 (e.g. a completion cut inside a multi-byte character).
     """
-    raw, spans, included = spans_from_token_bytes(student.token_bytes(completion_ids))
+    raw, spans, included = student.spans(completion_ids)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -276,7 +293,7 @@ def teacher_completion_ids(teacher: TokenizerBytes, text: str) -> tuple[np.ndarr
             to itself).
     """
     ids = np.asarray(teacher.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
-    raw, spans, included = spans_from_token_bytes(teacher.token_bytes(ids))
+    raw, spans, included = teacher.spans(ids)
     want = text.encode("utf-8")
     if raw != want or not bool(included.all()):
         where = next((i for i, (a, b) in enumerate(zip(raw, want, strict=False)) if a != b), min(len(raw), len(want)))
