@@ -159,7 +159,9 @@ def build_targets(alignment: Alignment, teacher_ids: np.ndarray, teacher_candida
     if not 0 < top_k <= width:
         raise ValueError(f"top_k must lie in [1, W] = [1, {width}], got {top_k}")
     if cand.size and int(cand.max()) >= vocab.teacher_vocab_size:
-        raise ValueError(f"teacher candidate id {int(cand.max())} is outside the map's {vocab.teacher_vocab_size} ids")
+        raise ValueError(f"teacher candidate id {int(cand.max())} is outside the map's {vocab.teacher_vocab_size} ids: "
+                         "build the map with teacher_vocab_size = the teacher model's vocabulary size (its lm_head "
+                         "rows, which may exceed its tokenizer's length)")
     n_s, groups = alignment.student_group.shape[0], alignment.num_groups
 
     realised = realised_logprobs(teacher_ids, cand, lps)

@@ -44,8 +44,10 @@ L = −Σ_g sg[w_g·A_g] · Σ_{s∈g} log π_θ(y_s), w_g the group's importanc
   loss. (3) GOLD pairs tokens by their vocabulary strings, special tokens included; here by bytes, special tokens
   excluded (they have no bytes), so a byte-level and a SentencePiece tokenizer still share "the" and " the".
   (4) Reduction: GOLD averages over groups per sample and then over samples; these return sums over groups (divide
-  by the window's token or group count as the trainer does for the other losses). (5) GOLD's optional student
-  cross-entropy term (``uld_crossentropy_weight``) is not part of these. (6) "bayesian" merging is not implemented.
+  by the window's token or group count as the trainer does for the other losses). (5) GOLD's "observed" mode reads
+  the logits at the answer positions themselves (``probs[k]`` is what a causal LM uses for token k+1, paired with
+  token k); here row j predicts token j. (6) GOLD's optional student cross-entropy term
+  (``uld_crossentropy_weight``) and its "bayesian" merge are not part of these.
 
 No ``(N, V)`` tensor: the full-vocabulary reductions (log-sum-exp, top-n, the realised tokens' log-probs) run in row
 chunks under activation checkpointing, one ``(chunk, V)`` logits tile (two with an unshared mask) alive at a time.
