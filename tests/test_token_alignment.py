@@ -287,3 +287,24 @@ def test_merging_slots_with_the_same_student_id_against_a_loop():
         for token, slot in first.items():
             assert np.exp(got_lps[row, slot]) == pytest.approx(want[token], rel=1e-12)
         assert np.isneginf(got_lps[row][expected_ids < 0]).all()
+
+
+def test_smollm2_tokenizer_against_a_tiny_teacher(smollm2_dir, teacher):
+    """A real 49152-id byte-level tokenizer (SmolLM2's, from the session's export) as student and as teacher."""
+    from transformers import AutoTokenizer
+
+    smol = TokenizerBytes.of(AutoTokenizer.from_pretrained(smollm2_dir))
+    assert smol.byte_level and len(smol.pieces) == 49152
+    assert smol.pieces[smol.tokenizer.eos_token_id] is None
+    for text in TEXTS:
+        ids = smol.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert b"".join(smol.token_bytes(ids)) == text.encode()
+        seq = render_teacher_sequence(smol, teacher, MESSAGES, ids + [smol.tokenizer.eos_token_id])
+        back = render_teacher_sequence(teacher, smol, MESSAGES, seq.completion_ids)
+        assert seq.text == back.text == text
+        assert back.completion_ids.tolist() == ids
+        # the groups do not depend on which side is the student
+        assert back.alignment.num_groups == seq.alignment.num_groups
+        assert back.alignment.student_group.tolist() == seq.alignment.teacher_group.tolist()
+        assert back.alignment.teacher_group.tolist() == seq.alignment.student_group[:-1].tolist()
+    assert smol.tokenizer.decode(back.prompt_ids).startswith("<|im_start|>system\n")
