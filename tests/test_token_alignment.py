@@ -308,3 +308,13 @@ def test_smollm2_tokenizer_against_a_tiny_teacher(smollm2_dir, teacher):
         assert back.alignment.student_group.tolist() == seq.alignment.teacher_group.tolist()
         assert back.alignment.teacher_group.tolist() == seq.alignment.student_group[:-1].tolist()
     assert smol.tokenizer.decode(back.prompt_ids).startswith("<|im_start|>system\n")
+
+
+def test_an_empty_completion_has_no_groups(student, teacher):
+    vocab = VocabularyMap.from_token_bytes(student, teacher)
+    for ids in ([], [student.tokenizer.eos_token_id]):
+        seq = render_teacher_sequence(student, teacher, MESSAGES, ids)
+        assert seq.text == "" and seq.completion_ids.shape == (0,) and seq.alignment.num_groups == 0
+        targets = build_targets(seq.alignment, seq.completion_ids, np.zeros((0, 5), np.int32),
+                                np.zeros((0, 5), np.float32), vocab, top_k=4)
+        assert targets.group_index.tolist() == [-1] * len(ids) and targets.num_groups == 0
