@@ -286,7 +286,7 @@ def test_reverse_kl_pg_over_groups_matches_a_dense_reference(case):
         for g in range(a.num_groups):
             rows = torch.from_numpy(np.nonzero(a.student_group == g)[0])
             advantage = float(realised[a.teacher_group == g].sum()) - float(lp[rows].sum().detach())
-            ratio = math.exp(float((lp[rows] - rollout[rows]).sum()))
+            ratio = math.exp(float((lp[rows] - rollout[rows]).sum().detach()))
             ref = ref - advantage * min(ratio, 1.05) * lp[rows].sum()
             advantages.append(advantage)
             ratios.append(ratio)
