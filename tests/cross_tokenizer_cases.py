@@ -67,3 +67,28 @@ def lossy_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world"], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>",
                                    chat_template=TEACHER_CHAT_TEMPLATE)
+
+
+@lru_cache(maxsize=1)
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style BPE as Hugging Face converts Llama 2's: ``▁`` for spaces (one put before the text),
+    ``<0xNN>`` byte-fallback pieces for what its vocabulary lacks, and the matching decoder."""
+    import json
+
+    marker = "\u2581"
+    trainer_tokenizer = Tokenizer(models.BPE())
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=marker, prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    trainer_tokenizer.train_from_iterator(TEACHER_CORPUS, trainer)
+    model = json.loads(trainer_tokenizer.to_str())["model"]
+    vocab = model["vocab"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=marker, prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(marker, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=TEACHER_CHAT_TEMPLATE)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cross_tokenizer_cases import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
+from cross_tokenizer_cases import (
+    TEXTS,
+    lossy_tokenizer,
+    sentencepiece_tokenizer,
+    student_tokenizer,
+    teacher_tokenizer,
+)
 
 from fastdistill.data.cross_tokenizer_targets import (
     VocabularyMap,
@@ -318,3 +324,29 @@ def test_an_empty_completion_has_no_groups(student, teacher):
         targets = build_targets(seq.alignment, seq.completion_ids, np.zeros((0, 5), np.int32),
                                 np.zeros((0, 5), np.float32), vocab, top_k=4)
         assert targets.group_index.tolist() == [-1] * len(ids) and targets.num_groups == 0
+
+
+def test_a_sentencepiece_style_teacher(student, teacher):
+    """``▁`` pieces and ``<0xNN>`` byte fallback have exact bytes; the space the tokenizer puts before the text is
+    taken off (a lone ``▁`` first token is excluded); the byte-level vocabularies share its space-led pieces."""
+    sp = TokenizerBytes.of(sentencepiece_tokenizer())
+    assert not sp.byte_level and sp.prefix_space
+    ids, spans, included = teacher_completion_ids(sp, "The cat")
+    assert sp.tokenizer.convert_ids_to_tokens(ids.tolist())[0].startswith("\u2581")  # "▁The": its space is taken off
+    assert spans[included].tolist()[0][0] == 0 and spans[included][-1, 1] == len(b"The cat")
+    ids, spans, included = teacher_completion_ids(sp, "x")  # "▁" then the byte-fallback piece <0x78>
+    assert sp.tokenizer.convert_ids_to_tokens(ids.tolist()) == ["\u2581", "<0x78>"]
+    assert included.tolist() == [False, True] and spans.tolist() == [[-1, -1], [0, 1]]
+    for text in TEXTS:
+        s_ids = student.tokenizer(text, add_special_tokens=False)["input_ids"]
+        seq = render_teacher_sequence(student, sp, MESSAGES, s_ids)
+        a = seq.alignment
+        s_pieces, t_pieces = student.token_bytes(s_ids), sp.token_bytes(seq.completion_ids)
+        for g in range(a.num_groups):  # each group spells the same bytes (up to the taken-off leading space)
+            s_bytes = b"".join(s_pieces[i] for i in np.nonzero(a.student_group == g)[0])
+            t_bytes = b"".join(t_pieces[i] for i in np.nonzero(a.teacher_group == g)[0])
+            assert t_bytes == s_bytes or (g == 0 and t_bytes == b" " + s_bytes)
+        back = render_teacher_sequence(sp, teacher, MESSAGES, seq.completion_ids)  # the SentencePiece side as student
+        assert back.text.lstrip(" ") == text.lstrip(" ")
+    shared = VocabularyMap.from_token_bytes(student, sp)
+    assert {b" The", b" today"} <= {sp.pieces[u] for u in np.nonzero(shared.teacher_to_student >= 0)[0]}

@@ -15,14 +15,15 @@ predicted from the same text prefix, which is what the cross-tokenizer losses co
 - :func:`render_teacher_sequence`: the teacher's prompt ids (its own chat template, same conversation), its
   tokenization of the completion text and the alignment, or an :class:`~fastdistill.errors.AlignmentError`.
 
-Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM, …) have exact bytes per token. Other tokenizers fall back to
-decoding each token alone, which is exact for pieces that decode to whole characters; where it is not (SentencePiece's
-leading-space marker, byte-fallback pieces of a split character), the byte-for-byte round-trip check refuses the
-completion with an :class:`AlignmentError` rather than align it wrongly.
+Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM, …) and SentencePiece-style ones (``▁`` for a space,
+``<0xNN>`` byte-fallback pieces: Llama 2, Mistral, Gemma) have exact bytes per token. Other tokenizers fall back to
+decoding each token alone, which is exact for pieces that decode to whole characters; where it is not, the
+byte-for-byte round-trip check refuses the completion with an :class:`AlignmentError` rather than align it wrongly.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -52,6 +53,16 @@ def _is_byte_level(tokenizer: Any) -> bool:
     return backend is not None and ("ByteLevel" in repr(backend.decoder) or "ByteLevel" in repr(backend.pre_tokenizer))
 
 
+_METASPACE = "\u2581"  # SentencePiece's word-boundary marker: a space
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _uses_metaspace(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and any("Metaspace" in repr(part) or _METASPACE in repr(part)
+                                       for part in (backend.decoder, backend.pre_tokenizer, backend.normalizer))
+
+
 def _special_ids(tokenizer: Any) -> set[int]:
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
@@ -69,12 +80,16 @@ class TokenizerBytes:
         pieces: ``len(tokenizer)`` entries: the token's bytes, or None for a special token (chat markers, eos, pad)
             and for a token whose bytes cannot be read.
         byte_level: whether the bytes are exact (a byte-level BPE) rather than decoded one token at a time.
+        prefix_space: a SentencePiece-style tokenizer (``▁`` for spaces, ``<0xNN>`` byte fallback): its bytes are
+            exact too, and it may put a space before the text it encodes (its first ``▁``), which
+            :func:`teacher_completion_ids` takes off.
         lengths: int64 ``(len(tokenizer),)``, the bytes per id (0 where ``pieces`` is None).
     """
 
     tokenizer: Any
     pieces: tuple[bytes | None, ...]
     byte_level: bool
+    prefix_space: bool
     lengths: np.ndarray = field(repr=False)
     _joinable: np.ndarray = field(repr=False)  # object array: the bytes, b"" for None (for one vectorised join)
 
@@ -84,6 +99,7 @@ class TokenizerBytes:
         size = len(tokenizer)
         special = _special_ids(tokenizer)
         byte_level = _is_byte_level(tokenizer)
+        metaspace = not byte_level and _uses_metaspace(tokenizer)
         pieces: list[bytes | None] = []
         tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
         decoder = _byte_level_decoder()
@@ -98,14 +114,17 @@ class TokenizerBytes:
                     pieces.append(bytes(decoder[ch] for ch in token))
                 except KeyError:
                     pieces.append(None)
+            elif metaspace:
+                byte = _BYTE_FALLBACK.fullmatch(token)
+                pieces.append(bytes([int(byte.group(1), 16)]) if byte else token.replace(_METASPACE, " ").encode())
             else:
                 text = tokenizer.convert_tokens_to_string([token])
                 pieces.append(None if "\ufffd" in text else text.encode("utf-8"))
         lengths = np.fromiter((len(p) if p else 0 for p in pieces), dtype=np.int64, count=size)
         joinable = np.empty(size, dtype=object)
         joinable[:] = [p or b"" for p in pieces]
-        return cls(tokenizer=tokenizer, pieces=tuple(pieces), byte_level=byte_level, lengths=lengths,
-                   _joinable=joinable)
+        return cls(tokenizer=tokenizer, pieces=tuple(pieces), byte_level=byte_level, prefix_space=metaspace,
+                   lengths=lengths, _joinable=joinable)
 
     def _checked(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -295,12 +314,19 @@ def teacher_completion_ids(teacher: TokenizerBytes, text: str) -> tuple[np.ndarr
     ids = np.asarray(teacher.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
     raw, spans, included = teacher.spans(ids)
     want = text.encode("utf-8")
-    if raw != want or not bool(included.all()):
+    special = any(teacher.pieces[i] is None for i in ids.tolist())
+    if raw != want and teacher.prefix_space and raw == b" " + want and included.any():
+        raw, spans, included = raw[1:], spans - included[:, None], included.copy()  # the space it put in front
+        first = int(np.argmax(included))
+        spans[first, 0] = 0
+        if spans[first, 1] == 0:  # a lone "▁" token: no byte of the text left
+            spans[first], included[first] = -1, False
+    if raw != want or special:
         where = next((i for i, (a, b) in enumerate(zip(raw, want, strict=False)) if a != b), min(len(raw), len(want)))
         raise AlignmentError(f"the teacher's tokenizer does not round-trip the completion: its tokens spell "
                              f"{len(raw)} bytes against the text's {len(want)}, first differing at byte {where} "
                              f"(text around it: {want[max(0, where - 12):where + 12]!r})"
-                             + ("; it produced special tokens" if not bool(included.all()) else ""))
+                             + ("; it produced special tokens" if special else ""))
     return ids, spans, included
 
 
