@@ -72,3 +72,10 @@ class SourceExhausted(Exception):
 class NonFiniteLossError(FloatingPointError):
     """A step's loss or gradient norm is not finite: the optimizer did not step and the step's prompts are not marked
     trained, so a resume from the last checkpoint trains them again."""
+
+
+class AlignmentError(ValueError):
+    """A completion cannot be aligned across two tokenizers: its tokens' bytes are not valid UTF-8, or the teacher's
+    tokenizer does not give back the completion's text byte for byte (a normaliser, an unknown-token fallback, a
+    special token's text inside the completion). The rollout drops such a sample rather than train on a misaligned
+    one."""
