@@ -44,8 +44,10 @@ _ROLE_ARGS: dict[Role, list[str]] = {
 HIDDEN_POOLER_CONFIG = {"task": "token_embed", "tok_pooling_type": "ALL", "use_activation": False}
 _HIDDEN_TEACHER_ARGS = ["--runner", "pooling", "--convert", "embed",
                         "--pooler-config", json.dumps(HIDDEN_POOLER_CONFIG)]
+# A teacher runs vLLM's V1 model runner, the one fastdistill's scoring plugin patches (the log-probs at the student's
+# query ids): where vLLM would pick its V2 runner (GPUs), the plugin would refuse every query-scoring request.
 _ROLE_ENV: dict[Role, dict[str, str]] = {
-    "teacher": {},
+    "teacher": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     "student": {"VLLM_SERVER_DEV_MODE": "1"},
 }
 # On CPU, vLLM runs the model in a third process by default whose shared-memory queues busy-poll for a second after

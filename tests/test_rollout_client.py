@@ -287,6 +287,9 @@ def test_launcher_command_and_environment_per_role(tmp_path):
     assert "--max-logprobs" not in student.command() and "processed_logprobs" in student.command()
     assert student.environment()["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in teacher.extra_env
     assert teacher.environment()["VLLM_TARGET_DEVICE"] == "cpu" and teacher.port != student.port
+    # the scoring plugin patches the V1 model runner, so a teacher never runs vLLM's V2 runner
+    assert teacher.environment()["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in student.environment()
 
 
 def test_launcher_runs_the_cpu_model_in_the_engine_process_unless_told_otherwise(tmp_path):
