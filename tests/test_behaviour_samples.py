@@ -135,6 +135,7 @@ def test_draws_refuse_log_probs_that_miss_part_of_mu():
 
 def test_samples_without_top_k_are_refused_at_config_time():
     assert samples_route_problem(8, 4) is None
+    assert samples_route_problem(-1, 1) is None  # the realised token alone: no draws to make
     for top_k in (-1, 0):
         with pytest.raises(ValueError, match=f"student_queries='samples' needs top-k sampling .*top_k={top_k}"):
             RolloutConfig(student_url="http://s", teacher_urls={"t": "http://t"}, student_queries="samples",

@@ -270,8 +270,11 @@ class StudentClient(_VLLMEndpoint):
             raise VLLMResponseError(f"{url}: token_ids and token_logprobs do not match: {choice!r:.300}")
         token_array = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         logprob_array = np.asarray(logprobs, dtype=np.float32).reshape(-1)
-        if not width:
+        if queries == "none":
             return Generation(token_ids=token_array, logprobs=logprob_array)
+        if not width:  # one draw per position: the realised token
+            return Generation(token_ids=token_array, logprobs=logprob_array, query_ids=token_array[:, None].copy(),
+                              query_logprobs=logprob_array[:, None].copy())
         top_ids, top_logprobs = parse_top_logprobs(url, choice["logprobs"].get("top_logprobs"), len(token_array),
                                                    width)
         if queries == "topk":
