@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -176,3 +177,149 @@ def test_the_topology_trains_across_hosts_and_every_socket_is_bound_to_its_host(
                 assert socket_.on_every_interface  # torchrun's store: torch's, documented as such
                 continue
             assert socket_.address in (address, "127.0.0.1", "::1"), (name, socket_)
+
+
+def metric_records(output_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(output_dir / "metrics.jsonl")
+
+
+def metric_total(records: list[dict[str, Any]], key: str) -> float:
+    return sum(r.get(key, 0.0) for r in records)
+
+
+def logged_steps(output_dir: Path) -> int:
+    return max((r["step"] for r in metric_records(output_dir) if "loss" in r), default=0)
+
+
+def served_requests(log: Path, route: str = "POST /v1/completions") -> int:
+    """Requests a server's access log shows for ``route``."""
+    return log.read_text(errors="replace").count(route) if log.exists() else 0
+
+
+def server_log(topology: Topology, name: str) -> Path:
+    return topology.servers[name].log
+
+
+def test_a_partitioned_teacher_fails_over_and_is_used_again_after_the_heal(topology):
+    """teacher1's link goes down after the first step: its requests time out after the request timeout and fail
+    over to teacher0 (metrics: replica errors of default@1 and failovers, none for default@0); the run finishes every
+    prompt once; after the heal teacher1 answers requests again within the same run."""
+    import time
+
+    output_dir = topology.output_dir("teacher-partition")
+    host = topology.cluster["teacher1"]
+    trainers = topology.start("teacher-partition", ["num_train_epochs=3"])
+    try:
+        wait_for(lambda: logged_steps(output_dir) >= 1, timeout_s=RUN_BOUND_S, what="the first step")
+        host.partition()
+        cut = time.monotonic()
+        wait_for(lambda: metric_total(metric_records(output_dir), "rollout/failover_total") > 0,
+                 timeout_s=RUN_BOUND_S, what="a failover in the metrics")
+        failover_seen_s = time.monotonic() - cut
+        host.heal()
+        before = served_requests(server_log(topology, "teacher-default-1"))
+        wait_for(lambda: served_requests(server_log(topology, "teacher-default-1")) > before
+                 or all(t.process.poll() is not None for t in trainers.values()),
+                 timeout_s=RUN_BOUND_S, what="teacher1 used again")
+        used_again = served_requests(server_log(topology, "teacher-default-1")) > before
+    finally:
+        host.heal()
+    statuses = topology.finish(trainers)
+    print(f"failover visible in the metrics {failover_seen_s:.1f} s after the partition "
+          f"(request timeout {REQUEST_TIMEOUT_S} s)")
+    assert statuses == {"trainer-0": 0, "trainer-1": 0}, topology.logs(trainers)
+    assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 3)
+    records = metric_records(output_dir)
+    assert metric_total(records, "rollout/replica_errors/default@1_total") >= 1, records[-1]
+    assert metric_total(records, "rollout/replica_errors/default@0_total") == 0
+    assert used_again, "teacher1 served no request after the heal before the run ended"
+
+
+def test_a_slow_teacher_below_the_request_timeout_causes_no_failover(topology):
+    """teacher0's server is stopped (SIGSTOP) for a third of the request timeout mid-run, then continued: requests
+    wait for it instead of failing over; the run ends with no retry and no replica error."""
+    import time
+
+    output_dir = topology.output_dir("slow-teacher")
+    host = topology.cluster["teacher0"]
+    trainers = topology.start("slow-teacher", ["max_steps=4"])
+    stopped: list[int] = []
+    try:
+        wait_for(lambda: logged_steps(output_dir) >= 1, timeout_s=RUN_BOUND_S, what="the first step")
+        before = served_requests(server_log(topology, "teacher-default-0"))
+        stopped = host.pids()
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(REQUEST_TIMEOUT_S / 3)  # the fault itself: a stall shorter than the timeout
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    statuses = topology.finish(trainers)
+    assert statuses == {"trainer-0": 0, "trainer-1": 0}, topology.logs(trainers)
+    records = metric_records(output_dir)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert metric_total(records, "rollout/failover_total") == 0
+    assert metric_total(records, "rollout/vllm_retry_total") == 0
+    assert not [key for r in records for key in r if key.startswith("rollout/replica_errors/")]
+    assert served_requests(server_log(topology, "teacher-default-0")) > before  # it kept serving after the stall
+
+
+def test_a_lost_trainer_node_ends_the_other_and_both_resume_exactly_once(topology):
+    """trainer1's host loses every process (SIGKILL) after the second step: trainer0 ends by itself, naming the lost
+    peer; a resume on both nodes from the last checkpoint trains every remaining prompt once."""
+    import time
+
+    output_dir = topology.output_dir("node-loss")
+    trainers = topology.start("node-loss")
+    wait_for(lambda: (output_dir / "checkpoint-2").is_dir() and logged_steps(output_dir) >= 2,
+             timeout_s=RUN_BOUND_S, what="the second checkpoint")
+    for pid in topology.cluster["trainer1"].pids():
+        os.kill(pid, signal.SIGKILL)
+    lost = time.monotonic()
+    wait_for(lambda: trainers["trainer-0"].process.poll() is not None, timeout_s=RUN_BOUND_S,
+             what="trainer0's end after losing trainer1")
+    detected_s = time.monotonic() - lost
+    statuses = topology.finish(trainers)
+    log = trainers["trainer-0"].log.read_text(errors="replace")
+    print(f"trainer0 ended {detected_s:.1f} s after trainer1's loss; its last lines:\n"
+          f"{trainers['trainer-0'].log_tail(15)}")
+    assert statuses["trainer-0"] != 0
+    assert topology.cluster["trainer1"].address in log or "rank 1" in log, log[-3000:]
+    resumed = topology.start("node-loss", ["resume_from_checkpoint=latest"], tag="-resumed")
+    assert topology.finish(resumed) == {"trainer-0": 0, "trainer-1": 0}, topology.logs(resumed)
+    assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 1)
+    summary = json.loads((output_dir / "train_summary.json").read_text())
+    assert summary["steps"] == NUM_ROWS // SAMPLES_PER_STEP
+
+
+def test_a_partitioned_student_stops_the_run_naming_it_and_a_resume_completes(topology):
+    """The student's link goes down just after a step's prompts are recorded (the weight sync that follows is in
+    flight or next): the run stops by itself with an error naming the student's address and the phase; the last
+    checkpoint is intact; after the heal a resume trains every remaining prompt once."""
+    import time
+
+    output_dir = topology.output_dir("student-partition")
+    host = topology.cluster["student"]
+    trainers = topology.start("student-partition")
+    try:
+        # trained_prompts.jsonl gets step 2's line right before step 2's weight sync starts
+        wait_for(lambda: len(read_jsonl(output_dir / "trained_prompts.jsonl")) >= 2, timeout_s=RUN_BOUND_S,
+                 poll_s=0.01, what="the second step's prompts")
+        host.partition()
+        cut = time.monotonic()
+        wait_for(lambda: all(t.process.poll() is not None for t in trainers.values()), timeout_s=RUN_BOUND_S,
+                 what="the run's end after the student's partition")
+        stopped_s = time.monotonic() - cut
+    finally:
+        host.heal()
+    statuses = topology.finish(trainers)
+    log = trainers["trainer-0"].log.read_text(errors="replace")
+    print(f"the run stopped {stopped_s:.1f} s after the student's partition; trainer0's last lines:\n"
+          f"{trainers['trainer-0'].log_tail(15)}")
+    assert statuses["trainer-0"] != 0
+    assert f"{host.address}:{STUDENT_PORT}" in log, log[-3000:]
+    checkpoints = sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
+    assert checkpoints and checkpoints[-1] >= 1
+    resumed = topology.start("student-partition", ["resume_from_checkpoint=latest"], tag="-resumed")
+    assert topology.finish(resumed) == {"trainer-0": 0, "trainer-1": 0}, topology.logs(resumed)
+    assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 1)
