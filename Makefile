@@ -68,6 +68,8 @@ test: $(STAMP) $(VLLM_STAMP) $(TRITON36_STAMP) $(REHEARSAL_STAMP) $(REHEARSAL_KI
 test: export FASTDISTILL_REHEARSAL_PYTHON := $(abspath $(REHEARSAL_PY))
 test: export FASTDISTILL_REHEARSAL_KIT := $(abspath $(REHEARSAL_KIT))
 test: export FASTDISTILL_REQUIRE_REHEARSAL := 1
+# The multi-host tests (tests/test_cluster*.py, marker netns) need root and `ip netns`: CI fails rather than skips them.
+test: export FASTDISTILL_REQUIRE_NETNS := 1
 
 $(TRITON36_STAMP): Makefile | $(STAMP)
 	rm -rf $(TRITON36_DIR)

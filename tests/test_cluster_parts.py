@@ -224,3 +224,32 @@ def test_stale_namespaces_of_dead_runs_are_removed_and_live_ones_kept():
     finally:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_collective_error_naming_a_peer_address_becomes_a_lost_rank_error():
+    import torch
+
+    group = distributed.Distributed(0, 3, torch.device("cpu"), addresses=("10.0.0.1", "10.0.0.2", "10.0.0.2"))
+    gloo = RuntimeError("[/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:27368: Connection reset by peer. "
+                        "This is typically caused by a remote worker hanging")
+    lost = group.lost_rank_error(gloo)
+    assert str(lost).startswith("rank 0 lost trainer rank(s) 1, 2 of 3 (at 10.0.0.2): a collective with it failed "
+                                "([/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:27368")
+    assert group.lost_rank_error(RuntimeError("CUDA out of memory")) is None  # names no peer: left as it is
+    assert group.lost_rank_error(RuntimeError("Read error [10.0.0.1]:1: reset")) is None  # its own address
+    assert group.lost_rank_error(RuntimeError("Read error [10.9.9.9]:1: reset")) is None  # not a rank's
+
+
+def _gather_addresses(rank: int, init_method: str, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    os.environ.pop("MASTER_ADDR", None)
+    group = distributed.init_distributed(init_method)
+    results.put({"rank": rank, "addresses": group.addresses})
+    group.close()
+
+
+def test_init_distributed_gathers_every_rank_s_address():
+    from fastdistill.testing.spawned import file_rendezvous, run_ranks
+
+    outcomes = run_ranks(_gather_addresses, (file_rendezvous(),))
+    assert [o["addresses"] for o in outcomes] == [("127.0.0.1", "127.0.0.1")] * 2  # no MASTER_ADDR: loopback

@@ -241,7 +241,7 @@ def wait_trainers(trainers: dict[str, Launched], servers: dict[str, Launched], *
                   poll_s: float = 0.5) -> dict[str, int]:
     """Wait until every trainer node has exited; a server that exits meanwhile, or a node that fails while others
     run, is reported and the rest is given until they exit themselves (they notice a lost peer). Returns each
-    node's exit status; past ``timeout_s`` the remaining nodes are stopped (status as :meth:`Launched.stop`)."""
+    node's exit status. Past ``timeout_s`` the remaining nodes are stopped and ``TimeoutError`` is raised."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while any(t.process.poll() is None for t in trainers.values()):
         for server in servers.values():
@@ -250,9 +250,10 @@ def wait_trainers(trainers: dict[str, Launched], servers: dict[str, Launched], *
                       f"{server.log_tail()}", file=sys.stderr)
                 servers = {k: v for k, v in servers.items() if v is not server}
         if deadline is not None and time.monotonic() > deadline:
+            running = [t.name for t in trainers.values() if t.process.poll() is None]
             for trainer in trainers.values():
                 trainer.stop()
-            break
+            raise TimeoutError(f"trainer nodes {running} still running after {timeout_s:.0f} s: stopped")
         time.sleep(poll_s)
     return {name: t.process.wait() for name, t in trainers.items()}
 

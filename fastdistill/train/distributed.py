@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastdistill.errors import ConfigError
-from fastdistill.sync.network import interface_towards
+from fastdistill.errors import ConfigError, LostRankError
+from fastdistill.sync.network import LOOPBACK, interface_towards, is_loopback_host, local_address_towards
 
 # Options that need a single trainer process, and why.
 SINGLE_PROCESS_OPTIONS = {
@@ -45,6 +46,7 @@ class Distributed:
     world_size: int
     device: torch.device
     owns_group: bool = False  # init_distributed created the process group: close() destroys it
+    addresses: tuple[str, ...] = ()  # per rank, its address towards MASTER_ADDR (what gloo's errors name)
 
     @property
     def is_main(self) -> bool:
@@ -73,6 +75,20 @@ class Distributed:
         reduced = tensor.to(self.device)
         dist.all_reduce(reduced)
         return reduced.cpu()
+
+    def lost_rank_error(self, error: BaseException) -> LostRankError | None:
+        """A :class:`LostRankError` naming the other ranks at the peer addresses a failed collective's ``error``
+        names (gloo: ``Read error [10.0.0.2]:41234: Connection reset by peer``), or None when it names none."""
+        named = set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(error)))
+        lost = [rank for rank, address in enumerate(self.addresses) if address in named and rank != self.rank]
+        if not lost:
+            return None
+        where = ", ".join(sorted(named & set(self.addresses)))
+        ranks = ", ".join(map(str, lost))
+        return LostRankError(
+            f"rank {self.rank} lost trainer rank(s) {ranks} of {self.world_size} (at {where}): a collective with it "
+            f"failed ({str(error).splitlines()[0][:300]}). Resume every node with resume_from_checkpoint=latest "
+            "once it is back")
 
     def close(self) -> None:
         """Destroy the process group if :func:`init_distributed` created it (a group made by the caller stays);
@@ -116,7 +132,23 @@ def init_distributed(init_method: str | None = None) -> Distributed:
             dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
                                     rank=int(os.environ["RANK"]))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Distributed(rank, world_size, device, owns_group=owns_group)
+    addresses: tuple[str, ...] = ()
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, _address_towards_master())
+        addresses = tuple(gathered)
+    return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses)
+
+
+def _address_towards_master() -> str:
+    """This rank's address that routes to ``$MASTER_ADDR`` (loopback for a loopback or unknown master)."""
+    master = os.environ.get("MASTER_ADDR", "")
+    if not master or is_loopback_host(master):
+        return LOOPBACK
+    try:
+        return local_address_towards(master)
+    except OSError:
+        return LOOPBACK
 
 
 # ------------------------------------------------------------------------------------------------ samples as tensors
