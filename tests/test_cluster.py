@@ -43,7 +43,7 @@ HOSTS = ["trainer0", "trainer1", "student", "teacher0", "teacher1"]
 STUDENT_PORT, TEACHER_PORT, MASTER_PORT = 8000, 8001, 29500
 NUM_ROWS = 16
 SAMPLES_PER_STEP = 2  # one per rank
-REQUEST_TIMEOUT_S = 10.0  # each rollout request's bound (connect + answer): the failover's
+REQUEST_TIMEOUT_S = 20.0  # each rollout request's bound (connect + answer); a warm tiny server answers in < 1 s
 WEIGHT_SYNC_TIMEOUT_S = 30.0
 RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
 # The teacher partition's run: long enough that the partitioned replica's requests time out, fail over, and the
@@ -51,7 +51,7 @@ RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
 PARTITION_EPOCHS = 6
 TOPOLOGY_EPOCHS = 3  # the plain run's: long enough to outlast the slow teacher's stall
 FULL_ENV = "FASTDISTILL_CLUSTER_FULL"  # `make test-cluster`: also the student-partition case (over the suite's budget)
-PARTITION_TIMEOUT_S = 5.0
+PARTITION_TIMEOUT_S = 8.0
 
 
 def load_launcher():
@@ -144,9 +144,36 @@ def topology(tmp_path_factory):
         config = launcher.Cluster.from_yaml(root / "cluster.yaml")
         servers = launcher.start_servers(config)
         try:
+            warm_up(cluster["trainer0"], config, servers)
             yield Topology(cluster, config, servers, root)
         finally:
             launcher.stop_all(servers)
+
+
+WARM_UP = """
+import sys
+from fastdistill.auth import read_key_file
+from fastdistill.http_client import request_json_blocking
+from fastdistill.serve import wait_until_healthy
+url, key_file, model = sys.argv[1:]
+if wait_until_healthy(url, alive=lambda: True, timeout_s=600) != "healthy":
+    sys.exit(f"{url} not healthy")
+request_json_blocking("POST", url + "/v1/completions", {"model": model, "prompt": [1, 5, 9], "max_tokens": 4},
+                      timeout_s=300, api_key=read_key_file(key_file))
+"""
+
+
+def warm_up(client, config, servers: dict) -> None:
+    """From ``client``'s host: wait for every server's /health, then send each one completion, so that the runs
+    do not meet vLLM's slow first requests (seconds on a loaded CPU) and take them for failures."""
+    endpoints = {"student": (config.student, config.key_files["student"], config.student_model)}
+    for teacher_id, replicas in config.teachers.items():
+        for index, replica in enumerate(replicas):
+            endpoints[f"teacher-{teacher_id}-{index}"] = (replica, config.key_files["teacher"], config.teacher_model)
+    for name, (endpoint, key_file, model) in endpoints.items():
+        done = client.run([sys.executable, "-c", WARM_UP, endpoint.url, str(key_file), model], capture_output=True,
+                          text=True, timeout=900)
+        assert done.returncode == 0, f"{name}: {done.stdout[-2000:]}{done.stderr[-2000:]}\n{servers[name].log_tail()}"
 
 
 def trained_counts(output_dir: Path) -> collections.Counter:

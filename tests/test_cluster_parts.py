@@ -253,3 +253,40 @@ def test_init_distributed_gathers_every_rank_s_address():
 
     outcomes = run_ranks(_gather_addresses, (file_rendezvous(),))
     assert [o["addresses"] for o in outcomes] == [("127.0.0.1", "127.0.0.1")] * 2  # no MASTER_ADDR: loopback
+
+
+GLOO_PROBE = """
+import sys
+import torch
+from fastdistill.train.distributed import init_distributed
+group = init_distributed()
+total = group.all_reduce_sum(torch.tensor([group.rank + 1.0])).item()
+print("rank", group.rank, "total", total, "addresses", ",".join(group.addresses), flush=True)
+group.close()
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_two_hosts_whose_host_name_is_loopback_form_the_trainer_s_gloo_group(tmp_path):
+    """torchrun --nnodes 2 on two namespaced hosts: this machine's host name resolves to 127.0.0.1 in both (gloo's
+    default device would tell the other node to connect to its own loopback); init_distributed binds the interface
+    towards MASTER_ADDR, so the group forms and each rank's address is its host's. The trainer runs of
+    tests/test_cluster.py depend on the same; this isolates it (``make test-cluster`` only, for the suite's budget)."""
+    require_netns()
+    if os.environ.get("FASTDISTILL_CLUSTER_FULL") != "1":
+        pytest.skip("`make test-cluster` runs it (FASTDISTILL_CLUSTER_FULL=1); tests/test_cluster.py covers the path")
+    script = tmp_path / "probe.py"
+    script.write_text(GLOO_PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GLOO_SOCKET_IFNAME")}
+    with NetnsCluster(["n0", "n1"]) as cluster:
+        master = cluster["n0"].address
+        nodes = [cluster[f"n{rank}"].popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+             "--nproc-per-node", "1", "--master-addr", master, "--master-port", "29500", str(script)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for rank in (0, 1)]
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]  # a hang guard only
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)[-3000:]
+    addresses = f"addresses {cluster['n0'].address},{cluster['n1'].address}"
+    for rank, output in enumerate(outputs):
+        assert f"rank {rank} total 3.0 {addresses}" in output, output[-2000:]
