@@ -48,10 +48,11 @@ WEIGHT_SYNC_TIMEOUT_S = 30.0
 RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
 # The teacher partition's run: long enough that the partitioned replica's requests time out, fail over, and the
 # replica is probed again after the heal (a cooldown of 2 s) before the run ends; a tiny step takes well under 1 s.
-PARTITION_EPOCHS = 6
-TOPOLOGY_EPOCHS = 3  # the plain run's: long enough to outlast the slow teacher's stall
+PARTITION_EPOCHS = 4
+PARTITION_TIMEOUT_S = 6.0
+TOPOLOGY_EPOCHS = 2  # the plain run's: long enough to outlast the slow teacher's stall
+NO_CHECKPOINTS = "save_strategy=no"  # the runs that resume nothing skip the per-step checkpoint
 FULL_ENV = "FASTDISTILL_CLUSTER_FULL"  # `make test-cluster`: also the student-partition case (over the suite's budget)
-PARTITION_TIMEOUT_S = 8.0
 
 
 def load_launcher():
@@ -153,19 +154,26 @@ def topology(tmp_path_factory):
 WARM_UP = """
 import sys
 from fastdistill.auth import read_key_file
-from fastdistill.http_client import request_json_blocking
+from fastdistill.http_client import HTTPFailure, request_json_blocking
 from fastdistill.serve import wait_until_healthy
 url, key_file, model = sys.argv[1:]
 if wait_until_healthy(url, alive=lambda: True, timeout_s=600) != "healthy":
     sys.exit(f"{url} not healthy")
-request_json_blocking("POST", url + "/v1/completions", {"model": model, "prompt": [1, 5, 9], "max_tokens": 4},
-                      timeout_s=300, api_key=read_key_file(key_file))
+completion = {"model": model, "prompt": [1, 5, 9], "max_tokens": 4}
+try:
+    request_json_blocking("POST", url + "/v1/completions", completion, timeout_s=300)
+    sys.exit(f"{url} answered without the key")
+except HTTPFailure as failure:
+    if failure.status != 401:
+        sys.exit(f"{url} without the key: {failure.status} {failure.message}")
+request_json_blocking("POST", url + "/v1/completions", completion, timeout_s=300, api_key=read_key_file(key_file))
 """
 
 
 def warm_up(client, config, servers: dict) -> None:
-    """From ``client``'s host: wait for every server's /health, then send each one completion, so that the runs
-    do not meet vLLM's slow first requests (seconds on a loaded CPU) and take them for failures."""
+    """From ``client``'s host: wait for every server's /health, check that it refuses a request without its key
+    (401), then send it one completion with the key, so that the runs do not meet vLLM's slow first requests
+    (seconds on a loaded CPU) and take them for failures."""
     endpoints = {"student": (config.student, config.key_files["student"], config.student_model)}
     for teacher_id, replicas in config.teachers.items():
         for index, replica in enumerate(replicas):
@@ -217,7 +225,7 @@ def test_the_topology_trains_across_hosts_binds_every_socket_to_its_host_and_wai
 
     output_dir = topology.output_dir("topology")
     host = topology.cluster["teacher0"]
-    trainers = topology.start("topology", [f"num_train_epochs={TOPOLOGY_EPOCHS}"])
+    trainers = topology.start("topology", [f"num_train_epochs={TOPOLOGY_EPOCHS}", NO_CHECKPOINTS])
     seen: dict[str, set[Listener]] = collections.defaultdict(set)
 
     def note_listeners() -> None:
@@ -275,7 +283,7 @@ def test_a_partitioned_teacher_fails_over_and_is_used_again_after_the_heal(topol
     output_dir = topology.output_dir("teacher-partition")
     host = topology.cluster["teacher1"]
     trainers = topology.start("teacher-partition", [f"num_train_epochs={PARTITION_EPOCHS}",
-                                                    f"request_timeout={PARTITION_TIMEOUT_S}"])
+                                                    f"request_timeout={PARTITION_TIMEOUT_S}", NO_CHECKPOINTS])
     try:
         wait_for(lambda: logged_steps(output_dir) >= 1, timeout_s=RUN_BOUND_S, what="the first step")
         host.partition()
@@ -314,13 +322,16 @@ def test_a_lost_trainer_node_ends_the_other_and_both_resume_exactly_once(topolog
     for pid in topology.cluster["trainer1"].pids():
         os.kill(pid, signal.SIGKILL)
     lost = time.monotonic()
+    wait_for(lambda: "LostRankError" in trainers["trainer-0"].log.read_text(errors="replace")
+             or trainers["trainer-0"].process.poll() is not None, timeout_s=RUN_BOUND_S,
+             what="trainer0's error after losing trainer1")
+    detected_s = time.monotonic() - lost
     wait_for(lambda: trainers["trainer-0"].process.poll() is not None, timeout_s=RUN_BOUND_S,
              what="trainer0's end after losing trainer1")
-    detected_s = time.monotonic() - lost
+    ended_s = time.monotonic() - lost
     statuses = topology.finish(trainers)
     log = trainers["trainer-0"].log.read_text(errors="replace")
-    print(f"trainer0 ended {detected_s:.1f} s after trainer1's loss; its last lines:\n"
-          f"{trainers['trainer-0'].log_tail(15)}")
+    print(f"trainer0 named the lost rank {detected_s:.1f} s and ended {ended_s:.1f} s after trainer1's loss")
     assert statuses["trainer-0"] != 0
     assert f"LostRankError: rank 0 lost trainer rank(s) 1 of 2 (at {topology.cluster['trainer1'].address})" in log, \
         log[-3000:]
