@@ -290,3 +290,37 @@ def test_two_hosts_whose_host_name_is_loopback_form_the_trainer_s_gloo_group(tmp
     addresses = f"addresses {cluster['n0'].address},{cluster['n1'].address}"
     for rank, output in enumerate(outputs):
         assert f"rank {rank} total 3.0 {addresses}" in output, output[-2000:]
+
+
+LAUNCHER_PARENT = """
+import importlib.util, sys, time
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("launch", sys.argv[1])
+launch = importlib.util.module_from_spec(spec)
+sys.modules["launch"] = launch  # dataclasses look their module up
+spec.loader.exec_module(launch)
+child = launch.launch("sleeper", "local", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[2]))
+print(child.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_launched_command_ends_with_a_killed_launcher(tmp_path):
+    """The launcher's children get SIGTERM when the launcher dies, SIGKILL included (nothing is left running)."""
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER_PARENT, str(ROOT / "examples" / "multinode" /
+                                                                         "launch.py"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # running
+    parent.kill()
+    parent.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{child}/stat") as stat:  # a zombie waiting for init counts as gone
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_for(gone, timeout_s=60, what="the launched child's end")

@@ -43,6 +43,7 @@ from typing import Any
 import yaml
 
 from fastdistill.auth import key_from_file_or_new
+from fastdistill.serve import _death_signal_setter  # the servers' own: a child that dies with its launcher
 
 STUDENT_KEY_FILE_ENV = "FASTDISTILL_STUDENT_API_KEY_FILE"
 TEACHER_KEY_FILE_ENV = "FASTDISTILL_TEACHER_API_KEY_FILE"
@@ -215,12 +216,13 @@ def _signal_group(group: int, sig: signal.Signals) -> None:
 
 
 def launch(name: str, host: str, command: list[str], logs: Path) -> Launched:
-    """Start ``command`` in its own process group, its output to ``logs/<name>.log``."""
+    """Start ``command`` in its own process group, its output to ``logs/<name>.log``. It gets SIGTERM when the
+    thread that launched it ends, however the launcher ends (SIGKILL included; Linux): call from the main thread."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_death_signal_setter(signal.SIGTERM))
     return Launched(name, host, process, log)
 
 
