@@ -51,7 +51,7 @@ RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
 PARTITION_EPOCHS = 4
 PARTITION_TIMEOUT_S = 6.0
 TOPOLOGY_EPOCHS = 2  # the plain run's: long enough to outlast the slow teacher's stall
-NO_CHECKPOINTS = "save_strategy=no"  # the runs that resume nothing skip the per-step checkpoint
+NO_CHECKPOINTS = 'save_strategy="no"'  # the runs that resume nothing skip the per-step checkpoint
 FULL_ENV = "FASTDISTILL_CLUSTER_FULL"  # `make test-cluster`: also the student-partition case (over the suite's budget)
 
 
