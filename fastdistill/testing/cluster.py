@@ -30,9 +30,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+T = TypeVar("T")
 PREFIX = "fdc-"  # every namespace a cluster makes: fdc-<pid>-<token>-<host index or "sw">
 DEFAULT_SUBNET = "10.77.0.0/24"
 REQUIRE_ENV = "FASTDISTILL_REQUIRE_NETNS"
@@ -259,7 +261,7 @@ class NetnsCluster:
         self.close()
 
 
-def wait_for(condition, *, timeout_s: float, poll_s: float = 0.2, what: str = "condition"):
+def wait_for(condition: Callable[[], T], *, timeout_s: float, poll_s: float = 0.2, what: str = "condition") -> T:
     """Poll ``condition()`` until it returns something truthy (returned) or ``timeout_s`` seconds pass
     (``TimeoutError`` naming ``what``)."""
     deadline = time.monotonic() + timeout_s
