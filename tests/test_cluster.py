@@ -8,7 +8,7 @@ One cluster and one set of servers serve every case (module scope). Each case st
 - the plain run trains every prompt once, syncs weights to the student across hosts (gloo) and ends by itself;
   every listening socket the run opens is bound to its host's own address (or loopback), except torchrun's
   rendezvous store (torch's, on every interface: what docs/multinode.md says); a slow teacher host (its server
-  stopped for a third of the request timeout mid-run) causes no retry and no failover;
+  stopped for a third of the request timeout mid-run) causes no failover;
 - a teacher host partitioned mid-run: rollouts fail over to the other replica, the run finishes, the metrics count
   the partitioned replica's errors and the failovers, and after the heal the host serves requests again;
 - a trainer node killed: the other ends by itself, naming the lost rank and its address; a resume on both nodes
@@ -220,7 +220,7 @@ def test_the_topology_trains_across_hosts_binds_every_socket_to_its_host_and_wai
     host's own address or loopback, except torchrun's store on trainer0 (torch's own, on every interface).
 
     Mid-run teacher0's server is stopped (SIGSTOP) for a third of the request timeout, then continued: requests
-    wait for it instead of failing over; the run has no retry and no replica error, and teacher0 serves again."""
+    wait for it instead of failing over; the run has no failover and no replica error, and teacher0 serves again."""
     import time
 
     output_dir = topology.output_dir("topology")
@@ -257,10 +257,12 @@ def test_the_topology_trains_across_hosts_binds_every_socket_to_its_host_and_wai
 
     assert stalled_mid_run, "the run ended during the stall: it proves nothing"
     records = metric_records(output_dir)
+    # the stall (longer than the server's 5 s keep-alive) resets the pooled connections requests wait on: those
+    # are resent to the same replica (retries), never failed over
     assert metric_total(records, "rollout/failover_total") == 0
-    assert metric_total(records, "rollout/vllm_retry_total") == 0
     assert not [key for r in records for key in r if key.startswith("rollout/replica_errors/")]
     assert served_requests(server_log(topology, "teacher-default-0")) > before  # it served again after the stall
+    print(f"resent after the stall: {metric_total(records, 'rollout/vllm_retry_total'):.0f} requests")
 
     print("listening sockets:", {name: sorted((s.address, s.port) for s in found) for name, found in seen.items()})
     assert any(s.port == STUDENT_PORT for s in seen["student"]) and any(s.port == MASTER_PORT

@@ -324,3 +324,98 @@ def test_a_launched_command_ends_with_a_killed_launcher(tmp_path):
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
 
     wait_for(gone, timeout_s=60, what="the launched child's end")
+
+
+# ------------------------------------------------------------------------------------------------ a stalled server
+
+KEEP_ALIVE_SERVER = """
+import sys
+import uvicorn
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+# vLLM's server stack: uvicorn on uvloop with httptools; a 1 s keep-alive (vLLM's: 5 s) keeps the test short
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", timeout_keep_alive=1, loop="uvloop",
+            http="httptools")
+"""
+KEEP_ALIVE_S = 1.0
+
+
+def stalled_server_outcome(servers: list[subprocess.Popen], urls: list[str]) -> tuple[list, object, object]:
+    """Requests through a two-replica pool while replica 0's server is stopped for twice its keep-alive: the
+    answers, the request stats and the pool."""
+    import asyncio
+    import signal
+
+    from fastdistill.http_client import new_session
+    from fastdistill.rollout.http import RequestStats, RetryPolicy, request_json_pooled
+    from fastdistill.rollout.replicas import ReplicaPool
+
+    async def scenario():
+        pool, stats = ReplicaPool(urls), RequestStats()
+        retry = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, request_timeout_s=60)
+        async with new_session() as session:
+            def call():
+                return request_json_pooled(session, "POST", pool, "/v1/completions", payload={}, retry=retry,
+                                           stats=stats)
+
+            await asyncio.gather(*[call() for _ in range(4)])  # pooled connections to both replicas
+            os.kill(servers[0].pid, signal.SIGSTOP)
+            try:
+                waiting = [asyncio.create_task(call()) for _ in range(4)]  # half of them on replica 0
+                await asyncio.sleep(2 * KEEP_ALIVE_S)  # the fault itself: a stall longer than the keep-alive
+            finally:
+                os.kill(servers[0].pid, signal.SIGCONT)
+            return await asyncio.gather(*waiting), stats, pool
+
+    return asyncio.run(scenario())
+
+
+@pytest.fixture
+def keep_alive_servers():
+    from fastdistill.http_client import poll_until_healthy, run_blocking
+    from fastdistill.serve import free_port, vllm_python
+
+    python = vllm_python()
+    if subprocess.run([python, "-c", "import uvicorn, uvloop, httptools"], capture_output=True).returncode != 0:
+        message = f"{python} lacks uvicorn/uvloop/httptools (vLLM's server stack; set FASTDISTILL_VLLM_PYTHON)"
+        if os.environ.get("FASTDISTILL_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    ports = [free_port(), free_port()]
+    servers = [subprocess.Popen([python, "-c", KEEP_ALIVE_SERVER, str(port)]) for port in ports]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    try:
+        for server, url in zip(servers, urls, strict=True):
+            assert run_blocking(lambda url=url, server=server: poll_until_healthy(
+                url, alive=lambda: server.poll() is None, timeout_s=120)) == "healthy"
+        yield servers, urls
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def test_requests_waiting_on_a_stalled_keep_alive_server_are_resent_not_failed_over(keep_alive_servers):
+    """After a stall longer than its keep-alive, vLLM's server stack resets the pooled connections that requests
+    wait on: the requests are resent to the same (healthy) replica, no failover, no replica error."""
+    answers, stats, pool = stalled_server_outcome(*keep_alive_servers)
+    assert answers == [{}] * 4
+    assert stats.retries >= 1  # the stall did reset connections: the case is exercised
+    assert stats.failovers == 0 and [replica.errors for replica in pool.replicas] == [0, 0]
+
+
+def test_without_the_resend_the_stall_is_a_failover(keep_alive_servers, monkeypatch):
+    """The same stall with the resend switched off: the resets count as replica 0's failures and fail over (what
+    the test above guards against)."""
+    import fastdistill.rollout.http as rollout_http
+
+    monkeypatch.setattr(rollout_http, "_is_dropped_pooled_connection", lambda error: False)
+    answers, stats, pool = stalled_server_outcome(*keep_alive_servers)
+    assert answers == [{}] * 4
+    assert stats.failovers >= 1 and pool.replicas[0].errors >= 1
