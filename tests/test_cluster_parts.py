@@ -401,6 +401,7 @@ def keep_alive_servers():
             server.wait()
 
 
+@pytest.mark.vllm  # vLLM's interpreter runs the server stack
 def test_requests_waiting_on_a_stalled_keep_alive_server_are_resent_not_failed_over(keep_alive_servers):
     """After a stall longer than its keep-alive, vLLM's server stack resets the pooled connections that requests
     wait on: the requests are resent to the same (healthy) replica, no failover, no replica error."""
@@ -410,6 +411,7 @@ def test_requests_waiting_on_a_stalled_keep_alive_server_are_resent_not_failed_o
     assert stats.failovers == 0 and [replica.errors for replica in pool.replicas] == [0, 0]
 
 
+@pytest.mark.vllm
 def test_without_the_resend_the_stall_is_a_failover(keep_alive_servers, monkeypatch):
     """The same stall with the resend switched off: the resets count as replica 0's failures and fail over (what
     the test above guards against)."""
