@@ -28,6 +28,11 @@ class WeightSyncError(RuntimeError):
     """A weight sync failed; the message says which step, what the server answered and, where known, the fix."""
 
 
+class LostRankError(RuntimeError):
+    """A collective failed because another trainer rank is gone (its process killed, its host lost); the message
+    names the rank(s) and their address."""
+
+
 class VLLMError(RuntimeError):
     """Base class of every error the HTTP clients raise about a vLLM server."""
 

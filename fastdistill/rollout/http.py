@@ -9,6 +9,7 @@ once too (retrying would not change it).
 from __future__ import annotations
 
 import asyncio
+import errno
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -70,6 +71,18 @@ def _unauthorized_hint(sent_key: bool) -> str:
     )
 
 
+def _is_dropped_pooled_connection(error: BaseException) -> bool:
+    """The server closed or reset an established connection before answering (not a failed connect): what a
+    keep-alive server does to connections it believes idle when its timer fires, even with a request already
+    waiting on them. vLLM's server (uvicorn on uvloop, 5 s keep-alive) does it to every pooled connection after a
+    stall longer than that (CPU contention, a GC or swap pause), though it is healthy again."""
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(error, aiohttp.ClientOSError) and error.errno in (errno.ECONNRESET, errno.EPIPE)
+
+
 def _is_transient_status(status: int) -> bool:
     return status == 429 or status >= 500
 
@@ -116,22 +129,32 @@ async def request_json_pooled(
     non-transient 4xx (e.g. which server flag to change); a 401 without one says how to give the key.
 
     A transient failure puts that replica down for a cooldown; when another replica is up the retry goes there at
-    once (a failover, no backoff), otherwise after the usual backoff. A request that finds every replica down waits
+    once (a failover, no backoff), otherwise after the usual backoff. The first time a replica closes or resets the
+    (pooled) connection before answering, the request is resent to it at once on a new connection instead, without
+    counting a failure (a retry, not a failover): keep-alive servers drop connections they believe idle after a
+    stall, with requests waiting on them. A request that finds every replica down waits
     for the first cooldown to end before its first attempt. ``retry.max_attempts`` bounds all attempts.
     """
     last_error: BaseException | None = None
     failed: Replica | None = None
     backoffs = 0
+    resend: Replica | None = None  # a replica that dropped the pooled connection: resent there at once, once
+    resent = False
     for attempt in range(retry.max_attempts):
-        if attempt > 0:
-            failover = failed is not None and pool.has_other_up(failed)
-            if stats is not None:
-                stats.retries += 1
-                stats.failovers += int(failover)
-            if not failover:
-                await asyncio.sleep(retry.backoff_s(backoffs))
-                backoffs += 1
-        replica = pool.acquire(avoid=failed)
+        if attempt > 0 and stats is not None:
+            stats.retries += 1
+        if resend is not None:
+            replica, resend = resend, None
+            replica.inflight += 1  # what acquire counts; released below like any attempt
+        else:
+            if attempt > 0:
+                failover = failed is not None and pool.has_other_up(failed)
+                if stats is not None:
+                    stats.failovers += int(failover)
+                if not failover:
+                    await asyncio.sleep(retry.backoff_s(backoffs))
+                    backoffs += 1
+            replica = pool.acquire(avoid=failed)
         wait_s = replica.down_until - time.monotonic()
         if attempt == 0 and wait_s > 0:
             # Every replica is cooling down after failures: wait for the probe time instead of hammering a
@@ -154,6 +177,9 @@ async def request_json_pooled(
             raise VLLMRequestError(url, status, message, hint)
         except (*NO_ANSWER_ERRORS, _TransientHTTPStatus) as error:
             last_error = error
+            if not resent and _is_dropped_pooled_connection(error):
+                resent, resend = True, replica  # on a new connection: not the replica's failure
+                continue
             failed = replica
             pool.record_failure(replica, error)
         finally:

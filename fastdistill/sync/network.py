@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import socket
+import struct
 from urllib.parse import urlsplit
 
 LOOPBACK = "127.0.0.1"
@@ -47,3 +49,31 @@ def rendezvous_address(server_url: str) -> str:
     if is_loopback_host(host):
         return LOOPBACK
     return local_address_towards(host, parts.port or (443 if parts.scheme == "https" else 80))
+
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 ``address`` (from the kernel's interface
+    table), or None (no such interface, an IPv6 address, or not Linux)."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return None
+
+
+def interface_towards(host: str) -> str | None:
+    """The interface whose address the routing table uses to reach ``host`` (see :func:`local_address_towards`),
+    or None when ``host`` is loopback, does not resolve, has no route or the interface is not found."""
+    if is_loopback_host(host):
+        return None
+    try:
+        return interface_with_address(local_address_towards(host))
+    except OSError:
+        return None

@@ -10,6 +10,7 @@ travels alone in a chunk of its own size.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -145,10 +146,29 @@ def _gloo_device(master_address: str) -> dist.ProcessGroupGloo.Device:
         return dist.ProcessGroupGloo.create_default_device()
 
 
+def _listening_socket(address: str, port: int) -> int:
+    """A TCP socket bound to ``address:port`` (``0``: a free port) and listening, as a bare file descriptor for
+    the store to own."""
+    family, kind, protocol, _, where = socket.getaddrinfo(address.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, protocol)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(where)
+        listener.listen(socket.SOMAXCONN)
+    except BaseException:
+        listener.close()
+        raise
+    return listener.detach()
+
+
 def create_store(
     master_address: str, master_port: int, *, rank: int, world_size: int, timeout_s: float
 ) -> dist.TCPStore:
-    """The rendezvous store: rank 0 hosts it (``master_port=0`` picks a free port; read it back from ``.port``)."""
+    """The rendezvous store: rank 0 hosts it (``master_port=0`` picks a free port; read it back from ``.port``).
+
+    Rank 0's store listens on ``master_address`` only (a socket bound there is handed to it): left to itself, a
+    ``TCPStore`` listens on every interface of the host whatever address it is given."""
+    listen_fd = _listening_socket(master_address, master_port) if rank == 0 else None
     return dist.TCPStore(
         master_address,
         master_port,
@@ -156,6 +176,7 @@ def create_store(
         is_master=(rank == 0),
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 

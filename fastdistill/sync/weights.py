@@ -292,7 +292,7 @@ class VLLMWeightSync(WeightSync):
             self._channel.drop()  # a broken broadcast leaves the group unusable
             self._channel = None
             error = failure.error if isinstance(failure.error, WeightSyncError) else None
-            error = error or WeightSyncError(f"weight transfer failed in {failure}")
+            error = error or WeightSyncError(f"weight transfer to {self.base_url} failed in {failure}")
             error.add_note("the server may hold partially updated weights until the next successful push")
             cause = None if error is failure.error else failure.error
             raise _TransferFailed(error, cause, server_blocked=route in failure.running()) from None

@@ -3,9 +3,12 @@ loop needs beyond FSDP2's."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastdistill.errors import ConfigError
+from fastdistill.errors import ConfigError, LostRankError
+from fastdistill.sync.network import LOOPBACK, interface_towards, is_loopback_host, local_address_towards
 
 # Options that need a single trainer process, and why.
 SINGLE_PROCESS_OPTIONS = {
@@ -42,6 +46,7 @@ class Distributed:
     world_size: int
     device: torch.device
     owns_group: bool = False  # init_distributed created the process group: close() destroys it
+    addresses: tuple[str, ...] = ()  # per rank, its address towards MASTER_ADDR (what gloo's errors name)
 
     @property
     def is_main(self) -> bool:
@@ -71,12 +76,44 @@ class Distributed:
         dist.all_reduce(reduced)
         return reduced.cpu()
 
+    def lost_rank_error(self, error: BaseException) -> LostRankError | None:
+        """A :class:`LostRankError` naming the other ranks at the peer addresses a failed collective's ``error``
+        names (gloo: ``Read error [10.0.0.2]:41234: Connection reset by peer``), or None when it names none."""
+        named = set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(error)))
+        lost = [rank for rank, address in enumerate(self.addresses) if address in named and rank != self.rank]
+        if not lost:
+            return None
+        where = ", ".join(sorted(named & set(self.addresses)))
+        ranks = ", ".join(map(str, lost))
+        return LostRankError(
+            f"rank {self.rank} lost trainer rank(s) {ranks} of {self.world_size} (at {where}): a collective with it "
+            f"failed ({str(error).splitlines()[0][:300]}). Resume every node with resume_from_checkpoint=latest "
+            "once it is back")
+
     def close(self) -> None:
         """Destroy the process group if :func:`init_distributed` created it (a group made by the caller stays);
         calling it again does nothing. Every rank calls it, at the end of the run."""
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
+
+
+@contextlib.contextmanager
+def _gloo_interface_towards_master(*, enabled: bool) -> Iterator[None]:
+    """While the gloo group forms: ``$GLOO_SOCKET_IFNAME`` set to the interface that routes to ``$MASTER_ADDR``,
+    unless it is set already or the master is loopback. Gloo's own default is the address the host name resolves
+    to, which many images map to 127.0.0.1: a rank on another host would then be told to connect to its own
+    loopback."""
+    master = os.environ.get("MASTER_ADDR", "")
+    interface = interface_towards(master) if enabled and master and "GLOO_SOCKET_IFNAME" not in os.environ else None
+    if interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def init_distributed(init_method: str | None = None) -> Distributed:
@@ -91,10 +128,27 @@ def init_distributed(init_method: str | None = None) -> Distributed:
         torch.cuda.set_device(device)
     owns_group = world_size > 1 and not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
-                                rank=int(os.environ["RANK"]))
+        with _gloo_interface_towards_master(enabled=not cuda and init_method is None):
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
+                                    rank=int(os.environ["RANK"]))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Distributed(rank, world_size, device, owns_group=owns_group)
+    addresses: tuple[str, ...] = ()
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, _address_towards_master())
+        addresses = tuple(gathered)
+    return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses)
+
+
+def _address_towards_master() -> str:
+    """This rank's address that routes to ``$MASTER_ADDR`` (loopback for a loopback or unknown master)."""
+    master = os.environ.get("MASTER_ADDR", "")
+    if not master or is_loopback_host(master):
+        return LOOPBACK
+    try:
+        return local_address_towards(master)
+    except OSError:
+        return LOOPBACK
 
 
 # ------------------------------------------------------------------------------------------------ samples as tensors

@@ -262,6 +262,11 @@ class AsyncDistillationTrainer:
             if self.metrics.has_values():  # the last step, when it is not a logging step
                 with clock.phase("logging"):
                     self._log_metrics()
+        except RuntimeError as error:  # a collective that failed because another rank is gone: say which
+            lost = self.dist.lost_rank_error(error) if self.dist.world_size > 1 else None
+            if lost is None:
+                raise
+            raise lost from error
         finally:
             stopping = time.perf_counter()
             try:

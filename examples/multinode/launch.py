@@ -1,0 +1,290 @@
+"""Start a multi-host fastdistill run from one config: the student server, the teacher replicas and the trainer
+nodes (``torchrun``, one per trainer host), each on its own host through an "exec" prefix (``ssh HOST``, ``srun -w
+HOST``, or ``ip netns exec NS`` in the tests).
+
+``python examples/multinode/launch.py cluster.yaml [field=value ...]``: starts every server, then every trainer node
+(the trainer waits for the servers' ``/health`` itself), waits for the trainer nodes to exit, stops the servers and
+exits with the first failing node's status (0 when all succeed). Any process that exits early (a server, a node)
+stops everything. Extra ``field=value`` arguments go to ``fastdistill train`` as config overrides.
+
+The config (YAML; see ``cluster.yaml`` beside this file):
+
+- ``exec``: the prefix that runs a command on a host, ``{host}`` replaced by the host's ``host`` field (default
+  ``["ssh", "{host}"]``); ``exec_shell``: whether the prefix takes the command as one shell string (ssh: true, the
+  default for ssh; ``srun`` and ``ip netns exec`` take argv: false);
+- ``student``: ``{host, address, port, model, args}``; ``teachers``: ``{teacher_id: [{host, address, port}, ...]}``
+  (several entries of one id are replicas), with ``teacher_model`` and ``teacher_args``; ``args`` are
+  ``fastdistill serve-*`` arguments (``--max-model-len 4096``; vLLM's own after ``--``);
+- ``trainers``: ``[{host, address, nproc}]``: node 0's ``address`` is the torchrun rendezvous (``master_port``);
+- ``key_files``: ``{student: PATH, teacher: PATH}``: the API keys, generated here when missing (mode 0600) on a file
+  system every host sees; the servers and the trainers read them through ``--api-key-file`` and the
+  ``FASTDISTILL_*_API_KEY_FILE`` variables, never on a command line;
+- ``train_config``: the ``fastdistill train`` YAML; the launcher adds the servers' URLs (``vllm_server_base_url``,
+  ``teacher_server_urls``) as overrides, so that file names no address;
+- ``env``: variables set for every command (e.g. ``FASTDISTILL_VLLM_PYTHON``, ``OMP_NUM_THREADS``);
+  ``fastdistill`` / ``torchrun``: how to run them on the hosts (default ``["fastdistill"]`` / ``["torchrun"]``);
+  ``logs``: the folder of each process's log (``<name>.log``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fastdistill.auth import key_from_file_or_new
+from fastdistill.serve import _death_signal_setter  # the servers' own: a child that dies with its launcher
+
+STUDENT_KEY_FILE_ENV = "FASTDISTILL_STUDENT_API_KEY_FILE"
+TEACHER_KEY_FILE_ENV = "FASTDISTILL_TEACHER_API_KEY_FILE"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One server: the host it runs on (what ``exec`` receives), the address others reach it at, its port."""
+
+    host: str
+    address: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+
+@dataclass(frozen=True)
+class TrainerNode:
+    host: str
+    address: str
+    nproc: int = 1
+
+
+@dataclass
+class Cluster:
+    """A parsed launcher config (see the module docstring)."""
+
+    student: Endpoint
+    student_model: str
+    teachers: dict[str, list[Endpoint]]
+    teacher_model: str
+    trainers: list[TrainerNode]
+    master_port: int
+    key_files: dict[str, Path]
+    train_config: Path
+    logs: Path
+    exec_prefix: list[str] = field(default_factory=lambda: ["ssh", "{host}"])
+    exec_shell: bool = True
+    student_args: list[str] = field(default_factory=list)
+    teacher_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    fastdistill: list[str] = field(default_factory=lambda: ["fastdistill"])
+    torchrun: list[str] = field(default_factory=lambda: ["torchrun"])
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Cluster:
+        """Read and check a launcher config; relative paths are taken from the config's folder."""
+        path = Path(path)
+        raw = yaml.safe_load(path.read_text())
+        here = path.resolve().parent
+
+        def local(value: str) -> Path:
+            return (here / value).resolve()
+
+        def endpoint(entry: dict[str, Any], what: str) -> Endpoint:
+            missing = {"host", "address", "port"} - set(entry)
+            if missing:
+                raise ValueError(f"{what} needs {sorted(missing)}")
+            return Endpoint(str(entry["host"]), str(entry["address"]), int(entry["port"]))
+
+        exec_prefix = list(raw.get("exec", ["ssh", "{host}"]))
+        student = raw["student"]
+        teachers = {str(tid): [endpoint(e, f"teacher {tid!r}") for e in (entries if isinstance(entries, list)
+                                                                          else [entries])]
+                    for tid, entries in raw["teachers"].items()}
+        trainers = [TrainerNode(str(t["host"]), str(t["address"]), int(t.get("nproc", 1))) for t in raw["trainers"]]
+        if not trainers:
+            raise ValueError("trainers: at least one trainer node")
+        return cls(
+            student=endpoint(student, "student"), student_model=str(student["model"]), teachers=teachers,
+            teacher_model=str(raw["teacher_model"]), trainers=trainers, master_port=int(raw.get("master_port", 29500)),
+            key_files={role: local(p) for role, p in raw["key_files"].items()},
+            train_config=local(raw["train_config"]), logs=local(raw.get("logs", "logs")),
+            exec_prefix=exec_prefix, exec_shell=bool(raw.get("exec_shell", exec_prefix[:1] == ["ssh"])),
+            student_args=[str(a) for a in student.get("args", [])],
+            teacher_args=[str(a) for a in raw.get("teacher_args", [])],
+            env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},
+            fastdistill=list(raw.get("fastdistill", ["fastdistill"])), torchrun=list(raw.get("torchrun", ["torchrun"])),
+        )
+
+    # ---------------------------------------------------------------------------------------------- commands
+
+    def on_host(self, host: str, argv: Sequence[str], env: dict[str, str] | None = None) -> list[str]:
+        """``argv`` run on ``host`` through the exec prefix, with ``env`` (and the config's ``env``) set by
+        ``env(1)`` on the far side (ssh does not forward variables)."""
+        variables = {**self.env, **(env or {})}
+        command = ["env", *(f"{k}={v}" for k, v in variables.items()), *argv] if variables else list(argv)
+        prefix = [part.replace("{host}", host) for part in self.exec_prefix]
+        return [*prefix, shlex.join(command)] if self.exec_shell else [*prefix, *command]
+
+    def server_commands(self) -> dict[str, tuple[str, list[str]]]:
+        """``{name: (host, command)}`` of every server: ``student``, ``teacher-<id>-<replica>``."""
+        commands = {"student": (self.student.host, self.on_host(self.student.host, [
+            *self.fastdistill, "serve-student", self.student_model, "--host", self.student.address,
+            "--port", str(self.student.port), "--api-key-file", str(self.key_files["student"]),
+            *self.student_args]))}
+        for teacher_id, replicas in self.teachers.items():
+            for index, replica in enumerate(replicas):
+                commands[f"teacher-{teacher_id}-{index}"] = (replica.host, self.on_host(replica.host, [
+                    *self.fastdistill, "serve-teacher", self.teacher_model, "--host", replica.address,
+                    "--port", str(replica.port), "--api-key-file", str(self.key_files["teacher"]),
+                    *self.teacher_args]))
+        return commands
+
+    def server_overrides(self) -> list[str]:
+        """The ``fastdistill train`` overrides that point the trainer at the servers (JSON-quoted values)."""
+        teachers = {tid: [r.url for r in replicas] if len(replicas) > 1 else replicas[0].url
+                    for tid, replicas in self.teachers.items()}
+        return [f"vllm_server_base_url={json.dumps(self.student.url)}",
+                f"teacher_server_urls={json.dumps(teachers)}"]
+
+    def trainer_commands(self, overrides: Sequence[str] = ()) -> dict[str, tuple[str, list[str]]]:
+        """``{trainer-<node>: (host, command)}``: ``torchrun --nnodes N --node-rank i`` on each trainer host, static
+        rendezvous at node 0's address and ``master_port``, the keys' files in the environment."""
+        keys = {STUDENT_KEY_FILE_ENV: str(self.key_files["student"]),
+                TEACHER_KEY_FILE_ENV: str(self.key_files["teacher"])}
+        commands = {}
+        for rank, node in enumerate(self.trainers):
+            commands[f"trainer-{rank}"] = (node.host, self.on_host(node.host, [
+                *self.torchrun, "--nnodes", str(len(self.trainers)), "--node-rank", str(rank),
+                "--nproc-per-node", str(node.nproc), "--master-addr", self.trainers[0].address,
+                "--master-port", str(self.master_port), "-m", "fastdistill.cli", "train",
+                "--config", str(self.train_config), *self.server_overrides(), *overrides], env=keys))
+        return commands
+
+    def ensure_keys(self) -> None:
+        """Generate the key files that do not exist yet (mode 0600)."""
+        for path in self.key_files.values():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            key_from_file_or_new(path)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Launched:
+    """A started command: its name, host, process (its own process group) and log file."""
+
+    name: str
+    host: str
+    process: subprocess.Popen
+    log: Path
+
+    def stop(self, grace_s: float = 20.0) -> int:
+        """SIGTERM the process group, SIGKILL it after ``grace_s`` seconds; returns the exit status."""
+        if self.process.poll() is None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)
+        return self.process.wait()
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def launch(name: str, host: str, command: list[str], logs: Path) -> Launched:
+    """Start ``command`` in its own process group, its output to ``logs/<name>.log``. It gets SIGTERM when the
+    thread that launched it ends, however the launcher ends (SIGKILL included; Linux): call from the main thread."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, preexec_fn=_death_signal_setter(signal.SIGTERM))
+    return Launched(name, host, process, log)
+
+
+def start_servers(cluster: Cluster) -> dict[str, Launched]:
+    """Generate missing keys and start every server (not waiting for them: the trainer does)."""
+    cluster.ensure_keys()
+    return {name: launch(name, host, command, cluster.logs)
+            for name, (host, command) in cluster.server_commands().items()}
+
+
+def start_trainers(cluster: Cluster, overrides: Sequence[str] = (), *, tag: str = "") -> dict[str, Launched]:
+    """Start every trainer node; ``tag`` suffixes the log names (``trainer-0<tag>.log``)."""
+    return {name: launch(f"{name}{tag}", host, command, cluster.logs)
+            for name, (host, command) in cluster.trainer_commands(overrides).items()}
+
+
+def wait_trainers(trainers: dict[str, Launched], servers: dict[str, Launched], *, timeout_s: float | None = None,
+                  poll_s: float = 0.5) -> dict[str, int]:
+    """Wait until every trainer node has exited; a server that exits meanwhile, or a node that fails while others
+    run, is reported and the rest is given until they exit themselves (they notice a lost peer). Returns each
+    node's exit status. Past ``timeout_s`` the remaining nodes are stopped and ``TimeoutError`` is raised."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while any(t.process.poll() is None for t in trainers.values()):
+        for server in servers.values():
+            if server.process.poll() is not None:
+                print(f"launch: server {server.name} on {server.host} exited ({server.process.returncode}):\n"
+                      f"{server.log_tail()}", file=sys.stderr)
+                servers = {k: v for k, v in servers.items() if v is not server}
+        if deadline is not None and time.monotonic() > deadline:
+            running = [t.name for t in trainers.values() if t.process.poll() is None]
+            for trainer in trainers.values():
+                trainer.stop()
+            raise TimeoutError(f"trainer nodes {running} still running after {timeout_s:.0f} s: stopped")
+        time.sleep(poll_s)
+    return {name: t.process.wait() for name, t in trainers.items()}
+
+
+def stop_all(*groups: dict[str, Launched]) -> None:
+    """Stop every launched process (trainers first, then servers)."""
+    for group in groups:
+        for launched in group.values():
+            launched.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    cluster = Cluster.from_yaml(argv[0])
+    servers: dict[str, Launched] = {}
+    trainers: dict[str, Launched] = {}
+    try:
+        servers = start_servers(cluster)
+        trainers = start_trainers(cluster, argv[1:])
+        statuses = wait_trainers(trainers, servers)
+    finally:
+        stop_all(trainers, servers)
+    for name, status in statuses.items():
+        print(f"launch: {name} exited with {status} (log {cluster.logs / (name + '.log')})", file=sys.stderr)
+    return next((status for status in statuses.values() if status != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
