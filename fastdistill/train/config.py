@@ -111,6 +111,7 @@ class AsyncDistillationConfig:
     max_inflight_tasks: int = -1
     max_lookahead_steps: int | None = None  # ours: steps' samples in flight and queued together; None: 3
     queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
+    rollout_processes: int = 1  # ours: rollout worker processes sharing the prompt stream (docs/rollout.md)
     heartbeat_stale_after_s: float = 300.0
     shuffle: bool = True  # ours: TRL never shuffles
     skip_long_prompts: bool = False  # ours: skip prompts that cannot fit a server's max_model_len (else an error)
@@ -221,6 +222,12 @@ class AsyncDistillationConfig:
         _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
         _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",
                self.max_inflight_tasks, "-1 (automatic) or >= 1")
+        _at_least(self, 1, "rollout_processes")
+        _check(self.rollout_processes == 1 or self.async_mode, "rollout_processes", self.rollout_processes,
+               "1 with async_mode=False (synchronous waves run in the trainer's process, without worker processes)")
+        _check(self.max_inflight_tasks == -1 or self.rollout_processes <= self.max_inflight_tasks, "rollout_processes",
+               self.rollout_processes, f"<= max_inflight_tasks={self.max_inflight_tasks} (every process needs a "
+               "rollout in flight)")
         lookahead = self.max_lookahead_steps
         _check(lookahead is None or (_is_int(lookahead) and lookahead >= 1), "max_lookahead_steps", lookahead,
                "None (3 steps) or an int >= 1")

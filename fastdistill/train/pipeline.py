@@ -197,6 +197,7 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         teacher_signals={teacher_id: config.teacher_signal_of(teacher_id) for teacher_id in config.teacher_ids},
         teacher_hidden_dtype=config.teacher_hidden_dtype,
         retry=RetryPolicy(request_timeout_s=config.request_timeout),
+        rollout_processes=config.rollout_processes,
     )
 
 
