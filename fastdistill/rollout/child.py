@@ -123,19 +123,24 @@ class RolloutLoop:
             return self.inflight_cap() - inflight
         return self.shared.reserve(self.process, inflight, not self.dispatcher.exhausted, self.inflight_cap)
 
-    def check_run_failing(self) -> None:
+    def check_run_failing(self) -> bool:
         """At the end of this process's prompts: raise :class:`RolloutsFailingError` when the whole run dropped
-        prompts and scored none (with several processes: once every process is idle, on all of their counts)."""
+        prompts and scored none (with several processes: once every process is idle, on all of their counts).
+        False when the other processes' counts could not be read this time (ask again)."""
         failures = self.rollouts.failures
         if self.shared is None:
             failures.check_any_succeeded()
-            return
-        idle, scored, dropped = self.shared.settle(self.process, failures.samples_total, failures.dropped_total)
+            return True
+        settled = self.shared.settle(self.process, failures.samples_total, failures.dropped_total)
+        if settled is None:
+            return False
+        idle, scored, dropped = settled
         if idle and scored == 0 and dropped:
-            if failures.dropped_total:
-                failures.check_any_succeeded()  # this process's own last error
-            raise RolloutsFailingError(f"every rollout of this run failed ({dropped} prompts dropped by the "
-                                       f"{self.config.rollout_processes} rollout processes, none scored)")
+            error = failures.last_error  # this process's, when it dropped any
+            last = f"; last ({getattr(error, 'server', None) or 'a server'}): {error}" if error is not None else ""
+            raise RolloutsFailingError(f"every rollout of this run failed ({dropped} prompts dropped, none scored)"
+                                       f"{last}") from error
+        return True
 
     def queued(self) -> int:
         """Samples waiting in the queue for the trainer. Where the platform cannot count a queue (macOS) this is 0:
@@ -189,8 +194,7 @@ class RolloutLoop:
                     inflight.add(task)
                 self.publish(len(inflight))
                 if not inflight:
-                    if self.dispatcher.exhausted and not self.announced_exhausted:
-                        self.check_run_failing()
+                    if self.dispatcher.exhausted and not self.announced_exhausted and self.check_run_failing():
                         if await self.put(WorkerExhausted(self.redo_seen, self.process)) is None:
                             return
                         self.announced_exhausted = True

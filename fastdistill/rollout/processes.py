@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+LOCK_WAIT_S = 0.05  # a child that cannot take the lock this long (another one stopped holding it) tries again later
+
 
 class SharedCounts:
     """Per-process counters of a worker's ``processes`` children (from the spawn ``context``; pickled to each)."""
@@ -31,8 +33,11 @@ class SharedCounts:
         rollouts in flight of all children together, given how many finished so far.
 
         The cap is shared fairly: a child takes at most its share, ``ceil(cap / children with prompts left)``, so
-        that the first child to start cannot hold every slot while the others wait."""
-        with self.lock:
+        that the first child to start cannot hold every slot while the others wait. 0 when the lock stays taken
+        (the caller beats and asks again)."""
+        if not self.lock.acquire(timeout=LOCK_WAIT_S):
+            return 0
+        try:
             self.active[process] = has_work
             if not has_work:
                 self.inflight[process] = own
@@ -43,6 +48,8 @@ class SharedCounts:
             room = max(0, min(cap - others, share) - own)
             self.inflight[process] = own + room
             return room
+        finally:
+            self.lock.release()
 
     def publish(self, process: int, inflight: int, finished: int) -> None:
         """This child's rollouts in flight and finished so far (its own slots: no lock needed)."""
@@ -53,13 +60,18 @@ class SharedCounts:
         """Rollouts in flight across every child (a moment's view, for metrics)."""
         return int(sum(self.inflight))
 
-    def settle(self, process: int, scored: int, dropped: int) -> tuple[bool, int, int]:
+    def settle(self, process: int, scored: int, dropped: int) -> tuple[bool, int, int] | None:
         """``process`` has nothing left and nothing in flight: record it and its totals; return (every child is in
-        that state, rollouts scored by all, prompts dropped by all)."""
-        with self.lock:
+        that state, rollouts scored by all, prompts dropped by all), or None when the lock stays taken (ask
+        again)."""
+        if not self.lock.acquire(timeout=LOCK_WAIT_S):
+            return None
+        try:
             self.active[process] = 0
             self.inflight[process] = 0
             self.scored[process] = scored
             self.dropped[process] = dropped
             idle = not any(self.active) and not any(self.inflight)
             return idle, int(sum(self.scored)), int(sum(self.dropped))
+        finally:
+            self.lock.release()
