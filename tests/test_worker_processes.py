@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
+import json
 import math
 import os
 import queue
@@ -391,3 +392,23 @@ def test_every_child_ends_when_the_parent_is_killed(tmp_path):
         finally:
             parent.kill()
             parent.wait()
+
+
+def test_the_ceiling_benchmark_runs_one_and_two_processes_side_by_side(tmp_path):
+    """bench_worker_ceiling.py's workers part at tiny sizes: a row per process count with finite costs and its
+    projection (timings are never asserted: the machine may be busy)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_worker_ceiling.py"
+    out = tmp_path / "ceiling.json"
+    command = [sys.executable, str(script), "--parts", "workers", "--processes", "1", "2", "--workers-top-k", "4",
+               "--workers-length", "16", "--workers-prompt-length", "8", "--workers-samples", "6",
+               "--workers-warmup", "3", "--samples-per-step", "3", "--workers-repeats", "1", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| | P = 1 | P = 2 |" in proc.stdout and "processes for 200k tok/s" in proc.stdout
+    rows = json.loads(out.read_text())["workers"]
+    assert [row["processes"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["samples"] == 6 and len(row["child_busy"]) == row["processes"]
+        assert math.isfinite(row["tok_s"]) and row["tok_s"] > 0 and row["child_us_per_token"] >= 0
+        assert math.isfinite(row["trainer_side_us_per_token"]) and row["processes_for_target"] >= 0
