@@ -433,6 +433,7 @@ def _print_workers_table(result: dict) -> None:
             f"{1e6 / row['child_us_per_token'] / 1e3:.1f}k" if row["child_us_per_token"] else "n/a (under a tick)"
             for row in rows],
         "each child busy (CPU s / wall s)": [" / ".join(f"{busy:.2f}" for busy in row["child_busy"]) for row in rows],
+        "children together busy": [f"{sum(row['child_busy']):.2f}" for row in rows],
         "trainer side CPU µs / token": [f"{row['trainer_side_us_per_token']:.3f}" for row in rows],
         "stub server CPU µs / token": [f"{row['stub_us_per_token']:.2f}" for row in rows],
         f"processes for {TARGET_TOK_S // 1000}k tok/s": [str(row["processes_for_target"]) for row in rows],
