@@ -323,7 +323,8 @@ def test_a_run_whose_every_rollout_fails_ends_with_the_error_once_both_processes
         try:
             source = WorkerSource(worker, max_staleness=0, stale_policy="drop", heartbeat_stale_after_s=HEALTHY_S,
                                   poll_s=0.2)
-            with pytest.raises(RuntimeError, match=r"RolloutsFailingError: every rollout of this run failed \(6 "
+            with pytest.raises(RuntimeError, match=r"child [01] of 2 failed: RolloutsFailingError: every rollout of "
+                               r"this run failed \(6 "
                                r"prompts dropped, none scored\); last \(teacher math\).*does not exist"):
                 in_thread(lambda: drain(source))
         finally:

@@ -280,6 +280,6 @@ def child_main(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channel
     except ParentGone:
         return  # nobody is left to report to
     except BaseException as error:
-        channels.errors.put((type(error).__name__, str(error), traceback.format_exc()))
+        channels.errors.put((type(error).__name__, str(error), traceback.format_exc(), getattr(channels, "process", 0)))
         channels.failed.set()
         raise

@@ -69,7 +69,7 @@ class _Channels:
     samples: Any  # mp.Queue[RolloutSample | DroppedPrompt | WorkerExhausted], bounded, shared by every child
     metrics: Any  # mp.Queue[dict[str, float | tuple[float, float]]], bounded; full means the payload is dropped
     redo: Any  # mp.Queue[list[int]] of this child's prompt ids to dispatch again, unbounded
-    errors: Any  # mp.Queue[tuple[str, str, str]] of (type name, message, traceback), one slot per child
+    errors: Any  # mp.Queue[tuple[str, str, str, int]] of (type name, message, traceback, process), a slot per child
     model_version: Any  # mp.Value("q")
     heartbeat: Any  # mp.Value("d"), time.time() of this child's last beat
     stop: Any  # mp.Event
@@ -226,12 +226,12 @@ class RolloutWorker:
         if channels.failed.is_set():
             if self._child_error is None:
                 try:
-                    type_name, message, child_traceback = channels.errors.get(timeout=5.0)
-                    self._child_error = f"{type_name}: {message}\n{child_traceback}"
+                    type_name, message, child_traceback, process = channels.errors.get(timeout=5.0)
+                    self._child_error = f"{self._name(process)} failed: {type_name}: {message}\n{child_traceback}"
                 except queue.Empty:
-                    self._child_error = "no error report arrived"
-            raise RuntimeError(f"rollout worker child failed: {self._child_error}")
-        for child, process in zip(self._children, self._processes, strict=True):
+                    self._child_error = "child failed: no error report arrived"
+            raise RuntimeError(f"rollout worker {self._child_error}")
+        for child, process in zip(self._children, self._processes, strict=False):  # none before start()
             if not process.is_alive() and not channels.stop.is_set():
                 raise RuntimeError(f"rollout worker {self._name(child.process)} (pid {process.pid}) died (exit code "
                                    f"{process.exitcode})")
