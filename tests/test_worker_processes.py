@@ -366,14 +366,14 @@ def test_every_child_ends_when_the_parent_is_killed(tmp_path):
             StubServer("math", teacher_stub(tag=9)) as math:
         script = tmp_path / "parent.py"
         script.write_text(textwrap.dedent(f"""
-            import sys, time
-            sys.path.insert(0, {str(Path(__file__).parent)!r})
-            from fastdistill.rollout import RolloutConfig, RolloutWorker
-            from test_rollout_worker import FAST_RETRY, dataset
+            import time
+            from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutWorker
             if __name__ == "__main__":
                 config = RolloutConfig({student.url!r}, {{"math": {math.url!r}}}, teacher_top_k=2, max_tokens=8,
-                                       retry=FAST_RETRY, rollout_processes=2, max_inflight_tasks=4)
-                worker = RolloutWorker(config, dataset(4, teacher_ids=("math",)), queue_maxsize=2)
+                                       retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02),
+                                       rollout_processes=2, max_inflight_tasks=4)
+                rows = [{{"prompt_ids": [10 + i, 5, 6]}} for i in range(4)]
+                worker = RolloutWorker(config, rows, queue_maxsize=2)
                 worker.start()
                 print(*worker.pids, flush=True)
                 time.sleep(600)
