@@ -26,6 +26,15 @@ per completion token of the consumer, with ``--torch-threads`` intra-op threads 
 trainer: on a shared 2-core machine torch's thread pool spinning against other load makes pack_row's small tensor ops
 ten times slower).
 
+Part 3 (``workers``): the whole rollout path with ``rollout_processes`` = 1, 2, … side by side in one run: a
+:class:`~fastdistill.rollout.RolloutWorker` against an instant stub server (a separate process answering with the
+part-1 bodies at ``--workers-top-k``, ``--workers-length``, ``--workers-prompt-length``) and the trainer's side
+taking its samples through :class:`~fastdistill.train.source.WorkerSource` and
+:class:`~fastdistill.train.collector.WindowCollector` into a batcher (and draining the metrics queue, as the
+trainer does every step). Per process count: scored tokens/s (wall), the children's CPU µs per scored token (which
+gives one process's ceiling, 1e6 / that), how busy each child was (CPU s / wall s), the trainer side's CPU µs per
+token and the stub's. The projection: processes (= cores) for 200k scored tokens/s at the children's CPU per token.
+
     python benchmarks/bench_worker_ceiling.py                         # full grid, tables + JSON
     python benchmarks/bench_worker_ceiling.py --top-k 8 --lengths 16 --prompt-lengths 8 --min-round-s 0.01
 """
@@ -33,7 +42,9 @@ ten times slower).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -269,6 +280,83 @@ def bench_trainer_side(top_k: int, completion_length: int, prompt_length: int, s
             "pack_us_per_token": pack_cpu / tokens * 1e6}
 
 
+# ------------------------------------------------------------------------------------------------------ workers
+def _stub_bodies(top_k: int, completion_length: int, prompt_length: int) -> tuple[bytes, bytes, list[int]]:
+    """(student body, teacher body, prompt ids): one rollout's answers, replayed for every request."""
+    teacher, sequence = teacher_body(prompt_length, completion_length, top_k)
+    return student_body(sequence[prompt_length:], prompt_length), teacher, sequence[:prompt_length]
+
+
+def bench_workers(processes: list[int], top_k: int, completion_length: int, prompt_length: int, samples: int,
+                  warmup: int, inflight: int, samples_per_step: int, repeats: int = 1) -> list[dict]:
+    """One row per (repeat, process count), the counts interleaved within each repeat: the worker against an
+    instant stub, the trainer's side into a batcher."""
+    from bench_rollout import STUB_MODEL, process_cpu_s, serve_stub
+
+    from fastdistill.data.batching import FixedCountBatcher
+    from fastdistill.rollout import RolloutConfig, RolloutWorker
+    from fastdistill.testing.vllm_server import free_port
+    from fastdistill.train.checkpoint import RolloutState
+    from fastdistill.train.collector import WindowCollector
+    from fastdistill.train.source import WorkerSource
+
+    student, teacher, prompt = _stub_bodies(top_k, completion_length, prompt_length)
+    context = mp.get_context("spawn")
+    ports = (free_port(), free_port())
+    ready = context.Event()
+    stub = context.Process(target=serve_stub, args=(ports, (student, teacher), ready), daemon=True)
+    stub.start()
+    rows = []
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the stub server did not start within 60 s")
+        for repeat, count in itertools.product(range(repeats), processes):
+            config = RolloutConfig(f"http://127.0.0.1:{ports[0]}", {"t": f"http://127.0.0.1:{ports[1]}"},
+                                   teacher_top_k=top_k, max_tokens=completion_length, max_inflight_tasks=inflight,
+                                   student_model=STUB_MODEL, rollout_processes=count)
+            worker = RolloutWorker(config, [{"prompt_ids": prompt}] * 64, queue_maxsize=4 * samples_per_step)
+            worker.start()
+            try:
+                source = WorkerSource(worker, max_staleness=4, stale_policy="drop", heartbeat_stale_after_s=600.0)
+                collector = WindowCollector(total_prompts=None, world_size=1, microbatches_per_step=1,
+                                            make_batcher=lambda: FixedCountBatcher(samples_per_step, 1),
+                                            state=RolloutState())
+                steps = -(-samples // samples_per_step)
+                for _ in range(-(-warmup // samples_per_step)):
+                    collector.mark_trained(collector.collect(source, 0))
+                source.drain_worker_metrics()
+                pids = worker.pids
+                children_cpu = [process_cpu_s(pid) for pid in pids]
+                stub_cpu = process_cpu_s(stub.pid)
+                parent_cpu, started = time.process_time(), time.perf_counter()
+                for _ in range(steps):
+                    window = collector.collect(source, 0)
+                    collector.mark_trained(window)
+                    source.drain_worker_metrics()
+                elapsed = time.perf_counter() - started
+                parent_cpu = time.process_time() - parent_cpu
+                children_cpu = [process_cpu_s(pid) - cpu for pid, cpu in zip(pids, children_cpu, strict=True)]
+                stub_cpu = process_cpu_s(stub.pid) - stub_cpu
+                worker.check_health(stale_after_s=600.0)
+            finally:
+                worker.stop()
+            tokens = steps * samples_per_step * completion_length
+            child_us = sum(children_cpu) / tokens * 1e6
+            rows.append({"repeat": repeat, "processes": count, "top_k": top_k, "completion_length": completion_length,
+                         "prompt_length": prompt_length, "samples": steps * samples_per_step, "seconds": elapsed,
+                         "tok_s": tokens / elapsed, "child_us_per_token": child_us,
+                         "child_busy": [cpu / elapsed for cpu in children_cpu],
+                         "trainer_side_us_per_token": parent_cpu / tokens * 1e6,
+                         "stub_us_per_token": stub_cpu / tokens * 1e6,
+                         "processes_for_target": math.ceil(TARGET_TOK_S * child_us / 1e6)})
+            print(f"  P={count}: {tokens / elapsed / 1e3:.1f}k tok/s, children {child_us:.2f} µs/token, trainer "
+                  f"side {parent_cpu / tokens * 1e6:.3f} µs/token", flush=True)
+    finally:
+        stub.terminate()
+        stub.join(5)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------------ report
 def machine() -> dict:
     try:
@@ -286,6 +374,8 @@ def print_tables(result: dict) -> None:
         _print_decode_table(result, names)
     if result["trainer"]:
         _print_trainer_table(result)
+    if result["workers"]:
+        _print_workers_table(result)
 
 
 def _print_decode_table(result: dict, names: list[str]) -> None:
@@ -312,6 +402,46 @@ def _print_trainer_table(result: dict) -> None:
               f"{row['next_us_per_token']:.3f} | {row['pack_us_per_token']:.3f} | {total:.3f} |")
 
 
+def _median_rows(rows: list[dict]) -> list[dict]:
+    """Per process count, the median over repeats of every number (busy: per child)."""
+    merged = []
+    for count in dict.fromkeys(row["processes"] for row in rows):
+        group = [row for row in rows if row["processes"] == count]
+        row = dict(group[0])
+        for key, value in row.items():
+            if isinstance(value, float):
+                row[key] = statistics.median(r[key] for r in group)
+        row["child_busy"] = [statistics.median(r["child_busy"][i] for r in group) for i in range(count)]
+        row["processes_for_target"] = math.ceil(TARGET_TOK_S * row["child_us_per_token"] / 1e6)
+        row["repeats"] = len(group)
+        merged.append(row)
+    return merged
+
+
+def _print_workers_table(result: dict) -> None:
+    rows = _median_rows(result["workers"])
+    first = rows[0]
+    print(f"\nThe rollout path with P worker processes against an instant stub (K={first['top_k']}, "
+          f"L={first['completion_length']}, prompt {first['prompt_length']}): scored tokens/s and CPU per token, "
+          f"medians of {first['repeats']} interleaved repeats")
+    print("| | " + " | ".join(f"P = {row['processes']}" for row in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    cells = {
+        "scored tok/s (wall)": [f"{row['tok_s'] / 1e3:.1f}k" for row in rows],
+        "children CPU µs / token": [f"{row['child_us_per_token']:.2f}" for row in rows],
+        "one process's ceiling, tok/s (1e6 / that)": [
+            f"{1e6 / row['child_us_per_token'] / 1e3:.1f}k" if row["child_us_per_token"] else "n/a (under a tick)"
+            for row in rows],
+        "each child busy (CPU s / wall s)": [" / ".join(f"{busy:.2f}" for busy in row["child_busy"]) for row in rows],
+        "children together busy": [f"{sum(row['child_busy']):.2f}" for row in rows],
+        "trainer side CPU µs / token": [f"{row['trainer_side_us_per_token']:.3f}" for row in rows],
+        "stub server CPU µs / token": [f"{row['stub_us_per_token']:.2f}" for row in rows],
+        f"processes for {TARGET_TOK_S // 1000}k tok/s": [str(row["processes_for_target"]) for row in rows],
+    }
+    for name, values in cells.items():
+        print(f"| {name} | " + " | ".join(values) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top-k", type=int, nargs="+", default=[8, 32, 128])
@@ -322,23 +452,37 @@ def main() -> None:
     parser.add_argument("--trainer-steps", type=int, default=8)
     parser.add_argument("--samples-per-step", type=int, default=8)
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads for the trainer part")
-    parser.add_argument("--parts", nargs="+", choices=("decode", "trainer"), default=["decode", "trainer"])
+    parser.add_argument("--parts", nargs="+", choices=("decode", "trainer", "workers"),
+                        default=["decode", "trainer", "workers"])
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2], help="rollout_processes (workers part)")
+    parser.add_argument("--workers-top-k", type=int, default=32)
+    parser.add_argument("--workers-length", type=int, default=1024, help="completion length of the workers part")
+    parser.add_argument("--workers-prompt-length", type=int, default=256)
+    parser.add_argument("--workers-samples", type=int, default=96, help="samples measured per process count")
+    parser.add_argument("--workers-warmup", type=int, default=16)
+    parser.add_argument("--workers-inflight", type=int, default=32, help="max_inflight_tasks, all processes together")
+    parser.add_argument("--workers-repeats", type=int, default=3, help="interleaved repeats of the process counts")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
     args = parser.parse_args()
     if len(args.prompt_lengths) != len(args.lengths):
         parser.error("give one prompt length per completion length")
 
-    import torch
+    if "trainer" in args.parts:
+        import torch
 
-    torch.set_num_threads(args.torch_threads)
+        torch.set_num_threads(args.torch_threads)
     result: dict = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}, "decode": [],
-                    "trainer": []}
+                    "trainer": [], "workers": []}
     if "decode" in args.parts:
         result["decode"] = bench_decode(args.top_k, args.lengths, args.prompt_lengths, args.min_round_s)
     if "trainer" in args.parts:
         result["trainer"] = [bench_trainer_side(top_k, length, prompt, args.trainer_steps, args.samples_per_step)
                              for top_k in args.top_k
                              for length, prompt in zip(args.lengths, args.prompt_lengths, strict=True)]
+    if "workers" in args.parts:
+        result["workers"] = bench_workers(args.processes, args.workers_top_k, args.workers_length,
+                                          args.workers_prompt_length, args.workers_samples, args.workers_warmup,
+                                          args.workers_inflight, args.samples_per_step, args.workers_repeats)
     print_tables(result)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

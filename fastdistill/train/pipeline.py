@@ -202,6 +202,7 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         retry=RetryPolicy(request_timeout_s=config.request_timeout),
         student_queries=config.student_queries,  # from loss_type: "samples" (reverse_kl_mc), "topk", or "none"
         num_student_queries=config.num_student_queries,
+        rollout_processes=config.rollout_processes,
     )
 
 

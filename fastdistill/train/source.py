@@ -191,8 +191,8 @@ class WorkerSource:
                 raise SourceExhausted
             sample = self._get()
             if isinstance(sample, WorkerExhausted):
-                # out of date when a redo sent since then is still to come
-                self.exhausted = sample.redo_seen == getattr(self.worker, "redo_sent", 0)
+                # the stream ends once every child said so after the last redo it was sent
+                self.exhausted = self.worker.ended_by(sample)
                 continue
             if isinstance(sample, DroppedPrompt):
                 return sample
