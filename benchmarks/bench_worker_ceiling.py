@@ -12,7 +12,9 @@ and one teacher answer) with each decoding choice, side by side in one run:
 - ``orjson``: ``orjson.loads`` + the same parser;
 - ``orjson+flat``: ``orjson.loads`` + :func:`~fastdistill.rollout.decode.scores_from_prompt_logprobs`;
 - ``msgspec``: :func:`~fastdistill.rollout.decode.scores_from_body` on the raw bytes (prompt rows skipped as
-  ``msgspec.Raw``, completion rows into typed structs) and a typed struct for the student's answer.
+  ``msgspec.Raw``, completion rows into typed structs) and a typed struct for the student's answer;
+- ``msgspec+compact``: the same student answer, and the teacher's scores as fastdistill's scoring plugin answers
+  (one base64 float32 matrix of the completion rows, :func:`~fastdistill.rollout.decode.scores_from_compact_body`).
 
 CPU time (``time.process_time``, so other load on the machine inflates it less than wall time): median of rounds,
 in µs per scored token (completion token with teacher candidates); tokens/s = 1e6 / that, per process, decoding
@@ -60,7 +62,7 @@ import numpy as np
 import orjson
 
 from fastdistill.rollout import RolloutSample, TeacherScores, parse_prompt_logprobs
-from fastdistill.rollout.decode import scores_from_body, scores_from_prompt_logprobs
+from fastdistill.rollout.decode import scores_from_body, scores_from_compact_body, scores_from_prompt_logprobs
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_worker_ceiling.json"
 VOCAB = 151_936  # a Qwen-sized vocabulary: token ids of 1 to 6 digits
@@ -170,11 +172,25 @@ def decoders(prompt_length: int, completion_length: int, top_k: int) -> dict[str
         logprobs = np.asarray(choice.logprobs.token_logprobs, dtype=np.float32)
         return ids, logprobs, scores_from_body("bench", teacher, prompt_length, completion_length, top_k)
 
+    compact_bodies: dict[bytes, bytes] = {}  # the scoring plugin's answer for the same scores, built once per body
+
+    def with_compact(student: bytes, teacher: bytes):
+        from bench_scoring_reply import compact_body  # it imports this module
+
+        compact = compact_bodies.get(teacher)
+        if compact is None:
+            compact = compact_bodies.setdefault(teacher, compact_body(teacher, prompt_length, top_k, None))
+        choice = _STUDENT_DECODER.decode(student).choices[0]
+        ids = np.asarray(choice.token_ids, dtype=np.int32)
+        logprobs = np.asarray(choice.logprobs.token_logprobs, dtype=np.float32)
+        return ids, logprobs, scores_from_compact_body("bench", compact, ids, top_k, 0)
+
     return {"json": with_loads(json.loads, parse_prompt_logprobs),
             "json+flat": with_loads(json.loads, scores_from_prompt_logprobs),
             "orjson": with_loads(orjson.loads, parse_prompt_logprobs),
             "orjson+flat": with_loads(orjson.loads, scores_from_prompt_logprobs),
-            "msgspec": with_msgspec}
+            "msgspec": with_msgspec,
+            "msgspec+compact": with_compact}
 
 
 def cpu_s_per_call(function: Callable[[], Any], min_round_s: float, rounds: int = 3) -> float:

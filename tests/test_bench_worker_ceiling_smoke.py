@@ -23,7 +23,7 @@ def test_bench_worker_ceiling_tiny(tmp_path):
     assert [(row["top_k"], row["completion_length"], row["prompt_length"]) for row in decode] == [
         (4, 12, 5), (8, 12, 5)]
     for row in decode:
-        names = {"json", "json+flat", "orjson", "orjson+flat", "msgspec"}
+        names = {"json", "json+flat", "orjson", "orjson+flat", "msgspec", "msgspec+compact"}
         assert set(row["us_per_token"]) == names == set(row["agrees"])
         assert all(row["agrees"].values()), row["agrees"]
         assert all(math.isfinite(v) and v > 0 for v in row["us_per_token"].values())
