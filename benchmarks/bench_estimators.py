@@ -1,0 +1,602 @@
+"""Reverse-KL and forward-KL estimators against controlled staleness: held-out divergence after a fixed number of
+steps, and each estimator's gradient bias and variance against the exact (dense) gradient.
+
+One process, CPU, no servers. The task is the zipf language of ``bench_hidden_teacher.py`` (``ZipfLanguage``) at a
+small size (8 topics, 64 words, 32 per topic; completions of 6–14 words then eos; 75 token ids), so that the
+teacher's full distribution and every dense gradient are exact and cheap:
+
+- **teacher**: the language's own next-token distribution smoothed with ``--smoothing`` of uniform mass (so every
+  token has a finite log-prob), about 2.9 nats per position; its top-8 holds about half of the mass, so a top-K
+  list with K = 8 is a real truncation. It is a hidden-state teacher: one-hot state rows and a ``(V, states)``
+  head holding the log-probs, so ``dense_teacher_jsd_loss`` computes the exact divergences.
+- **student**: embeddings of the topic, the previous token and the position, a tanh layer (32) and a narrow
+  lm_head input (8 dims), so it cannot represent the teacher exactly and forward and reverse KL have different
+  optima.
+- **staleness** is controlled: at optimizer step t the rollouts are sampled from the student's weights of step
+  ``t − lag`` (a queue of weight snapshots; the first ``lag`` steps use the initial weights), for lag in
+  ``--lags``. The loss is taken at the current weights; the rollout's log-probs μ are the stale policy's.
+- **estimators** (``ESTIMATORS``) see the teacher the way the wire gives it: top-K (K = ``--top-k``) plus the
+  realised token, the teacher's log-probs at student-chosen query ids, S draws from the teacher, or (dense) the
+  whole distribution.
+
+Measured, per (estimator, lag) over ``--seeds`` seeds (student initialisation, prompts, sampling):
+
+1. after ``--steps`` Adam steps of ``--batch`` rollouts: the held-out forward KL(π_T‖π_θ) and reverse
+   KL(π_θ‖π_T), full vocabulary, nats per token, at the positions of fixed teacher completions of held-out prompts,
+   and the reverse KL on the student's own completions of those prompts (the on-policy objective);
+2. at fixed weights θ (``--grad-warm-steps`` dense forward-KL steps from the seed-0 initialisation) and rollouts
+   from θ's snapshot ``lag`` steps earlier: over ``--grad-rollouts`` rollout batches, bias = ‖E[ĝ] − g‖/‖g‖ and
+   variance = E‖ĝ − E ĝ‖²/‖g‖² per batch, g = the dense reverse-KL (forward-KL for the forward estimators)
+   gradient over all student parameters on rollouts of θ itself (on-policy states, ``--grad-ref-rollouts``
+   batches). ``bias_noise`` is the Monte Carlo standard error of the bias figure; a bias below about twice it is
+   not resolved.
+
+    python benchmarks/bench_estimators.py --json benchmarks/results/bench_estimators.json   # a few minutes, 2 CPUs
+    python benchmarks/bench_estimators.py --quick                                          # seconds (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import platform
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_hidden_teacher import ZipfLanguage  # noqa: E402
+
+DEFAULT_JSON = HERE / "results" / "bench_estimators.json"
+DEFAULT_PLOT = HERE / "plots" / "bench_estimators_reverse_kl.png"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Task and estimator sizes (the run lengths are command-line options)."""
+
+    topics: int = 8
+    words: int = 64
+    support: int = 32
+    min_length: int = 6
+    max_length: int = 14
+    smoothing: float = 0.05
+    trunk: int = 32
+    head_dim: int = 8
+    top_k: int = 8  # teacher top-K on the wire
+    mc_samples: int = 4  # multi-sample MC: draws from μ per position
+    student_top_k: int = 8  # student-top-k reverse KL: the rollout student's top-S ids
+    teacher_samples: int = 8  # teacher-sampled forward KL: draws from π_T per position
+    clip_eps: float = 0.2
+    m2po_budget: float = 0.01
+    lr: float = 1e-2
+
+
+class Teacher:
+    """The smoothed language as a table of log-probs per state (topic, class of the previous token, position)."""
+
+    def __init__(self, language: ZipfLanguage, smoothing: float):
+        self.language = language
+        positions = language.max_length + 1
+        V = language.vocab_size
+        table = np.zeros((language.topics, language.classes, positions, V))
+        for topic in range(language.topics):
+            prompt = [1, language.first_topic + topic]
+            for cls in range(language.classes):
+                word = language.first_word + cls
+                for j in range(positions):  # the distribution depends on the previous token's class and j only
+                    table[topic, cls, j] = language.next_token_probs(prompt + [word], [word] * j)
+        table = (1.0 - smoothing) * table + smoothing / V
+        self.logprobs_table = torch.from_numpy(np.log(table)).float()  # (topics, classes, positions, V)
+        self.num_states = language.topics * language.classes * positions
+        # hidden-state teacher: one-hot state rows times a head holding the (normalised) log-probs
+        self.head = self.logprobs_table.reshape(self.num_states, V).T.contiguous()  # (V, states)
+
+    def state_index(self, topic: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(N,) long state ids of positions given topic index, previous token id and completion position."""
+        lang = self.language
+        cls = torch.remainder(prev - lang.first_word, lang.classes)
+        return (topic * lang.classes + cls) * (lang.max_length + 1) + pos
+
+    def logprobs(self, topic: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(N, V) float32 log π_T at the positions."""
+        return self.head.T[self.state_index(topic, prev, pos)]
+
+    def hidden(self, topic: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(N, states) one-hot rows: ``hidden @ head.T`` is the teacher's log-probs."""
+        return torch.nn.functional.one_hot(self.state_index(topic, prev, pos), self.num_states).float()
+
+
+class Student(torch.nn.Module):
+    """Topic, previous-token and position embeddings → tanh → a narrow lm_head input; ``head`` is the lm_head."""
+
+    def __init__(self, vocab: int, topics: int, positions: int, trunk: int, head_dim: int):
+        super().__init__()
+        self.topic = torch.nn.Embedding(topics, trunk)
+        self.prev = torch.nn.Embedding(vocab, trunk)
+        self.pos = torch.nn.Embedding(positions, trunk)
+        self.proj = torch.nn.Linear(trunk, head_dim)
+        self.head = torch.nn.Linear(head_dim, vocab)
+
+    def hidden(self, topic: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(N, head_dim) lm_head inputs."""
+        return self.proj(torch.tanh(self.topic(topic) + self.prev(prev) + self.pos(pos)))
+
+    def logprobs(self, topic: torch.Tensor, prev: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(N, V) log π_θ."""
+        return torch.log_softmax(self.head(self.hidden(topic, prev, pos)), dim=-1)
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """The positions of a batch of completions, flattened: (N,) topic index, previous token, position, sampled
+    token, and μ's full log-probs (N, V) (the rollout policy's, for query draws and ratios)."""
+
+    topic: torch.Tensor
+    prev: torch.Tensor
+    pos: torch.Tensor
+    token: torch.Tensor
+    behaviour: torch.Tensor
+
+
+def prompts_of(language: ZipfLanguage, count: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` prompts as (topic index, last prompt token) tensors — all the state a prompt carries here."""
+    prompts = [language.sample_prompt(rng) for _ in range(count)]
+    return (torch.tensor([p[1] - language.first_topic for p in prompts]), torch.tensor([p[-1] for p in prompts]))
+
+
+@torch.no_grad()
+def sample_completions(policy: Callable[..., torch.Tensor], topic: torch.Tensor, last: torch.Tensor,
+                       max_length: int, eos: int, generator: torch.Generator) -> Rollouts:
+    """Completions drawn at temperature 1 from ``policy(topic, prev, pos) -> (n, V) log-probs``, at most
+    ``max_length + 1`` tokens each, eos included when drawn."""
+    alive = torch.ones(len(topic), dtype=torch.bool)
+    prev = last.clone()
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for j in range(max_length + 1):
+        rows = alive.nonzero().squeeze(1)
+        if not len(rows):
+            break
+        pos = torch.full((len(rows),), j)
+        logprobs = policy(topic[rows], prev[rows], pos)
+        token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+        parts.append((topic[rows], prev[rows], pos, token, logprobs))
+        prev[rows] = token
+        alive[rows[token == eos]] = False
+    return Rollouts(*(torch.cat([p[i] for p in parts]) for i in range(5)))
+
+
+# ---------------------------------------------------------------------------------------------- the estimators
+
+
+def wire_topk(teacher_lps: torch.Tensor, token: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-``k`` plus the realised token when outside it (-1 / -inf otherwise): the K+1 layout of
+    ``fastdistill.testing.synthetic.score_completion`` and the rollout worker."""
+    top_lps, top_ids = teacher_lps.topk(k, dim=-1)
+    in_top = (top_ids == token[:, None]).any(dim=-1)
+    extra_ids = torch.where(in_top, -1, token)
+    extra_lps = torch.where(in_top, float("-inf"), teacher_lps.gather(1, token[:, None]).squeeze(1))
+    return torch.cat([top_ids, extra_ids[:, None]], 1), torch.cat([top_lps, extra_lps[:, None]], 1)
+
+
+def student_queries(r: Rollouts, kind: str, count: int, generator: torch.Generator) -> torch.Tensor:
+    """(N, S) query ids from the rollout policy μ: ``"samples"`` (column 0 the realised token, S − 1 more draws,
+    duplicates allowed) or ``"topk"`` (μ's top-S), as the student server reports them."""
+    if kind == "topk":
+        return r.behaviour.topk(count, dim=-1).indices
+    if count == 1:
+        return r.token[:, None]
+    extra = torch.multinomial(r.behaviour.exp(), count - 1, replacement=True, generator=generator)
+    return torch.cat([r.token[:, None], extra], 1)
+
+
+def _library_query_loss() -> Callable[..., Any] | None:
+    """``fastdistill.loss.estimators.query_reverse_kl_loss`` when that module exists on this branch."""
+    try:
+        from fastdistill.loss.estimators import query_reverse_kl_loss
+    except ImportError:
+        return None
+    return query_reverse_kl_loss
+
+
+def reference_query_loss(hidden, weight, query_ids, behaviour_logprobs, teacher_logprobs, *, estimator, bias,
+                         stabilizer="none", clip_eps=0.2, m2po_budget=0.01) -> torch.Tensor:
+    """LOCAL REFERENCE of the query estimators (used only while ``fastdistill.loss.estimators`` is missing):
+    summed loss over positions.
+
+    ``multi_sample``: (1/S) Σ_s −sg[w_s A_s] log π_θ(a_s), a_s ~ μ, A_s = log π_T(a_s) − sg[log π_θ(a_s)]
+    (learner-time), w_s = π_θ(a_s)/μ(a_s) with stabilizer "none". The stabilizers use the async-RL recipe instead,
+    the rollout-time advantage A_s = log π_T(a_s) − log μ(a_s) and: ``ppo_clip`` −min(r A, clip(r, 1±ε) A);
+    ``decoupled_ppo`` (one update per batch, so the proximal policy is θ itself) −sg[w] A log π_θ with the
+    behaviour weight w = π_θ/μ zeroed above 5; ``m2po`` −r A over the tokens left after dropping the largest
+    (log r)² until their mean is ≤ the budget. ``student_topk``: the sparse reverse KL over μ's top-S plus a tail
+    bucket (``sparse_jsd_loss`` at β = 1).
+    """
+    from fastdistill.loss import sparse_jsd_loss
+
+    if estimator == "student_topk":
+        return sparse_jsd_loss(hidden, weight, query_ids, teacher_logprobs, torch.ones_like(query_ids, dtype=bool),
+                               bias=bias, beta=1.0, backend="torch").loss
+    logprob = torch.log_softmax(hidden @ weight.T + bias, dim=-1).gather(1, query_ids)
+    S = query_ids.shape[1]
+    if stabilizer == "none":
+        with torch.no_grad():
+            coefficient = (teacher_logprobs - logprob) * (logprob - behaviour_logprobs).exp()
+        return -(coefficient * logprob).sum() / S
+    advantage = teacher_logprobs - behaviour_logprobs
+    log_ratio = logprob - behaviour_logprobs
+    ratio = log_ratio.exp()
+    if stabilizer == "ppo_clip":
+        surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage)
+        return -surrogate.sum() / S
+    if stabilizer == "decoupled_ppo":
+        w = ratio.detach()
+        w = torch.where(w > 5.0, torch.zeros_like(w), w)
+        return -(w * advantage * logprob).sum() / S
+    if stabilizer == "m2po":
+        second = log_ratio.detach().flatten() ** 2
+        order = second.argsort()
+        kept_mean = second[order].cumsum(0) / torch.arange(1, len(order) + 1)
+        keep_count = int((kept_mean <= m2po_budget).sum())
+        keep = torch.zeros_like(second, dtype=torch.bool)
+        keep[order[:keep_count]] = True
+        return -(ratio * advantage).flatten()[keep].sum() / S
+    raise ValueError(f"unknown stabilizer {stabilizer!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """One loss: its family (the dense gradient it estimates), what the teacher must send, and the loss function
+    ``(student, rollouts, teacher, settings, generator) -> summed loss``."""
+
+    name: str
+    family: str  # "forward" or "reverse"
+    wire: str
+    loss: Callable[..., torch.Tensor]
+
+
+def _head(student: Student, r: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return student.hidden(r.topic, r.prev, r.pos), student.head.weight, student.head.bias
+
+
+def _dense(beta: float) -> Callable[..., torch.Tensor]:
+    def loss(student, r, teacher, s, g):
+        from fastdistill.loss import dense_teacher_jsd_loss
+
+        h, w, b = _head(student, r)
+        return dense_teacher_jsd_loss(h, w, teacher.hidden(r.topic, r.prev, r.pos), teacher.head, student_bias=b,
+                                      beta=beta, backend="torch").loss
+    return loss
+
+
+def _topk(beta: float) -> Callable[..., torch.Tensor]:
+    def loss(student, r, teacher, s, g):
+        from fastdistill.loss import sparse_jsd_loss
+
+        h, w, b = _head(student, r)
+        ids, lps = wire_topk(teacher.logprobs(r.topic, r.prev, r.pos), r.token, s.top_k)
+        return sparse_jsd_loss(h, w, ids, lps, ids >= 0, bias=b, beta=beta, backend="torch").loss
+    return loss
+
+
+def _single_sample(student, r, teacher, s, g):
+    from fastdistill.loss import reverse_kl_pg_loss
+
+    h, w, b = _head(student, r)
+    teacher_lp = teacher.logprobs(r.topic, r.prev, r.pos).gather(1, r.token[:, None]).squeeze(1)
+    return reverse_kl_pg_loss(h, w, r.token, teacher_lp, bias=b).loss
+
+
+def _teacher_sampled(student, r, teacher, s, g):
+    from fastdistill.loss import sample_teacher_candidates, sampled_kd_loss
+
+    h, w, b = _head(student, r)
+    c = sample_teacher_candidates(teacher.logprobs(r.topic, r.prev, r.pos), s.teacher_samples, generator=g)
+    return sampled_kd_loss(h, w, c.ids, c.log_weights, teacher_logprobs=c.teacher_logprobs, bias=b).loss
+
+
+def _query(estimator: str, kind: str, count: Callable[[Settings], int], stabilizer: str = "none"):
+    def loss(student, r, teacher, s, g):
+        h, w, b = _head(student, r)
+        ids = student_queries(r, kind, count(s), g)
+        behaviour = r.behaviour.gather(1, ids)
+        teacher_lps = teacher.logprobs(r.topic, r.prev, r.pos).gather(1, ids)
+        library = _library_query_loss()
+        if library is None:
+            return reference_query_loss(h, w, ids, behaviour, teacher_lps, estimator=estimator, bias=b,
+                                        stabilizer=stabilizer, clip_eps=s.clip_eps, m2po_budget=s.m2po_budget)
+        return library(h, w, ids, behaviour, teacher_lps, estimator=estimator, bias=b, stabilizer=stabilizer,
+                       clip_eps=s.clip_eps, m2po_budget=s.m2po_budget).loss
+    return loss
+
+
+ESTIMATORS = {e.name: e for e in (
+    Estimator("dense_fkl", "forward", "hidden-state teacher (or full prompt_logprobs)", _dense(0.0)),
+    Estimator("topk_fkl", "forward", "teacher top-K + realised token (stock vLLM)", _topk(0.0)),
+    Estimator("teacher_sampled_fkl", "forward", "S teacher draws per position (cache from the full distribution)",
+              _teacher_sampled),
+    Estimator("dense_rkl", "reverse", "hidden-state teacher (or full prompt_logprobs)", _dense(1.0)),
+    Estimator("topk_rkl", "reverse", "teacher top-K + realised token (stock vLLM)", _topk(1.0)),
+    Estimator("single_sample_rkl", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+              _single_sample),
+    Estimator("multi_sample_rkl", "reverse", "teacher log-probs at S student draws (query scoring)",
+              _query("multi_sample", "samples", lambda s: s.mc_samples)),
+    Estimator("student_topk_rkl", "reverse", "teacher log-probs at the student's top-S (query scoring)",
+              _query("student_topk", "topk", lambda s: s.student_top_k)),
+    Estimator("ppo_clip", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+              _query("multi_sample", "samples", lambda s: 1, "ppo_clip")),
+    Estimator("decoupled_ppo", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+              _query("multi_sample", "samples", lambda s: 1, "decoupled_ppo")),
+    Estimator("m2po", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+              _query("multi_sample", "samples", lambda s: 1, "m2po")),
+)}
+QUERY_ESTIMATORS = ("multi_sample_rkl", "student_topk_rkl", "ppo_clip", "decoupled_ppo", "m2po")
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass
+class World:
+    """What every run shares: settings, language, teacher, held-out prompts and the teacher's completions."""
+
+    s: Settings
+    language: ZipfLanguage
+    teacher: Teacher
+    held_topic: torch.Tensor
+    held_last: torch.Tensor
+    held_teacher: Rollouts
+
+    def student(self, seed: int) -> Student:
+        torch.manual_seed(seed)
+        lang = self.language
+        return Student(lang.vocab_size, lang.topics, lang.max_length + 1, self.s.trunk, self.s.head_dim)
+
+    def rollouts(self, policy: Student, count: int, rng: np.random.Generator, g: torch.Generator) -> Rollouts:
+        topic, last = prompts_of(self.language, count, rng)
+        return sample_completions(policy.logprobs, topic, last, self.language.max_length, self.language.eos, g)
+
+
+def build_world(s: Settings, held_out: int, seed: int = 0) -> World:
+    """The language (``seed``), its smoothed teacher and ``held_out`` held-out prompts with a teacher completion
+    each (drawn at temperature 1)."""
+    language = ZipfLanguage(topics=s.topics, words=s.words, support=s.support, min_length=s.min_length,
+                            max_length=s.max_length, seed=seed)
+    teacher = Teacher(language, s.smoothing)
+    topic, last = prompts_of(language, held_out, np.random.default_rng(10_000 + seed))
+    completions = sample_completions(teacher.logprobs, topic, last, language.max_length, language.eos,
+                                     torch.Generator().manual_seed(10_000 + seed))
+    return World(s, language, teacher, topic, last, completions)
+
+
+@torch.no_grad()
+def divergences(world: World, student: Student, r: Rollouts) -> dict[str, float]:
+    """Full-vocabulary forward KL(π_T‖π_θ) and reverse KL(π_θ‖π_T) at the positions of ``r``, float64, nats per
+    token."""
+    p = student.logprobs(r.topic, r.prev, r.pos).double()
+    q = world.teacher.logprobs(r.topic, r.prev, r.pos).double()
+    return {"forward_kl": float((q.exp() * (q - p)).sum(-1).mean()), "reverse_kl": float((p.exp() * (p - q)).sum(-1).mean())}
+
+
+def held_out_metrics(world: World, student: Student, seed: int) -> dict[str, float]:
+    """Held-out forward and reverse KL at the teacher's completions, and the reverse KL at the student's own
+    completions of the same prompts (``seed`` fixes its draws)."""
+    on_teacher = divergences(world, student, world.held_teacher)
+    own = sample_completions(student.logprobs, world.held_topic, world.held_last, world.language.max_length,
+                             world.language.eos, torch.Generator().manual_seed(20_000 + seed))
+    return {"held_out_forward_kl": on_teacher["forward_kl"], "held_out_reverse_kl": on_teacher["reverse_kl"],
+            "on_policy_reverse_kl": divergences(world, student, own)["reverse_kl"]}
+
+
+def train(world: World, estimator: Estimator, lag: int, seed: int, steps: int, batch: int,
+          keep_snapshots: bool = False) -> tuple[Student, list[dict[str, torch.Tensor]]]:
+    """``steps`` Adam steps of ``estimator`` (loss per token of the batch) on rollouts of the student's weights
+    ``lag`` steps old. The prompts and draws depend on ``seed`` only, so every estimator sees the same stream."""
+    student = world.student(seed)
+    behaviour = world.student(seed)
+    optimizer = torch.optim.Adam(student.parameters(), lr=world.s.lr)
+    snapshots: deque[dict[str, torch.Tensor]] = deque([copy.deepcopy(student.state_dict())],
+                                                      maxlen=None if keep_snapshots else lag + 1)
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        behaviour.load_state_dict(snapshots[-1 - lag] if len(snapshots) > lag else snapshots[0])
+        r = world.rollouts(behaviour, batch, rng, g)
+        loss = estimator.loss(student, r, world.teacher, world.s, g) / len(r.token)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        snapshots.append(copy.deepcopy(student.state_dict()))
+    return student, list(snapshots)
+
+
+def flat_gradient(world: World, estimator: Estimator, student: Student, r: Rollouts,
+                  g: torch.Generator) -> torch.Tensor:
+    """The per-token loss's gradient over every student parameter, flattened, float64."""
+    student.zero_grad()
+    (estimator.loss(student, r, world.teacher, world.s, g) / len(r.token)).backward()
+    return torch.cat([p.grad.flatten() for p in student.parameters()]).double()
+
+
+def gradient_study(world: World, names: list[str], lags: list[int], warm_steps: int, batch: int, rollouts: int,
+                   ref_rollouts: int) -> dict[str, Any]:
+    """Bias and variance of each estimator's gradient at the weights θ after ``warm_steps`` dense forward-KL steps
+    (seed 0), on rollouts of θ's snapshot ``lag`` steps earlier, against the dense gradient of its family on
+    rollouts of θ. All estimators of one lag see the same ``rollouts`` batches."""
+    student, snapshots = train(world, ESTIMATORS["dense_fkl"], 0, 0, warm_steps, batch, keep_snapshots=True)
+    stale = world.student(0)
+    reference: dict[str, Any] = {}
+    rng, g = np.random.default_rng(7), torch.Generator().manual_seed(7)
+    for family, name in (("forward", "dense_fkl"), ("reverse", "dense_rkl")):
+        grads = torch.stack([flat_gradient(world, ESTIMATORS[name], student, world.rollouts(student, batch, rng, g),
+                                           g) for _ in range(ref_rollouts)])
+        mean = grads.mean(0)
+        reference[family] = {"mean": mean, "variance": float(((grads - mean) ** 2).sum(1).mean())}
+    out: dict[str, Any] = {"warm_steps": warm_steps, "batch": batch, "rollouts": rollouts,
+                           "ref_rollouts": ref_rollouts,
+                           "reference_norm": {f: float(v["mean"].norm()) for f, v in reference.items()}, "by_lag": {}}
+    for lag in lags:
+        stale.load_state_dict(snapshots[max(0, len(snapshots) - 1 - lag)])
+        rng, g = np.random.default_rng(100 + lag), torch.Generator().manual_seed(100 + lag)
+        batches = [world.rollouts(stale, batch, rng, g) for _ in range(rollouts)]
+        rows = {}
+        for name in names:
+            est = ESTIMATORS[name]
+            grads = torch.stack([flat_gradient(world, est, student, r, g) for r in batches])
+            ref = reference[est.family]
+            norm2 = float(ref["mean"].norm() ** 2)
+            mean = grads.mean(0)
+            variance = float(((grads - mean) ** 2).sum(1).mean()) / norm2
+            rows[name] = {"bias": float((mean - ref["mean"]).norm()) / norm2**0.5, "variance": variance,
+                          "bias_noise": (variance / rollouts + ref["variance"] / norm2 / ref_rollouts) ** 0.5}
+        out["by_lag"][str(lag)] = rows
+    return out
+
+
+def mean_std(values: list[float]) -> dict[str, float]:
+    """Mean and (population) standard deviation across seeds."""
+    return {"mean": float(np.mean(values)), "std": float(np.std(values))}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--estimators", nargs="+", choices=list(ESTIMATORS), default=list(ESTIMATORS))
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4], help="rollout staleness, in steps")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
+    parser.add_argument("--batch", type=int, default=32, help="completions per step")
+    parser.add_argument("--held-out", type=int, default=512, help="held-out prompts")
+    parser.add_argument("--grad-lags", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--grad-warm-steps", type=int, default=40)
+    parser.add_argument("--grad-rollouts", type=int, default=300, help="rollout batches per gradient estimate")
+    parser.add_argument("--grad-ref-rollouts", type=int, default=600, help="batches of the dense reference")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (seconds)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG path ('' for none)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seeds, args.steps, args.batch, args.held_out = args.seeds[:1], 3, 4, 16
+        args.grad_warm_steps, args.grad_rollouts, args.grad_ref_rollouts = max(args.grad_lags), 3, 3
+    if min(args.lags + args.grad_lags) < 0 or args.grad_warm_steps < max(args.grad_lags):
+        parser.error("lags must be ≥ 0 and --grad-warm-steps ≥ the largest --grad-lags")
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    started = time.perf_counter()
+    s = Settings()
+    world = build_world(s, args.held_out)
+    teacher_lps = world.teacher.logprobs(world.held_teacher.topic, world.held_teacher.prev, world.held_teacher.pos)
+    teacher_info = {"entropy": float(-(teacher_lps.exp() * teacher_lps).sum(-1).mean()),
+                    "top_k_mass": float(teacher_lps.exp().topk(s.top_k, dim=-1).values.sum(-1).mean()),
+                    "held_out_tokens": len(world.held_teacher.token), "vocab_size": world.language.vocab_size}
+    before = {str(seed): held_out_metrics(world, world.student(seed), seed) for seed in args.seeds}
+
+    runs = []
+    for name in args.estimators:
+        for lag in args.lags:
+            for seed in args.seeds:
+                t0 = time.perf_counter()
+                student, _ = train(world, ESTIMATORS[name], lag, seed, args.steps, args.batch)
+                runs.append({"estimator": name, "lag": lag, "seed": seed, "seconds": time.perf_counter() - t0}
+                            | held_out_metrics(world, student, seed))
+        done = [r for r in runs if r["estimator"] == name]
+        print(f"{name}: " + ", ".join(f"lag {lag} RKL {np.mean([r['held_out_reverse_kl'] for r in done if r['lag'] == lag]):.4f}"
+                                      for lag in args.lags), flush=True)
+    keys = ("held_out_forward_kl", "held_out_reverse_kl", "on_policy_reverse_kl")
+    summary = {name: {str(lag): {k: mean_std([r[k] for r in runs if r["estimator"] == name and r["lag"] == lag])
+                                 for k in keys} for lag in args.lags} for name in args.estimators}
+    gradients = gradient_study(world, args.estimators, args.grad_lags, args.grad_warm_steps, args.batch,
+                               args.grad_rollouts, args.grad_ref_rollouts)
+    library = _library_query_loss() is not None
+    report = {"benchmark": "bench_estimators", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "device": "cpu"},
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "settings": dataclasses.asdict(s), "teacher": teacher_info,
+              "estimators": {name: {"family": ESTIMATORS[name].family, "wire": ESTIMATORS[name].wire,
+                                    "implementation": ("fastdistill.loss.estimators" if library else
+                                                       "local reference (bench_estimators.reference_query_loss)")
+                                    if name in QUERY_ESTIMATORS else "fastdistill.loss"}
+                             for name in args.estimators},
+              "before_training": {k: mean_std([b[k] for b in before.values()]) for k in keys},
+              "runs": runs, "summary": summary, "gradients": gradients,
+              "wall_seconds": time.perf_counter() - started}
+    print_table(report)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json}")
+    if str(args.plot):
+        plot(report, args.plot)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """Per estimator and lag: held-out KLs (mean ± std over seeds); then the gradient bias and variance."""
+    t = report["teacher"]
+    print(f"teacher entropy {t['entropy']:.3f} nats/token, top-{report['settings']['top_k']} mass "
+          f"{t['top_k_mass']:.3f}, V = {t['vocab_size']}; before training: held-out KL(T‖S) "
+          f"{report['before_training']['held_out_forward_kl']['mean']:.4f}, KL(S‖T) "
+          f"{report['before_training']['held_out_reverse_kl']['mean']:.4f}")
+    print(f"{'estimator':<20} {'lag':>3}  {'held-out KL(T‖S)':<18} {'held-out KL(S‖T)':<18} {'on-policy KL(S‖T)':<18}")
+    for name, by_lag in report["summary"].items():
+        for lag, row in by_lag.items():
+            cells = [f"{row[k]['mean']:.4f} ± {row[k]['std']:.4f}"
+                     for k in ("held_out_forward_kl", "held_out_reverse_kl", "on_policy_reverse_kl")]
+            print(f"{name:<20} {lag:>3}  {cells[0]:<18} {cells[1]:<18} {cells[2]:<18}")
+    grads = report["gradients"]
+    lags = list(grads["by_lag"])
+    print(f"gradient at fixed weights ({grads['warm_steps']} dense forward-KL steps), per batch of "
+          f"{grads['batch']} completions, {grads['rollouts']} batches: bias / variance (relative to ‖g‖, ‖g‖²)")
+    print(f"{'estimator':<20} " + " ".join(f"{'lag ' + lag + ' bias':>16} {'variance':>9}" for lag in lags))
+    for name in report["summary"]:
+        cells = []
+        for lag in lags:
+            row = grads["by_lag"][lag][name]
+            cells.append(f"{row['bias']:>9.3f} ±{row['bias_noise']:.3f} {row['variance']:>9.3f}")
+        print(f"{name:<20} " + " ".join(cells))
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Held-out reverse KL against staleness, one line per estimator (mean ± std over seeds): at the teacher's
+    completions (left) and at the student's own (right)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=80)
+    for ax, key, title in ((axes[0], "held_out_reverse_kl", "at teacher completions"),
+                           (axes[1], "on_policy_reverse_kl", "at the student's own completions")):
+        for name, by_lag in report["summary"].items():
+            lags = [int(lag) for lag in by_lag]
+            mean = np.array([by_lag[str(lag)][key]["mean"] for lag in lags])
+            std = np.array([by_lag[str(lag)][key]["std"] for lag in lags])
+            style = "--" if report["estimators"][name]["family"] == "forward" else "-"
+            ax.errorbar(lags, mean, yerr=std, label=name, linestyle=style, marker="o", markersize=3, capsize=2)
+        ax.set_xlabel("staleness (optimizer steps)")
+        ax.set_ylabel("reverse KL(student‖teacher), nats/token")
+        ax.set_title(title, fontsize=10)
+        ax.set_yscale("log")
+        ax.set_xticks(lags)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"held-out reverse KL after {report['args']['steps']} steps, {len(report['args']['seeds'])} seeds",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
