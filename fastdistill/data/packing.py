@@ -15,6 +15,12 @@ their candidate rows are empty (-1 / -inf, so the sparse loss scores none of the
 per teacher in ``PackedRow.teacher_hidden``, row i aligned with the i-th target whose ``teacher_index`` is that
 teacher.
 
+Student queries (``RolloutSample.query_*``, for the student-side estimators) follow the targets like the candidate
+rows: ``PackedRow.query_ids`` row i holds the S query ids of the i-th target, with their rollout log-probs and the
+teacher's. Every sample of a row has them (with one S) or none has; a hidden-state teacher's targets have NaN
+teacher log-probs there (the trainer computes them from the teacher head), and ``query_teacher_logprobs`` is None
+when no sample of the row has them.
+
 The backbone must be called with these ``position_ids``, ``use_cache=False`` and NO attention mask: transformers
 isolates packed samples only when it can infer them from ``position_ids`` (``masking_utils``), which it skips
 when an attention mask or a cache is given (``docs/data.md``).
@@ -54,6 +60,10 @@ class PackedRow:
     # hidden-state teachers: teacher index -> (M_i, D_i) float32/bfloat16 final hidden states, row i for the i-th
     # target of that teacher (in target order); empty for top-K teachers
     teacher_hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # student queries (None without): S ids per target, the rollout policy's log-prob at each and the teacher's
+    query_ids: torch.Tensor | None = None  # int64 (M, S)
+    query_behaviour_logprobs: torch.Tensor | None = None  # float32 (M, S), log μ (nats)
+    query_teacher_logprobs: torch.Tensor | None = None  # float32 (M, S), log π_T; NaN on hidden-teacher targets
 
     @property
     def num_tokens(self) -> int:
@@ -103,10 +113,15 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
     Samples of a hidden-state teacher (``teacher_hidden`` set, no candidates) get empty candidate rows of the
     row's width and their hidden rows go to ``teacher_hidden`` (see the module docstring).
 
+    Student queries (``query_*``) become ``PackedRow.query_*`` rows aligned with the targets (see the module
+    docstring).
+
     Raises ValueError for an empty list, a malformed sample (array shapes or dtypes that disagree, an empty prompt,
     a prompt position marked as completion), a ``teacher_id`` not in ``teacher_ids``, candidate widths (K+1) that
     differ between top-K samples, a teacher with both hidden-state and top-K samples, or hidden widths that differ
-    between samples of one teacher, or a trained completion token at or beyond ``vocab_size``.
+    between samples of one teacher, or a trained completion token at or beyond ``vocab_size``; and for student
+    queries on some samples but not others, query widths (S) that differ, or a query id outside ``[0,
+    vocab_size)``.
     """
     if len(samples) == 0:
         raise ValueError("pack_row needs at least one sample, got an empty list")
@@ -178,6 +193,7 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         mine = [(hidden_tensor(sample.teacher_hidden), sample.completion_mask[sample.prompt_length :] == 1)
                 for sample in samples if sample.teacher_id == teacher_id]
         teacher_hidden[teacher_to_index[teacher_id]] = torch.cat([h[torch.from_numpy(k)] for h, k in mine])
+    query_ids, query_behaviour, query_teacher = _pack_queries(samples, keep, vocab_size)
     folded_ids = folded_teacher = torch.zeros(0, dtype=torch.int64)
     if vocab_size is not None:
         _check_actual_ids(actual_ids, token_sample, samples, vocab_size)
@@ -203,7 +219,39 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         folded_ids=folded_ids,
         folded_teacher=folded_teacher,
         teacher_hidden=teacher_hidden,
+        query_ids=query_ids,
+        query_behaviour_logprobs=query_behaviour,
+        query_teacher_logprobs=query_teacher,
     )
+
+
+def _pack_queries(samples: Sequence[RolloutSample], keep: np.ndarray, vocab_size: int | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The row's (M, S) query ids (int64), rollout and teacher log-probs (float32), or Nones without queries."""
+    has = [sample.query_ids is not None for sample in samples]
+    if not any(has):
+        return None, None, None
+    if not all(has):
+        raise ValueError(f"samples {[s for s, h in enumerate(has) if h]} carry student queries and samples "
+                         f"{[s for s, h in enumerate(has) if not h]} do not: a row needs queries on all or none "
+                         "(student_queries is a run setting)")
+    widths = {int(sample.query_ids.shape[1]) for sample in samples}
+    if len(widths) > 1:
+        raise ValueError(f"the samples' student queries have different widths {sorted(widths)}: every sample of "
+                         "a row needs the same num_student_queries")
+    ids = np.concatenate([sample.query_ids for sample in samples]).astype(np.int64)[keep]
+    behaviour = np.concatenate([sample.query_behaviour_logprobs for sample in samples]).astype(np.float32)[keep]
+    outside = (ids < 0) if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        bad = int(ids[outside][0])
+        raise ValueError(f"a student query id {bad} is outside the student's vocabulary [0, {vocab_size}): the "
+                         "queries are ids of the rollout student's own distribution")
+    teacher = None
+    if any(sample.query_teacher_logprobs is not None for sample in samples):
+        teacher = torch.from_numpy(np.concatenate([
+            sample.query_teacher_logprobs if sample.query_teacher_logprobs is not None
+            else np.full(sample.query_ids.shape, np.nan, np.float32) for sample in samples]).astype(np.float32)[keep])
+    return torch.from_numpy(ids), torch.from_numpy(behaviour), teacher
 
 
 def _candidates(sample: RolloutSample, width: int, empty: float, dtype: type) -> np.ndarray:
@@ -280,3 +328,18 @@ def _check_sample(s: int, sample: RolloutSample) -> None:
         fail(f"completion_mask must be 0/1 and 0 on the {prompt_length} prompt positions")
     if roll.shape != (completion_length,):
         fail(f"rollout_logprobs has shape {roll.shape}, expected ({completion_length},)")
+    queries = (sample.query_ids, sample.query_behaviour_logprobs, sample.query_teacher_logprobs)
+    if queries[0] is None:
+        if queries[1] is not None or queries[2] is not None:
+            fail("query_behaviour_logprobs / query_teacher_logprobs are set without query_ids")
+        return
+    for name, array, kinds in zip(("query_ids", "query_behaviour_logprobs", "query_teacher_logprobs"), queries,
+                                  ("iu", "f", "f"), strict=True):
+        if name == "query_teacher_logprobs" and array is None:
+            continue  # a hidden-state teacher's sample
+        if (not isinstance(array, np.ndarray) or array.ndim != 2 or array.dtype.kind not in kinds
+                or array.shape[0] != completion_length or array.shape[1] < 1
+                or array.shape != queries[0].shape):
+            fail(f"{name} must be a 2-D (L, S) {'integer' if kinds == 'iu' else 'float'} array with L = "
+                 f"{completion_length} like query_ids {getattr(queries[0], 'shape', None)}, got "
+                 f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}")

@@ -1,10 +1,18 @@
 """The losses: sparse generalized JSD (public API, torch paths), the dense-teacher generalized JSD, the reverse-KL
-policy gradient, sampled teacher candidates, normalisation."""
+policy gradient and its stabilizers, the student-side query estimators, sampled teacher candidates, normalisation."""
 
 from .api import SparseJSDOutput, sparse_jsd_loss
 from .dense import DenseJSDOutput, dense_teacher_jsd_loss
+from .estimators import ESTIMATORS, EstimatorOutput, query_reverse_kl_loss
 from .normalization import scored_positions, window_loss_scale, window_token_count
-from .policy_gradient import PolicyGradientOutput, importance_ratios, reverse_kl_pg_loss, sampled_token_logprobs
+from .policy_gradient import (
+    PG_STABILIZERS,
+    PolicyGradientOutput,
+    importance_ratios,
+    reverse_kl_pg_loss,
+    sampled_token_logprobs,
+    stabilized_ratios,
+)
 from .sampled import (
     SampledCandidates,
     SampledKDOutput,
@@ -15,7 +23,10 @@ from .sampled import (
 from .support import fold_out_of_vocab, narrow_support
 
 __all__ = [
+    "ESTIMATORS",
+    "PG_STABILIZERS",
     "DenseJSDOutput",
+    "EstimatorOutput",
     "PolicyGradientOutput",
     "SampledCandidates",
     "SampledKDOutput",
@@ -25,11 +36,13 @@ __all__ = [
     "fold_out_of_vocab",
     "importance_ratios",
     "narrow_support",
+    "query_reverse_kl_loss",
     "reverse_kl_pg_loss",
     "sample_teacher_candidates",
     "sampled_kd_loss",
     "sampled_token_logprobs",
     "scored_positions",
+    "stabilized_ratios",
     "sparse_jsd_loss",
     "window_loss_scale",
     "window_token_count",

@@ -45,6 +45,7 @@ class PolicyGradientOutput:
         advantage_sum, advantage_sq_sum: 0-dim, Σ A and Σ A² (for mean and std), detached.
         ratio_sum, ratio_max, clipped: 0-dim, Σ π_θ/μ, its max and the number of clipped ratios (zeros
             without rollout log-probs).
+        masked: 0-dim, the number of tokens M2PO masked (0 otherwise).
         num_tokens: 0-dim int64, number of positions.
         reverse_kl: ``(N,)`` per-position log π_θ(y) − log π_T(y), detached.
     """
@@ -58,11 +59,15 @@ class PolicyGradientOutput:
     clipped: torch.Tensor
     num_tokens: torch.Tensor
     reverse_kl: torch.Tensor
+    masked: torch.Tensor | None = None
 
 
 def _token_logprobs(hidden, weight, bias, actual_ids, logit_scale, softcap, temperature):
     logits = head_logits(hidden, weight, bias, LogitHead(float(logit_scale), softcap), temperature=temperature)
-    return logits.gather(1, actual_ids[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
+    lse = torch.logsumexp(logits, dim=1)
+    if actual_ids.dim() == 2:
+        return logits.gather(1, actual_ids) - lse[:, None]
+    return logits.gather(1, actual_ids[:, None]).squeeze(1) - lse
 
 
 def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_ids: torch.Tensor, *,
@@ -70,7 +75,8 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_id
                            temperature: float = 1.0, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
     """log π_θ(y) of ``actual_ids`` (N,) over the full vocabulary, float32 (N,) (float64 for float64 inputs),
     differentiable, with at most one ``(chunk_rows, V)`` logits tile alive (checkpointed per chunk). Logits as
-    :func:`fastdistill.logit_head.head_logits` computes them."""
+    :func:`fastdistill.logit_head.head_logits` computes them. ``actual_ids`` may also be ``(N, S)`` (S ids per
+    position, one log-sum-exp per row): the result is then ``(N, S)``."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
@@ -79,7 +85,9 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_id
             parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
         else:
             parts.append(_token_logprobs(*args))
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    if parts:
+        return torch.cat(parts)
+    return hidden.new_zeros(tuple(actual_ids.shape), dtype=torch.promote_types(hidden.dtype, torch.float32))
 
 
 @torch.no_grad()
@@ -96,6 +104,108 @@ def importance_ratios(hidden: torch.Tensor, weight: torch.Tensor, actual_ids: to
     return torch.exp(logprob.float() - rollout_logprobs.float())
 
 
+PG_STABILIZERS = ("none", "ppo_clip", "decoupled_ppo", "m2po")
+
+
+@dataclass
+class RatioWeights:
+    """What :func:`stabilized_ratios` gives each (position, draw) entry, all detached, one shape.
+
+    Attributes:
+        weight: the constant w of the surrogate −w·A·log π_θ (float, the log-ratio's dtype).
+        clipped: bool, entries whose gradient a clip removed (PPO's clipped branch) or truncated (``ratio_clip``).
+        masked: bool, entries M2PO masked.
+    """
+
+    weight: torch.Tensor
+    clipped: torch.Tensor
+    masked: torch.Tensor
+
+
+def check_stabilizer(stabilizer: str, clip_eps: float, m2po_budget: float) -> None:
+    """ValueError unless ``stabilizer`` is one of :data:`PG_STABILIZERS`, ``clip_eps`` in (0, 1) and ``m2po_budget``
+    a finite number > 0."""
+    if stabilizer not in PG_STABILIZERS:
+        raise ValueError(f"stabilizer must be one of {list(PG_STABILIZERS)}, got {stabilizer!r}")
+    if not (isinstance(clip_eps, (int, float)) and 0.0 < clip_eps < 1.0):
+        raise ValueError(f"clip_eps must be a number in (0, 1), got {clip_eps!r}")
+    if not (isinstance(m2po_budget, (int, float)) and math.isfinite(m2po_budget) and m2po_budget > 0):
+        raise ValueError(f"m2po_budget must be a finite number > 0, got {m2po_budget!r}")
+
+
+@torch.no_grad()
+def stabilized_ratios(log_ratio: torch.Tensor, advantage: torch.Tensor, *, stabilizer: str = "none",
+                      clip_eps: float = 0.2, m2po_budget: float = 0.01,
+                      proximal_log_ratio: torch.Tensor | None = None,
+                      ratio_clip: float | None = None) -> RatioWeights:
+    """The importance weight w of each entry of the surrogate −w·A·log π_θ, from ``log_ratio`` = log π_θ(a) −
+    log μ(a) (π_θ at the sampling temperature, μ the behaviour policy; any shape) and the advantage A (same shape).
+    With r = exp(log_ratio):
+
+    - ``"none"``: w = r, or min(r, ``ratio_clip``) (truncated importance sampling).
+    - ``"ppo_clip"``: PPO's objective min(r·A, clip(r, 1−ε, 1+ε)·A). Its gradient is A·∇r = r·A·∇log π_θ where the
+      unclipped branch is the min and 0 where the clipped one is (A > 0 and r > 1+ε, or A < 0 and r < 1−ε): w = r
+      there, 0 (``clipped``) otherwise.
+    - ``"decoupled_ppo"``: behaviour μ and a proximal policy π_prox (``proximal_log_ratio`` = log π_prox −
+      log μ): (π_prox/μ)·min(r'·A, clip(r', 1−ε, 1+ε)·A) with r' = π_θ/π_prox; w = (π_prox/μ)·r' = r where r' is
+      unclipped, 0 (``clipped``) otherwise. None: π_prox is the current π_θ (r' = 1, nothing clipped).
+    - ``"m2po"``: w = r, except that the entries with the largest second moment (log r)² get w = 0 (``masked``),
+      as few as needed for the mean (log r)² of the kept entries to be ≤ ``m2po_budget``.
+
+    The gradient forms equal the objectives' gradients when the loss's π_θ is the ratio's (loss temperature =
+    sampling temperature)."""
+    ratio = torch.exp(log_ratio)
+    none = torch.zeros_like(log_ratio, dtype=torch.bool)
+    if stabilizer == "none":
+        if ratio_clip is None:
+            return RatioWeights(ratio, none, none)
+        return RatioWeights(ratio.clamp(max=ratio_clip), ratio > ratio_clip, none)
+    if ratio_clip is not None:
+        raise ValueError(f"ratio_clip is the plain estimator's truncation; stabilizer={stabilizer!r} clips itself")
+    if stabilizer in ("ppo_clip", "decoupled_ppo"):
+        clip_log = log_ratio
+        if stabilizer == "decoupled_ppo":  # log π_θ/π_prox; 0 when the current weights are the proximal policy
+            clip_log = torch.zeros_like(log_ratio) if proximal_log_ratio is None else (
+                log_ratio - proximal_log_ratio.to(log_ratio.dtype))
+        clip_ratio = torch.exp(clip_log)
+        clipped = ((advantage > 0) & (clip_ratio > 1.0 + clip_eps)) | ((advantage < 0) & (clip_ratio < 1.0 - clip_eps))
+        return RatioWeights(torch.where(clipped, torch.zeros_like(ratio), ratio), clipped, none)
+    if stabilizer == "m2po":
+        masked = m2po_mask(log_ratio, m2po_budget)
+        return RatioWeights(torch.where(masked, torch.zeros_like(ratio), ratio), none, masked)
+    raise ValueError(f"stabilizer must be one of {list(PG_STABILIZERS)}, got {stabilizer!r}")
+
+
+@torch.no_grad()
+def m2po_mask(log_ratio: torch.Tensor, budget: float) -> torch.Tensor:
+    """bool, same shape: the entries M2PO masks. Masking the largest (log r)² first, the kept entries are the k
+    smallest, whose mean grows with k; k is the largest count whose mean is ≤ ``budget`` (ties at the boundary are
+    broken by the sort)."""
+    second = log_ratio.detach().double().flatten() ** 2
+    ordered, order = torch.sort(second)
+    means = torch.cumsum(ordered, 0) / torch.arange(1, ordered.numel() + 1, dtype=ordered.dtype,
+                                                    device=ordered.device)
+    keep = int((means <= budget).sum())
+    masked = torch.ones_like(second, dtype=torch.bool)
+    masked[order[:keep]] = False
+    return masked.view(log_ratio.shape)
+
+
+def sampling_log_ratio(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                       logprob: torch.Tensor, *, bias: torch.Tensor | None, logit_scale: float,
+                       softcap: float | None, temperature: float, sampling_temperature: float | None) -> torch.Tensor:
+    """log π_θ(a) − log μ(a), detached, π_θ at the sampling temperature (the convention of
+    :func:`importance_ratios`): ``logprob`` (π_θ at the loss temperature, ids' shape) is reused when the two
+    temperatures agree, else the log-probs are recomputed at ``sampling_temperature`` without a graph."""
+    with torch.no_grad():
+        if sampling_temperature is None or sampling_temperature == temperature:
+            current = logprob.detach()
+        else:
+            current = sampled_token_logprobs(hidden, weight, ids, bias=bias, logit_scale=logit_scale, softcap=softcap,
+                                             temperature=sampling_temperature)
+        return current - behaviour_logprobs.to(current.dtype)
+
+
 def reverse_kl_pg_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -110,6 +220,10 @@ def reverse_kl_pg_loss(
     rollout_logprobs: torch.Tensor | None = None,
     ratio_clip: float | None = None,
     token_weights: torch.Tensor | None = None,
+    stabilizer: str = "none",
+    clip_eps: float = 0.2,
+    m2po_budget: float = 0.01,
+    proximal_logprobs: torch.Tensor | None = None,
 ) -> PolicyGradientOutput:
     """Reverse-KL policy-gradient surrogate summed over ``N`` sampled tokens.
 
@@ -123,13 +237,19 @@ def reverse_kl_pg_loss(
         rollout_logprobs: ``(N,)`` log μ(y) of the rollout policy, or None (no importance ratio).
         ratio_clip: upper clip of the importance ratio (None: unclipped); needs ``rollout_logprobs``.
         token_weights: ``(N,)`` extra constant weights, or None.
+        stabilizer, clip_eps, m2po_budget: ``"none"``, ``"ppo_clip"``, ``"decoupled_ppo"`` or ``"m2po"`` in place of
+            the plain ratio (:func:`stabilized_ratios`); all but ``"none"`` need ``rollout_logprobs`` and exclude
+            ``ratio_clip``.
+        proximal_logprobs: ``(N,)`` log π_prox(y) at the sampling temperature for ``"decoupled_ppo"`` (None: the
+            current weights are the proximal policy).
     """
     n = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"hidden must be (N, D) and weight (V, D) with the same D, got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
     for name, x in (("actual_ids", actual_ids), ("teacher_logprobs", teacher_logprobs),
-                    ("rollout_logprobs", rollout_logprobs), ("token_weights", token_weights)):
+                    ("rollout_logprobs", rollout_logprobs), ("token_weights", token_weights),
+                    ("proximal_logprobs", proximal_logprobs)):
         if x is not None and x.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(x.shape)}")
     if n and (int(actual_ids.min()) < 0 or int(actual_ids.max()) >= weight.shape[0]):
@@ -141,6 +261,9 @@ def reverse_kl_pg_loss(
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     if ratio_clip is not None and (rollout_logprobs is None or not math.isfinite(ratio_clip) or ratio_clip <= 0):
         raise ValueError("ratio_clip needs rollout_logprobs and must be a finite number > 0")
+    check_stabilizer(stabilizer, clip_eps, m2po_budget)
+    if stabilizer != "none" and (rollout_logprobs is None or ratio_clip is not None):
+        raise ValueError(f"stabilizer={stabilizer!r} needs rollout_logprobs (its ratios) and no ratio_clip")
     logprob = sampled_token_logprobs(hidden, weight, actual_ids.long(), bias=bias, logit_scale=logit_scale,
                                      softcap=softcap, temperature=temperature)
     with torch.no_grad():
@@ -148,16 +271,18 @@ def reverse_kl_pg_loss(
         coefficient = advantage.clone()
         ratio = torch.zeros(0, device=hidden.device)
         clipped = torch.zeros((), device=hidden.device)
+        masked = torch.zeros((), device=hidden.device)
         if rollout_logprobs is not None:
-            if sampling_temperature is None or sampling_temperature == temperature:
-                ratio = torch.exp(logprob - rollout_logprobs.to(logprob.dtype))
-            else:
-                ratio = importance_ratios(hidden, weight, actual_ids, rollout_logprobs, bias=bias,
-                                          logit_scale=logit_scale, softcap=softcap,
-                                          sampling_temperature=sampling_temperature)
-            capped = ratio if ratio_clip is None else ratio.clamp(max=ratio_clip)
-            clipped = (capped < ratio).sum()
-            coefficient = coefficient * capped.to(coefficient.dtype)
+            log_ratio = sampling_log_ratio(hidden, weight, actual_ids.long(), rollout_logprobs, logprob, bias=bias,
+                                           logit_scale=logit_scale, softcap=softcap, temperature=temperature,
+                                           sampling_temperature=sampling_temperature)
+            proximal = None if proximal_logprobs is None else (proximal_logprobs.to(log_ratio.dtype)
+                                                                 - rollout_logprobs.to(log_ratio.dtype))
+            weights = stabilized_ratios(log_ratio, advantage, stabilizer=stabilizer, clip_eps=clip_eps,
+                                        m2po_budget=m2po_budget, ratio_clip=ratio_clip, proximal_log_ratio=proximal)
+            ratio = torch.exp(log_ratio)
+            clipped, masked = weights.clipped.sum(), weights.masked.sum()
+            coefficient = coefficient * weights.weight.to(coefficient.dtype)
         if token_weights is not None:
             coefficient = coefficient * token_weights.to(coefficient.dtype)
     loss = -(coefficient * logprob).sum()
@@ -173,4 +298,5 @@ def reverse_kl_pg_loss(
         clipped=clipped.float(),
         num_tokens=torch.tensor(n, dtype=torch.int64, device=hidden.device),
         reverse_kl=-advantage,
+        masked=masked.float(),
     )

@@ -21,6 +21,13 @@ import numpy as np
 
 from fastdistill.auth import api_key_problem, bearer_headers
 from fastdistill.http_client import health_problem, new_session
+from fastdistill.rollout.behaviour import (
+    draw_behaviour_samples,
+    draw_generator,
+    parse_top_logprobs,
+    student_topk,
+    support_width,
+)
 from fastdistill.rollout.decode import (  # TeacherScores and parse_prompt_logprobs: re-exported
     TeacherScores,
     _first_choice,
@@ -181,6 +188,14 @@ class _VLLMEndpoint:
         return self._model_name
 
 
+def _student_logprobs_hint(status: int, message: str) -> str | None:
+    if status == 400 and "logprobs" in message.lower():
+        return ("The student server cannot return this many log-probs per generated token (student queries ask "
+                "for top_k or num_student_queries of them): start the student with `--max-logprobs -1` (vLLM's "
+                "default is 20).")
+    return None
+
+
 class StudentClient(_VLLMEndpoint):
     """Samples completions from the student's vLLM server.
 
@@ -202,6 +217,8 @@ class StudentClient(_VLLMEndpoint):
         min_p: float | None = None,
         repetition_penalty: float = 1.0,
         model: str | None = None,
+        queries: str = "none",
+        num_queries: int = 0,
     ) -> Generation:
         """Sample one completion of at most ``max_tokens`` tokens after the token-id prompt ``prompt_ids``.
 
@@ -209,7 +226,16 @@ class StudentClient(_VLLMEndpoint):
         ``top_k=-1`` disables top-k; ``min_p`` is sent only when set and ``repetition_penalty`` only when != 1.
         ``seed=None`` draws a fresh random seed per request, so data-parallel engines
         never produce correlated samples. Returns int32 ids (L,) and float32 log-probs (L,) of the sampled tokens.
+
+        ``queries`` (see :mod:`fastdistill.rollout.behaviour`) also fills ``query_ids`` / ``query_logprobs``
+        (L, ``num_queries``): ``"topk"`` the ids of highest rollout log-prob (``logprobs=num_queries``);
+        ``"samples"`` draws from the distribution sampled from, column 0 the realised token, the others drawn here
+        from the server's log-probs of the sampler's whole support (``logprobs=top_k``; needs ``top_k >= 1``, and
+        a server started with ``--max-logprobs`` >= ``top_k`` beyond vLLM's default 20) with a generator seeded
+        from the request seed. Raises ValueError for settings without an exact route.
         """
+        width = support_width(queries, num_queries, top_k)
+        seed = seed if seed is not None else random.getrandbits(63)
         payload = {
             "model": model or await self.model_name(),
             "prompt": [int(token) for token in prompt_ids],
@@ -218,16 +244,19 @@ class StudentClient(_VLLMEndpoint):
             "top_p": top_p,
             "top_k": top_k,
             "n": 1,
-            "seed": seed if seed is not None else random.getrandbits(63),
-            "logprobs": 0,
+            "seed": seed,
+            "logprobs": width,
             "return_token_ids": True,
         }
+        if width:
+            payload["return_tokens_as_token_ids"] = True
         if min_p is not None:
             payload["min_p"] = min_p
         if repetition_penalty != 1.0:
             payload["repetition_penalty"] = repetition_penalty
         url = self._where("/v1/completions")
-        choice = _first_choice(url, await self._request("POST", "/v1/completions", payload))
+        body = await self._request("POST", "/v1/completions", payload, rejection_hint=_student_logprobs_hint)
+        choice = _first_choice(url, body)
         try:
             token_ids = choice["token_ids"]
             logprobs = choice["logprobs"]["token_logprobs"]
@@ -237,10 +266,19 @@ class StudentClient(_VLLMEndpoint):
             ) from error
         if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
             raise VLLMResponseError(f"{url}: token_ids and token_logprobs do not match: {choice!r:.300}")
-        return Generation(
-            token_ids=np.asarray(token_ids, dtype=np.int32).reshape(-1),
-            logprobs=np.asarray(logprobs, dtype=np.float32).reshape(-1),
-        )
+        token_array = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        logprob_array = np.asarray(logprobs, dtype=np.float32).reshape(-1)
+        if not width:
+            return Generation(token_ids=token_array, logprobs=logprob_array)
+        top_ids, top_logprobs = parse_top_logprobs(url, choice["logprobs"].get("top_logprobs"), len(token_array),
+                                                   width)
+        if queries == "topk":
+            query_ids, query_logprobs = student_topk(top_ids, top_logprobs, num_queries)
+        else:
+            query_ids, query_logprobs = draw_behaviour_samples(url, token_array, logprob_array, top_ids,
+                                                               top_logprobs, num_queries, draw_generator(seed))
+        return Generation(token_ids=token_array, logprobs=logprob_array, query_ids=query_ids,
+                          query_logprobs=query_logprobs)
 
 
 def _max_logprobs_hint(status: int, message: str) -> str | None:

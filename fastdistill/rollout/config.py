@@ -9,6 +9,7 @@ import numpy as np
 
 from fastdistill.adapter_names import adapter_name
 from fastdistill.auth import check_api_keys
+from fastdistill.rollout.behaviour import samples_route_problem
 from fastdistill.rollout.http import RetryPolicy
 from fastdistill.rollout.order import OnPolicyShare
 from fastdistill.rollout.replicas import normalize_urls
@@ -113,6 +114,9 @@ class RolloutConfig:
         if (self.student_queries == "none") != (self.num_student_queries == 0) or self.num_student_queries < 0:
             raise ValueError(f"num_student_queries must be >= 1 with student_queries={self.student_queries!r} and 0 "
                              f"without, got {self.num_student_queries}")
+        if self.student_queries == "samples" and (problem := samples_route_problem(self.top_k,
+                                                                                  self.num_student_queries)):
+            raise ValueError(problem)
         if not self.teacher_urls:
             raise ValueError("teacher_urls is empty: at least one teacher is needed")
         for teacher_id, signal in (self.teacher_signals or {}).items():

@@ -45,6 +45,8 @@ class RolloutSample:
       (L, S) for the student-side estimators (``RolloutConfig.student_queries``): row j holds S ids for completion
       position j (draws from the rollout policy μ with the realised token in column 0, or the rollout student's
       top-S), log μ at them (the distribution the student server sampled from) and the teacher's log π_T at them.
+      A hidden-state teacher gives no log-probs at the query ids: its samples keep ``query_teacher_logprobs`` None
+      and the trainer computes log π_T at the query ids from the teacher head on ``teacher_hidden``.
     """
 
     input_ids: np.ndarray
@@ -72,7 +74,13 @@ class RolloutSample:
                  prompt: Any = None) -> RolloutSample:
         """The sample of one rollout: the prompt, the student's :class:`Generation` and the teacher's
         :class:`TeacherScores` (or a hidden-state teacher's :class:`TeacherHiddenStates`) of it, plus where it
-        came from."""
+        came from.
+
+        With student queries (``generation.query_ids`` set, (L, S)) the sample carries them with their rollout
+        log-probs and, from a top-K teacher, the teacher's log-probs at them (``scores.query_logprobs``, (L, S));
+        a hidden-state teacher's samples leave ``query_teacher_logprobs`` None (the trainer's teacher head gives
+        them). Raises ValueError for arrays whose shapes disagree, or a top-K teacher's scores without query
+        log-probs for a generation with queries (or with them for one without)."""
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         length = generation.token_ids.shape[0]
         hidden = getattr(scores, "hidden", None)
@@ -83,6 +91,7 @@ class RolloutSample:
             candidate_ids, logprobs = np.zeros((length, 0), np.int32), np.zeros((length, 0), np.float32)
         else:
             candidate_ids, logprobs = scores.candidate_ids, scores.logprobs
+        query_ids, behaviour, teacher = _queries(generation, scores, length, hidden is not None)
         return cls(
             input_ids=np.concatenate([prompt_array, generation.token_ids]),
             completion_mask=np.concatenate([np.zeros(prompt_array.shape[0], np.int32), np.ones(length, np.int32)]),
@@ -95,6 +104,9 @@ class RolloutSample:
             dataset_index=dataset_index,
             prompt=prompt,
             teacher_hidden=None if hidden is None else hidden_array(hidden),
+            query_ids=query_ids,
+            query_behaviour_logprobs=behaviour,
+            query_teacher_logprobs=teacher,
         )
 
     @property
@@ -122,6 +134,27 @@ class RolloutSample:
             "teacher_topk_ids": ids,
             "teacher_topk_logprobs": logprobs,
         }
+
+
+def _queries(generation: Generation, scores: Any, length: int,
+             hidden_teacher: bool) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The sample's (query ids int32, log μ float32, log π_T float32 or None) (L, S) each, or three Nones; checked."""
+    ids, behaviour = generation.query_ids, generation.query_logprobs
+    teacher = getattr(scores, "query_logprobs", None)
+    if ids is None and behaviour is None:
+        if teacher is not None:
+            raise ValueError("the teacher's scores carry query log-probs for a generation without query ids")
+        return None, None, None
+    if ids is None or behaviour is None or ids.ndim != 2 or behaviour.shape != ids.shape or ids.shape[0] != length:
+        raise ValueError(f"the generation's query_ids {getattr(ids, 'shape', None)} and query_logprobs "
+                         f"{getattr(behaviour, 'shape', None)} must both be (L, S) for its {length} tokens")
+    if teacher is None and not hidden_teacher:
+        raise ValueError(f"the teacher's scores carry no log-probs at the {ids.shape[1]} query ids per position "
+                         "(score them with TeacherClient.score(..., query_ids=...))")
+    if teacher is not None and teacher.shape != ids.shape:
+        raise ValueError(f"the teacher's query log-probs have shape {teacher.shape}, the query ids {ids.shape}")
+    return (ids.astype(np.int32, copy=False), behaviour.astype(np.float32, copy=False),
+            None if teacher is None else teacher.astype(np.float32, copy=False))
 
 
 def hidden_array(hidden: torch.Tensor) -> np.ndarray:

@@ -74,6 +74,13 @@ def is_clipped(completion: Any, eos_token_ids: frozenset[int], max_tokens: int) 
     return completion.shape[0] >= max_tokens
 
 
+def student_queries(config: RolloutConfig) -> dict[str, Any]:
+    """The generation keywords that ask the student server for ``config``'s query ids (none without queries)."""
+    if config.student_queries == "none":
+        return {}
+    return {"queries": config.student_queries, "num_queries": config.num_student_queries}
+
+
 @dataclass(frozen=True)
 class Kept:
     """A student generation kept for re-scoring, with the policy version it was sampled under."""
@@ -197,7 +204,7 @@ class Rollouts:
                     self.student, row["prompt_ids"], current_version=self.current_version,
                     model_for_version=config.student_model_for_version, max_tokens=config.max_tokens,
                     temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                    repetition_penalty=config.repetition_penalty, seed=seed)
+                    repetition_penalty=config.repetition_penalty, seed=seed, **student_queries(config))
             except VLLMError as error:
                 error.server = "student"  # type: ignore[attr-defined]
                 raise
@@ -208,8 +215,10 @@ class Rollouts:
             if config.teacher_signal(teacher_id) == "hidden":
                 scores = await self.teachers[teacher_id].score(row["prompt_ids"], generation.token_ids)
             else:
+                # the teacher also scores the student's query ids (its top-K stays: held-out JSD and mixing)
+                queried = {} if generation.query_ids is None else {"query_ids": generation.query_ids}
                 scores = await self.teachers[teacher_id].score(row["prompt_ids"], generation.token_ids,
-                                                               top_k=config.teacher_top_k)
+                                                               top_k=config.teacher_top_k, **queried)
         except VLLMError as error:
             error.server = f"teacher {teacher_id}"  # type: ignore[attr-defined]
             if isinstance(error, VLLMUnavailableError):
@@ -287,4 +296,5 @@ async def run_wave(config: RolloutConfig, rows: Sequence[Mapping[str, Any]], bat
 
 
 __all__ = ["Kept", "Redispatch", "is_clipped", "RetryPolicy", "RolloutFailures", "Rollouts", "open_clients", "run_wave",
+           "student_queries",
            "teacher_client"]
