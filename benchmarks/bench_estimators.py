@@ -46,7 +46,9 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,7 @@ class Settings:
     teacher_samples: int = 8  # teacher-sampled forward KL: draws from π_T per position
     clip_eps: float = 0.2
     m2po_budget: float = 0.01
-    lr: float = 1e-2
+    lr: float = 3e-2
 
 
 class Teacher:
@@ -200,58 +202,16 @@ def student_queries(r: Rollouts, kind: str, count: int, generator: torch.Generat
     return torch.cat([r.token[:, None], extra], 1)
 
 
-def _library_query_loss() -> Callable[..., Any] | None:
-    """``fastdistill.loss.estimators.query_reverse_kl_loss`` when that module exists on this branch."""
-    try:
-        from fastdistill.loss.estimators import query_reverse_kl_loss
-    except ImportError:
-        return None
-    return query_reverse_kl_loss
-
-
-def reference_query_loss(hidden, weight, query_ids, behaviour_logprobs, teacher_logprobs, *, estimator, bias,
-                         stabilizer="none", clip_eps=0.2, m2po_budget=0.01) -> torch.Tensor:
-    """LOCAL REFERENCE of the query estimators (used only while ``fastdistill.loss.estimators`` is missing):
-    summed loss over positions.
-
-    ``multi_sample``: (1/S) Σ_s −sg[w_s A_s] log π_θ(a_s), a_s ~ μ, A_s = log π_T(a_s) − sg[log π_θ(a_s)]
-    (learner-time), w_s = π_θ(a_s)/μ(a_s) with stabilizer "none". The stabilizers use the async-RL recipe instead,
-    the rollout-time advantage A_s = log π_T(a_s) − log μ(a_s) and: ``ppo_clip`` −min(r A, clip(r, 1±ε) A);
-    ``decoupled_ppo`` (one update per batch, so the proximal policy is θ itself) −sg[w] A log π_θ with the
-    behaviour weight w = π_θ/μ zeroed above 5; ``m2po`` −r A over the tokens left after dropping the largest
-    (log r)² until their mean is ≤ the budget. ``student_topk``: the sparse reverse KL over μ's top-S plus a tail
-    bucket (``sparse_jsd_loss`` at β = 1).
-    """
-    from fastdistill.loss import sparse_jsd_loss
-
-    if estimator == "student_topk":
-        return sparse_jsd_loss(hidden, weight, query_ids, teacher_logprobs, torch.ones_like(query_ids, dtype=bool),
-                               bias=bias, beta=1.0, backend="torch").loss
-    logprob = torch.log_softmax(hidden @ weight.T + bias, dim=-1).gather(1, query_ids)
-    S = query_ids.shape[1]
-    if stabilizer == "none":
-        with torch.no_grad():
-            coefficient = (teacher_logprobs - logprob) * (logprob - behaviour_logprobs).exp()
-        return -(coefficient * logprob).sum() / S
+def rollout_advantage_ppo_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, token: torch.Tensor,
+                               behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                               clip_eps: float) -> torch.Tensor:
+    """LOCAL REFERENCE (the library recomputes the advantage at learner time by design, so it has no such option):
+    the async-RL recipe, PPO-clip with the advantage frozen at rollout time, A = log π_T(y) − log μ(y), summed over
+    the N sampled tokens: −Σ min(r·A, clip(r, 1 − ε, 1 + ε)·A), r = π_θ(y)/μ(y)."""
+    logprob = torch.log_softmax(hidden @ weight.T + bias, dim=-1).gather(1, token[:, None]).squeeze(1)
     advantage = teacher_logprobs - behaviour_logprobs
-    log_ratio = logprob - behaviour_logprobs
-    ratio = log_ratio.exp()
-    if stabilizer == "ppo_clip":
-        surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage)
-        return -surrogate.sum() / S
-    if stabilizer == "decoupled_ppo":
-        w = ratio.detach()
-        w = torch.where(w > 5.0, torch.zeros_like(w), w)
-        return -(w * advantage * logprob).sum() / S
-    if stabilizer == "m2po":
-        second = log_ratio.detach().flatten() ** 2
-        order = second.argsort()
-        kept_mean = second[order].cumsum(0) / torch.arange(1, len(order) + 1)
-        keep_count = int((kept_mean <= m2po_budget).sum())
-        keep = torch.zeros_like(second, dtype=torch.bool)
-        keep[order[:keep_count]] = True
-        return -(ratio * advantage).flatten()[keep].sum() / S
-    raise ValueError(f"unknown stabilizer {stabilizer!r}")
+    ratio = torch.exp(logprob - behaviour_logprobs)
+    return -torch.minimum(ratio * advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage).sum()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,17 +267,22 @@ def _teacher_sampled(student, r, teacher, s, g):
 
 def _query(estimator: str, kind: str, count: Callable[[Settings], int], stabilizer: str = "none"):
     def loss(student, r, teacher, s, g):
+        from fastdistill.loss.estimators import query_reverse_kl_loss
+
         h, w, b = _head(student, r)
         ids = student_queries(r, kind, count(s), g)
-        behaviour = r.behaviour.gather(1, ids)
         teacher_lps = teacher.logprobs(r.topic, r.prev, r.pos).gather(1, ids)
-        library = _library_query_loss()
-        if library is None:
-            return reference_query_loss(h, w, ids, behaviour, teacher_lps, estimator=estimator, bias=b,
-                                        stabilizer=stabilizer, clip_eps=s.clip_eps, m2po_budget=s.m2po_budget)
-        return library(h, w, ids, behaviour, teacher_lps, estimator=estimator, bias=b, stabilizer=stabilizer,
-                       clip_eps=s.clip_eps, m2po_budget=s.m2po_budget).loss
+        return query_reverse_kl_loss(h, w, ids, r.behaviour.gather(1, ids), teacher_lps, estimator=estimator,
+                                     bias=b, stabilizer=stabilizer, clip_eps=s.clip_eps,
+                                     m2po_budget=s.m2po_budget).loss
     return loss
+
+
+def _rollout_advantage_ppo(student, r, teacher, s, g):
+    h, w, b = _head(student, r)
+    teacher_lp = teacher.logprobs(r.topic, r.prev, r.pos).gather(1, r.token[:, None]).squeeze(1)
+    behaviour = r.behaviour.gather(1, r.token[:, None]).squeeze(1)
+    return rollout_advantage_ppo_loss(h, w, b, r.token, behaviour, teacher_lp, s.clip_eps)
 
 
 ESTIMATORS = {e.name: e for e in (
@@ -329,18 +294,22 @@ ESTIMATORS = {e.name: e for e in (
     Estimator("topk_rkl", "reverse", "teacher top-K + realised token (stock vLLM)", _topk(1.0)),
     Estimator("single_sample_rkl", "reverse", "teacher log-prob of the realised token (stock vLLM)",
               _single_sample),
+    Estimator("single_sample_is", "reverse", "teacher log-prob of the realised token, student's log μ",
+              _query("multi_sample", "samples", lambda s: 1)),
     Estimator("multi_sample_rkl", "reverse", "teacher log-probs at S student draws (query scoring)",
               _query("multi_sample", "samples", lambda s: s.mc_samples)),
     Estimator("student_topk_rkl", "reverse", "teacher log-probs at the student's top-S (query scoring)",
               _query("student_topk", "topk", lambda s: s.student_top_k)),
-    Estimator("ppo_clip", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+    Estimator("ppo_clip", "reverse", "teacher log-prob of the realised token, student's log μ",
               _query("multi_sample", "samples", lambda s: 1, "ppo_clip")),
-    Estimator("decoupled_ppo", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+    Estimator("decoupled_ppo", "reverse", "teacher log-prob of the realised token, student's log μ",
               _query("multi_sample", "samples", lambda s: 1, "decoupled_ppo")),
-    Estimator("m2po", "reverse", "teacher log-prob of the realised token (stock vLLM)",
+    Estimator("m2po", "reverse", "teacher log-prob of the realised token, student's log μ",
               _query("multi_sample", "samples", lambda s: 1, "m2po")),
+    Estimator("ppo_clip_rollout_adv", "reverse", "teacher log-prob of the realised token, student's log μ",
+              _rollout_advantage_ppo),
 )}
-QUERY_ESTIMATORS = ("multi_sample_rkl", "student_topk_rkl", "ppo_clip", "decoupled_ppo", "m2po")
+LOCAL_REFERENCES = ("ppo_clip_rollout_adv",)
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -385,7 +354,8 @@ def divergences(world: World, student: Student, r: Rollouts) -> dict[str, float]
     token."""
     p = student.logprobs(r.topic, r.prev, r.pos).double()
     q = world.teacher.logprobs(r.topic, r.prev, r.pos).double()
-    return {"forward_kl": float((q.exp() * (q - p)).sum(-1).mean()), "reverse_kl": float((p.exp() * (p - q)).sum(-1).mean())}
+    return {"forward_kl": float((q.exp() * (q - p)).sum(-1).mean()),
+            "reverse_kl": float((p.exp() * (p - q)).sum(-1).mean())}
 
 
 def held_out_metrics(world: World, student: Student, seed: int) -> dict[str, float]:
@@ -463,6 +433,15 @@ def gradient_study(world: World, names: list[str], lags: list[int], warm_steps: 
     return out
 
 
+def run_job(name: str, lag: int, seed: int, steps: int, batch: int, held_out: int) -> dict[str, Any]:
+    """One training run and its held-out metrics (in a worker process: the world is rebuilt, deterministically)."""
+    world = build_world(Settings(), held_out)
+    started = time.perf_counter()
+    student, _ = train(world, ESTIMATORS[name], lag, seed, steps, batch)
+    return ({"estimator": name, "lag": lag, "seed": seed, "seconds": time.perf_counter() - started}
+            | held_out_metrics(world, student, seed))
+
+
 def mean_std(values: list[float]) -> dict[str, float]:
     """Mean and (population) standard deviation across seeds."""
     return {"mean": float(np.mean(values)), "std": float(np.std(values))}
@@ -478,8 +457,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--held-out", type=int, default=512, help="held-out prompts")
     parser.add_argument("--grad-lags", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--grad-warm-steps", type=int, default=40)
-    parser.add_argument("--grad-rollouts", type=int, default=300, help="rollout batches per gradient estimate")
-    parser.add_argument("--grad-ref-rollouts", type=int, default=600, help="batches of the dense reference")
+    parser.add_argument("--grad-rollouts", type=int, default=200, help="rollout batches per gradient estimate")
+    parser.add_argument("--grad-ref-rollouts", type=int, default=400, help="batches of the dense reference")
+    parser.add_argument("--workers", type=int, default=2, help="processes for the training runs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (seconds)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG path ('' for none)")
@@ -489,7 +469,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.grad_warm_steps, args.grad_rollouts, args.grad_ref_rollouts = max(args.grad_lags), 3, 3
     if min(args.lags + args.grad_lags) < 0 or args.grad_warm_steps < max(args.grad_lags):
         parser.error("lags must be ≥ 0 and --grad-warm-steps ≥ the largest --grad-lags")
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    torch.set_num_threads(1)
     started = time.perf_counter()
     s = Settings()
     world = build_world(s, args.held_out)
@@ -499,31 +479,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "held_out_tokens": len(world.held_teacher.token), "vocab_size": world.language.vocab_size}
     before = {str(seed): held_out_metrics(world, world.student(seed), seed) for seed in args.seeds}
 
-    runs = []
+    jobs = [(name, lag, seed, args.steps, args.batch, args.held_out)
+            for name in args.estimators for lag in args.lags for seed in args.seeds]
+    # the runs go to worker processes while this one measures the gradients (tiny tensors: one thread each)
+    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
+                             initargs=(1,)) as pool:
+        pending = [pool.submit(run_job, *job) for job in jobs]
+        gradients = gradient_study(world, args.estimators, args.grad_lags, args.grad_warm_steps, args.batch,
+                                   args.grad_rollouts, args.grad_ref_rollouts)
+        runs = [future.result() for future in pending]
     for name in args.estimators:
-        for lag in args.lags:
-            for seed in args.seeds:
-                t0 = time.perf_counter()
-                student, _ = train(world, ESTIMATORS[name], lag, seed, args.steps, args.batch)
-                runs.append({"estimator": name, "lag": lag, "seed": seed, "seconds": time.perf_counter() - t0}
-                            | held_out_metrics(world, student, seed))
         done = [r for r in runs if r["estimator"] == name]
-        print(f"{name}: " + ", ".join(f"lag {lag} RKL {np.mean([r['held_out_reverse_kl'] for r in done if r['lag'] == lag]):.4f}"
-                                      for lag in args.lags), flush=True)
+        means = [np.mean([r["held_out_reverse_kl"] for r in done if r["lag"] == lag]) for lag in args.lags]
+        cells = [f"lag {lag} {m:.4f}" for lag, m in zip(args.lags, means, strict=True)]
+        print(f"{name}: held-out KL(S‖T) " + ", ".join(cells), flush=True)
     keys = ("held_out_forward_kl", "held_out_reverse_kl", "on_policy_reverse_kl")
     summary = {name: {str(lag): {k: mean_std([r[k] for r in runs if r["estimator"] == name and r["lag"] == lag])
                                  for k in keys} for lag in args.lags} for name in args.estimators}
-    gradients = gradient_study(world, args.estimators, args.grad_lags, args.grad_warm_steps, args.batch,
-                               args.grad_rollouts, args.grad_ref_rollouts)
-    library = _library_query_loss() is not None
     report = {"benchmark": "bench_estimators", "date": datetime.now(UTC).isoformat(timespec="seconds"),
               "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "device": "cpu"},
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "settings": dataclasses.asdict(s), "teacher": teacher_info,
               "estimators": {name: {"family": ESTIMATORS[name].family, "wire": ESTIMATORS[name].wire,
-                                    "implementation": ("fastdistill.loss.estimators" if library else
-                                                       "local reference (bench_estimators.reference_query_loss)")
-                                    if name in QUERY_ESTIMATORS else "fastdistill.loss"}
+                                    "implementation": "local reference (bench_estimators.rollout_advantage_ppo_loss)"
+                                    if name in LOCAL_REFERENCES else "fastdistill.loss"}
                              for name in args.estimators},
               "before_training": {k: mean_std([b[k] for b in before.values()]) for k in keys},
               "runs": runs, "summary": summary, "gradients": gradients,
