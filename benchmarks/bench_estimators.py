@@ -459,13 +459,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--grad-warm-steps", type=int, default=40)
     parser.add_argument("--grad-rollouts", type=int, default=200, help="rollout batches per gradient estimate")
     parser.add_argument("--grad-ref-rollouts", type=int, default=400, help="batches of the dense reference")
-    parser.add_argument("--workers", type=int, default=2, help="processes for the training runs")
+    parser.add_argument("--workers", type=int, default=2, help="processes for the training runs (0: this one)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (seconds)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG path ('' for none)")
+    parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this JSON report")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        report = json.loads(args.replot.read_text())
+        plot(report, args.plot)
+        return report
     if args.quick:
-        args.seeds, args.steps, args.batch, args.held_out = args.seeds[:1], 3, 4, 16
+        args.seeds, args.steps, args.batch, args.held_out, args.workers = args.seeds[:1], 3, 4, 16, 0
         args.grad_warm_steps, args.grad_rollouts, args.grad_ref_rollouts = max(args.grad_lags), 3, 3
     if min(args.lags + args.grad_lags) < 0 or args.grad_warm_steps < max(args.grad_lags):
         parser.error("lags must be ≥ 0 and --grad-warm-steps ≥ the largest --grad-lags")
@@ -482,12 +487,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs = [(name, lag, seed, args.steps, args.batch, args.held_out)
             for name in args.estimators for lag in args.lags for seed in args.seeds]
     # the runs go to worker processes while this one measures the gradients (tiny tensors: one thread each)
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(1,)) as pool:
-        pending = [pool.submit(run_job, *job) for job in jobs]
-        gradients = gradient_study(world, args.estimators, args.grad_lags, args.grad_warm_steps, args.batch,
-                                   args.grad_rollouts, args.grad_ref_rollouts)
-        runs = [future.result() for future in pending]
+    def measure_gradients() -> dict[str, Any]:
+        return gradient_study(world, args.estimators, args.grad_lags, args.grad_warm_steps, args.batch,
+                              args.grad_rollouts, args.grad_ref_rollouts)
+
+    if args.workers == 0:
+        runs = [run_job(*job) for job in jobs]
+        gradients = measure_gradients()
+    else:
+        with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
+                                 initargs=(1,)) as pool:
+            pending = [pool.submit(run_job, *job) for job in jobs]
+            gradients = measure_gradients()
+            runs = [future.result() for future in pending]
     for name in args.estimators:
         done = [r for r in runs if r["estimator"] == name]
         means = [np.mean([r["held_out_reverse_kl"] for r in done if r["lag"] == lag]) for lag in args.lags]
@@ -553,21 +565,22 @@ def plot(report: dict[str, Any], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=80)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), dpi=80)
     for ax, key, title in ((axes[0], "held_out_reverse_kl", "at teacher completions"),
                            (axes[1], "on_policy_reverse_kl", "at the student's own completions")):
-        for name, by_lag in report["summary"].items():
+        for index, (name, by_lag) in enumerate(report["summary"].items()):
             lags = [int(lag) for lag in by_lag]
             mean = np.array([by_lag[str(lag)][key]["mean"] for lag in lags])
             std = np.array([by_lag[str(lag)][key]["std"] for lag in lags])
             style = "--" if report["estimators"][name]["family"] == "forward" else "-"
-            ax.errorbar(lags, mean, yerr=std, label=name, linestyle=style, marker="o", markersize=3, capsize=2)
+            ax.errorbar(lags, mean, yerr=std, label=name, linestyle=style, marker="o", markersize=3, capsize=2,
+                        color=plt.cm.tab20(index % 20))
         ax.set_xlabel("staleness (optimizer steps)")
         ax.set_ylabel("reverse KL(student‖teacher), nats/token")
         ax.set_title(title, fontsize=10)
         ax.set_yscale("log")
         ax.set_xticks(lags)
-    axes[1].legend(fontsize=7, ncol=2)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(f"held-out reverse KL after {report['args']['steps']} steps, {len(report['args']['seeds'])} seeds",
                  fontsize=10)
     fig.tight_layout()
