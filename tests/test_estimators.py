@@ -9,7 +9,9 @@ gradients use an identity lm_head (D = V, weight = I), so that the hidden state 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -391,6 +393,41 @@ def test_float32_agrees_with_float64_within_the_rounding_bound(estimator):
     assert float(per_position.max() / out64.reverse_kl.abs().max()) < 1e-3  # a bound tight enough to mean something
 
 
+@pytest.mark.parametrize("estimator", ["multi_sample", "student_topk"])
+def test_no_n_by_v_tensor_is_kept_for_backward(estimator):
+    """1024 positions, V = 64: every tensor autograd saves for backward is smaller than one (256, V) chunk tile
+    (checkpointing keeps only each chunk's inputs), let alone (N, V); the gradient is the unchunked one's."""
+    from fastdistill.loss.policy_gradient import CHUNK_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    n, vocab, d, draws = 1024, 64, 8, 4
+    hidden = torch.randn(n, d, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, d, generator=g, requires_grad=True)
+    ids = torch.argsort(torch.rand(n, vocab, generator=g), 1)[:, :draws]
+    lps = torch.full((n, draws), -3.0)
+    largest = []
+
+    def pack(t):
+        largest.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = query_reverse_kl_loss(hidden, weight, ids, lps, lps, estimator=estimator)
+    assert max(largest) < CHUNK_ROWS * vocab < n * vocab, max(largest)
+    grads = torch.autograd.grad(out.loss, (hidden, weight))
+    logits = hidden @ weight.t()
+    logp = torch.log_softmax(logits, 1)
+    lp = logp.gather(1, ids)
+    if estimator == "multi_sample":
+        advantage = (lps - lp).detach()
+        dense = -(torch.exp(lp - lps).detach() * advantage * lp).sum() / draws
+    else:
+        tail = torch.logsumexp(logits.scatter(1, ids, -math.inf), 1) - torch.logsumexp(logits, 1)
+        dense = (lp.exp() * (lp - lps)).sum() + (tail.exp() * (tail - torch.log1p(-lps.exp().sum(1)))).sum()
+    for got, want in zip(grads, torch.autograd.grad(dense, (hidden, weight)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_no_positions_still_connects_the_graph():
     weight = torch.randn(V, 3, requires_grad=True)
     hidden = torch.zeros(0, 3, requires_grad=True)
@@ -439,6 +476,7 @@ def bad_calls():
         case("importance_ratio=False leaves no ratio", importance_ratio=False, stabilizer="ppo_clip"),
         case("clips itself", stabilizer="ppo_clip", ratio_clip=2.0),
         case("proximal_logprobs are decoupled PPO's", proximal_logprobs=lp),
+        case("sampling_top_k must be None or an int", sampling_top_k=2.5),
     ]
 
 
@@ -446,3 +484,291 @@ def bad_calls():
 def test_bad_inputs_are_value_errors_naming_the_problem(kwargs, match):
     with pytest.raises(ValueError, match=match):
         query_reverse_kl_loss(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+
+
+def test_config_maps_the_loss_types_to_student_queries_and_refuses_what_cannot_work():
+    from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+
+    base = dict(model_name_or_path="m", weight_sync_backend="none")
+    mc = AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=4, top_k=8)
+    topk = AsyncDistillationConfig(**base, loss_type="reverse_kl_student_topk", num_student_queries=3)
+    assert (mc.student_queries, topk.student_queries) == ("samples", "topk")
+    assert AsyncDistillationConfig(**base).student_queries == "none"
+    for stabilizer in ("ppo_clip", "decoupled_ppo", "m2po"):
+        AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=2, top_k=8,
+                                pg_stabilizer=stabilizer)
+        AsyncDistillationConfig(**base, loss_type="reverse_kl_pg", pg_importance_ratio=True, pg_stabilizer=stabilizer)
+    refused = [
+        (dict(loss_type="reverse_kl_mc"), "num_student_queries must be an int >= 1 with loss_type='reverse_kl_mc'"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=0), "num_student_queries must be an int >= 1"),
+        (dict(num_student_queries=2), "num_student_queries must be 0 with loss_type='jsd'"),
+        (dict(loss_type="reverse_kl_mc", num_student_queries=2),
+         "top_k must be a top-k with loss_type='reverse_kl_mc'"),
+        (dict(pg_stabilizer="ppo_clip"), "pg_stabilizer must be 'none' with loss_type='jsd'"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=2, pg_stabilizer="m2po"),
+         "pg_stabilizer must be 'none' with loss_type='reverse_kl_student_topk'"),
+        (dict(loss_type="reverse_kl_pg", pg_stabilizer="ppo_clip"), "pg_importance_ratio=False"),
+        (dict(loss_type="reverse_kl_pg", pg_importance_ratio=True, pg_ratio_clip=2.0, pg_stabilizer="ppo_clip"),
+         "pg_ratio_clip must be None with pg_stabilizer='ppo_clip'"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=2, pg_ratio_clip=2.0),
+         "pg_ratio_clip must be None, or a number > 0"),
+        (dict(pg_stabilizer="trust_region"), "pg_stabilizer must be one of"),
+        (dict(pg_clip_eps=1.5), "pg_clip_eps must be in (0, 1)"),
+        (dict(m2po_budget=0.0), "m2po_budget must be a finite number > 0"),
+        (dict(loss_type="reverse_kl_mc", num_student_queries=2, top_k=8, teacher_cache="cache"),
+         "loss_type must be 'jsd' with teacher_cache"),
+        (dict(loss_type="reverse_kl_student_topk", num_student_queries=2, teacher_cache="cache"),
+         "loss_type must be 'jsd' with teacher_cache"),
+    ]
+    for overrides, message in refused:
+        with pytest.raises(ConfigError) as error:
+            AsyncDistillationConfig(**{**base, **overrides})
+        assert message in str(error.value), (overrides, str(error.value))
+    AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=2, top_k=8, pg_ratio_clip=2.0)
+    # a hidden-state teacher is supported: the trainer computes log π_T at the query ids from the teacher's head
+    AsyncDistillationConfig(**base, loss_type="reverse_kl_student_topk", num_student_queries=2,
+                            teacher_server_urls={"d": "http://127.0.0.1:10"}, teacher_signal="hidden")
+
+
+def test_the_rollout_config_asks_for_the_loss_types_queries():
+    from fastdistill.train.checkpoint import RolloutState
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.pipeline import rollout_config
+
+    for loss, extra, kind in (("reverse_kl_mc", dict(top_k=8), "samples"), ("reverse_kl_student_topk", {}, "topk")):
+        cfg = AsyncDistillationConfig(model_name_or_path="m", weight_sync_backend="none", loss_type=loss,
+                                      num_student_queries=3, **extra)
+        rollouts = rollout_config(cfg, world_size=1, rollout_state=RolloutState(), total_prompts=4,
+                                  skip_rows=frozenset(), on_policy=None, eos_ids=(2,), adapter_sync=False)
+        assert (rollouts.student_queries, rollouts.num_student_queries) == (kind, 3)
+
+
+QUERIES = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """(tokenizer, student folder, top-K teacher model, hidden teacher folder and model) of the tiny family."""
+    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    student = build_model(tiny_config(vocab, pad_token_id=0, eos_token_id=2), seed=7)
+    student_dir = save_pretrained_dir(student, tokenizer, tmp_path_factory.mktemp("student"))
+    teacher = build_model(tiny_config(vocab, pad_token_id=0, eos_token_id=2), seed=103).float().eval()
+    teacher_dir = save_pretrained_dir(teacher, tokenizer, tmp_path_factory.mktemp("teacher"))
+    return tokenizer, student_dir, teacher, teacher_dir
+
+
+def completion_logprobs(model, sample) -> torch.Tensor:
+    """(L, V) float64 log-probs of ``model`` at the positions predicting each completion token."""
+    with torch.no_grad():
+        logits = model(torch.tensor(sample.input_ids[None].astype("int64")), use_cache=False).logits[0]
+    return torch.log_softmax(logits.double(), -1)[sample.prompt_length - 1 : -1]
+
+
+def with_queries(samples, student, teacher, kind: str):
+    """The samples with student queries: μ is the student's distribution sharpened (so π_θ ≠ μ), draws from it with
+    the realised token first ("samples") or its top-S ("topk"), and the teacher's log-probs at them."""
+    import dataclasses
+
+    import numpy as np
+
+    rng = torch.Generator().manual_seed(4)
+    out = []
+    for sample in samples:
+        mu = torch.log_softmax(completion_logprobs(student, sample) * 1.5, -1)
+        if kind == "samples":
+            ids = torch.multinomial(mu.exp(), QUERIES, replacement=True, generator=rng)
+            ids[:, 0] = torch.from_numpy(sample.completion_ids.astype("int64"))
+        else:
+            ids = torch.topk(mu, QUERIES, dim=-1).indices
+        teacher_lp = completion_logprobs(teacher, sample).gather(1, ids)
+        out.append(dataclasses.replace(sample, query_ids=ids.numpy().astype(np.int32),
+                                       query_behaviour_logprobs=mu.gather(1, ids).numpy().astype(np.float32),
+                                       query_teacher_logprobs=teacher_lp.numpy().astype(np.float32)))
+    return out
+
+
+def oracle_estimate(student, sample, kind: str) -> torch.Tensor:
+    """(L,) per position from the Hugging Face student's float64 log-probs: (1/S) Σ_n w_n (log π_θ − log π_T)(a_n)
+    with w = π_θ/μ, or the support-plus-tail KL."""
+    logp = completion_logprobs(student, sample)
+    ids = torch.from_numpy(sample.query_ids.astype("int64"))
+    lp, mu = logp.gather(1, ids), torch.from_numpy(sample.query_behaviour_logprobs).double()
+    teacher = torch.from_numpy(sample.query_teacher_logprobs).double()
+    if kind == "samples":
+        return (torch.exp(lp - mu) * (lp - teacher)).mean(1)
+    p_tail, q_tail = 1 - lp.exp().sum(1), 1 - teacher.exp().sum(1)
+    return (lp.exp() * (lp - teacher)).sum(1) + p_tail * (p_tail.log() - q_tail.log())
+
+
+@pytest.mark.parametrize("loss_type,kind", [("reverse_kl_mc", "samples"), ("reverse_kl_student_topk", "topk")])
+def test_a_training_step_logs_the_estimate_of_the_current_student(loss_type, kind, tiny_models, tmp_path):
+    """One trainer step on samples with queries: the logged reverse_kl is the mean over positions of the estimate
+    computed here from the Hugging Face student (before the step), with the pg metrics; the weights move."""
+    from trainer_cases import offline_config
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill.train.trainer import AsyncDistillationTrainer
+
+    tokenizer, student_dir, teacher, _ = tiny_models
+    student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
+    samples = with_queries(synthetic_samples(teacher, len(tokenizer), 4, seed=5), student, teacher, kind)
+    cfg = offline_config(student_dir, tmp_path, teacher_server_urls={"default": "http://127.0.0.1:9"},
+                         loss_type=loss_type, num_student_queries=QUERIES, max_steps=1, top_k=8,
+                         per_device_train_batch_size=4, export_final_model=True)
+    AsyncDistillationTrainer(cfg, samples=samples).train()
+    logged = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    want = torch.cat([oracle_estimate(student, s, kind) for s in samples]).mean()
+    assert logged["reverse_kl"] == pytest.approx(float(want), rel=1e-4)
+    assert "pg/advantage_std" in logged
+    assert ("pg/ratio_mean" in logged) == (kind == "samples")
+    assert ("pg/support_mass_mean" in logged) == (kind == "topk")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert not torch.equal(trained.lm_head.weight, student.lm_head.weight)
+
+
+@pytest.mark.parametrize("loss_type,kind", [("reverse_kl_pg", None), ("reverse_kl_mc", "samples"),
+                                            ("reverse_kl_student_topk", "topk")])
+def test_a_hidden_state_teacher_gets_its_query_logprobs_from_its_head(loss_type, kind, tiny_models):
+    """A hidden-state teacher sends no log-probs: the model computes log π_T at the query ids (the sampled token
+    for reverse_kl_pg) from the teacher's head on its hidden states; the loss equals the one on the same samples
+    with the teacher's log-probs on the wire (to float32 rounding of the two routes)."""
+    import dataclasses
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.data.packing import pack_row
+    from fastdistill.loss import narrow_support
+    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.model import DistillationModel
+    from fastdistill.train.step import TrainStep
+    from fastdistill.train.teacher_head import load_teacher_head
+
+    tokenizer, student_dir, teacher, teacher_dir = tiny_models
+    student = AutoModelForCausalLM.from_pretrained(student_dir).float()
+    samples = synthetic_samples(teacher, len(tokenizer), 3, seed=6)
+    if kind is not None:
+        samples = with_queries(samples, student.eval(), teacher, kind)
+    hidden_samples = []
+    for s in samples:
+        with torch.no_grad():
+            states = teacher.model(torch.tensor(s.input_ids[None].astype("int64"))).last_hidden_state[0]
+        rows = states[s.prompt_length - 1 : -1].float().numpy()
+        width = (len(s.completion_ids), 0)
+        hidden_samples.append(dataclasses.replace(
+            s, teacher_hidden=rows, teacher_topk_ids=np.zeros(width, np.int32),
+            teacher_topk_logprobs=np.zeros(width, np.float32), query_teacher_logprobs=None))
+    extra = dict(num_student_queries=QUERIES, top_k=8) if kind else {}
+    outputs = []
+    for batch, signal in ((samples, "topk"), (hidden_samples, "hidden")):
+        cfg = AsyncDistillationConfig(model_name_or_path=str(student_dir), weight_sync_backend="none",
+                                      teacher_server_urls={"default": "http://127.0.0.1:9"}, teacher_signal=signal,
+                                      loss_type=loss_type, **extra)
+        model = DistillationModel(student, cfg)
+        model.teacher_heads = {0: load_teacher_head(teacher_dir)} if signal == "hidden" else {}
+        row = pack_row(batch, ["default"], vocab_size=len(tokenizer))
+        support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
+        out, _ = model(row, *support)
+        outputs.append(out)
+        # the step's token count (the loss's normaliser) counts the positions the model scored
+        assert TrainStep._scored_count(SimpleNamespace(config=cfg), row, support) == int(out.num_tokens)
+    topk_out, hidden_out = outputs
+    # the synthetic top-K rows carry the realised token (top-K, or added): every position is scored either way
+    assert int(hidden_out.num_tokens) == int(topk_out.num_tokens) == row.num_trained
+    assert float(hidden_out.jsd_sum) == pytest.approx(float(topk_out.jsd_sum), rel=1e-5, abs=1e-5)
+    assert float(hidden_out.jsd_sum) != 0.0
+    grads = torch.autograd.grad(hidden_out.loss, student.lm_head.weight)
+    assert bool(torch.isfinite(grads[0]).all()) and grads[0].abs().sum() > 0
+
+
+def test_a_row_without_queries_is_refused_by_a_query_loss_type(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    from fastdistill.data.packing import pack_row
+    from fastdistill.loss import narrow_support
+    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill.train.config import AsyncDistillationConfig
+    from fastdistill.train.model import DistillationModel
+
+    tokenizer, student_dir, teacher, _ = tiny_models
+    cfg = AsyncDistillationConfig(model_name_or_path=str(student_dir), weight_sync_backend="none",
+                                  loss_type="reverse_kl_student_topk", num_student_queries=2)
+    model = DistillationModel(AutoModelForCausalLM.from_pretrained(student_dir), cfg)
+    row = pack_row(synthetic_samples(teacher, len(tokenizer), 2, seed=8), ["default"], vocab_size=len(tokenizer))
+    support = narrow_support(row.candidate_ids, row.candidate_logprobs, row.actual_ids, 0.0)
+    with pytest.raises(ValueError, match="reads student queries, and this row's samples carry none"):
+        model(row, *support)
+
+
+# ------------------------------------------------------------------------------------------------ top-k sampling
+
+
+def truncated(logp: torch.Tensor, k: int) -> torch.Tensor:
+    """log of ``logp``'s top-k renormalised, −inf elsewhere (rows), from its definition."""
+    top = torch.topk(logp, k, dim=-1)
+    out = torch.full_like(logp, -math.inf)
+    return out.scatter(-1, top.indices, top.values - torch.logsumexp(top.values, -1, keepdim=True))
+
+
+def test_under_top_k_sampling_a_fresh_ratio_is_the_top_k_mass_and_the_stabilizers_read_the_lag_instead():
+    """μ = the current student's top-3 of 6, renormalised (a fresh rollout under top-k): r = π_θ/μ is the top-3 mass Z
+    on every draw, so M2PO masks every entry and PPO-clip clips the negative-advantage ones; with
+    ``sampling_top_k=3`` they judge the move by μ_θ/μ = 1 and reduce to the plain estimator."""
+    from fastdistill.loss.policy_gradient import sampler_log_ratio
+
+    z, ids, _, teacher = stabilizer_case(0.0, draws=3)
+    logp = torch.log_softmax(z, 1)
+    mu = truncated(logp, 3)
+    ids = torch.topk(logp, 3, dim=1).indices  # draws inside μ's support
+    behaviour = mu.gather(1, ids)
+    mass = torch.topk(logp, 3, dim=1).values.exp().sum(1)
+    lag = sampler_log_ratio(z, torch.eye(V, dtype=torch.float64), ids, behaviour, bias=None, logit_scale=1.0,
+                            softcap=None, sampling_temperature=1.0, sampling_top_k=3)
+    torch.testing.assert_close(lag, torch.zeros_like(lag), rtol=0, atol=1e-14)
+    assert sampler_log_ratio(z, torch.eye(V, dtype=torch.float64), ids, behaviour, bias=None, logit_scale=1.0,
+                             softcap=None, sampling_temperature=1.0, sampling_top_k=V) is None
+    plain, want = loss_gradient(z, ids, behaviour, teacher)
+    torch.testing.assert_close(torch.exp(torch.log_softmax(z, 1).gather(1, ids) - behaviour),
+                               mass[:, None].expand_as(ids), rtol=1e-12, atol=0)
+    blind, _ = loss_gradient(z, ids, behaviour, teacher, stabilizer="m2po")
+    assert int(blind.masked) == ids.numel()
+    for stabilizer in ("m2po", "ppo_clip"):
+        out, grad = loss_gradient(z, ids, behaviour, teacher, stabilizer=stabilizer, sampling_top_k=3)
+        assert int(out.masked) == int(out.clipped) == 0
+        torch.testing.assert_close(grad, want, rtol=1e-13, atol=1e-15)
+
+
+def test_the_sampler_lag_ratio_is_the_truncated_distributions_ratio_and_ppo_clips_on_it():
+    """A stale rollout (μ = the top-3 of perturbed logits): sampler_log_ratio = log μ_θ − log μ with μ_θ the current
+    top-3 renormalised (−inf outside it), and PPO-clip clips exactly where that ratio leaves [0.8, 1.2] against the
+    advantage's sign, weighting the rest by π_θ/μ."""
+    from fastdistill.loss.policy_gradient import sampler_log_ratio
+
+    z, _, _, _ = stabilizer_case(0.0, draws=3)
+    g = torch.Generator().manual_seed(21)
+    old = z + 0.4 * torch.randn(z.shape, generator=g, dtype=torch.float64)
+    mu = truncated(torch.log_softmax(old, 1), 3)
+    ids = torch.topk(old, 3, dim=1).indices
+    behaviour = mu.gather(1, ids)
+    teacher = torch.log_softmax(torch.randn(z.shape, generator=g, dtype=torch.float64), 1).gather(1, ids)
+    current = truncated(torch.log_softmax(z, 1), 3).gather(1, ids)
+    lag = sampler_log_ratio(z, torch.eye(V, dtype=torch.float64), ids, behaviour, bias=None, logit_scale=1.0,
+                            softcap=None, sampling_temperature=1.0, sampling_top_k=3)
+    torch.testing.assert_close(lag, current - behaviour, rtol=1e-12, atol=1e-14)
+    assert bool(torch.isinf(lag).any())  # some stale draws left the current top-3
+    out, grad = loss_gradient(z, ids, behaviour, teacher, stabilizer="ppo_clip", sampling_top_k=3)
+    logp = torch.log_softmax(z, 1).gather(1, ids)
+    r_lag, a = lag.exp(), teacher - logp
+    expected = ((a > 0) & (r_lag > 1.2)) | ((a < 0) & (r_lag < 0.8))
+    assert 0 < int(expected.sum()) < expected.numel() and int(out.clipped) == int(expected.sum())
+    keep = (~expected).double()
+    torch.testing.assert_close(grad, objective_gradient(z, ids, behaviour, teacher, lambda r, adv, _: keep * r * adv),
+                               rtol=1e-12, atol=1e-14)

@@ -100,7 +100,6 @@ def config(student_dir, output_dir, teacher_dir=None, **overrides) -> AsyncDisti
     ({"teacher_hidden_dtype": "float16"}, "teacher_hidden_dtype must be one of"),
     ({"teacher_model_paths": {"topk": "/some/folder"}}, "keys are hidden-signal teachers"),
     ({"teacher_model_paths": {"dense": ""}}, "local checkpoint folder"),
-    ({"loss_type": "reverse_kl_pg"}, "reverse_kl_pg reads the teacher's log-prob"),
     ({"teacher_cache": "cache", "teacher_server_urls": {"dense": "http://127.0.0.1:10"}},
      "a teacher cache holds top-K log-probs"),
 ])

@@ -28,8 +28,10 @@ when the support is the whole vocabulary. Its gradient with respect to a logit z
 ℓ_v = log(p_v/q_v) on the support and ℓ_v = log(P_tail/Q_tail) (the tail's average log-ratio) off it, where the
 dense gradient has p_v(log(p_v/q_v) − KL): the bias is zero when the support covers the vocabulary, or when
 log(p_v/q_v) is the same at every tail id, and otherwise nonzero (tests/test_estimators.py measures it). The tail
-term (rather than renormalising over the support, which gives the tail logits no gradient at all) keeps the student's
-tail mass pulled toward the teacher's. No ratio: the sum is exact at the visited state, whichever policy chose S.
+term, rather than the truncated sum alone (AsyncOPD's ``reverse_kl_rollout_student_topk``: not a divergence, it can
+be negative) or a renormalisation over the support (which gives the tail logits no gradient at all), keeps the
+student's tail mass pulled toward the teacher's. No ratio: the sum is exact at the visited state, whichever policy
+chose S.
 
 Both need on the wire, per completion position: S query ids, log μ at them (the student server's processed
 log-probs) and log π_T at them (``RolloutSample.query_*``). The full-vocabulary log-sum-exp is taken in bounded row
@@ -37,7 +39,8 @@ chunks under activation checkpointing (:func:`~fastdistill.loss.policy_gradient.
 (N, V) tensor is alive.
 
 Signature note: beyond the shared contract's arguments, :func:`query_reverse_kl_loss` takes ``importance_ratio``
-(default True), ``ratio_clip`` (default None) and ``proximal_logprobs`` (default None: the current weights).
+(default True), ``ratio_clip`` (default None), ``proximal_logprobs`` (default None: the current weights) and
+``sampling_top_k`` (default None: the stabilizers judge the policy's move by π_θ/μ itself).
 """
 
 from __future__ import annotations
@@ -54,8 +57,10 @@ from fastdistill.logit_head import LogitHead, head_logits
 from .policy_gradient import (
     CHUNK_ROWS,
     PG_STABILIZERS,
+    check_sampling_top_k,
     check_stabilizer,
     sampled_token_logprobs,
+    sampler_log_ratio,
     sampling_log_ratio,
     stabilized_ratios,
 )
@@ -124,7 +129,7 @@ def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tens
 
 def _validate(hidden, weight, query_ids, behaviour_logprobs, teacher_logprobs, token_weights, proximal_logprobs, *,
               estimator, temperature, sampling_temperature, stabilizer, clip_eps, m2po_budget, importance_ratio,
-              ratio_clip):
+              ratio_clip, sampling_top_k):
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -149,6 +154,7 @@ def _validate(hidden, weight, query_ids, behaviour_logprobs, teacher_logprobs, t
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     check_stabilizer(stabilizer, clip_eps, m2po_budget)
+    check_sampling_top_k(sampling_top_k)
     if ratio_clip is not None and not (isinstance(ratio_clip, (int, float)) and math.isfinite(ratio_clip)
                                        and ratio_clip > 0):
         raise ValueError(f"ratio_clip must be None or a finite number > 0, got {ratio_clip!r}")
@@ -194,6 +200,7 @@ def query_reverse_kl_loss(
     importance_ratio: bool = True,
     ratio_clip: float | None = None,
     proximal_logprobs: torch.Tensor | None = None,
+    sampling_top_k: int | None = None,
 ) -> EstimatorOutput:
     """Reverse-KL estimator over S query ids per position, summed over the N positions (module docstring).
 
@@ -215,6 +222,10 @@ def query_reverse_kl_loss(
         ratio_clip: upper truncation of the plain ratio (None: unclipped).
         proximal_logprobs: ``(N, S)`` log π_prox at the ids, sampling temperature, for ``"decoupled_ppo"`` (None:
             the current weights are the proximal policy, r' = 1).
+        sampling_top_k: the rollout's top-k (None: none): ``"ppo_clip"`` and ``"m2po"`` then judge the policy's move
+            by the current weights' truncated sampling distribution over μ
+            (:func:`~fastdistill.loss.policy_gradient.sampler_log_ratio`; a fresh sample's is 1), the weight staying
+            π_θ/μ.
 
     Raises ValueError for mismatched shapes, ids outside [0, V) (or repeated ones for student_topk), non-finite
     teacher (or, with the ratio, behaviour) log-probs, bad temperatures and option combinations that do not apply.
@@ -222,7 +233,7 @@ def query_reverse_kl_loss(
     _validate(hidden, weight, query_ids, behaviour_logprobs, teacher_logprobs, token_weights, proximal_logprobs,
               estimator=estimator, temperature=temperature, sampling_temperature=sampling_temperature,
               stabilizer=stabilizer, clip_eps=clip_eps, m2po_budget=m2po_budget, importance_ratio=importance_ratio,
-              ratio_clip=ratio_clip)
+              ratio_clip=ratio_clip, sampling_top_k=sampling_top_k)
     n, draws = query_ids.shape
     ids = query_ids.long()
     head = dict(bias=bias, logit_scale=logit_scale, softcap=softcap, temperature=temperature)
@@ -240,9 +251,12 @@ def query_reverse_kl_loss(
                                            sampling_temperature=sampling_temperature, **head)
             proximal = None if proximal_logprobs is None else (proximal_logprobs.to(log_ratio.dtype)
                                                                  - behaviour_logprobs.to(log_ratio.dtype))
+            lag = None if stabilizer in ("none", "decoupled_ppo") else sampler_log_ratio(
+                hidden, weight, ids, behaviour_logprobs, bias=bias, logit_scale=logit_scale, softcap=softcap,
+                sampling_temperature=sampling_temperature or temperature, sampling_top_k=sampling_top_k)
             stabilized = stabilized_ratios(log_ratio, advantage, stabilizer=stabilizer, clip_eps=clip_eps,
                                            m2po_budget=m2po_budget, proximal_log_ratio=proximal,
-                                           ratio_clip=ratio_clip)
+                                           ratio_clip=ratio_clip, lag_log_ratio=lag)
             ratio = torch.exp(log_ratio)
             weights = stabilized.weight
             clipped, masked = stabilized.clipped.sum().float(), stabilized.masked.sum().float()

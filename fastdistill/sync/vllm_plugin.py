@@ -1,4 +1,5 @@
-"""vLLM plugin entry point (``vllm.general_plugins``): registers fastdistill's ``gloo`` weight-transfer engine.
+"""vLLM plugin entry point (``vllm.general_plugins``): registers fastdistill's ``gloo`` weight-transfer engine and
+installs the teacher-scoring plugin (:mod:`fastdistill.sync.vllm_scoring`).
 
 vLLM calls :func:`register` once in each of its processes (API server, engine core, workers). Registration is by
 module path, so the engine module (and the transport) is imported only in the worker that builds the engine.
@@ -12,11 +13,15 @@ ENGINE_CLASS = "GlooWeightTransferEngine"
 
 
 def register() -> None:
-    """Register engine ``"gloo"`` with vLLM's ``WeightTransferEngineFactory``; idempotent.
+    """Install the scoring plugin (query-id log-probs on ``/v1/completions``) and register engine ``"gloo"`` with
+    vLLM's ``WeightTransferEngineFactory``; idempotent.
 
     Does nothing if vLLM has no weight-transfer factory (an older vLLM) or a ``gloo`` engine is already registered
     (the factory raises on duplicates; vLLM may one day ship its own).
     """
+    from fastdistill.sync.vllm_scoring import install
+
+    install()
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:

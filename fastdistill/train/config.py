@@ -21,8 +21,15 @@ from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
+from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_loss_options
+from fastdistill.train.config_checks import at_least as _at_least
+from fastdistill.train.config_checks import check as _check
+from fastdistill.train.config_checks import choice as _choice
+from fastdistill.train.config_checks import is_int as _is_int
+from fastdistill.train.config_checks import positive as _positive
+from fastdistill.train.config_checks import value_range as _range
 
-LOSS_TYPES = ("jsd", "reverse_kl_pg")
+__all__ = ["LOSS_TYPES", "PG_LOSS_TYPES", "QUERY_LOSS_TYPES", "AsyncDistillationConfig", "ConfigError"]
 STALE_POLICIES = ("drop", "importance")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -120,9 +127,21 @@ class AsyncDistillationConfig:
     teacher_top_k: int = 8
     add_tail_bucket: bool = True
     tail_mode: str = "exact"  # ours: "trl" reproduces TRL's clamped tail
-    loss_type: str = "jsd"  # ours: "reverse_kl_pg" = AsyncOPD's learner-time-advantage policy gradient
-    pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (rollout log-prob)
-    pg_ratio_clip: float | None = None  # ours: upper clip of that ratio
+    # ours: "reverse_kl_pg" = AsyncOPD's learner-time-advantage policy gradient on the sampled token; "reverse_kl_mc"
+    # = the same over num_student_queries draws from the rollout policy μ per position, importance-weighted by π_θ/μ;
+    # "reverse_kl_student_topk" = the exact reverse KL over the rollout student's top-num_student_queries ids plus a
+    # tail bucket (docs/loss.md, "Student-side reverse-KL estimators")
+    loss_type: str = "jsd"
+    pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (reverse_kl_mc always does)
+    pg_ratio_clip: float | None = None  # ours: upper clip of that ratio (reverse_kl_pg and reverse_kl_mc)
+    # ours: S, the student queries per completion position of reverse_kl_mc / reverse_kl_student_topk (0 otherwise)
+    num_student_queries: int = 0
+    # ours: the policy-gradient family's stabilizer: "none", "ppo_clip" (clip π_θ/μ to [1 − pg_clip_eps, 1 +
+    # pg_clip_eps] in PPO's min form), "decoupled_ppo" (the same on π_θ/π_prox, π_prox the step-start weights,
+    # IS weight π_prox/μ) or "m2po" (mask the largest (log π_θ/μ)² until their mean ≤ m2po_budget)
+    pg_stabilizer: str = "none"
+    pg_clip_eps: float = 0.2
+    m2po_budget: float = 0.01
     loss_backend: str = "auto"  # ours
     # ours: what each teacher server returns: "topk" (prompt_logprobs, the default) or "hidden" (final hidden states,
     # `fastdistill serve-teacher --signal hidden`; the trainer applies the teacher's lm_head: the full vocabulary);
@@ -237,9 +256,7 @@ class AsyncDistillationConfig:
                self.save_total_limit, "None or >= 1")
         _check(self.importance_ratio_clip >= 1.0, "importance_ratio_clip", self.importance_ratio_clip, ">= 1")
         _check(self.bf16 is None or isinstance(self.bf16, bool), "bf16", self.bf16, "None (automatic) or a bool")
-        _check(self.pg_ratio_clip is None or (_number(self.pg_ratio_clip) and self.pg_ratio_clip > 0
-                                              and self.pg_importance_ratio), "pg_ratio_clip", self.pg_ratio_clip,
-               "None, or a number > 0 together with pg_importance_ratio=True")
+        validate_loss_options(self)
         _check(not (self.weight_sync_overlap and self.verify_weight_sync), "weight_sync_overlap",
                self.weight_sync_overlap, "False with verify_weight_sync=True (the trainer moves on during the push)")
         _check(self.weight_sync_one_call in (None, True, False), "weight_sync_one_call", self.weight_sync_one_call,
@@ -341,9 +358,6 @@ class AsyncDistillationConfig:
         _check(self.teacher_cache is None, "teacher_cache", self.teacher_cache,
                f"None with a hidden-signal teacher (teacher_signal 'hidden' for {hidden}): a teacher cache holds "
                "top-K log-probs, not hidden states")
-        _check(self.loss_type == "jsd", "loss_type", self.loss_type,
-               f"'jsd' with a hidden-signal teacher ({hidden}): reverse_kl_pg reads the teacher's log-prob of the "
-               "sampled token from its top-K candidates")
 
     # ----------------------------------------------------------------------------------------------- derived values
 
@@ -362,6 +376,12 @@ class AsyncDistillationConfig:
     def teacher_ids(self) -> list[str]:
         """Teacher ids in configuration order; index i is ``teacher_index`` i in the loss."""
         return list(self.teacher_server_urls)
+
+    @property
+    def student_queries(self) -> str:
+        """What the rollout asks the student server for per position (``RolloutConfig.student_queries``):
+        ``"samples"`` for reverse_kl_mc, ``"topk"`` for reverse_kl_student_topk, else ``"none"``."""
+        return QUERY_LOSS_TYPES.get(self.loss_type, "none")
 
     @property
     def mixes_on_policy(self) -> bool:
@@ -455,41 +475,3 @@ class AsyncDistillationConfig:
                 raise ConfigError(f"override {override!r} must look like key=value")
             values[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
         return cls.from_dict(values)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {expected}, got {value!r}")
-
-
-def _choice(config: AsyncDistillationConfig, name: str, choices: Sequence[str]) -> None:
-    value = getattr(config, name)
-    _check(value in choices, name, value, f"one of {list(choices)}")
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _range(config: AsyncDistillationConfig, name: str, low: float, high: float, *, low_open: bool = False,
-           high_open: bool = False) -> None:
-    value = getattr(config, name)
-    ok = _number(value) and (value > low if low_open else value >= low) and (value < high if high_open else
-                                                                              value <= high)
-    _check(ok, name, value, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}")
-
-
-def _positive(config: AsyncDistillationConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        _check(_number(value) and value > 0, name, value, "a finite number > 0")
-
-
-def _at_least(config: AsyncDistillationConfig, low: int, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        _check(_is_int(value) and value >= low, name, value, f"an int >= {low}")

@@ -21,9 +21,16 @@ from torch import nn
 
 from fastdistill.data.packing import PackedRow
 from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
-from fastdistill.loss import SparseJSDOutput, importance_ratios, reverse_kl_pg_loss, sparse_jsd_loss
+from fastdistill.loss import (
+    SparseJSDOutput,
+    importance_ratios,
+    query_reverse_kl_loss,
+    reverse_kl_pg_loss,
+    sampled_token_logprobs,
+    sparse_jsd_loss,
+)
 from fastdistill.loss.dense import dense_teacher_jsd_loss
-from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.config import QUERY_LOSS_TYPES, AsyncDistillationConfig
 from fastdistill.train.teacher_head import TeacherHead
 
 logger = logging.getLogger(__name__)
@@ -68,6 +75,13 @@ class DistillationModel(nn.Module):
         self.loss_type = config.loss_type
         self.pg_importance_ratio = config.pg_importance_ratio
         self.pg_ratio_clip = config.pg_ratio_clip
+        # the stabilizer of the policy-gradient family, judging the policy's move against the rollout's top-k
+        # sampling distribution; decoupled PPO's proximal policy is the step-start weights, which are the weights of
+        # every micro-batch's forward (the optimizer steps once, after them all), so the detached log-probs of that
+        # forward are π_prox: no extra forward pass
+        self.pg_stabilizer = {"stabilizer": config.pg_stabilizer, "clip_eps": config.pg_clip_eps,
+                              "m2po_budget": config.m2po_budget,
+                              "sampling_top_k": config.top_k if config.top_k >= 1 else None}
         self.teacher_heads: dict[int, TeacherHead] = {}
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
@@ -85,6 +99,8 @@ class DistillationModel(nn.Module):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
         if self.loss_type == "reverse_kl_pg" and not divergence:
             return self._policy_gradient(hidden, head, row, weights, metrics)
+        if self.loss_type in QUERY_LOSS_TYPES and not divergence:
+            return self._query_estimator(hidden, head, row, weights, metrics)
         if not row.teacher_hidden:
             out = sparse_jsd_loss(
                 hidden, head.weight, ids, lps, mask, bias=head.bias, logit_scale=self.logit_head.scale,
@@ -146,30 +162,83 @@ class DistillationModel(nn.Module):
         """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
         :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics."""
         match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
-        scored = match.any(dim=1).nonzero().squeeze(1)
         teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
+        teacher = self._hidden_teacher_logprobs(row, row.actual_ids[:, None], teacher[:, None],
+                                                torch.promote_types(hidden.dtype, head.weight.dtype))[:, 0]
+        scored = torch.isfinite(teacher).nonzero().squeeze(1)
+        ratio = self.pg_importance_ratio
         out = reverse_kl_pg_loss(
             hidden.index_select(0, scored), head.weight, row.actual_ids[scored], teacher[scored], bias=head.bias,
             logit_scale=self.logit_head.scale, softcap=self.logit_head.softcap,
             temperature=self.loss_kwargs["temperature"], sampling_temperature=self.sampling_temperature,
-            rollout_logprobs=row.rollout_logprobs[scored] if self.pg_importance_ratio else None,
+            rollout_logprobs=row.rollout_logprobs[scored] if ratio else None,
             ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
+            **self.pg_stabilizer,
         )
+        metrics = {**metrics, **pg_metrics(out, int(out.num_tokens), ratio)}
+        return self._as_output(out, row.teacher_index[scored]), metrics
+
+    def _query_estimator(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+                         weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
+        """``reverse_kl_mc`` / ``reverse_kl_student_topk``: :func:`~fastdistill.loss.query_reverse_kl_loss` on the
+        row's student queries, at the positions whose every query the teacher scored (a hidden-state teacher's from
+        its head); returns a :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate)."""
+        if row.query_ids is None:
+            raise ValueError(f"loss_type={self.loss_type!r} reads student queries, and this row's samples carry none "
+                             "(the rollout's student_queries comes from loss_type: were the samples made by another "
+                             "run?)")
+        teacher = row.query_teacher_logprobs
+        if teacher is None:
+            teacher = torch.full(row.query_ids.shape, float("nan"), device=hidden.device)
+        teacher = self._hidden_teacher_logprobs(row, row.query_ids, teacher,
+                                                torch.promote_types(hidden.dtype, head.weight.dtype))
+        behaviour = row.query_behaviour_logprobs
+        scored = (torch.isfinite(teacher).all(dim=1) & torch.isfinite(behaviour).all(dim=1)).nonzero().squeeze(1)
+        estimator = "multi_sample" if self.loss_type == "reverse_kl_mc" else "student_topk"
+        extra = dict(self.pg_stabilizer, ratio_clip=self.pg_ratio_clip) if estimator == "multi_sample" else {}
+        out = query_reverse_kl_loss(
+            hidden.index_select(0, scored), head.weight, row.query_ids[scored], behaviour[scored], teacher[scored],
+            estimator=estimator, bias=head.bias, logit_scale=self.logit_head.scale, softcap=self.logit_head.softcap,
+            temperature=self.loss_kwargs["temperature"], sampling_temperature=self.sampling_temperature,
+            token_weights=None if weights is None else weights[scored], **extra,
+        )
+        metrics = {**metrics, **pg_metrics(out, int(out.num_queries), estimator == "multi_sample")}
+        if estimator == "student_topk":
+            metrics["pg/support_mass_mean"] = float(out.support_mass_sum) / max(int(out.num_tokens), 1)
+        return self._as_output(out, row.teacher_index[scored]), metrics
+
+    @torch.no_grad()
+    def _hidden_teacher_logprobs(self, row: PackedRow, ids: torch.Tensor, teacher: torch.Tensor,
+                                 compute_dtype: torch.dtype) -> torch.Tensor:
+        """``teacher`` (M, S) with the rows of hidden-state teachers' targets replaced by log π_T at ``ids``
+        (M, S), from the teacher's head on its hidden states (full vocabulary in row chunks, the loss temperature,
+        autocast off as for the dense loss; the head in the student's compute dtype, as :meth:`_mixed_jsd` uses
+        it)."""
+        if not row.teacher_hidden:
+            return teacher
+        teacher = teacher.clone()
+        with torch.autocast(teacher.device.type, enabled=False):
+            for index, teacher_hidden in sorted(row.teacher_hidden.items()):
+                head = self._teacher_head(index, compute_dtype)
+                targets = row.hidden_targets(index)
+                teacher[targets] = sampled_token_logprobs(
+                    teacher_hidden.to(compute_dtype), head.weight, ids[targets], bias=head.bias,
+                    logit_scale=head.logit_scale, softcap=head.softcap, temperature=self.loss_kwargs["temperature"],
+                ).to(teacher.dtype)
+        return teacher
+
+    def _as_output(self, out: Any, teacher_index: torch.Tensor) -> SparseJSDOutput:
+        """A policy-gradient or query-estimator output as the :class:`SparseJSDOutput` the step sums (``jsd_sum``:
+        the reverse-KL estimate; per teacher: positions and that estimate)."""
         with torch.no_grad():
             estimate = out.reverse_kl
-            per_teacher = torch.zeros(self.loss_kwargs["num_teachers"], 3, dtype=torch.float64, device=hidden.device)
+            per_teacher = torch.zeros(self.loss_kwargs["num_teachers"], 3, dtype=torch.float64,
+                                      device=estimate.device)
             per_row = torch.stack([torch.ones_like(estimate), estimate, torch.zeros_like(estimate)], dim=1).double()
-            per_teacher.index_add_(0, row.teacher_index[scored], per_row)
-        count = max(int(out.num_tokens), 1)
-        metrics = {**metrics, "pg/advantage_mean": float(out.advantage_sum) / count,
-                   "pg/advantage_std": math.sqrt(max(0.0, float(out.advantage_sq_sum) / count
-                                                     - (float(out.advantage_sum) / count) ** 2))}
-        if self.pg_importance_ratio:
-            metrics.update({"pg/ratio_mean": float(out.ratio_sum) / count, "pg/ratio_max": float(out.ratio_max),
-                            "pg/clip_frac": float(out.clipped) / count})
+            per_teacher.index_add_(0, teacher_index, per_row)
         zero = out.reverse_kl_sum * 0.0
         return SparseJSDOutput(loss=out.loss, jsd_sum=out.reverse_kl_sum, entropy_sum=zero,
-                               teacher_entropy_sum=zero, num_tokens=out.num_tokens, per_teacher=per_teacher), metrics
+                               teacher_entropy_sum=zero, num_tokens=out.num_tokens, per_teacher=per_teacher)
 
     @torch.no_grad()
     def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
@@ -187,6 +256,20 @@ class DistillationModel(nn.Module):
                    "sample/importance_clip_frac": float((ratio > self.ratio_clip).float().mean()),
                    "sample/importance_tokens_total": float(index.numel())}
         return weights, metrics
+
+
+def pg_metrics(out: Any, entries: int, ratio: bool) -> dict[str, float]:
+    """``pg/*`` metrics of a policy-gradient or query-estimator output over its ``entries`` (positions × draws):
+    the advantage's mean and std, and with the importance ratio its mean, max and the fractions clipped and masked."""
+    count = max(entries, 1)
+    mean = float(out.advantage_sum) / count
+    metrics = {"pg/advantage_mean": mean,
+               "pg/advantage_std": math.sqrt(max(0.0, float(out.advantage_sq_sum) / count - mean**2))}
+    if ratio:
+        metrics.update({"pg/ratio_mean": float(out.ratio_sum) / count, "pg/ratio_max": float(out.ratio_max),
+                        "pg/clip_frac": float(out.clipped) / count,
+                        "pg/mask_frac": float(out.masked if out.masked is not None else 0.0) / count})
+    return metrics
 
 
 def default_attention(device: torch.device) -> str:

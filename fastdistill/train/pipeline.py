@@ -165,7 +165,7 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
                    skip_rows: frozenset[int], on_policy: OnPolicyShare | None, eos_ids: tuple[int, ...],
                    adapter_sync: bool) -> RolloutConfig:
     """The rollout settings of a run: servers, keys and signals, sampling, lookahead, the resume cursor and its
-    skips, failure handling."""
+    skips, failure handling, and the student queries its ``loss_type`` reads."""
     from fastdistill.adapter_names import ADAPTER_PREFIX
     from fastdistill.rollout import RetryPolicy
 
@@ -197,6 +197,8 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         teacher_signals={teacher_id: config.teacher_signal_of(teacher_id) for teacher_id in config.teacher_ids},
         teacher_hidden_dtype=config.teacher_hidden_dtype,
         retry=RetryPolicy(request_timeout_s=config.request_timeout),
+        student_queries=config.student_queries,  # from loss_type: "samples" (reverse_kl_mc), "topk", or "none"
+        num_student_queries=config.num_student_queries,
     )
 
 

@@ -21,6 +21,7 @@ from fastdistill.data.packing import PackedRow, pack_row
 from fastdistill.errors import NonFiniteLossError
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
 from fastdistill.rollout import RolloutSample
+from fastdistill.train.config import QUERY_LOSS_TYPES
 from fastdistill.train.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -180,11 +181,21 @@ class TrainStep:
                 teacher_id, largest, self.vocab_size, largest + 1)
 
     def _scored_count(self, row: PackedRow, support: tuple[torch.Tensor, ...]) -> int:
-        """Positions the loss will score: those with teacher signal (jsd), or whose sampled token the teacher
-        scored (reverse_kl_pg)."""
-        if self.config.loss_type == "reverse_kl_pg":
+        """Positions the loss will score: those with teacher signal (jsd), whose sampled token the teacher scored
+        (reverse_kl_pg), or whose every student query the teacher scored with finite rollout log-probs
+        (reverse_kl_mc, reverse_kl_student_topk); a hidden-state teacher scores every id (its head, in the model)."""
+        loss_type = self.config.loss_type
+        hidden = torch.isin(row.teacher_index, torch.tensor(sorted(row.teacher_hidden), dtype=torch.long,
+                                                            device=row.teacher_index.device))
+        if loss_type == "reverse_kl_pg":
             match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
-            return int(match.any(dim=1).sum())
+            return int((match.any(dim=1) | hidden).sum())
+        if loss_type in QUERY_LOSS_TYPES:
+            if row.query_ids is None:
+                return 0  # the model refuses the row with the reason
+            teacher = row.query_teacher_logprobs
+            scored = hidden if teacher is None else torch.isfinite(teacher).all(dim=1) | hidden
+            return int((scored & torch.isfinite(row.query_behaviour_logprobs).all(dim=1)).sum())
         # hidden-state teachers' targets have empty candidate rows; the dense loss scores every one of them
         dense = sum(int(row.hidden_targets(index).numel()) for index in row.teacher_hidden)
         return int(scored_positions(*support)) + dense
