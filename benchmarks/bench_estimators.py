@@ -467,12 +467,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=2, help="processes for the training runs (0: this one)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (seconds)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG path ('' for none)")
+    parser.add_argument("--plot", type=str, default=str(DEFAULT_PLOT), help="PNG path ('' for none)")
     parser.add_argument("--replot", type=Path, default=None, help="only draw --plot from this JSON report")
     args = parser.parse_args(argv)
     if args.replot is not None:
         report = json.loads(args.replot.read_text())
-        plot(report, args.plot)
+        plot(report, Path(args.plot or DEFAULT_PLOT))
         return report
     if args.quick:
         args.seeds, args.steps, args.batch, args.held_out, args.workers = args.seeds[:1], 3, 4, 16, 0
@@ -528,8 +528,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json}")
-    if str(args.plot):
-        plot(report, args.plot)
+    if args.plot:
+        plot(report, Path(args.plot))
     return report
 
 
