@@ -29,7 +29,7 @@ Measured, per (estimator, lag) over ``--seeds`` seeds (student initialisation, p
    variance = E‖ĝ − E ĝ‖²/‖g‖² per batch, g = the dense reverse-KL (forward-KL for the forward estimators)
    gradient over all student parameters on rollouts of θ itself (on-policy states, ``--grad-ref-rollouts``
    batches). ``bias_noise`` is the Monte Carlo standard error of the bias figure; a bias below about twice it is
-   not resolved.
+   not resolved. With the same batches: the fraction of tokens PPO-clip clips and M2PO masks.
 
 The training runs go to ``--workers`` processes (one thread each) while the main one measures the gradients; the
 table is printed, the JSON written to ``--json`` and the plot (held-out reverse KL against staleness, one line per
@@ -403,6 +403,20 @@ def flat_gradient(world: World, estimator: Estimator, student: Student, r: Rollo
     return torch.cat([p.grad.flatten() for p in student.parameters()]).double()
 
 
+@torch.no_grad()
+def stabilizer_fraction(world: World, student: Student, r: Rollouts, stabilizer: str) -> float:
+    """The fraction of the sampled tokens whose gradient ``stabilizer`` removes at the current weights: clipped
+    (PPO-clip) or masked (M2PO)."""
+    from fastdistill.loss.estimators import query_reverse_kl_loss
+
+    h, w, b = _head(student, r)
+    ids = r.token[:, None]
+    out = query_reverse_kl_loss(h, w, ids, r.behaviour.gather(1, ids),
+                                world.teacher.logprobs(r.topic, r.prev, r.pos).gather(1, ids), bias=b,
+                                stabilizer=stabilizer, clip_eps=world.s.clip_eps, m2po_budget=world.s.m2po_budget)
+    return float(out.clipped + out.masked) / float(out.num_queries)
+
+
 def gradient_study(world: World, names: list[str], lags: list[int], warm_steps: int, batch: int, rollouts: int,
                    ref_rollouts: int) -> dict[str, Any]:
     """Bias and variance of each estimator's gradient at the weights θ after ``warm_steps`` dense forward-KL steps
@@ -419,7 +433,8 @@ def gradient_study(world: World, names: list[str], lags: list[int], warm_steps: 
         reference[family] = {"mean": mean, "variance": float(((grads - mean) ** 2).sum(1).mean())}
     out: dict[str, Any] = {"warm_steps": warm_steps, "batch": batch, "rollouts": rollouts,
                            "ref_rollouts": ref_rollouts,
-                           "reference_norm": {f: float(v["mean"].norm()) for f, v in reference.items()}, "by_lag": {}}
+                           "reference_norm": {f: float(v["mean"].norm()) for f, v in reference.items()}, "by_lag": {},
+                           "stabilizer_fraction": {}}
     for lag in lags:
         stale.load_state_dict(snapshots[max(0, len(snapshots) - 1 - lag)])
         rng, g = np.random.default_rng(100 + lag), torch.Generator().manual_seed(100 + lag)
@@ -435,6 +450,9 @@ def gradient_study(world: World, names: list[str], lags: list[int], warm_steps: 
             rows[name] = {"bias": float((mean - ref["mean"]).norm()) / norm2**0.5, "variance": variance,
                           "bias_noise": (variance / rollouts + ref["variance"] / norm2 / ref_rollouts) ** 0.5}
         out["by_lag"][str(lag)] = rows
+        out["stabilizer_fraction"][str(lag)] = {
+            name: float(np.mean([stabilizer_fraction(world, student, r, name) for r in batches]))
+            for name in ("ppo_clip", "m2po") if name in names}
     return out
 
 
@@ -557,6 +575,9 @@ def print_table(report: dict[str, Any]) -> None:
             row = grads["by_lag"][lag][name]
             cells.append(f"{row['bias']:>9.3f} ±{row['bias_noise']:.3f} {row['variance']:>9.3f}")
         print(f"{name:<20} " + " ".join(cells))
+    for lag, fractions in grads["stabilizer_fraction"].items():
+        print(f"lag {lag}: tokens whose gradient the stabilizer removes: "
+              + ", ".join(f"{name} {value:.1%}" for name, value in fractions.items()))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

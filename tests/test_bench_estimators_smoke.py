@@ -49,6 +49,9 @@ def test_bench_estimators_quick(tmp_path):
         assert list(rows) == ESTIMATORS
         for row in rows.values():
             assert all(_finite(row[k]) and row[k] >= 0 for k in ("bias", "variance", "bias_noise"))
+    assert list(gradients["stabilizer_fraction"]) == ["0", "2"]
+    for fractions in gradients["stabilizer_fraction"].values():
+        assert set(fractions) == {"ppo_clip", "m2po"} and all(0 <= v <= 1 for v in fractions.values())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     teacher = report["teacher"]
     assert 0 < teacher["top_k_mass"] < 1 and teacher["entropy"] > 0
