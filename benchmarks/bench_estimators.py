@@ -254,6 +254,17 @@ def _topk(beta: float) -> Callable[..., torch.Tensor]:
     return loss
 
 
+def _realised_rkl(student, r, teacher, s, g):
+    """What the trainer's ``jsd`` at β = 1 computes from a top-K teacher: ``narrow_support`` keeps the realised
+    token only, then the reverse KL over {realised, tail}."""
+    from fastdistill.loss import narrow_support, sparse_jsd_loss
+
+    h, w, b = _head(student, r)
+    ids, lps = wire_topk(teacher.logprobs(r.topic, r.prev, r.pos), r.token, s.top_k)
+    ids, lps, mask = narrow_support(ids, lps, r.token, 1.0)
+    return sparse_jsd_loss(h, w, ids, lps, mask, bias=b, beta=1.0, backend="torch").loss
+
+
 def _single_sample(student, r, teacher, s, g):
     from fastdistill.loss import reverse_kl_pg_loss
 
@@ -296,7 +307,9 @@ ESTIMATORS = {e.name: e for e in (
     Estimator("teacher_sampled_fkl", "forward", "S teacher draws per position (cache from the full distribution)",
               _teacher_sampled),
     Estimator("dense_rkl", "reverse", "hidden-state teacher (or full prompt_logprobs)", _dense(1.0)),
+    # sparse_jsd_loss at β = 1 over the whole top-K ∪ realised row (+ tail): AsyncOPD's sparse reverse KL
     Estimator("topk_rkl", "reverse", "teacher top-K + realised token (stock vLLM)", _topk(1.0)),
+    Estimator("realised_rkl", "reverse", "teacher log-prob of the realised token (stock vLLM)", _realised_rkl),
     Estimator("single_sample_rkl", "reverse", "teacher log-prob of the realised token (stock vLLM)",
               _single_sample),
     Estimator("single_sample_is", "reverse", "teacher log-prob of the realised token, student's log μ",

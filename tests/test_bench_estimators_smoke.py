@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_estimators.py"
-ESTIMATORS = ["dense_fkl", "topk_fkl", "teacher_sampled_fkl", "dense_rkl", "topk_rkl", "single_sample_rkl",
-              "single_sample_is", "multi_sample_rkl", "student_topk_rkl", "ppo_clip", "decoupled_ppo", "m2po",
-              "ppo_clip_rollout_adv"]
+ESTIMATORS = ["dense_fkl", "topk_fkl", "teacher_sampled_fkl", "dense_rkl", "topk_rkl", "realised_rkl",
+              "single_sample_rkl", "single_sample_is", "multi_sample_rkl", "student_topk_rkl", "ppo_clip",
+              "decoupled_ppo", "m2po", "ppo_clip_rollout_adv"]
 KEYS = ("held_out_forward_kl", "held_out_reverse_kl", "on_policy_reverse_kl")
 
 
