@@ -20,6 +20,10 @@ sampler is not modelled.
 
 The full-vocabulary log-sum-exp is taken in bounded row chunks under activation checkpointing, so at most one
 ``(chunk, V)`` logits tile is alive, in forward and in backward.
+
+Stabilizers (:func:`stabilized_ratios`, shared with the multi-sample estimator of :mod:`.estimators`) replace the
+plain ratio by PPO-clip, decoupled PPO or M2PO; under top-k sampling the clip and the mask judge the policy's move by
+:func:`sampler_log_ratio` (the current weights' truncated sampling distribution over μ, 1 for a fresh sample).
 """
 
 from __future__ import annotations
