@@ -50,7 +50,6 @@ from dataclasses import dataclass
 
 import torch
 from fastdistill_kernels.buckets import clamped_tail
-from torch.utils.checkpoint import checkpoint
 
 from fastdistill.logit_head import LogitHead, head_logits
 
@@ -59,6 +58,7 @@ from .policy_gradient import (
     PG_STABILIZERS,
     check_sampling_top_k,
     check_stabilizer,
+    checkpointed_row_chunks,
     sampled_token_logprobs,
     sampler_log_ratio,
     sampling_log_ratio,
@@ -113,14 +113,8 @@ def support_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tens
     """``(log π_θ(ids) (N, S), log P_tail (N,))`` for distinct ``ids`` (N, S) with S < V: the student's log-probs on
     the support and its log-mass off it, differentiable, one ``(chunk_rows, V)`` logits tile (and its masked copy)
     alive per checkpointed chunk."""
-    parts = []
-    for start in range(0, hidden.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        args = (hidden[rows], weight, bias, ids[rows], logit_scale, softcap, temperature)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            parts.append(checkpoint(_support_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_support_logprobs(*args))
+    parts = checkpointed_row_chunks(_support_logprobs, hidden, weight, bias, ids, logit_scale, softcap, temperature,
+                                    chunk_rows=chunk_rows)
     if not parts:
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         return hidden.new_zeros(tuple(ids.shape), dtype=dtype), hidden.new_zeros(0, dtype=dtype)

@@ -74,6 +74,22 @@ def _token_logprobs(hidden, weight, bias, actual_ids, logit_scale, softcap, temp
     return logits.gather(1, actual_ids[:, None]).squeeze(1) - lse
 
 
+def checkpointed_row_chunks(function, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            ids: torch.Tensor, *head_args, chunk_rows: int = CHUNK_ROWS) -> list:
+    """``function(hidden[rows], weight, bias, ids[rows], *head_args)`` over row chunks of ``chunk_rows``, each under
+    activation checkpointing when a gradient is needed (so one chunk's ``(chunk_rows, V)`` logits are alive at a
+    time, in forward and in backward); the list of the chunks' results."""
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        args = (hidden[rows], weight, bias, ids[rows], *head_args)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            parts.append(checkpoint(function, *args, use_reentrant=False))
+        else:
+            parts.append(function(*args))
+    return parts
+
+
 def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_ids: torch.Tensor, *,
                            bias: torch.Tensor | None = None, logit_scale: float = 1.0, softcap: float | None = None,
                            temperature: float = 1.0, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
@@ -81,14 +97,8 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, actual_id
     differentiable, with at most one ``(chunk_rows, V)`` logits tile alive (checkpointed per chunk). Logits as
     :func:`fastdistill.logit_head.head_logits` computes them. ``actual_ids`` may also be ``(N, S)`` (S ids per
     position, one log-sum-exp per row): the result is then ``(N, S)``."""
-    parts = []
-    for start in range(0, hidden.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        args = (hidden[rows], weight, bias, actual_ids[rows], logit_scale, softcap, temperature)
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_token_logprobs(*args))
+    parts = checkpointed_row_chunks(_token_logprobs, hidden, weight, bias, actual_ids, logit_scale, softcap,
+                                    temperature, chunk_rows=chunk_rows)
     if parts:
         return torch.cat(parts)
     return hidden.new_zeros(tuple(actual_ids.shape), dtype=torch.promote_types(hidden.dtype, torch.float32))

@@ -54,18 +54,24 @@ def rendezvous_address(server_url: str) -> str:
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 
 
-def interface_with_address(address: str) -> str | None:
-    """The name of this machine's network interface that holds the IPv4 ``address`` (from the kernel's interface
-    table), or None (no such interface, an IPv6 address, or not Linux)."""
+def interface_addresses() -> list[tuple[str, str]]:
+    """``(interface name, IPv4 address)`` of each of this machine's interfaces that has one, loopback included, read
+    from the kernel's interface table (independently of routing); empty where that table cannot be read."""
+    found = []
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             try:
                 packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
             except OSError:
                 continue
-        if socket.inet_ntoa(packed[20:24]) == address:
-            return name
-    return None
+        found.append((name, socket.inet_ntoa(packed[20:24])))
+    return found
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 ``address`` (from the kernel's interface
+    table), or None (no such interface, an IPv6 address, or not Linux)."""
+    return next((name for name, held in interface_addresses() if held == address), None)
 
 
 def interface_towards(host: str) -> str | None:

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import socket
-import struct
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from fastdistill.serve import free_port
-
-_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+from fastdistill.sync.network import interface_addresses
 
 
 def serve_and_call(handler: Callable[[Any], Awaitable[Any]], client_call: Callable[[str], Awaitable[Any]]) -> Any:
@@ -69,12 +65,4 @@ def serving(handler: Callable[[Any], Awaitable[Any]], host: str = "127.0.0.1") -
 def interface_ipv4_addresses() -> list[str]:
     """IPv4 addresses of this machine's interfaces, read from the kernel's interface table (independently of
     routing), loopback included."""
-    addresses = []
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-        addresses.append(socket.inet_ntoa(packed[20:24]))
-    return addresses
+    return [address for _, address in interface_addresses()]
