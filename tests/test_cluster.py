@@ -48,7 +48,7 @@ WEIGHT_SYNC_TIMEOUT_S = 30.0
 RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
 # The teacher partition's run: long enough that the partitioned replica's requests time out, fail over, and the
 # replica is probed again after the heal (a cooldown of 2 s) before the run ends; a tiny step takes well under 1 s.
-PARTITION_EPOCHS = 4
+PARTITION_EPOCHS = 6  # enough steps after the heal for teacher1's probe (one cooldown after its outage)
 PARTITION_TIMEOUT_S = 6.0
 TOPOLOGY_EPOCHS = 2  # the plain run's: long enough to outlast the slow teacher's stall
 NO_CHECKPOINTS = 'save_strategy="no"'  # the runs that resume nothing skip the per-step checkpoint
