@@ -602,30 +602,6 @@ def test_replica_pool_cooldown_probe_and_recovery(monkeypatch):
     assert a.cooldown_s == 0.0 and a.is_up(clock[0])
 
 
-def test_requests_in_flight_when_a_replica_goes_down_fail_as_one_outage(monkeypatch):
-    """Eight attempts sent to a replica before it was cut off fail one after another: the first puts it down for
-    the first cooldown, the other seven (sent before that) are counted but neither double nor extend it, so the
-    replica is probed again after 2 s, not after the capped 30 s; a probe sent after that which fails doubles it."""
-    clock = [100.0]
-    monkeypatch.setattr("fastdistill.rollout.replicas.time.monotonic", lambda: clock[0])
-    pool = ReplicaPool(["http://a", "http://b"], cooldown_s=2.0, max_cooldown_s=30.0)
-    a, _ = pool.replicas
-    sent_at = clock[0]
-    clock[0] += 6.0  # the request timeout
-    for _ in range(8):
-        pool.record_failure(a, TimeoutError(), sent_at)
-        clock[0] += 0.1
-    assert a.errors == 8 and a.cooldown_s == 2.0 and a.down_until == 108.0  # down at t=106 for 2 s
-    clock[0] = 108.5
-    assert a.is_up(clock[0])
-    probe_sent = clock[0]
-    clock[0] += 6.0
-    pool.record_failure(a, TimeoutError(), probe_sent)  # sent after the cooldown began: a further failure
-    assert a.cooldown_s == 4.0 and a.down_until == clock[0] + 4.0
-    pool.record_failure(a, TimeoutError())  # no send time: counted as a further failure, as before
-    assert a.cooldown_s == 8.0 and a.errors == 10
-
-
 def test_replica_urls_are_validated():
     with pytest.raises(ValueError, match="replica pool: the list of replica URLs is empty"):
         ReplicaPool([])

@@ -161,7 +161,6 @@ async def request_json_pooled(
             # server that is known to be down (a restarting vLLM server would also be slowed by it).
             await asyncio.sleep(wait_s)
         url = replica.url + path
-        sent_at = time.monotonic()
         try:
             status, body = await send(session, method, url, payload=payload, timeout_s=retry.request_timeout_s,
                                       headers=headers)
@@ -182,7 +181,7 @@ async def request_json_pooled(
                 resent, resend = True, replica  # on a new connection: not the replica's failure
                 continue
             failed = replica
-            pool.record_failure(replica, error, sent_at)
+            pool.record_failure(replica, error)
         finally:
             pool.release(replica)
     where = pool.urls[0] + path if len(pool.urls) == 1 else f"{path} on replicas {list(pool.urls)}"

@@ -2,9 +2,7 @@
 
 A :class:`ReplicaPool` lives in one asyncio loop (no locks). The HTTP layer asks it for a replica per attempt
 (:meth:`ReplicaPool.acquire`), reports the outcome, and releases it. A replica that failed with a transient error
-is *down* for a cooldown (doubling on each further failure, capped) and is skipped while another replica is up;
-the requests that were already in flight when it went down fail as one outage (they do not double the cooldown,
-so a replica cut off with many requests in flight is probed again after one cooldown, not the capped one).
+is *down* for a cooldown (doubling on each further failure, capped) and is skipped while another replica is up.
 When its cooldown ends it is *probing*: it takes at most one request at a time until one succeeds, so a replica
 that is still dead costs one fast failure per cooldown, not a burst. When every replica is down, requests go to
 the one whose cooldown ends first (the caller's backoff paces them), so a single-URL pool behaves like a plain URL.
@@ -26,7 +24,6 @@ class Replica:
     inflight: int = 0
     down_until: float = 0.0
     cooldown_s: float = 0.0  # current cooldown; 0 while healthy
-    down_from: float = 0.0  # when the current cooldown began
     errors: int = 0  # transient failures since the pool was built
 
     def is_up(self, now: float) -> bool:
@@ -97,22 +94,15 @@ class ReplicaPool:
         replica.down_until = 0.0
         self.down_since = None
 
-    def record_failure(self, replica: Replica, error: BaseException, sent_at: float | None = None) -> None:
-        """A transient failure: put ``replica`` down for its (doubled) cooldown and remember the error.
-
-        ``sent_at`` (monotonic seconds; None: now) is when the failed attempt was sent: an attempt sent before the
-        replica's current cooldown began failed in the same outage, so it is counted but neither doubles nor
-        extends the cooldown."""
+    def record_failure(self, replica: Replica, error: BaseException) -> None:
+        """A transient failure: put ``replica`` down for its (doubled) cooldown and remember the error."""
         now = time.monotonic()
         replica.errors += 1
+        replica.cooldown_s = min(self.max_cooldown_s, max(self.cooldown_s, 2.0 * replica.cooldown_s))
+        replica.down_until = now + replica.cooldown_s
         self.last_error = error
         if self.down_since is None:
             self.down_since = now
-        if replica.cooldown_s > 0 and sent_at is not None and sent_at < replica.down_from:
-            return
-        replica.cooldown_s = min(self.max_cooldown_s, max(self.cooldown_s, 2.0 * replica.cooldown_s))
-        replica.down_from = now
-        replica.down_until = now + replica.cooldown_s
 
     def has_other_up(self, replica: Replica) -> bool:
         """Whether a replica other than ``replica`` is up now (so a retry can fail over without backing off)."""
