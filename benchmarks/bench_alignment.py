@@ -31,8 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdistill.data.cross_tokenizer_targets import VocabularyMap, build_targets
-from fastdistill.data.token_alignment import (
+from fastdistill.rollout.alignment import (
     TokenizerBytes,
     align_byte_spans,
     render_teacher_sequence,
@@ -40,6 +39,7 @@ from fastdistill.data.token_alignment import (
     teacher_completion_ids,
     teacher_prompt_ids,
 )
+from fastdistill.rollout.cross_targets import VocabularyMap, build_targets
 from fastdistill.tiny import build_tokenizer
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_alignment.json"

@@ -13,13 +13,8 @@ from cross_tokenizer_cases import (
     teacher_tokenizer,
 )
 
-from fastdistill.data.cross_tokenizer_targets import (
-    VocabularyMap,
-    build_targets,
-    concatenate_targets,
-    realised_logprobs,
-)
-from fastdistill.data.token_alignment import (
+from fastdistill.errors import AlignmentError
+from fastdistill.rollout.alignment import (
     Alignment,
     TokenizerBytes,
     align_byte_spans,
@@ -30,7 +25,12 @@ from fastdistill.data.token_alignment import (
     teacher_completion_ids,
     teacher_prompt_ids,
 )
-from fastdistill.errors import AlignmentError
+from fastdistill.rollout.cross_targets import (
+    VocabularyMap,
+    build_targets,
+    concatenate_targets,
+    realised_logprobs,
+)
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -273,7 +273,7 @@ def test_concatenate_targets_renumbers_groups():
 
 
 def test_merging_slots_with_the_same_student_id_against_a_loop():
-    from fastdistill.data.cross_tokenizer_targets import _merge_same_ids
+    from fastdistill.rollout.cross_targets import _merge_same_ids
 
     rng = np.random.default_rng(0)
     ids = rng.integers(-1, 6, size=(50, 7)).astype(np.int32)

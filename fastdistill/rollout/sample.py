@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from fastdistill.rollout.client import Generation, TeacherScores
+    from fastdistill.rollout.cross_targets import CrossTokenizerTargets
     from fastdistill.rollout.hidden import TeacherHiddenStates
 
 
@@ -47,6 +48,10 @@ class RolloutSample:
       top-S), log μ at them (the distribution the student server sampled from) and the teacher's log π_T at them.
       A hidden-state teacher gives no log-probs at the query ids: its samples keep ``query_teacher_logprobs`` None
       and the trainer computes log π_T at the query ids from the teacher head on ``teacher_hidden``.
+    - ``cross_targets``: None, or for a teacher with its own tokenizer the
+      :class:`~fastdistill.rollout.cross_targets.CrossTokenizerTargets` of the completion (L rows, per student
+      position); such a sample's ``teacher_topk_ids`` / ``teacher_topk_logprobs`` are (L, 0), like a hidden-state
+      teacher's, and it carries no ``teacher_hidden`` and no queries.
     """
 
     input_ids: np.ndarray
@@ -66,6 +71,7 @@ class RolloutSample:
     query_ids: np.ndarray | None = None
     query_behaviour_logprobs: np.ndarray | None = None
     query_teacher_logprobs: np.ndarray | None = None
+    cross_targets: CrossTokenizerTargets | None = None
 
     @classmethod
     def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation,

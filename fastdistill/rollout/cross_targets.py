@@ -5,7 +5,7 @@ tokens "both vocabularies share", where the loss compares probabilities directly
 token only takes part through its probability's rank (the sorted-probability ULD loss).
 
 :func:`build_targets` turns one sample's teacher answer (top-K per *teacher* position, with the realised token) and
-its :class:`~fastdistill.data.token_alignment.Alignment` into compact arrays indexed by *student* position, so they
+its :class:`~fastdistill.rollout.alignment.Alignment` into compact arrays indexed by *student* position, so they
 pack, batch and travel exactly like the same-tokenizer sample's ``teacher_topk_*`` arrays. Only the first student
 token of each aligned group carries a distribution target (the teacher's candidates at the group's first teacher
 token: both are predicted from the same text prefix); every token carries its group index.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastdistill.data.token_alignment import Alignment, TokenizerBytes
+from fastdistill.rollout.alignment import Alignment, TokenizerBytes
 
 
 @dataclass(frozen=True)
