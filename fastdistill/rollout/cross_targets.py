@@ -13,7 +13,10 @@ token: both are predicted from the same text prefix); every token carries its gr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -234,3 +237,42 @@ def concatenate_targets(targets: list[CrossTokenizerTargets]) -> CrossTokenizerT
               "group_logprob")
     return CrossTokenizerTargets(group_index=group_index,
                                  **{name: np.concatenate([getattr(t, name) for t in targets]) for name in fields})
+
+
+def model_vocab_size(path: str | Path, tokenizer: Any) -> int:
+    """The vocabulary size a model folder's logits have: its ``config.json``'s ``vocab_size`` (lm_head rows, which
+    may exceed the tokenizer's length) when the folder has one (``text_config`` for multimodal configs), else
+    ``len(tokenizer)``; never less than ``len(tokenizer)``."""
+    size = len(tokenizer)
+    config = Path(path) / "config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        declared = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+        if isinstance(declared, int):
+            size = max(size, declared)
+    return size
+
+
+@dataclass(frozen=True)
+class TokenizerPair:
+    """A student and a teacher tokenizer read once for cross-tokenizer distillation: their bytes per id and the
+    vocabulary map between them (``vocab``, sized by the models' vocabularies). The rollout worker uses all three to
+    build targets; the trainer uses ``vocab`` (``student_shared``, ``gold_weights``)."""
+
+    student: TokenizerBytes
+    teacher: TokenizerBytes
+    vocab: VocabularyMap
+
+    @classmethod
+    def load(cls, student_tokenizer: Any, teacher_tokenizer: str | Path, *, student_vocab_size: int | None = None,
+             trust_remote_code: bool = False) -> TokenizerPair:
+        """The pair for a loaded student tokenizer and a teacher tokenizer folder (or hub id, read from the local
+        cache only). The teacher's vocabulary size is :func:`model_vocab_size` of that folder; the student's is
+        ``student_vocab_size`` (its lm_head rows) or its tokenizer's length."""
+        from transformers import AutoTokenizer
+
+        teacher = AutoTokenizer.from_pretrained(str(teacher_tokenizer), trust_remote_code=trust_remote_code)
+        student_bytes, teacher_bytes = TokenizerBytes.of(student_tokenizer), TokenizerBytes.of(teacher)
+        vocab = VocabularyMap.from_token_bytes(student_bytes, teacher_bytes, student_vocab_size=student_vocab_size,
+                                               teacher_vocab_size=model_vocab_size(teacher_tokenizer, teacher))
+        return cls(student=student_bytes, teacher=teacher_bytes, vocab=vocab)
