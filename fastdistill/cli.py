@@ -165,7 +165,8 @@ def build_server(args: argparse.Namespace, api_key: str | None = None) -> VLLMSe
                       max_model_len=args.max_model_len, extra_args=list(args.vllm_args),
                       weight_transfer_backend=backend, cpus=args.cpus, api_key=api_key or _api_key(args),
                       max_lora_rank=args.max_lora_rank if getattr(args, "enable_lora", False) else None,
-                      max_loras=getattr(args, "max_loras", 4), signal=getattr(args, "signal", "topk"))
+                      max_loras=getattr(args, "max_loras", 4), signal=getattr(args, "signal", "topk"),
+                      stop_grace_s=args.stop_grace_s)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "32, 64, 128, 256, 320, 512; default 16)")
             serve.add_argument("--max-loras", type=int, default=4,
                                help="with --enable-lora: adapters one batch may mix (default 4)")
+        serve.add_argument("--stop-grace-s", type=float, default=15.0,
+                           help="seconds a stopped server (SIGTERM, SIGINT, SIGHUP) has to exit before it is killed "
+                                "(default 15)")
         serve.add_argument("--dry-run", action="store_true", help="print the command and exit")
         serve.set_defaults(handler=_serve, role=role)
 

@@ -8,7 +8,6 @@ vLLM may live in a separate virtual environment from the trainer.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -16,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -26,6 +24,7 @@ import torch
 from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
 from fastdistill.errors import VLLMServerError
 from fastdistill.http_client import poll_until_healthy, run_blocking
+from fastdistill.supervise import DEFAULT_GRACE_S, children, death_signal_setter, signal_group, supervise
 from fastdistill.sync.network import is_loopback_host
 
 Role = Literal["teacher", "student"]
@@ -82,59 +81,6 @@ def _temporary_log_path(role: Role) -> Path:
     descriptor, path = tempfile.mkstemp(prefix=f"vllm-{role}-", suffix=".log")
     os.close(descriptor)
     return Path(path)
-
-
-def _signal_group(group_id: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group_id, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_is_empty(group_id: int) -> bool:
-    """No running process is left in process group ``group_id``: zombies (exited, waiting for a parent that may
-    never reap them) do not count. Reads ``/proc`` where there is one."""
-    try:
-        os.killpg(group_id, 0)
-    except ProcessLookupError:
-        return True
-    if not os.path.isdir("/proc/self"):
-        return False
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == group_id:  # state, ppid, pgrp, ...
-            return False
-    return True
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# Signals `fastdistill serve-*` passes on to the server: stop requests (kill, Ctrl-C, a closed terminal).
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _death_signal_setter(sig: signal.Signals) -> Callable[[], None]:
-    """A ``preexec_fn`` step: ask the kernel to send the child ``sig`` when this process's current thread ends,
-    however it ends (SIGKILL included; ``PR_SET_PDEATHSIG``, Linux only, kept across exec), and send it at once when
-    the parent is already gone. libc is loaded here, in the parent: loading a library between fork and exec can
-    deadlock."""
-    parent = os.getpid()
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the child only gets the forwarded signals
-        return lambda: None
-
-    def set_death_signal() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the request took effect
-            os.kill(os.getpid(), sig)
-
-    return set_death_signal
 
 
 class VLLMServer:
@@ -195,6 +141,7 @@ class VLLMServer:
         max_lora_rank: int | None = None,
         max_loras: int = 4,
         signal: Signal = "topk",
+        stop_grace_s: float = DEFAULT_GRACE_S,
     ):
         if role not in _ROLE_ARGS:
             raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
@@ -217,12 +164,15 @@ class VLLMServer:
                              f"got {max_lora_rank!r}")
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if not stop_grace_s >= 0:
+            raise ValueError(f"stop_grace_s must be >= 0, got {stop_grace_s}")
         if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra_args):
             raise ValueError("pass the API key as api_key= (fastdistill serve-*: --api-key before `--`, or its "
                              "environment variable), not among vLLM's arguments: there the process list shows it and "
                              "vLLM leaves its dev-mode routes open")
         self.model_dir = Path(model_dir)
         self.role = role
+        self.stop_grace_s = float(stop_grace_s)
         self.signal = signal
         self.python = python or vllm_python()
         self.host = host
@@ -329,25 +279,27 @@ class VLLMServer:
         return self.wait_started()
 
     def launch(self) -> VLLMServer:
-        """Start the server's process, in its own process group, without waiting for it. The server gets SIGTERM
-        when the thread that launched it ends, however it ends (SIGKILL of this process included; Linux): a test
-        or a demo killed mid-run leaves no server behind. Launch from a thread that lives as long as the server (the
-        main thread)."""
+        """Start the server's process without waiting for it, under a supervisor (``python -m
+        fastdistill.supervise``) in its own process group. The supervisor gets SIGTERM when the thread that launched
+        it ends, however it ends (SIGKILL of this process included; Linux), and stops the server, killing it
+        ``stop_grace_s`` seconds later if it has not exited: a test or a demo killed mid-run leaves no server behind,
+        even one that hangs on SIGTERM. Launch from a thread that lives as long as the server (the main thread)."""
         if self.process is not None:
             raise VLLMServerError(f"server already started (pid {self.process.pid})")
         if self.log_path is None or self._temporary_log:
             self._remove_temporary_log()
             self.log_path, self._temporary_log = _temporary_log_path(self.role), True
-        die_with_parent = _death_signal_setter(signal.SIGTERM)
+        die_with_parent = death_signal_setter(signal.SIGTERM)
 
         def prepare_child() -> None:
             die_with_parent()
             if self.cpus is not None:
                 self._pin()
 
+        supervisor = [sys.executable, "-m", "fastdistill.supervise", "--grace-s", f"{self.stop_grace_s:g}", "--"]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.command(),
+                supervisor + self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -389,18 +341,22 @@ class VLLMServer:
             return f"<cannot read log: {error}>"
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, wait up to ``grace_s`` seconds, then SIGKILL whatever is left."""
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the server: SIGTERM to its supervisor, which stops the server's process group and kills it
+        ``stop_grace_s`` seconds later if it has not exited (``kill``: SIGKILL the server's group at once, a crash);
+        the supervisor itself is killed if it has not exited a few seconds after that."""
         process, self.process = self.process, None
         if process is None:
             return
-        _signal_group(process.pid, signal.SIGTERM)
+        if kill:  # the server's group is led by the supervisor's child
+            for child in children(process.pid):
+                signal_group(child, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=grace_s)
+            process.wait(timeout=self.stop_grace_s + 10.0)
         except subprocess.TimeoutExpired:
-            pass
-        _signal_group(process.pid, signal.SIGKILL)  # a stuck leader, or engine-core children that outlived it
-        process.wait()
+            signal_group(process.pid, signal.SIGKILL)
+            process.wait()
         self._remove_temporary_log()
 
     def _remove_temporary_log(self) -> None:
@@ -408,58 +364,19 @@ class VLLMServer:
             self.log_path.unlink(missing_ok=True)
             self.log_path, self._temporary_log = None, False
 
-    def run_in_foreground(self, grace_s: float = 15.0) -> int:
+    def run_in_foreground(self, grace_s: float | None = None) -> int:
         """Run the server as this process's child, its output on this process's, until it exits (what
-        ``fastdistill serve-*`` does); returns its exit status (128 + the signal's number when a signal ended it).
-
-        The server runs in its own process group. SIGTERM, SIGINT and SIGHUP sent to this process go to that group
-        (vLLM stops its engine core itself); when this process dies, even by SIGKILL, the kernel sends the server
-        SIGTERM. Once the server's first process has exited, whatever is left of its group gets ``grace_s`` seconds,
-        then SIGKILL. Call it from the main thread: the kernel's death signal follows the thread that started the
-        child."""
+        ``fastdistill serve-*`` does), supervised as :mod:`fastdistill.supervise` says: SIGTERM, SIGINT and SIGHUP
+        sent to this process go to the server's process group, which is killed ``grace_s`` seconds (default
+        ``stop_grace_s``) later if the server has not exited; when this process dies, even by SIGKILL, the kernel
+        sends the server SIGTERM; once the server's first process has exited, whatever is left of its group gets
+        ``grace_s`` seconds, then SIGKILL. Returns the server's exit status (128 + the signal's number when a signal
+        ended it). Call it from the main thread."""
         if self.process is not None:
             raise VLLMServerError(f"server already started (pid {self.process.pid})")
-        started: list[subprocess.Popen[bytes]] = []
-        pending: list[int] = []  # signals that arrived before the child existed
-
-        def forward(signum: int, _frame: object) -> None:
-            if started:
-                _signal_group(started[0].pid, signal.Signals(signum))
-            else:
-                pending.append(signum)
-
-        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-        die_with_parent = _death_signal_setter(signal.SIGTERM)
-
-        def prepare_child() -> None:
-            die_with_parent()
-            if self.cpus is not None:
-                self._pin()
-
-        try:
-            process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, env=self.environment(),
-                                       start_new_session=True, preexec_fn=prepare_child)
-            started.append(process)
-            for signum in pending:
-                _signal_group(process.pid, signal.Signals(signum))
-            returncode = process.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if started:
-                self._end_group(started[0], grace_s)
-        return 128 - returncode if returncode < 0 else returncode
-
-    @staticmethod
-    def _end_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
-        """After the group leader ``process`` exited (or on an error): TERM what is left of its group, KILL it
-        after ``grace_s`` seconds."""
-        _signal_group(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while not _group_is_empty(process.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        _signal_group(process.pid, signal.SIGKILL)
-        process.wait()
+        return supervise(self.command(), env=self.environment(),
+                         grace_s=self.stop_grace_s if grace_s is None else grace_s,
+                         preexec=self._pin if self.cpus is not None else None)
 
     def __enter__(self) -> VLLMServer:
         return self.start()

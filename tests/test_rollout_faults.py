@@ -256,7 +256,7 @@ def test_teacher_killed_mid_run_fails_over_counts_failures_hits_the_deadline_and
         replicated_drain, alone_drain = drains
         wait_for(lambda: all(d.since(0) >= 2 for d in drains), 300, "2 samples per worker", workers)
 
-        teacher.stop(grace_s=0.0)  # killed mid-run
+        teacher.stop(kill=True)  # killed mid-run
         killed_at = time.monotonic()
         strict.start()  # a worker whose teacher stays down
         with pytest.raises(RuntimeError, match=r"(?s)ServerDownError: teacher 't' at .*server_down_deadline_s=3"):

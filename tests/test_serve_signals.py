@@ -52,8 +52,12 @@ def stop(signum, frame):
     os._exit(0)
 
 
-signal.signal(signal.SIGTERM, stop)
-signal.signal(signal.SIGINT, stop)
+if os.environ.get("STAND_IN_HANGS"):  # like vLLM stuck in its own shutdown while its engine starts
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 server.serve_forever()
 '''
 
@@ -99,9 +103,10 @@ def descendants(pid: int) -> list[int]:
     return found + [grandchild for child in found for grandchild in descendants(child)]
 
 
-def start_cli(tmp_path: Path, role: str, model: str, port: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def start_cli(tmp_path: Path, role: str, model: str, port: int, env: dict[str, str],
+              extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "fastdistill.cli", f"serve-{role}", model, "--port", str(port),
-               "--max-model-len", "256", "--api-key-file", str(tmp_path / "keys" / f"{role}.key")]
+               "--max-model-len", "256", "--api-key-file", str(tmp_path / "keys" / f"{role}.key"), *extra]
     log = open(tmp_path / "cli.log", "wb")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -216,3 +221,79 @@ def test_servers_a_killed_library_user_started_stop_with_it(tmp_path, stand_in):
         if user.poll() is None:
             user.kill()
         user.wait()
+
+
+GRACE_S = 1.0  # the hanging stand-in's stop grace: a configuration, not a synchronisation
+
+
+def test_a_server_that_ignores_sigterm_is_killed_after_the_cli_grace(tmp_path, stand_in):
+    """SIGTERM to ``serve-*`` whose server ignores it (vLLM can hang in its own shutdown while its engine starts):
+    ``--stop-grace-s`` later the server's group is killed, the port freed, and the CLI exits with 128 + 9."""
+    port = free_port()
+    cli = start_cli(tmp_path, "teacher", "some/model", port, {**stand_in, "STAND_IN_HANGS": "1"},
+                    ("--stop-grace-s", str(GRACE_S)))
+    try:
+        outcome = wait_until_healthy(f"http://127.0.0.1:{port}", alive=lambda: cli.poll() is None, timeout_s=120)
+        assert outcome == "healthy", (tmp_path / "cli.log").read_text()
+        server_pid, engine_pid = map(int, (tmp_path / "pids").read_text().split())
+        cli.send_signal(signal.SIGTERM)
+        wait_for(lambda: cli.poll() is not None, 60, "the CLI still runs")
+        wait_for(lambda: port_refuses(port), 60, f"port {port} still accepts connections")
+        wait_for(lambda: not alive(server_pid) and not alive(engine_pid), 60, "a server process outlived the CLI")
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        cli.wait()
+    assert cli.returncode == 128 + signal.SIGKILL, (tmp_path / "cli.log").read_text()
+
+
+@pytest.mark.parametrize("how", ["stop", "killed user"])
+def test_a_library_server_that_ignores_sigterm_is_killed_after_its_grace(tmp_path, stand_in, how):
+    """``VLLMServer`` runs the server under ``python -m fastdistill.supervise``: a server that ignores SIGTERM is
+    killed ``stop_grace_s`` after ``stop()``, and after the user that started it was SIGKILLed (the supervisor
+    gets the kernel's death signal); nothing is left and the port is free."""
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys, time\n"
+        "from fastdistill.serve import VLLMServer\n"
+        "if __name__ == '__main__':\n"
+        f"    server = VLLMServer('some/model', role='teacher', stop_grace_s={GRACE_S})\n"
+        "    server.start()\n"
+        "    print(server.port, flush=True)\n"
+        "    if sys.stdin.readline().strip() == 'stop':\n"
+        "        server.stop()\n"
+        "        print('stopped', flush=True)\n"
+        "    time.sleep(600)\n")
+    env = {**stand_in, "STAND_IN_HANGS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    user = subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        port = int(user.stdout.readline())
+        server_pid, engine_pid = map(int, (tmp_path / "pids").read_text().split())
+        processes = descendants(user.pid)
+        assert {server_pid, engine_pid} < set(processes)  # and the supervisor above them
+        if how == "stop":
+            user.stdin.write("stop\n")
+            user.stdin.flush()
+            assert user.stdout.readline().strip() == "stopped"
+        else:
+            user.send_signal(signal.SIGKILL)
+            user.wait(60)
+        wait_for(lambda: port_refuses(port), 60, f"port {port} still accepts connections")
+        wait_for(lambda: not any(map(alive, processes)), 60, "a server process outlived its grace")
+    finally:
+        if user.poll() is None:
+            user.kill()
+        user.wait()
+
+
+def test_the_supervisor_refuses_a_missing_command_and_a_negative_grace(capsys):
+    from fastdistill.supervise import main
+
+    for argv in (["--"], ["--grace-s", "-1", "--", "true"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "no command to supervise" in err and "--grace-s must be >= 0" in err
+    assert main(["--", sys.executable, "-c", "raise SystemExit(3)"]) == 3

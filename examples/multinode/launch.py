@@ -29,7 +29,6 @@ The config (YAML; see ``cluster.yaml`` beside this file):
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
 import subprocess
@@ -43,7 +42,7 @@ from typing import Any
 import yaml
 
 from fastdistill.auth import key_from_file_or_new
-from fastdistill.serve import _death_signal_setter  # the servers' own: a child that dies with its launcher
+from fastdistill.supervise import death_signal_setter, signal_group  # the servers' own supervision
 
 STUDENT_KEY_FILE_ENV = "FASTDISTILL_STUDENT_API_KEY_FILE"
 TEACHER_KEY_FILE_ENV = "FASTDISTILL_TEACHER_API_KEY_FILE"
@@ -193,12 +192,12 @@ class Launched:
     def stop(self, grace_s: float = 20.0) -> int:
         """SIGTERM the process group, SIGKILL it after ``grace_s`` seconds; returns the exit status."""
         if self.process.poll() is None:
-            _signal_group(self.process.pid, signal.SIGTERM)
+            signal_group(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        _signal_group(self.process.pid, signal.SIGKILL)
+        signal_group(self.process.pid, signal.SIGKILL)
         return self.process.wait()
 
     def log_tail(self, lines: int = 30) -> str:
@@ -208,13 +207,6 @@ class Launched:
             return ""
 
 
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        pass
-
-
 def launch(name: str, host: str, command: list[str], logs: Path) -> Launched:
     """Start ``command`` in its own process group, its output to ``logs/<name>.log``. It gets SIGTERM when the
     thread that launched it ends, however the launcher ends (SIGKILL included; Linux): call from the main thread."""
@@ -222,7 +214,7 @@ def launch(name: str, host: str, command: list[str], logs: Path) -> Launched:
     log = logs / f"{name}.log"
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, preexec_fn=_death_signal_setter(signal.SIGTERM))
+                                   start_new_session=True, preexec_fn=death_signal_setter(signal.SIGTERM))
     return Launched(name, host, process, log)
 
 
