@@ -21,13 +21,13 @@ from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
-from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_cross_tokenizer
-from fastdistill.train.config_checks import validate_loss_options
+from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_loss_options
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
 from fastdistill.train.config_checks import choice as _choice
 from fastdistill.train.config_checks import is_int as _is_int
 from fastdistill.train.config_checks import positive as _positive
+from fastdistill.train.config_checks import validate_cross_tokenizer as _validate_cross_tokenizer
 from fastdistill.train.config_checks import value_range as _range
 
 __all__ = ["LOSS_TYPES", "PG_LOSS_TYPES", "QUERY_LOSS_TYPES", "AsyncDistillationConfig", "ConfigError"]
@@ -300,7 +300,7 @@ class AsyncDistillationConfig:
             raise ConfigError(str(error)) from None
         self._validate_teachers()
         self._validate_teacher_signal()
-        validate_cross_tokenizer(self)
+        _validate_cross_tokenizer(self)
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
