@@ -142,6 +142,10 @@ def test_packing_refuses_mismatched_cross_targets(case):
     kinds = dataclasses.replace(case.same[0], teacher_id="cross")
     with pytest.raises(ValueError, match="cross-tokenizer targets, an earlier sample of that teacher has top-K"):
         pack_row([kinds, case.cross[0]], list(URLS))
+    both = dataclasses.replace(case.cross[0], teacher_hidden=np.zeros((len(case.cross[0].rollout_logprobs), 4),
+                                                                       np.float32))
+    with pytest.raises(ValueError, match="not both"):
+        pack_row([both], list(URLS))
     with_candidates = dataclasses.replace(case.same[0], cross_targets=case.cross[0].cross_targets)
     with pytest.raises(ValueError, match="no candidates"):
         pack_row([with_candidates], list(URLS))
