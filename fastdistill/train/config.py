@@ -21,7 +21,13 @@ from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
-from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_loss_options
+from fastdistill.train.config_checks import (
+    LOSS_TYPES,
+    PG_LOSS_TYPES,
+    QUERY_LOSS_TYPES,
+    validate_cross_tokenizer,
+    validate_loss_options,
+)
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
 from fastdistill.train.config_checks import choice as _choice
@@ -152,6 +158,16 @@ class AsyncDistillationConfig:
     # ours: teacher id -> local checkpoint folder whose lm_head turns a hidden teacher's states into logits; None (or
     # a teacher left out): the folder the teacher server serves (its /v1/models id), when that is a local folder
     teacher_model_paths: dict[str, str] | None = None
+    # ours: teacher id -> the teacher's own tokenizer (a local folder, usually the teacher model's): a teacher it names
+    # has another vocabulary than the student's (a cross-tokenizer teacher, docs/cross_tokenizer.md); None or a
+    # teacher left out: the student's tokenizer (the start-up probe checks that)
+    teacher_tokenizers: dict[str, str] | None = None
+    # ours: the loss of cross-tokenizer samples with loss_type "jsd": "hybrid" (GOLD's: the generalized JSD on the
+    # tokens both vocabularies share + the sorted-probability ULD on the rest) or "uld" (ULD on every token)
+    cross_tokenizer_loss: str = "hybrid"
+    # ours: the hybrid's [w_shared, w_unshared]; None: GOLD's adaptive weights per teacher (its shared fraction of
+    # the teacher's vocabulary, VocabularyMap.gold_weights)
+    cross_tokenizer_weights: list[float] | None = None
     # --- batching, staleness, weight sync
     token_budget: int | None = None
     max_staleness: int = 4
@@ -291,6 +307,7 @@ class AsyncDistillationConfig:
             raise ConfigError(str(error)) from None
         self._validate_teachers()
         self._validate_teacher_signal()
+        validate_cross_tokenizer(self)
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
@@ -376,6 +393,12 @@ class AsyncDistillationConfig:
     def hidden_teacher_ids(self) -> list[str]:
         """The teachers scored with final hidden states (``teacher_signal`` ``"hidden"``), in configuration order."""
         return [teacher_id for teacher_id in self.teacher_ids if self.teacher_signal_of(teacher_id) == "hidden"]
+
+    @property
+    def cross_tokenizer_teacher_ids(self) -> list[str]:
+        """The teachers with their own tokenizer (``teacher_tokenizers``), in configuration order."""
+        named = self.teacher_tokenizers or {}
+        return [teacher_id for teacher_id in self.teacher_ids if teacher_id in named]
 
     @property
     def teacher_ids(self) -> list[str]:
