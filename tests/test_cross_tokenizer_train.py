@@ -240,18 +240,26 @@ def test_trainer_loss_equals_the_cross_losses_on_the_same_hidden_states(case, tm
     assert float(out.per_teacher[1, 1]) == pytest.approx(loss_sum, rel=1e-4, abs=1e-4)
 
 
-def test_mixed_row_adds_the_same_tokenizer_loss(case, tmp_path):
-    """Same-tokenizer and cross-tokenizer samples in one row: the result is the sparse JSD of the same-tokenizer
-    targets plus the hybrid loss of the cross ones; each teacher's share is its own."""
-    model = distillation_model(case, tmp_path)
-    out, _ = row_loss(model, [case.same[0], case.cross[0], case.same[1], case.cross[1]])
-    same_only, _ = row_loss(model, [case.same[0], case.same[1]])
-    cross_only, _ = row_loss(model, [case.cross[0], case.cross[1]])
+@pytest.mark.parametrize("loss_type", ["jsd", "reverse_kl_pg"])
+def test_mixed_row_adds_the_same_tokenizer_loss(case, tmp_path, loss_type):
+    """Same-tokenizer and cross-tokenizer samples in one row: the result is the same-tokenizer targets' own loss
+    (sparse JSD, or the sampled-token policy gradient) plus the cross ones' (hybrid, or the group policy gradient);
+    each teacher's share is its own, and the policy gradient's metrics count both parts' entries."""
+    model = distillation_model(case, tmp_path, loss_type=loss_type)
+    out, metrics = row_loss(model, [case.same[0], case.cross[0], case.same[1], case.cross[1]])
+    same_only, same_metrics = row_loss(model, [case.same[0], case.same[1]])
+    cross_only, cross_metrics = row_loss(model, [case.cross[0], case.cross[1]])
     tol = dict(rel=1e-4, abs=1e-5)
+    if loss_type == "reverse_kl_pg":
+        counts = int(same_only.num_tokens), int(cross_only.num_tokens)
+        mean = (same_metrics["pg/advantage_mean"] * counts[0] + cross_metrics["pg/advantage_mean"] * counts[1])
+        assert metrics["pg/advantage_mean"] == pytest.approx(mean / sum(counts), **tol)
     assert float(out.loss) == pytest.approx(float(same_only.loss) + float(cross_only.loss), **tol)
     assert int(out.num_tokens) == int(same_only.num_tokens) + int(cross_only.num_tokens)
     assert float(out.per_teacher[0, 1]) == pytest.approx(float(same_only.jsd_sum), **tol)
     assert float(out.per_teacher[1, 1]) == pytest.approx(float(cross_only.jsd_sum), **tol)
+    if loss_type == "reverse_kl_pg":
+        return
     # the same-tokenizer part is the sparse JSD of those targets alone
     row = pack_row([case.same[0], case.same[1]], list(URLS))
     from fastdistill.logit_head import causal_lm_parts
