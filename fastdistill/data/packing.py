@@ -21,6 +21,14 @@ teacher's. Every sample of a row has them (with one S) or none has; a hidden-sta
 teacher log-probs there (the trainer computes them from the teacher head), and ``query_teacher_logprobs`` is None
 when no sample of the row has them.
 
+A cross-tokenizer teacher's samples (``RolloutSample.cross_targets``: a teacher with another tokenizer) carry no
+candidates either (their candidate rows are empty too) but per completion position the targets of the
+cross-tokenizer losses; ``PackedRow.cross_*`` holds them row by row with the targets, joined by
+:func:`~fastdistill.rollout.cross_targets.concatenate_targets` (group ids unique within the row). A row may mix
+them with other teachers' samples (several teachers): those targets get group -1 and empty target rows. An aligned
+group with a position that is not trained (``completion_mask`` 0) is left out as a whole (group -1 on its
+positions): the losses compare whole groups. ``cross_*`` are None when no sample of the row has cross targets.
+
 The backbone must be called with these ``position_ids``, ``use_cache=False`` and NO attention mask: transformers
 isolates packed samples only when it can infer them from ``position_ids`` (``masking_utils``), which it skips
 when an attention mask or a cache is given (``docs/data.md``).
@@ -31,11 +39,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..loss.support import fold_out_of_vocab
+from ..rollout.cross_targets import CrossTokenizerTargets, concatenate_targets
 from ..rollout.sample import RolloutSample, hidden_tensor
 
 
@@ -64,6 +74,15 @@ class PackedRow:
     query_ids: torch.Tensor | None = None  # int64 (M, S)
     query_behaviour_logprobs: torch.Tensor | None = None  # float32 (M, S), log μ (nats)
     query_teacher_logprobs: torch.Tensor | None = None  # float32 (M, S), log π_T; NaN on hidden-teacher targets
+    # cross-tokenizer targets (None without; CrossTokenizerTargets' fields per target, W = K+1 teacher slots): the
+    # aligned group (unique within the row; -1 on other teachers' targets and excluded tokens), its first target
+    cross_group_index: torch.Tensor | None = None  # int64 (M,)
+    cross_group_start: torch.Tensor | None = None  # bool (M,)
+    cross_shared_ids: torch.Tensor | None = None  # int64 (M, W), student ids of the shared teacher candidates, -1
+    cross_shared_logprobs: torch.Tensor | None = None  # float32 (M, W), their teacher log-probs, -inf
+    cross_unshared_logprobs: torch.Tensor | None = None  # float32 (M, K), ranked unshared teacher log-probs, -inf
+    cross_continuation_logprob: torch.Tensor | None = None  # float32 (M,), log c_t at group starts, else 0
+    cross_group_logprob: torch.Tensor | None = None  # float32 (M,), the group's teacher log-prob at starts, else 0
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +112,11 @@ class PackedRow:
                                    for index, hidden in self.teacher_hidden.items()}
         return dataclasses.replace(self, **moved)
 
+    @property
+    def num_cross_groups(self) -> int:
+        """The aligned groups of cross-tokenizer targets in the row (0 without)."""
+        return 0 if self.cross_group_start is None else int(self.cross_group_start.sum())
+
     def hidden_targets(self, index: int) -> torch.Tensor:
         """int64 (M_i,): the targets of teacher ``index`` (rows of ``teacher_hidden[index]`` in order)."""
         return (self.teacher_index == index).nonzero().squeeze(1)
@@ -116,12 +140,16 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
     Student queries (``query_*``) become ``PackedRow.query_*`` rows aligned with the targets (see the module
     docstring).
 
+    Cross-tokenizer samples (``cross_targets`` set, no candidates) get empty candidate rows too and their targets
+    go to ``PackedRow.cross_*`` (see the module docstring).
+
     Raises ValueError for an empty list, a malformed sample (array shapes or dtypes that disagree, an empty prompt,
     a prompt position marked as completion), a ``teacher_id`` not in ``teacher_ids``, candidate widths (K+1) that
-    differ between top-K samples, a teacher with both hidden-state and top-K samples, or hidden widths that differ
-    between samples of one teacher, or a trained completion token at or beyond ``vocab_size``; and for student
-    queries on some samples but not others, query widths (S) that differ, or a query id outside ``[0,
-    vocab_size)``.
+    differ between top-K samples, a teacher with samples of two kinds (top-K, hidden-state, cross-tokenizer), or
+    hidden widths that differ between samples of one teacher, or a trained completion token at or beyond
+    ``vocab_size``; for student queries on some samples but not others, query widths (S) that differ, or a query id
+    outside ``[0, vocab_size)``; and for cross targets whose widths (W, K) differ between samples or with a shared
+    id outside ``[0, vocab_size)``.
     """
     if len(samples) == 0:
         raise ValueError("pack_row needs at least one sample, got an empty list")
@@ -130,7 +158,7 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         raise ValueError(f"vocab_size must be None or an int >= 1, got {vocab_size!r}")
     teacher_to_index = _teacher_index_map(teacher_ids)
     width = None
-    hidden_width: dict[str, int | None] = {}  # teacher id -> D_t of its hidden states, None for a top-K teacher
+    hidden_width: dict[str, int | str | None] = {}  # teacher id -> D_t of its hidden states, "cross", None: top-K
     for s, sample in enumerate(samples):
         _check_sample(s, sample)
         if sample.teacher_id not in teacher_to_index:
@@ -138,11 +166,13 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
                 f"sample {s} (prompt_id={sample.prompt_id}): unknown teacher_id {sample.teacher_id!r}; "
                 f"known teacher ids: {list(teacher_to_index)}"
             )
-        this = None if sample.teacher_hidden is None else int(sample.teacher_hidden.shape[1])
+        this = (int(sample.teacher_hidden.shape[1]) if sample.teacher_hidden is not None
+                else "cross" if sample.cross_targets is not None else None)
         first = hidden_width.setdefault(sample.teacher_id, this)
         if first != this:
-            def kind(d: int | None) -> str:
-                return "top-K candidates" if d is None else f"hidden states of width {d}"
+            def kind(d: int | str | None) -> str:
+                return ("top-K candidates" if d is None else "cross-tokenizer targets" if d == "cross"
+                        else f"hidden states of width {d}")
 
             raise ValueError(f"sample {s} (prompt_id={sample.prompt_id}) of teacher {sample.teacher_id!r} has "
                              f"{kind(this)}, an earlier sample of that teacher has {kind(first)}")
@@ -188,12 +218,13 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
     )
     teacher_hidden = {}
     for teacher_id, hidden_size in hidden_width.items():
-        if hidden_size is None:
+        if not isinstance(hidden_size, int):
             continue
         mine = [(hidden_tensor(sample.teacher_hidden), sample.completion_mask[sample.prompt_length :] == 1)
                 for sample in samples if sample.teacher_id == teacher_id]
         teacher_hidden[teacher_to_index[teacher_id]] = torch.cat([h[torch.from_numpy(k)] for h, k in mine])
     query_ids, query_behaviour, query_teacher = _pack_queries(samples, keep, vocab_size)
+    cross = _pack_cross_targets(samples, keep, vocab_size)
     folded_ids = folded_teacher = torch.zeros(0, dtype=torch.int64)
     if vocab_size is not None:
         _check_actual_ids(actual_ids, token_sample, samples, vocab_size)
@@ -222,7 +253,55 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         query_ids=query_ids,
         query_behaviour_logprobs=query_behaviour,
         query_teacher_logprobs=query_teacher,
+        **cross,
     )
+
+
+def _pack_cross_targets(samples: Sequence[RolloutSample], keep: np.ndarray, vocab_size: int | None
+                        ) -> dict[str, torch.Tensor]:
+    """The row's ``cross_*`` fields (empty dict without cross targets): every sample's targets (empty ones for the
+    others) joined by :func:`concatenate_targets`, the trained positions kept, groups with an untrained position
+    left out."""
+    have = [sample.cross_targets for sample in samples if sample.cross_targets is not None]
+    if not have:
+        return {}
+    shapes = {(t.shared_ids.shape[1], t.unshared_logprobs.shape[1]) for t in have}
+    if len(shapes) > 1:
+        raise ValueError(f"the samples' cross-tokenizer targets have different (W, K) widths {sorted(shapes)}: "
+                         "every sample of a row needs the same teacher_top_k")
+    (width, top_k), = shapes
+    parts = [sample.cross_targets if sample.cross_targets is not None
+             else _empty_cross_targets(sample.teacher_topk_ids.shape[0], width, top_k) for sample in samples]
+    joined = concatenate_targets(parts)
+    shared_ids = joined.shared_ids.astype(np.int64)
+    if vocab_size is not None and bool((shared_ids >= vocab_size).any()):
+        raise ValueError(f"a cross-tokenizer target's shared id {int(shared_ids.max())} is outside the student's "
+                         f"vocabulary [0, {vocab_size}): build the vocabulary map with the student's lm_head rows")
+    group = joined.group_index.astype(np.int64)
+    # a group with an untrained position is left out whole (its start or its continuation would be missing)
+    partial = np.unique(group[(~keep) & (group >= 0)])
+    if partial.size:
+        group = np.where(np.isin(group, partial), -1, group)
+    start = joined.group_start & (group >= 0)
+    float_fields = {"cross_shared_logprobs": joined.shared_logprobs, "cross_unshared_logprobs":
+                    joined.unshared_logprobs, "cross_continuation_logprob": joined.continuation_logprob,
+                    "cross_group_logprob": joined.group_logprob}
+    out = {"cross_group_index": torch.from_numpy(group[keep]), "cross_group_start": torch.from_numpy(start[keep]),
+           "cross_shared_ids": torch.from_numpy(np.ascontiguousarray(shared_ids[keep]))}
+    out.update({name: torch.from_numpy(np.ascontiguousarray(array[keep].astype(np.float32)))
+                for name, array in float_fields.items()})
+    return out
+
+
+def _empty_cross_targets(length: int, width: int, top_k: int) -> CrossTokenizerTargets:
+    """The cross targets of a sample without any: L rows outside every group."""
+    return CrossTokenizerTargets(
+        group_index=np.full(length, -1, np.int32), group_start=np.zeros(length, bool),
+        shared_ids=np.full((length, width), -1, np.int32), shared_logprobs=np.full((length, width), -np.inf,
+                                                                                    np.float32),
+        unshared_logprobs=np.full((length, top_k), -np.inf, np.float32), continuation_logprob=np.zeros(length,
+                                                                                                     np.float32),
+        group_logprob=np.zeros(length, np.float32))
 
 
 def _pack_queries(samples: Sequence[RolloutSample], keep: np.ndarray, vocab_size: int | None
@@ -255,8 +334,9 @@ def _pack_queries(samples: Sequence[RolloutSample], keep: np.ndarray, vocab_size
 
 
 def _candidates(sample: RolloutSample, width: int, empty: float, dtype: type) -> np.ndarray:
-    """The sample's (L, width) candidate array: its own for a top-K teacher, all ``empty`` for a hidden one."""
-    if sample.teacher_hidden is None:
+    """The sample's (L, width) candidate array: its own for a top-K teacher, all ``empty`` for a hidden-state or a
+    cross-tokenizer one."""
+    if sample.teacher_hidden is None and sample.cross_targets is None:
         array = sample.teacher_topk_ids if empty == -1 else sample.teacher_topk_logprobs
         return array.astype(dtype)
     return np.full((sample.teacher_topk_ids.shape[0], width), empty, dtype=dtype)
@@ -304,6 +384,8 @@ def _check_sample(s: int, sample: RolloutSample) -> None:
     if cand.ndim != 2 or cand.dtype.kind not in "iu":
         fail(f"teacher_topk_ids must be a 2-D (L, K+1) integer array, got {cand.dtype} {cand.shape}")
     hidden = sample.teacher_hidden
+    if hidden is not None and sample.cross_targets is not None:
+        fail("a sample carries teacher_hidden or cross_targets, not both (a cross-tokenizer teacher serves top-K)")
     if hidden is not None:
         if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.dtype not in (np.float32, np.uint16):
             fail("teacher_hidden must be None or a 2-D (L, D_t) float32 or uint16 (bfloat16 bits) array, got "
@@ -311,6 +393,8 @@ def _check_sample(s: int, sample: RolloutSample) -> None:
         if hidden.shape[0] != cand.shape[0] or hidden.shape[1] < 1 or cand.shape[1] != 0:
             fail(f"teacher_hidden has shape {hidden.shape} for {cand.shape[0]} completion rows; a hidden-state "
                  "sample needs one row per completion token and no candidates (teacher_topk_ids (L, 0))")
+    elif sample.cross_targets is not None:
+        _check_cross_sample(sample, cand.shape, fail)
     elif cand.shape[1] < 1:
         fail(f"teacher_topk_ids has no candidate slots (shape {cand.shape})")
     if lps.shape != cand.shape or lps.dtype.kind != "f":
@@ -343,3 +427,25 @@ def _check_sample(s: int, sample: RolloutSample) -> None:
             fail(f"{name} must be a 2-D (L, S) {'integer' if kinds == 'iu' else 'float'} array with L = "
                  f"{completion_length} like query_ids {getattr(queries[0], 'shape', None)}, got "
                  f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}")
+
+
+def _check_cross_sample(sample: RolloutSample, candidate_shape: tuple[int, ...], fail: Any) -> None:
+    """A cross-tokenizer sample: no candidates, no queries, and targets with one row per completion token."""
+    targets = sample.cross_targets
+    length = candidate_shape[0]
+    if not isinstance(targets, CrossTokenizerTargets):
+        fail(f"cross_targets must be None or a CrossTokenizerTargets, got {type(targets).__name__}")
+    if candidate_shape[1] != 0 or sample.query_ids is not None:
+        fail(f"a cross-tokenizer sample has no candidates (teacher_topk_ids (L, 0)) and no student queries, got "
+             f"teacher_topk_ids {candidate_shape}{' and query_ids' if sample.query_ids is not None else ''}")
+    shapes = {name: getattr(targets, name).shape for name in (
+        "group_index", "group_start", "shared_ids", "shared_logprobs", "unshared_logprobs", "continuation_logprob",
+        "group_logprob")}
+    width, top_k = shapes["shared_ids"][1:] or (0,), shapes["unshared_logprobs"][1:] or (0,)
+    expected = {"group_index": (length,), "group_start": (length,), "shared_ids": (length, *width),
+                "shared_logprobs": (length, *width), "unshared_logprobs": (length, *top_k),
+                "continuation_logprob": (length,), "group_logprob": (length,)}
+    wrong = {name: shape for name, shape in shapes.items() if shape != expected[name]}
+    if wrong or len(shapes["shared_ids"]) != 2 or len(shapes["unshared_logprobs"]) != 2:
+        fail(f"cross_targets must have {length} rows (one per completion token; (L,), (L, W) and (L, K) arrays), "
+             f"got {shapes}")

@@ -293,10 +293,13 @@ def student_completion_spans(student: TokenizerBytes, completion_ids: Sequence[i
     return StudentCompletion(text=text, spans=spans, included=included)
 
 
-def teacher_prompt_ids(teacher_tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+def teacher_prompt_ids(teacher_tokenizer: Any, messages: Sequence[Mapping[str, Any]] | str,
                        chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The teacher's prompt: ``messages`` (the conversation before the assistant turn) rendered by the teacher's own
-    chat template with the generation prompt, as ids."""
+    chat template with the generation prompt, as ids; a string prompt is tokenized as it is (no template, no special
+    tokens), as the student's string prompts are."""
+    if isinstance(messages, str):
+        return [int(i) for i in teacher_tokenizer(messages, add_special_tokens=False)["input_ids"]]
     ids = teacher_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
                                                 return_dict=False, **dict(chat_template_kwargs or {}))
     return [int(i) for i in ids]
@@ -352,12 +355,14 @@ class TeacherSequence:
         return self.prompt_ids + self.completion_ids.tolist()
 
 
-def render_teacher_sequence(student: TokenizerBytes, teacher: TokenizerBytes, messages: Sequence[Mapping[str, Any]],
+def render_teacher_sequence(student: TokenizerBytes, teacher: TokenizerBytes,
+                            messages: Sequence[Mapping[str, Any]] | str,
                             completion_ids: Sequence[int] | np.ndarray, *,
                             chat_template_kwargs: Mapping[str, Any] | None = None) -> TeacherSequence:
     """Re-render one rollout for a teacher with another tokenizer: the teacher's prompt from its own chat template
-    for ``messages``, the student's completion (``completion_ids``, special tokens dropped) as text tokenized by
-    the teacher, and the alignment of the two completions. A pure function of the two tokenizers.
+    for ``messages`` (a string prompt: tokenized as it is), the student's completion (``completion_ids``, special
+    tokens dropped) as text tokenized by the teacher, and the alignment of the two completions. A pure function of
+    the two tokenizers.
 
     Raises:
         AlignmentError: the completion is not valid UTF-8 or the teacher does not round-trip its text.

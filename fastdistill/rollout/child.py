@@ -234,8 +234,12 @@ class RolloutLoop:
             return
         if error is not None:
             raise error
-        failures.succeeded(prompt_id)
         sample, metrics = task.result()
+        if isinstance(sample, DroppedPrompt):  # a completion a cross-tokenizer teacher cannot score: counted
+            await self.put(sample)
+            self.push_metrics({**self.counters.counters(), **failures.counters(), "rollout/inflight": float(inflight)})
+            return
+        failures.succeeded(prompt_id)
         backpressure_s = await self.put(sample)
         if backpressure_s is None:
             return

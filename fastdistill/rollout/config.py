@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,14 @@ class RolloutConfig:
     completion position besides the teacher's top-K: ``"samples"`` draws them from the distribution the student
     server sampled from (column 0 is the realised token), ``"topk"`` takes the student's top ids; the sample carries
     them with their rollout log-probs and the teacher's log-probs at them (``RolloutSample.query_*``).
+
+    Teacher tokenizers: ``teacher_tokenizers`` maps a teacher id to that teacher's own tokenizer (a local folder,
+    usually the teacher model's): a **cross-tokenizer teacher**. It scores the student's completion text rendered its
+    own way (its chat template for the row's ``prompt`` with ``chat_template_kwargs``, its tokenization of the text),
+    and the sample carries per-student-position targets (``RolloutSample.cross_targets``, see
+    :mod:`fastdistill.rollout.cross_tokenizer`) instead of candidate ids. ``student_tokenizer`` is the student's
+    tokenizer folder (required with any cross-tokenizer teacher). Teachers it does not name share the student's
+    tokenizer.
 
     Lookahead: at most ``max_inflight_tasks`` rollouts are in flight, reached by a slow start from
     ``initial_inflight_tasks`` (None: at once); ``max_lookahead`` (None: no such bound) caps rollouts in flight plus
@@ -112,6 +121,9 @@ class RolloutConfig:
     student_queries: str = "none"
     num_student_queries: int = 0
     rollout_processes: int = 1
+    teacher_tokenizers: Mapping[str, str] | None = None
+    student_tokenizer: str | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.student_queries not in STUDENT_QUERIES:
@@ -128,6 +140,7 @@ class RolloutConfig:
             if teacher_id not in self.teacher_urls or signal not in TEACHER_SIGNALS:
                 raise ValueError(f"teacher_signals maps teacher ids of teacher_urls to one of {list(TEACHER_SIGNALS)}, "
                                  f"got {teacher_id!r}: {signal!r}")
+        self._check_teacher_tokenizers()
         if self.teacher_hidden_dtype not in HIDDEN_DTYPES:
             raise ValueError(f"teacher_hidden_dtype must be one of {list(HIDDEN_DTYPES)}, got "
                              f"{self.teacher_hidden_dtype!r}")
@@ -174,6 +187,35 @@ class RolloutConfig:
         object.__setattr__(self, "skip_prompt_ids", frozenset(int(i) for i in self.skip_prompt_ids))
         object.__setattr__(self, "skip_rows", frozenset(int(i) for i in self.skip_rows))
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+
+    def _check_teacher_tokenizers(self) -> None:
+        cross = dict(self.teacher_tokenizers or {})
+        if not cross:
+            return
+        unknown = sorted(set(cross) - set(self.teacher_urls))
+        if unknown:
+            raise ValueError(f"teacher_tokenizers names {unknown}, which are not teachers: the teachers are "
+                             f"{sorted(self.teacher_urls)}")
+        for teacher_id, folder in cross.items():
+            if not isinstance(folder, str) or not folder:
+                raise ValueError(f"teacher_tokenizers[{teacher_id!r}] must be a tokenizer folder (a non-empty "
+                                 f"string), got {folder!r}")
+            if self.teacher_signal(teacher_id) != "topk":
+                raise ValueError(f"teacher {teacher_id!r} is a hidden-state teacher and has its own tokenizer "
+                                 "(teacher_tokenizers): its hidden states feed a head over its own vocabulary, not "
+                                 "the student's; serve it with top-K log-probs")
+        if not self.student_tokenizer:
+            raise ValueError(f"teacher_tokenizers gives teachers {sorted(cross)} their own tokenizers: "
+                             "student_tokenizer (the student's tokenizer folder) is needed to align the completions")
+        if self.student_queries != "none":
+            raise ValueError(f"student_queries={self.student_queries!r} asks the teacher for log-probs at student "
+                             f"token ids, which teachers {sorted(cross)} (teacher_tokenizers) do not have")
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be a mapping or None, got {self.chat_template_kwargs!r}")
+
+    def is_cross_tokenizer(self, teacher_id: str) -> bool:
+        """Whether teacher ``teacher_id`` has its own tokenizer (``teacher_tokenizers``)."""
+        return teacher_id in (self.teacher_tokenizers or {})
 
     def student_model_for_version(self, version: int) -> str | None:
         """The ``model`` of a generation request made at model version ``version``: the adapter of that version

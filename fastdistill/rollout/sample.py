@@ -75,7 +75,7 @@ class RolloutSample:
 
     @classmethod
     def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation,
-                 scores: TeacherScores | TeacherHiddenStates, *,
+                 scores: TeacherScores | TeacherHiddenStates | CrossTokenizerTargets, *,
                  model_version: int, teacher_id: str, prompt_id: int, dataset_index: int,
                  prompt: Any = None) -> RolloutSample:
         """The sample of one rollout: the prompt, the student's :class:`Generation` and the teacher's
@@ -85,19 +85,27 @@ class RolloutSample:
         With student queries (``generation.query_ids`` set, (L, S)) the sample carries them with their rollout
         log-probs and, from a top-K teacher, the teacher's log-probs at them (``scores.query_logprobs``, (L, S));
         a hidden-state teacher's samples leave ``query_teacher_logprobs`` None (the trainer's teacher head gives
-        them). Raises ValueError for arrays whose shapes disagree, or a top-K teacher's scores without query
-        log-probs for a generation with queries (or with them for one without)."""
+        them). A teacher with its own tokenizer gives the sample's :class:`CrossTokenizerTargets` (L rows) as
+        ``scores``: the sample carries them in ``cross_targets`` and (L, 0) candidate arrays. Raises ValueError for
+        arrays whose shapes disagree, or a top-K teacher's scores without query log-probs for a generation with
+        queries (or with them for one without)."""
         prompt_array = np.asarray(prompt_ids, dtype=np.int32)
         length = generation.token_ids.shape[0]
         hidden = getattr(scores, "hidden", None)
-        if hidden is not None:
+        cross = scores if hasattr(scores, "group_start") else None  # CrossTokenizerTargets (no import here)
+        if cross is not None:
+            if cross.group_index.shape[0] != length:
+                raise ValueError(f"the cross-tokenizer targets have {cross.group_index.shape[0]} rows for {length} "
+                                 "completion tokens")
+            candidate_ids, logprobs = np.zeros((length, 0), np.int32), np.zeros((length, 0), np.float32)
+        elif hidden is not None:
             if hidden.shape[0] != length:
                 raise ValueError(f"the teacher's hidden states have {hidden.shape[0]} rows for {length} completion "
                                  "tokens")
             candidate_ids, logprobs = np.zeros((length, 0), np.int32), np.zeros((length, 0), np.float32)
         else:
             candidate_ids, logprobs = scores.candidate_ids, scores.logprobs
-        query_ids, behaviour, teacher = _queries(generation, scores, length, hidden is not None)
+        query_ids, behaviour, teacher = _queries(generation, scores, length, hidden is not None or cross is not None)
         return cls(
             input_ids=np.concatenate([prompt_array, generation.token_ids]),
             completion_mask=np.concatenate([np.zeros(prompt_array.shape[0], np.int32), np.ones(length, np.int32)]),
@@ -113,6 +121,7 @@ class RolloutSample:
             query_ids=query_ids,
             query_behaviour_logprobs=behaviour,
             query_teacher_logprobs=teacher,
+            cross_targets=cross,
         )
 
     @property

@@ -9,7 +9,11 @@ rollouts through :class:`Rollouts`; the teacher clients of every signal are buil
 - a server that rejected the request (a 4xx other than 429) or answered a malformed body: the prompt is dropped as
   ``rejected``; ``max_consecutive_failures`` such drops in a row (a misconfiguration, not one bad prompt) raise
   :class:`~fastdistill.errors.RolloutsFailingError` with the server's last error;
-- a server with no successful answer for ``server_down_deadline_s``: :class:`~fastdistill.errors.ServerDownError`.
+- a server with no successful answer for ``server_down_deadline_s``: :class:`~fastdistill.errors.ServerDownError`;
+- a completion a teacher with its own tokenizer cannot score (:class:`~fastdistill.rollout.cross_tokenizer.
+  UnscorableRollout`: not valid UTF-8, not round-tripped by the teacher's tokenizer, too long for the teacher):
+  dropped as ``unaligned`` / ``too_long`` at once. That is a property of the completion, not of a server, so it
+  neither counts towards ``max_consecutive_failures`` nor resets the count.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from typing import Any
 
 import aiohttp
 
-from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError, VLLMUnavailableError
+from fastdistill.errors import ConfigError, RolloutsFailingError, ServerDownError, VLLMError, VLLMUnavailableError
 from fastdistill.http_client import new_session
 from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.adapters import generate_with_adapter
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
 from fastdistill.rollout.config import RolloutConfig
+from fastdistill.rollout.cross_tokenizer import UnscorableRollout, cross_tokenizer_scorers
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy
 from fastdistill.rollout.replicas import ReplicaPool
@@ -109,7 +114,7 @@ class RolloutFailures:
         self.consecutive = 0
         self.failed = self.dropped = self.redispatched = 0
         self.samples_total = self.dropped_total = 0  # over the whole run
-        self.last_error: VLLMError | None = None
+        self.last_error: Exception | None = None
 
     def succeeded(self, prompt_id: int) -> None:
         self.consecutive = 0
@@ -155,6 +160,19 @@ class RolloutFailures:
         return DroppedPrompt(prompt_id=prompt_id, dataset_index=row_index, reason=reason, message=message,
                              server=getattr(error, "server", None))
 
+    def unscorable(self, prompt_id: int, row_index: int, teacher_id: str, error: UnscorableRollout) -> DroppedPrompt:
+        """Count a rollout whose completion the cross-tokenizer teacher ``teacher_id`` cannot score and return its
+        drop notice (no retry: another attempt scores the same completion)."""
+        self.failed += 1
+        self.dropped += 1
+        self.dropped_total += 1
+        self.attempts.pop(prompt_id, None)
+        error.server = f"teacher {teacher_id}"  # type: ignore[attr-defined]
+        self.last_error = error
+        logger.info("prompt %d dropped (%s): %s", prompt_id, error.reason, error.message)
+        return DroppedPrompt(prompt_id=prompt_id, dataset_index=row_index, reason=error.reason,
+                             message=error.message, server=f"teacher {teacher_id}")
+
     def counters(self) -> dict[str, float]:
         payload = {"rollout/failed_total": float(self.failed), "rollout/dropped_total": float(self.dropped),
                    "rollout/redispatched_total": float(self.redispatched)}
@@ -182,17 +200,23 @@ class Rollouts:
         self.servers.update({teacher_id: client.pool for teacher_id, client in self.teachers.items()})
         self.eos = frozenset(config.eos_token_ids)
         self.per_teacher_metric = len(self.teachers) > 1
+        self.cross = cross_tokenizer_scorers(config)  # teacher id -> its scorer, for teachers with own tokenizers
+        if self.cross and getattr(rows, "prompts", ()) is None:
+            raise ConfigError(f"teachers {sorted(self.cross)} have their own tokenizers (teacher_tokenizers) but the "
+                              "rows carry no 'prompt' (only prompt_ids, the student's tokens): give the rows their "
+                              "conversations (chat messages or strings) to render for those teachers")
 
     def is_clipped(self, completion: Any) -> bool:
         return is_clipped(completion, self.eos, self.config.max_tokens)
 
     async def rollout(self, prompt_id: int, row_index: int,
-                      kept: Kept | None = None) -> tuple[RolloutSample, dict[str, Any]]:
+                      kept: Kept | None = None) -> tuple[RolloutSample | DroppedPrompt, dict[str, Any]]:
         """Generate (unless ``kept`` holds the generation of an attempt whose scoring failed) and score one row.
 
-        Returns the sample and its metrics (seconds, tokens). A :class:`VLLMError` raised here names its server
-        (``.server``: ``"student"`` or ``"teacher <id>"``); when the teacher was unavailable it carries the
-        generation (``.kept``), so that a re-dispatch only scores."""
+        Returns the sample and its metrics (seconds, tokens), or the drop notice of a completion a cross-tokenizer
+        teacher cannot score (:meth:`RolloutFailures.unscorable`, already counted) and no metrics. A
+        :class:`VLLMError` raised here names its server (``.server``: ``"student"`` or ``"teacher <id>"``); when the
+        teacher was unavailable it carries the generation (``.kept``), so that a re-dispatch only scores."""
         config = self.config
         row = self.rows[row_index]
         teacher_id = row["teacher_id"]
@@ -211,8 +235,15 @@ class Rollouts:
             kept = Kept(generation, model_version)
         generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
+        extra: dict[str, float] = {}
         try:
-            if config.teacher_signal(teacher_id) == "hidden":
+            if teacher_id in self.cross:
+                try:
+                    scores, extra = await self.cross[teacher_id].score(self.teachers[teacher_id], row.get("prompt"),
+                                                                       generation.token_ids)
+                except UnscorableRollout as error:
+                    return self.failures.unscorable(prompt_id, row_index, teacher_id, error), {}
+            elif config.teacher_signal(teacher_id) == "hidden":
                 scores = await self.teachers[teacher_id].score(row["prompt_ids"], generation.token_ids)
             else:
                 # the teacher also scores the student's query ids (its top-K stays: held-out JSD and mixing)
@@ -235,6 +266,7 @@ class Rollouts:
             "completions/mean_length": float(length),
             "completions/max_length": float(length),
             "completions/min_length": float(length),
+            **extra,
         }
         if length:
             metrics["completions/clipped_ratio"] = float(self.is_clipped(generation.token_ids))
@@ -276,6 +308,8 @@ class Rollouts:
                         results[item.prompt_id] = decision
                 elif isinstance(outcome, BaseException):
                     raise outcome
+                elif isinstance(outcome[0], DroppedPrompt):
+                    results[item.prompt_id] = outcome[0]
                 else:
                     sample, metrics = outcome
                     self.failures.succeeded(item.prompt_id)

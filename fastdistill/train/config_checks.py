@@ -1,10 +1,11 @@
-"""The config's field checks: the helpers that raise a :class:`ConfigError` naming the field, and the options of
-the loss types (the policy-gradient stabilizers and the student queries the estimators read)."""
+"""The config's field checks: the helpers that raise a :class:`ConfigError` naming the field, the options of
+the loss types (the policy-gradient stabilizers and the student queries the estimators read) and those of a
+cross-tokenizer teacher (what it composes with)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastdistill.errors import ConfigError
@@ -15,6 +16,7 @@ LOSS_TYPES = ("jsd", "reverse_kl_pg", "reverse_kl_mc", "reverse_kl_student_topk"
 # the policy-gradient family (pg_stabilizer applies) and the loss types that read student queries, with their kind
 PG_LOSS_TYPES = ("reverse_kl_pg", "reverse_kl_mc")
 QUERY_LOSS_TYPES = {"reverse_kl_mc": "samples", "reverse_kl_student_topk": "topk"}
+CROSS_TOKENIZER_LOSSES = ("hybrid", "uld")
 
 
 def validate_loss_options(config: Any) -> None:
@@ -47,6 +49,58 @@ def validate_loss_options(config: Any) -> None:
     else:
         check(queries == 0, "num_student_queries", queries,
               f"0 with loss_type={loss!r} (only {list(QUERY_LOSS_TYPES)} read student queries)")
+
+
+def validate_cross_tokenizer(config: Any) -> None:
+    """``teacher_tokenizers``, ``cross_tokenizer_loss`` and ``cross_tokenizer_weights``, and the options a
+    cross-tokenizer teacher does not compose with (docs/train.md, "What composes"); a ConfigError naming both."""
+    named = config.teacher_tokenizers
+    choice(config, "cross_tokenizer_loss", CROSS_TOKENIZER_LOSSES)
+    weights = config.cross_tokenizer_weights
+    check(weights is None or (isinstance(weights, (list, tuple)) and len(weights) == 2
+                              and all(number(w) and w >= 0 for w in weights) and sum(weights) > 0),
+          "cross_tokenizer_weights", weights, "None (GOLD's adaptive weights) or [w_shared, w_unshared], two finite "
+          "numbers >= 0, not both 0")
+    if named is None or (isinstance(named, Mapping) and not named):
+        check(config.cross_tokenizer_loss == "hybrid", "cross_tokenizer_loss", config.cross_tokenizer_loss,
+              "'hybrid' (the default) without teacher_tokenizers (it is the loss of cross-tokenizer teachers' "
+              "samples)")
+        check(weights is None, "cross_tokenizer_weights", weights,
+              "None without teacher_tokenizers (they weigh the loss of cross-tokenizer teachers' samples)")
+        return
+    ids = config.teacher_ids
+    check(isinstance(named, Mapping) and all(isinstance(v, str) and v != "" for v in named.values()),
+          "teacher_tokenizers", named, "None or a mapping of teacher id to the teacher's tokenizer folder")
+    unknown = [key for key in named if key not in ids]
+    check(not unknown, "teacher_tokenizers", named, f"a mapping whose keys are teacher ids {ids} (unknown: "
+          f"{unknown})")
+    cross = [teacher_id for teacher_id in ids if teacher_id in named]
+    what = f"with teacher_tokenizers (cross-tokenizer teachers {cross})"
+    hidden = [teacher_id for teacher_id in cross if config.teacher_signal_of(teacher_id) == "hidden"]
+    check(not hidden, "teacher_signal", config.teacher_signal,
+          f"'topk' for the teachers of teacher_tokenizers ({hidden} are 'hidden': a hidden-state teacher's head "
+          "gives logits over the teacher's vocabulary, and the two-head loss assumes one vocabulary)")
+    check(config.teacher_cache is None, "teacher_cache", config.teacher_cache,
+          f"None {what}: a teacher cache stores candidate ids in the student's vocabulary")
+    check(config.loss_type in ("jsd", "reverse_kl_pg"), "loss_type", config.loss_type,
+          f"'jsd' or 'reverse_kl_pg' {what}: the student-side estimators need the teacher's log-prob of student "
+          "tokens, which a teacher with another vocabulary does not score")
+    check(config.pg_stabilizer == "none", "pg_stabilizer", config.pg_stabilizer,
+          f"'none' {what}: the group policy gradient has no stabilizer (pg_importance_ratio and pg_ratio_clip apply)")
+    check(config.stale_policy == "drop", "stale_policy", config.stale_policy,
+          f"'drop' {what}: the cross-tokenizer losses take no per-token importance weights")
+    check(config.add_tail_bucket, "add_tail_bucket", config.add_tail_bucket,
+          f"True {what}: the cross-tokenizer JSD compares two distributions over the shared tokens plus an exact "
+          "tail bucket on each side")
+    check(config.tail_mode == "exact", "tail_mode", config.tail_mode,
+          f"'exact' {what}: the cross-tokenizer JSD's tails are exact")
+    if config.loss_type == "reverse_kl_pg":
+        why = "with loss_type='reverse_kl_pg' (cross-tokenizer samples then take the group policy gradient)"
+        check(config.cross_tokenizer_loss == "hybrid", "cross_tokenizer_loss", config.cross_tokenizer_loss,
+              f"'hybrid' (the default) {why}")
+        check(weights is None, "cross_tokenizer_weights", weights, f"None {why}")
+    check(config.cross_tokenizer_loss == "hybrid" or weights is None, "cross_tokenizer_weights", weights,
+          "None with cross_tokenizer_loss='uld' (ULD has one term)")
 
 
 def is_int(value: Any) -> bool:

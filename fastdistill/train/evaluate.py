@@ -22,6 +22,7 @@ from fastdistill.data.packing import pack_row
 from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RolloutSample
+from fastdistill.train.cross_tokenizer import load_cross_teachers
 from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ def collect_scored_samples(
     teacher_signals: Mapping[str, str] | None = None,
     hidden_dtype: str = "bfloat16",
     retry: Any = None,
+    teacher_tokenizers: Mapping[str, str] | None = None,
+    student_tokenizer: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[RolloutSample]:
     """One scored sample per row ``{"prompt_ids", "teacher_id"?}``, through the one rollout sequence
     (:class:`~fastdistill.rollout.Rollouts`): the student server's completion (greedy by default; request seed
@@ -51,7 +55,10 @@ def collect_scored_samples(
     serve-*`` generated).
     ``student_model`` names what the student generates with (a LoRA adapter's name; None: the served model).
     ``teacher_signals`` maps a teacher id to ``"hidden"`` for a hidden-state teacher (its samples carry
-    ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K.
+    ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K. ``teacher_tokenizers`` maps a
+    cross-tokenizer teacher to its tokenizer folder (its samples carry ``cross_targets``; rows then need their
+    ``prompt`` messages, which the teacher renders with its own chat template), with the student's tokenizer folder
+    ``student_tokenizer`` and the chat template's ``chat_template_kwargs``.
 
     A row whose rollout fails (a server rejects it, or stays unavailable through the retries) is logged and left out:
     the samples (``prompt_id`` = ``dataset_index`` = the row's index) are those of the rows that succeeded, in row
@@ -72,7 +79,9 @@ def collect_scored_samples(
         temperature=temperature, generation_seed=seed, student_model=student_model, student_api_key=student_api_key,
         teacher_api_keys=teacher_api_keys, teacher_signals=teacher_signals, teacher_hidden_dtype=hidden_dtype,
         max_inflight_tasks=max(1, len(rows)), max_consecutive_failures=len(rows) + 1,
-        retry=retry if retry is not None else RetryPolicy())
+        retry=retry if retry is not None else RetryPolicy(),
+        **({"teacher_tokenizers": dict(teacher_tokenizers), "student_tokenizer": student_tokenizer,
+            "chat_template_kwargs": chat_template_kwargs} if teacher_tokenizers else {}))
     first = next(iter(teacher_urls))
     table = routed_table([{**row, "teacher_id": row.get("teacher_id") or first} for row in rows],
                          list(teacher_urls))
@@ -95,7 +104,10 @@ def collect_held_out(config: Any, rows: Sequence[Mapping[str, Any]], *,
         max_tokens=config.max_completion_length, seed=config.seed, student_api_key=config.vllm_server_api_key,
         teacher_api_keys=config.teacher_api_keys, student_model=student_model,
         teacher_signals={t: config.teacher_signal_of(t) for t in config.teacher_ids},
-        hidden_dtype=config.teacher_hidden_dtype, retry=RetryPolicy(request_timeout_s=config.request_timeout))
+        hidden_dtype=config.teacher_hidden_dtype, retry=RetryPolicy(request_timeout_s=config.request_timeout),
+        teacher_tokenizers=config.teacher_tokenizers,
+        student_tokenizer=str(config.model_name_or_path) if config.teacher_tokenizers else None,
+        chat_template_kwargs=config.chat_template_kwargs)
 
 
 @torch.no_grad()
@@ -104,10 +116,11 @@ def divergence_per_token(model: torch.nn.Module, samples: Sequence[RolloutSample
     """Mean over scored completion tokens of the sparse generalized JSD between ``model`` (a Hugging Face causal
     LM, its logit head read by :func:`~fastdistill.logit_head.logit_head_from_config`) and the teacher candidates of
     ``samples`` (nats/token); candidates beyond the model's vocabulary are folded into the teacher's tail
-    (:func:`~fastdistill.data.pack_row`)."""
-    samples = [s for s in samples if len(s.completion_ids) > 0]
+    (:func:`~fastdistill.data.pack_row`). Cross-tokenizer samples (``cross_targets``) have no candidates in the
+    student's vocabulary and are left out (:func:`divergence_stats` with the trainer's model scores them)."""
+    samples = [s for s in samples if len(s.completion_ids) > 0 and s.cross_targets is None]
     if not samples:
-        raise ValueError("no sample has a completion token to score")
+        raise ValueError("no sample has a completion token to score (cross-tokenizer samples are left out)")
     logit_head = logit_head_from_config(model.config)
     backbone, head = causal_lm_parts(model)
     row = pack_row(samples, teacher_ids, vocab_size=head.weight.shape[0]).to(next(model.parameters()).device)
@@ -129,7 +142,9 @@ def divergence_stats(model: torch.nn.Module, samples: Sequence[RolloutSample], t
     ``model`` is a :class:`~fastdistill.train.model.DistillationModel` (its ``divergence=True`` forward). Every rank
     runs the same number of forwards (a rank with fewer samples runs zero-weight copies) because FSDP's gathers are
     collective; samples without a completion token are skipped. Teacher candidates at or beyond ``vocab_size`` (the
-    student's lm_head rows) are folded into the teacher's tail. Sum the result over ranks."""
+    student's lm_head rows) are folded into the teacher's tail. A cross-tokenizer teacher's samples count their
+    aligned groups and the model's ``cross_tokenizer_loss`` (hybrid or ULD, whatever ``loss_type``) per group. Sum
+    the result over ranks."""
     scored = [s for s in samples if len(s.completion_ids) > 0]
     mine = scored[rank::world_size]
     chunks = math.ceil(math.ceil(len(scored) / world_size) / group) if scored else 0
@@ -396,6 +411,7 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
     distillation = DistillationModel(model, config)
     distillation.teacher_heads = hidden_teacher_heads(config, vocab_size=head.shape[0], dtype=head.dtype,
                                                       device=device)
+    distillation.cross_teachers = load_cross_teachers(config, tokenizer, vocab_size=head.shape[0], device=device)
     teacher_ids = config.teacher_ids
     prepared = prepare_eval_rows(rows, tokenizer, teacher_ids, split=config.dataset_test_split,
                                  dataset_config=config.dataset_config,

@@ -31,6 +31,13 @@ from fastdistill.loss import (
 )
 from fastdistill.loss.dense import dense_teacher_jsd_loss
 from fastdistill.train.config import QUERY_LOSS_TYPES, AsyncDistillationConfig
+from fastdistill.train.cross_tokenizer import (
+    CrossTeacher,
+    combined_output,
+    combined_pg_stats,
+    cross_tokenizer_loss,
+    cross_tokenizer_rows,
+)
 from fastdistill.train.teacher_head import TeacherHead
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,10 @@ class DistillationModel(nn.Module):
                               "m2po_budget": config.m2po_budget,
                               "sampling_top_k": config.top_k if config.top_k >= 1 else None}
         self.teacher_heads: dict[int, TeacherHead] = {}
+        # cross-tokenizer teachers (teacher index -> CrossTeacher: its vocabulary map's shared ids and the hybrid's
+        # weights), set like teacher_heads by whoever loads the model (load_cross_teachers); plain attribute
+        self.cross_teachers: dict[int, CrossTeacher] = {}
+        self.cross_tokenizer_loss = config.cross_tokenizer_loss
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
                 stale: torch.Tensor | None = None, divergence: bool = False) -> tuple[Any, dict[str, float]]:
@@ -97,6 +108,9 @@ class DistillationModel(nn.Module):
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
+        cross = cross_tokenizer_rows(row, self.cross_teachers)
+        if cross is not None and bool(cross.any()):
+            return self._with_cross_tokenizer(hidden, head, row, ids, lps, mask, weights, metrics, cross, divergence)
         if self.loss_type == "reverse_kl_pg" and not divergence:
             return self._policy_gradient(hidden, head, row, weights, metrics)
         if self.loss_type in QUERY_LOSS_TYPES and not divergence:
@@ -110,13 +124,42 @@ class DistillationModel(nn.Module):
             return out, metrics
         return self._mixed_jsd(hidden, head, row, ids, lps, mask, weights), metrics
 
+    def _with_cross_tokenizer(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow, ids: torch.Tensor,
+                              lps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None,
+                              metrics: dict[str, float], cross: torch.Tensor,
+                              divergence: bool) -> tuple[Any, dict[str, float]]:
+        """A row with cross-tokenizer targets (``cross`` (M,) bool): their loss
+        (:func:`~fastdistill.train.cross_tokenizer.cross_tokenizer_loss`: the group policy gradient with
+        ``reverse_kl_pg``, else ``cross_tokenizer_loss``) plus the other teachers' targets' own loss; the fields
+        add (a :class:`~fastdistill.train.cross_tokenizer.CrossTokenizerOutput`)."""
+        pg = self.loss_type == "reverse_kl_pg" and not divergence
+        kw = self.loss_kwargs
+        cross_out, cross_pg = cross_tokenizer_loss(
+            hidden, head, row, self.cross_teachers, loss="reverse_kl_pg" if pg else self.cross_tokenizer_loss,
+            num_teachers=kw["num_teachers"], beta=kw["beta"], temperature=kw["temperature"],
+            logit_scale=self.logit_head.scale, softcap=self.logit_head.softcap, backend=kw["backend"],
+            sampling_temperature=self.sampling_temperature, importance_ratio=self.pg_importance_ratio,
+            ratio_clip=self.pg_ratio_clip)
+        if bool(cross.all()):
+            if pg:
+                metrics = {**metrics, **pg_metrics(cross_pg, int(cross_pg.num_tokens), self.pg_importance_ratio)}
+            return combined_output([cross_out]), metrics
+        if pg:
+            out, metrics = self._policy_gradient(hidden, head, row, weights, metrics, cross_pg=cross_pg)
+        else:
+            out = self._mixed_jsd(hidden, head, row, ids, lps, mask, weights, exclude=cross)
+        return combined_output([out, cross_out]), metrics
+
     def _mixed_jsd(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow, ids: torch.Tensor,
-                   lps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> SparseJSDOutput:
+                   lps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None,
+                   exclude: torch.Tensor | None = None) -> SparseJSDOutput:
         """The JSD of a row with hidden-state teachers: the sparse loss on the top-K teachers' targets plus, per
-        hidden-state teacher, the dense loss with its head on its targets; every field is the sum of the parts."""
+        hidden-state teacher, the dense loss with its head on its targets; every field is the sum of the parts.
+        ``exclude`` (M,) bool: targets scored elsewhere (cross-tokenizer ones), left out of the sparse loss."""
         kw = self.loss_kwargs
         dense_index = torch.tensor(sorted(row.teacher_hidden), dtype=torch.long, device=hidden.device)
-        topk = (~torch.isin(row.teacher_index, dense_index)).nonzero().squeeze(1)
+        sparse = ~torch.isin(row.teacher_index, dense_index)
+        topk = (sparse if exclude is None else sparse & ~exclude).nonzero().squeeze(1)
         parts: list[SparseJSDOutput] = []
         if topk.numel():
             parts.append(sparse_jsd_loss(
@@ -158,9 +201,11 @@ class DistillationModel(nn.Module):
         return teacher
 
     def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
-                         weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
+                         weights: torch.Tensor | None, metrics: dict[str, float],
+                         cross_pg: Any = None) -> tuple[Any, dict[str, float]]:
         """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
-        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics."""
+        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics (over
+        these positions and, given ``cross_pg``, the cross-tokenizer groups' statistics too)."""
         match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
         teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
         teacher = self._hidden_teacher_logprobs(row, row.actual_ids[:, None], teacher[:, None],
@@ -175,7 +220,8 @@ class DistillationModel(nn.Module):
             ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
             **self.pg_stabilizer,
         )
-        metrics = {**metrics, **pg_metrics(out, int(out.num_tokens), ratio)}
+        stats = out if cross_pg is None else combined_pg_stats([out, cross_pg])
+        metrics = {**metrics, **pg_metrics(stats, int(stats.num_tokens), ratio)}
         return self._as_output(out, row.teacher_index[scored]), metrics
 
     def _query_estimator(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,

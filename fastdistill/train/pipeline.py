@@ -80,13 +80,23 @@ def check_servers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
                         await teachers[teacher_id].check_query_scoring()  # the loss reads log-probs at query ids
                     if signal == "hidden":
                         widths[teacher_id] = await teachers[teacher_id].served_width()
-                await check_shared_vocabulary(student, teachers)
+                await check_shared_vocabulary(student, teachers, teacher_tokenizers=own_tokenizers(config))
             finally:
                 for teacher in teachers.values():
                     await teacher.close()
             return served, widths
 
     return asyncio.run(check())
+
+
+def own_tokenizers(config: Any) -> dict[str, Any]:
+    """Teacher id -> its own tokenizer, loaded from ``config.teacher_tokenizers`` (the cross-tokenizer teachers)."""
+    folders = getattr(config, "teacher_tokenizers", None) or {}
+    if not folders:
+        return {}
+    from transformers import AutoTokenizer
+
+    return {teacher_id: AutoTokenizer.from_pretrained(str(folder)) for teacher_id, folder in folders.items()}
 
 
 def limits_exceeded(prompt_lengths: Sequence[int], teacher_ids: Sequence[str], served: Mapping[str, Any],
@@ -203,6 +213,9 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         student_queries=config.student_queries,  # from loss_type: "samples" (reverse_kl_mc), "topk", or "none"
         num_student_queries=config.num_student_queries,
         rollout_processes=config.rollout_processes,
+        teacher_tokenizers=getattr(config, "teacher_tokenizers", None),
+        student_tokenizer=str(config.model_name_or_path) if getattr(config, "teacher_tokenizers", None) else None,
+        chat_template_kwargs=config.chat_template_kwargs,
     )
 
 

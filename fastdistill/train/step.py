@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 class StepStats:
     """Sums over a step's rows (of this rank, or of every rank after :meth:`all_reduced`): scored ``tokens`` and the
     loss's ``jsd``, ``entropy`` and ``teacher_entropy`` sums over them; ``forwarded_tokens``, ``trained_tokens`` and
-    ``samples`` of the packed rows; ``folded`` teacher candidates beyond the student's vocabulary; and per teacher
-    ``(tokens, jsd, teacher entropy)`` in ``per_teacher`` (num_teachers, 3)."""
+    ``samples`` of the packed rows; ``folded`` teacher candidates beyond the student's vocabulary; the aligned groups
+    of cross-tokenizer targets and their unweighted JSD and ULD sums (``cross_*``; their loss is in ``jsd`` and their
+    groups in ``tokens``); and per teacher ``(tokens, jsd, teacher entropy)`` in ``per_teacher`` (num_teachers,
+    3)."""
 
     num_teachers: int
     tokens: float = 0.0
@@ -43,10 +45,13 @@ class StepStats:
     trained_tokens: float = 0.0
     samples: float = 0.0
     folded: float = 0.0
+    cross_groups: float = 0.0
+    cross_jsd: float = 0.0
+    cross_uld: float = 0.0
     per_teacher: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
     _SCALARS = ("tokens", "jsd", "entropy", "teacher_entropy", "forwarded_tokens", "trained_tokens", "samples",
-                "folded")
+                "folded", "cross_groups", "cross_jsd", "cross_uld")
 
     def __post_init__(self) -> None:
         if self.per_teacher is None:
@@ -62,6 +67,10 @@ class StepStats:
         self.trained_tokens += row.num_trained
         self.samples += row.num_samples
         self.folded += row.folded_ids.numel()
+        if hasattr(out, "cross_groups"):
+            self.cross_groups += float(out.cross_groups)
+            self.cross_jsd += float(out.cross_jsd_sum)
+            self.cross_uld += float(out.cross_uld_sum)
         self.per_teacher += out.per_teacher.detach().double().cpu()[:, :3]
 
     def all_reduced(self, dist: Any) -> StepStats:
@@ -183,13 +192,16 @@ class TrainStep:
     def _scored_count(self, row: PackedRow, support: tuple[torch.Tensor, ...]) -> int:
         """Positions the loss will score: those with teacher signal (jsd), whose sampled token the teacher scored
         (reverse_kl_pg), or whose every student query the teacher scored with finite rollout log-probs
-        (reverse_kl_mc, reverse_kl_student_topk); a hidden-state teacher scores every id (its head, in the model)."""
+        (reverse_kl_mc, reverse_kl_student_topk); a hidden-state teacher scores every id (its head, in the model).
+        A cross-tokenizer teacher's targets count their aligned groups (the unit its losses sum over; their
+        candidate rows are empty, so they count nothing else)."""
         loss_type = self.config.loss_type
+        groups = row.num_cross_groups  # the model scores every group (it refuses targets of a teacher it has no map of)
         hidden = torch.isin(row.teacher_index, torch.tensor(sorted(row.teacher_hidden), dtype=torch.long,
                                                             device=row.teacher_index.device))
         if loss_type == "reverse_kl_pg":
             match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
-            return int((match.any(dim=1) | hidden).sum())
+            return int((match.any(dim=1) | hidden).sum()) + groups
         if loss_type in QUERY_LOSS_TYPES:
             if row.query_ids is None:
                 return 0  # the model refuses the row with the reason
@@ -198,7 +210,7 @@ class TrainStep:
             return int((scored & torch.isfinite(row.query_behaviour_logprobs).all(dim=1)).sum())
         # hidden-state teachers' targets have empty candidate rows; the dense loss scores every one of them
         dense = sum(int(row.hidden_targets(index).numel()) for index in row.teacher_hidden)
-        return int(scored_positions(*support)) + dense
+        return int(scored_positions(*support)) + dense + groups
 
     def _stale_positions(self, row: PackedRow, model_version: int) -> torch.Tensor | None:
         """(M,) bool: positions of samples older than ``max_staleness`` (kept only under ``stale_policy=
@@ -234,6 +246,11 @@ def step_record(result: StepResult, teacher_ids: list[str], divergence_name: str
     }
     if result.grad_norm is not None:
         record["grad_norm"] = result.grad_norm
+    if stats.cross_groups:  # cross-tokenizer targets: their groups and their loss's two terms per group
+        record["batch/cross_groups_per_step"] = stats.cross_groups
+        if stats.cross_jsd or stats.cross_uld:  # loss_type jsd (the group policy gradient has neither)
+            record["cross/jsd"] = stats.cross_jsd / stats.cross_groups
+            record["cross/uld"] = stats.cross_uld / stats.cross_groups
     if len(teacher_ids) > 1:
         for index, teacher_id in enumerate(teacher_ids):
             count = float(stats.per_teacher[index, 0])

@@ -35,6 +35,7 @@ from fastdistill.train import pipeline
 from fastdistill.train.checkpoint import RolloutState, export_final_model, save_checkpoint
 from fastdistill.train.collector import WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.cross_tokenizer import load_cross_teachers
 from fastdistill.train.distributed import check_world_size, init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator, held_out_rows
 from fastdistill.train.flops import mfu_record, peak_flops
@@ -115,6 +116,9 @@ class AsyncDistillationTrainer:
         self.master_weights_warning = check_master_weights(hf_model, config)
         self.model, self.hf_model = prepare_student(hf_model, config, self.dist.device, self.dist.world_size,
                                                     self._use_bf16())
+        # cross-tokenizer teachers: each one's vocabulary map against the student's lm_head rows, loaded once
+        self.model.cross_teachers = load_cross_teachers(config, self.tokenizer, vocab_size=self.student_vocab_size,
+                                                        device=self.dist.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
