@@ -151,6 +151,7 @@ def test_cross_tokenizer_teacher_trains_to_a_lower_per_byte_reverse_kl(servers, 
                                             teacher, student_tok, teacher_tok)
     after, after_se = reverse_kl_per_byte(AutoModelForCausalLM.from_pretrained(run / "final").double().eval(),
                                           teacher, student_tok, teacher_tok)
+    print(f"per-byte reverse KL before {before:.4f} ± {before_se:.4f}, after {after:.4f} ± {after_se:.4f} (nats/byte)")
     margin = Z * math.hypot(before_se, after_se)
     assert after < before - margin, (before, before_se, after, after_se)
 
