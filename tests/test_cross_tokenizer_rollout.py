@@ -292,7 +292,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="chat_template_kwargs must be a mapping"):
         RolloutConfig(**base, teacher_tokenizers={"t": "/tok"}, student_tokenizer="/s", chat_template_kwargs=[1])
     config = RolloutConfig(**base, teacher_tokenizers={"t": "/tok"}, student_tokenizer="/s")
-    assert config.is_cross_tokenizer("t") and not config.is_cross_tokenizer("u")
+    assert dict(config.teacher_tokenizers) == {"t": "/tok"} and config.teacher_signal("u") == "topk"
 
 
 def test_rows_without_prompts_are_refused_up_front(tmp_path):
