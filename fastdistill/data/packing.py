@@ -384,6 +384,8 @@ def _check_sample(s: int, sample: RolloutSample) -> None:
     if cand.ndim != 2 or cand.dtype.kind not in "iu":
         fail(f"teacher_topk_ids must be a 2-D (L, K+1) integer array, got {cand.dtype} {cand.shape}")
     hidden = sample.teacher_hidden
+    if hidden is not None and sample.cross_targets is not None:
+        fail("a sample carries teacher_hidden or cross_targets, not both (a cross-tokenizer teacher serves top-K)")
     if hidden is not None:
         if not isinstance(hidden, np.ndarray) or hidden.ndim != 2 or hidden.dtype not in (np.float32, np.uint16):
             fail("teacher_hidden must be None or a 2-D (L, D_t) float32 or uint16 (bfloat16 bits) array, got "

@@ -21,18 +21,13 @@ from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
-from fastdistill.train.config_checks import (
-    LOSS_TYPES,
-    PG_LOSS_TYPES,
-    QUERY_LOSS_TYPES,
-    validate_cross_tokenizer,
-    validate_loss_options,
-)
+from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_loss_options
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
 from fastdistill.train.config_checks import choice as _choice
 from fastdistill.train.config_checks import is_int as _is_int
 from fastdistill.train.config_checks import positive as _positive
+from fastdistill.train.config_checks import validate_cross_tokenizer as _validate_cross_tokenizer
 from fastdistill.train.config_checks import value_range as _range
 
 __all__ = ["LOSS_TYPES", "PG_LOSS_TYPES", "QUERY_LOSS_TYPES", "AsyncDistillationConfig", "ConfigError"]
@@ -158,15 +153,13 @@ class AsyncDistillationConfig:
     # ours: teacher id -> local checkpoint folder whose lm_head turns a hidden teacher's states into logits; None (or
     # a teacher left out): the folder the teacher server serves (its /v1/models id), when that is a local folder
     teacher_model_paths: dict[str, str] | None = None
-    # ours: teacher id -> the teacher's own tokenizer (a local folder, usually the teacher model's): a teacher it names
-    # has another vocabulary than the student's (a cross-tokenizer teacher, docs/cross_tokenizer.md); None or a
-    # teacher left out: the student's tokenizer (the start-up probe checks that)
+    # ours: teacher id -> the teacher's own tokenizer folder (usually the teacher model's): a cross-tokenizer teacher
+    # (docs/cross_tokenizer.md); None or a teacher left out: the student's tokenizer (the start-up probe checks it)
     teacher_tokenizers: dict[str, str] | None = None
     # ours: the loss of cross-tokenizer samples with loss_type "jsd": "hybrid" (GOLD's: the generalized JSD on the
     # tokens both vocabularies share + the sorted-probability ULD on the rest) or "uld" (ULD on every token)
     cross_tokenizer_loss: str = "hybrid"
-    # ours: the hybrid's [w_shared, w_unshared]; None: GOLD's adaptive weights per teacher (its shared fraction of
-    # the teacher's vocabulary, VocabularyMap.gold_weights)
+    # ours: the hybrid's [w_shared, w_unshared]; None: GOLD's adaptive weights per teacher (VocabularyMap.gold_weights)
     cross_tokenizer_weights: list[float] | None = None
     # --- batching, staleness, weight sync
     token_budget: int | None = None
@@ -307,7 +300,7 @@ class AsyncDistillationConfig:
             raise ConfigError(str(error)) from None
         self._validate_teachers()
         self._validate_teacher_signal()
-        validate_cross_tokenizer(self)
+        _validate_cross_tokenizer(self)
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")

@@ -76,12 +76,6 @@ def load_cross_teachers(config: Any, tokenizer: Any, *, vocab_size: int,
     return teachers
 
 
-def cross_targets_count(row: Any, teachers: Mapping[int, CrossTeacher]) -> int:
-    """The groups the cross-tokenizer loss scores in ``row`` (a :class:`~fastdistill.data.PackedRow`): its group
-    starts (0 without cross targets); ValueError as :func:`cross_tokenizer_rows`."""
-    return 0 if cross_tokenizer_rows(row, teachers) is None else row.num_cross_groups
-
-
 def cross_tokenizer_rows(row: Any, teachers: Mapping[int, CrossTeacher]) -> torch.Tensor | None:
     """(M,) bool: the targets of cross-tokenizer teachers in ``row``, or None when the row has no cross targets.
     ValueError when a teacher without a loaded :class:`CrossTeacher` sent cross-tokenizer targets (they would go

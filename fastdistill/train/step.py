@@ -22,7 +22,6 @@ from fastdistill.errors import NonFiniteLossError
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
 from fastdistill.rollout import RolloutSample
 from fastdistill.train.config import QUERY_LOSS_TYPES
-from fastdistill.train.cross_tokenizer import cross_targets_count
 from fastdistill.train.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -197,7 +196,7 @@ class TrainStep:
         A cross-tokenizer teacher's targets count their aligned groups (the unit its losses sum over; their
         candidate rows are empty, so they count nothing else)."""
         loss_type = self.config.loss_type
-        groups = cross_targets_count(row, getattr(self.model, "cross_teachers", {}))
+        groups = row.num_cross_groups  # the model scores every group (it refuses targets of a teacher it has no map of)
         hidden = torch.isin(row.teacher_index, torch.tensor(sorted(row.teacher_hidden), dtype=torch.long,
                                                             device=row.teacher_index.device))
         if loss_type == "reverse_kl_pg":
