@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cross_tokenizer_cases import teacher_tokenizer
 
 from fastdistill.errors import ConfigError
+from fastdistill.testing.cross_tokenizer import teacher_tokenizer
 from fastdistill.testing.cross_tokenizer_models import ascii_student_tokenizer, save_tiny_model
 from fastdistill.testing.vllm_server import VLLMServer, require_vllm, running
 
