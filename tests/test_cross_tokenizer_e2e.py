@@ -3,9 +3,9 @@
 Student and teacher are tiny random models over two byte-level BPEs built in code (other corpora, vocabularies,
 merges, special tokens and chat templates; the student's alphabet is printable ASCII, so its completions are always
 text a teacher can score). The run goes through the CLI with a YAML config (the worker renders each completion for
-the teacher, aligns the two tokenizations, the trainer takes the hybrid loss, weights sync to the student server
-after every step), ends by itself, and lowers a held-out divergence measured without either tokenizer's ids: the
-sequence-level reverse KL per byte,
+the teacher, aligns the two tokenizations, the trainer takes the hybrid loss's shared-token JSD, weights sync to the
+student server after every step), ends by itself, and lowers a held-out divergence measured without either
+tokenizer's ids: the sequence-level reverse KL per byte,
 
     D = E_{y ~ π_θ} [ (log π_θ(y) − log π_T(y)) / bytes(y) ],
 
@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cross_tokenizer_cases import teacher_tokenizer
 
 from fastdistill.errors import ConfigError
+from fastdistill.testing.cross_tokenizer import teacher_tokenizer
 from fastdistill.testing.cross_tokenizer_models import ascii_student_tokenizer, save_tiny_model
 from fastdistill.testing.vllm_server import VLLMServer, require_vllm, running
 
@@ -44,11 +44,15 @@ Z = 3.0  # the drop must exceed 3 standard errors of the difference of the two e
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(student folder, teacher folder, student server with gloo weight transfer, teacher server)."""
+    """(student folder, teacher folder, student server with gloo weight transfer, teacher server). The teacher
+    prefers digits, spaces and periods (about 80 % of its next-token mass), which the student's vocabulary shares;
+    the random student spreads its mass over its whole vocabulary."""
     require_vllm()
     root = tmp_path_factory.mktemp("cross_e2e")
     student_dir = save_tiny_model(ascii_student_tokenizer(), root / "student", seed=1)
-    teacher_dir = save_tiny_model(teacher_tokenizer(), root / "teacher", seed=2, sharpness=4.0)
+    teacher_tok = teacher_tokenizer()
+    counting = [i for i in range(len(teacher_tok)) if set(teacher_tok.decode([i]) or "x") <= set("0123456789 .")]
+    teacher_dir = save_tiny_model(teacher_tok, root / "teacher", seed=2, sharpness=2.0, preferred=counting)
     student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", log_path=root / "student.log")
     teacher = VLLMServer(teacher_dir, role="teacher", log_path=root / "teacher.log")
     with running(student, teacher):
@@ -67,6 +71,11 @@ def run_config(tmp_path: Path, servers, **overrides) -> dict:
         "num_train_epochs": EPOCHS, "learning_rate": 5e-3, "token_budget": 0, "max_completion_length": MAX_TOKENS,
         "teacher_top_k": 8, "beta": 1.0, "gradient_checkpointing": False, "disable_tqdm": True,
         "save_strategy": "no", "heartbeat_stale_after_s": 60.0,
+        # the hybrid's shared-token JSD alone (β = 1: the reverse KL over the shared tokens with exact tails). With
+        # GOLD's adaptive weights (about 0.3 / 0.7 here) the ULD term's sorted-probability L1 dominates and moved this
+        # divergence 3.72 → 2.72, 3.20 (two runs) and 3.83 at twice the learning rate; JSD alone: 3.72 → 1.30;
+        # loss_type reverse_kl_pg (the group policy gradient): 3.72 → 3.01
+        "cross_tokenizer_weights": [1.0, 0.0],
     }
     config.update(overrides)
     return config
@@ -147,6 +156,7 @@ def test_cross_tokenizer_teacher_trains_to_a_lower_per_byte_reverse_kl(servers, 
                                             teacher, student_tok, teacher_tok)
     after, after_se = reverse_kl_per_byte(AutoModelForCausalLM.from_pretrained(run / "final").double().eval(),
                                           teacher, student_tok, teacher_tok)
+    print(f"per-byte reverse KL before {before:.4f} ± {before_se:.4f}, after {after:.4f} ± {after_se:.4f} (nats/byte)")
     margin = Z * math.hypot(before_se, after_se)
     assert after < before - margin, (before, before_se, after, after_se)
 

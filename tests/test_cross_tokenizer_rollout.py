@@ -16,7 +16,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from cross_tokenizer_cases import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
 
 from fastdistill.errors import AlignmentError, ConfigError, VocabularyMismatchError
 from fastdistill.rollout import PromptTable, RolloutConfig, StudentClient, TeacherClient, check_shared_vocabulary
@@ -28,6 +27,7 @@ from fastdistill.rollout.cross_tokenizer import load_tokenizer_pair
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
+from fastdistill.testing.cross_tokenizer import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
 from fastdistill.testing.cross_tokenizer_models import save_tiny_model
 from fastdistill.testing.vllm_server import VLLMServer, require_vllm
 
@@ -183,7 +183,7 @@ def test_the_rollout_metrics_count_the_teacher_tokens(teacher_server, folders):
     sample, metrics = asyncio.run(run())
     teacher_ids = teacher_tokenizer()("Hello there!", add_special_tokens=False)["input_ids"]
     assert metrics["rollout/teacher_tokens"] == len(teacher_ids)
-    assert 0 <= metrics["rollout/align_s"] < metrics["rollout/duration_s"]
+    assert 0 <= metrics["rollout/align_s"] <= metrics["rollout/duration_s"]  # a part of the rollout
     assert sample.cross_targets.num_groups >= 1
 
 
@@ -292,7 +292,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="chat_template_kwargs must be a mapping"):
         RolloutConfig(**base, teacher_tokenizers={"t": "/tok"}, student_tokenizer="/s", chat_template_kwargs=[1])
     config = RolloutConfig(**base, teacher_tokenizers={"t": "/tok"}, student_tokenizer="/s")
-    assert config.is_cross_tokenizer("t") and not config.is_cross_tokenizer("u")
+    assert dict(config.teacher_tokenizers) == {"t": "/tok"} and config.teacher_signal("u") == "topk"
 
 
 def test_rows_without_prompts_are_refused_up_front(tmp_path):

@@ -213,10 +213,6 @@ class RolloutConfig:
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a mapping or None, got {self.chat_template_kwargs!r}")
 
-    def is_cross_tokenizer(self, teacher_id: str) -> bool:
-        """Whether teacher ``teacher_id`` has its own tokenizer (``teacher_tokenizers``)."""
-        return teacher_id in (self.teacher_tokenizers or {})
-
     def student_model_for_version(self, version: int) -> str | None:
         """The ``model`` of a generation request made at model version ``version``: the adapter of that version
         with ``student_adapter_prefix`` (from version 1 on), else None (``student_model`` or the served model)."""

@@ -51,17 +51,41 @@ def _byte_level_ascii() -> set[str]:
 
 
 def save_tiny_model(tokenizer: Any, path: str | Path, *, seed: int, vocab_size: int | None = None,
-                    sharpness: float = 1.0) -> Path:
+                    sharpness: float = 1.0, preferred: list[int] | None = None) -> Path:
     """A random tiny Qwen3 over ``tokenizer`` (``vocab_size`` lm_head rows, default its length: more pads the head
-    with ids the tokenizer lacks), its lm_head scaled by ``sharpness`` (> 1: a peaked model), saved with the
-    tokenizer to ``path``."""
+    with ids the tokenizer lacks), its lm_head scaled by ``sharpness`` (> 1: a peaked model), then with a logit
+    bonus at the ``preferred`` ids (:func:`prefer_tokens`), saved with the tokenizer to ``path``."""
     eos = tokenizer.eos_token_id
     config = tiny_config(vocab_size or len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
     model = build_model(config, seed=seed)
     if sharpness != 1.0:
         with torch.no_grad():
             model.lm_head.weight.mul_(sharpness)
+    if preferred:
+        prefer_tokens(model, preferred)
     return save_pretrained_dir(model, tokenizer, path)
 
 
-__all__ = ["ascii_student_tokenizer", "save_tiny_model"]
+def prefer_tokens(model: Any, token_ids: list[int], *, bonus: float = 5.0) -> Any:
+    """Add about ``bonus`` to the logits of ``token_ids`` at every position of a tiny Qwen3 (a teacher with a clear
+    preference the student can learn, built in no time): residual dimension 0 is held at a constant (every embedding
+    row's dimension 0 is set to it; no layer reads or writes that dimension), and the lm_head's column 0 turns the
+    final norm's constant output there into the bonus. Returns the model."""
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, 0] = 4.0 * float(embed[:, 1:].std())
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[0] = 0.0
+            layer.post_attention_layernorm.weight[0] = 0.0
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        seen: list[torch.Tensor] = []
+        hook = model.model.norm.register_forward_hook(lambda _m, _i, out: seen.append(out[..., 0]))
+        model(torch.arange(min(64, embed.shape[0]))[None], use_cache=False)
+        hook.remove()
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[token_ids, 0] = bonus / float(seen[0].mean())
+    return model
+
+
+__all__ = ["ascii_student_tokenizer", "prefer_tokens", "save_tiny_model"]
