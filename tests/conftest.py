@@ -34,3 +34,17 @@ def smollm2_dir(tmp_path_factory):
     cache = os.environ.get("FASTDISTILL_SMOLLM2_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
     return export_gguf_model(folder, name, root / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_servers(tmp_path_factory):
+    """One tiny student/teacher pair of real vLLM servers for the whole session
+    (:class:`fastdistill.testing.vllm_server.TinyServers`: a student with gloo weight transfer and ``--max-logprobs
+    V``, a peaked teacher prefilling in 32-token chunks), started the first time a test asks for it: every server
+    start costs tens of seconds on 2 cores. A test that needs the student to serve known weights pushes them
+    (``serve_student_weights``); one that stops the teacher starts it again."""
+    from fastdistill.testing import vllm_server
+
+    vllm_server.require_vllm()
+    with vllm_server.tiny_servers(tmp_path_factory.mktemp("tiny-servers")) as servers:
+        yield servers
