@@ -42,7 +42,7 @@ def tiny_servers(tmp_path_factory):
     (:class:`fastdistill.testing.vllm_server.TinyServers`: a student with gloo weight transfer and ``--max-logprobs
     V``, a peaked teacher prefilling in 32-token chunks), started the first time a test asks for it: every server
     start costs tens of seconds on 2 cores. A test that needs the student to serve known weights pushes them
-    (``serve_student_weights``); one that stops the teacher starts it again."""
+    (``serve_student_weights``); a trainer's cold sync pushes its own."""
     from fastdistill.testing import vllm_server
 
     vllm_server.require_vllm()

@@ -109,7 +109,7 @@ class TinyServers:
     cold sync does, and a test that needs known weights calls :meth:`serve_student_weights` first. ``teacher`` is a
     teacher-role server (with fastdistill's scoring plugin, which the vLLM entry point installs in every server)
     serving ``teacher_dir`` (seed 2, lm_head × :data:`TEACHER_SHARPNESS`), prefilling in chunks
-    (:data:`TEACHER_SCORING_ARGS`). Its weights never change; a test that stops it must start it again."""
+    (:data:`TEACHER_SCORING_ARGS`). Its weights never change."""
 
     tokenizer: Any
     vocab_size: int
