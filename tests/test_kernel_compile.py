@@ -67,55 +67,18 @@ DENSE_FUSED_SPILLS_BY_TRITON = {
 DENSE_FUSED_SPILLS = DENSE_FUSED_SPILLS_BY_TRITON.get(TRITON, DENSE_FUSED_SPILLS_BY_TRITON[PINNED_TRITON])
 
 
-class ReportRun:
-    """One compile-report subprocess (its JSON goes to ``out``), started at once in the background."""
-
-    def __init__(self, command: list[str], out: Path, timeout_s: int, ok_codes: tuple[int, ...] = (0,)):
-        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
-        self.out, self.timeout_s, self.ok_codes = out, timeout_s, ok_codes
-        self.stderr = out.with_suffix(".stderr")
-        with open(self.stderr, "w") as stderr:
-            self.process = subprocess.Popen([*command, str(out)], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
-
-    def result(self):
-        """The report's JSON, once the subprocess exits; skip where the toolchain is unusable (exit 2)."""
-        code = self.process.wait(timeout=self.timeout_s)
-        stderr = self.stderr.read_text()
-        if code == 2:  # the scripts' exit code for an unusable toolchain (no NVIDIA backend, no ptxas)
-            pytest.skip(stderr.strip()[-500:])
-        assert code in self.ok_codes and self.out.exists(), stderr[-4000:]
-        return json.loads(self.out.read_text())
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
 @pytest.fixture(scope="module")
-def report_runs(tmp_path_factory) -> dict[str, ReportRun]:
-    """The module's three compile reports, started side by side the first time a test needs one: each is one
-    single-threaded process (Triton's compiler, then ptxas, one kernel at a time), so on a machine with more than
-    one core they overlap instead of queueing (together ~2 min of one core)."""
-    folder = tmp_path_factory.mktemp("compile")
-    runs = {
-        # the test variants at the Qwen-like shape, both targets; 1: some variant failed or overflows
-        "main": ReportRun([sys.executable, str(SCRIPT), "--set", "test", "--shapes", SHAPE, "--first-chunk-only",
-                           "--quiet", "--json"], folder / "report.json", 1200, ok_codes=(0, 1)),
-        "dense": ReportRun([sys.executable, "-c", DENSE_SCRIPT], folder / "dense.json", 600),
-        "dense_fused": ReportRun([sys.executable, "-c", DENSE_FUSED_SCRIPT], folder / "dense-fused.json", 900),
-    }
-    try:
-        yield runs
-    finally:
-        for run in runs.values():
-            run.stop()
-
-
-@pytest.fixture(scope="module")
-def report(report_runs) -> dict:
-    """The compile report of the test variants at the Qwen-like shape, both targets (one subprocess, ~1 min)."""
-    return report_runs["main"].result()
+def report(tmp_path_factory) -> dict:
+    """The compile report of the test variants at the Qwen-like shape, both targets (one subprocess, ~2-3 min)."""
+    out = tmp_path_factory.mktemp("compile") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    cmd = [sys.executable, str(SCRIPT), "--set", "test", "--shapes", SHAPE, "--first-chunk-only", "--quiet",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    if proc.returncode == 2:  # the script's exit code for an unusable toolchain (no NVIDIA backend, no ptxas)
+        pytest.skip(proc.stderr.strip()[-500:])
+    assert proc.returncode in (0, 1) and out.exists(), proc.stderr[-4000:]  # 1: some variant failed or overflows
+    return json.loads(out.read_text())
 
 
 def _units(report: dict, variant: str, target: str, kernel: str | None = None) -> list[dict]:
@@ -213,11 +176,23 @@ json.dump(cr.dense_report(("bf16",)), open(sys.argv[1], "w"))
 """
 
 
+def run_report_script(script: str, out: Path, timeout: int) -> list[dict]:
+    """Run a report ``script`` (writes JSON to its first argument) in a subprocess without the interpreter; skip
+    where the toolchain is unusable (exit 2)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    if proc.returncode == 2:
+        pytest.skip(proc.stderr.strip()[-500:])
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
-def dense_report(report_runs) -> list[dict]:
+def dense_report(tmp_path_factory) -> list[dict]:
     """The dense-teacher chunked kernels (statistics pass, gradient pass per β mode) compiled in bf16 at the
     Qwen-like shape for both targets (one subprocess, ~10 s)."""
-    return report_runs["dense"].result()
+    return run_report_script(DENSE_SCRIPT, tmp_path_factory.mktemp("compile-dense") / "dense.json", 600)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -239,10 +214,10 @@ DENSE_FUSED_SCRIPT = DENSE_SCRIPT.replace("cr.dense_report((\"bf16\",))", "cr.de
 
 
 @pytest.fixture(scope="module")
-def dense_fused_report(report_runs) -> list[dict]:
+def dense_fused_report(tmp_path_factory) -> list[dict]:
     """The fused dense-teacher kernels (forward, mixed-β pass, backward per β mode and backward mode) compiled in
     bf16 and fp32 at the Qwen-like shape for both targets with their default tiles (one subprocess, ~30 s)."""
-    return report_runs["dense_fused"].result()
+    return run_report_script(DENSE_FUSED_SCRIPT, tmp_path_factory.mktemp("compile-dense-fused") / "dense.json", 900)
 
 
 DENSE_FUSED_LABELS = ["forward", "mixed", *(f"backward-{m}/{b}" for m in cr.MODES for b in cr.DENSE_MODES)]
