@@ -92,8 +92,9 @@ $(REHEARSAL_KIT_STAMP): benchmarks/device_kit.py | $(STAMP)
 device-kit: | $(STAMP)
 	$(PY) benchmarks/device_kit.py --out $(DEVICE_KIT)
 
-# Every multi-host case on namespaced hosts (tests/test_cluster*.py; root and `ip netns`), the student partition
-# included, which `make test` leaves out for its time budget.
+# The multi-host modules alone (tests/test_cluster*.py; root and `ip netns`: every fault case `make test` runs too),
+# plus the isolated two-node gloo probe, which `make test` leaves out for its time budget (the cluster's trainer runs
+# take the same path).
 test-cluster: $(STAMP) $(VLLM_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 FASTDISTILL_REQUIRE_NETNS=1 \
 		FASTDISTILL_CLUSTER_FULL=1 $(PY) -m pytest -p no:cacheprovider -q tests/test_cluster.py tests/test_cluster_parts.py $(ARGS)

@@ -34,3 +34,29 @@ def smollm2_dir(tmp_path_factory):
     cache = os.environ.get("FASTDISTILL_SMOLLM2_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
     return export_gguf_model(folder, name, root / "SmolLM2-135M-Instruct")
+
+
+SHARED_PAIR = "tiny_servers"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with a test that uses the session's tiny server pair run last, one after another (each module's
+    own order kept): the pair is started by the first of them and stopped at the session's end, so it does not stay
+    up (two vLLM processes of ~1.7 GB each) beside the servers of every other module."""
+    users = {item.path for item in items if SHARED_PAIR in getattr(item, "fixturenames", ())}
+    if users:
+        items[:] = [item for item in items if item.path not in users] + [item for item in items if item.path in users]
+
+
+@pytest.fixture(scope="session")
+def tiny_servers(tmp_path_factory):
+    """One tiny student/teacher pair of real vLLM servers for the whole session
+    (:class:`fastdistill.testing.vllm_server.TinyServers`: a student with gloo weight transfer and ``--max-logprobs
+    V``, a peaked teacher prefilling in 32-token chunks), started the first time a test asks for it: every server
+    start costs tens of seconds on 2 cores. A test that needs the student to serve known weights pushes them
+    (``serve_student_weights``); a trainer's cold sync pushes its own."""
+    from fastdistill.testing import vllm_server
+
+    vllm_server.require_vllm()
+    with vllm_server.tiny_servers(tmp_path_factory.mktemp("tiny-servers")) as servers:
+        yield servers

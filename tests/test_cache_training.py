@@ -152,36 +152,33 @@ def test_a_cache_serves_one_teacher(cache_and_student, tmp_path):
 
 
 @pytest.mark.vllm
-def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path):
-    """The offline workflow end to end against real vLLM: the teacher scores the training and held-out rows once;
-    a run whose on-policy share anneals from lmbda=0.25 to lmbda_final=0.75 generates that share of each step's
-    prompts on-policy (student server, weight sync) and takes the rest from the cache, every prompt once; then the
-    servers stop and a run from the cache alone lowers the held-out divergence (scored by the same teacher)."""
+def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path, tiny_servers):
+    """The offline workflow end to end against real vLLM (the session's tiny pair): the teacher scores the training
+    and held-out rows once; a run whose on-policy share anneals from lmbda=0.25 to lmbda_final=0.75 generates that
+    share of each step's prompts on-policy (student server, weight sync; its cold sync puts this student's weights
+    on the server) and takes the rest from the cache, every prompt once; then a run from the cache alone, given no
+    server, lowers the held-out divergence (scored by the same teacher)."""
     from fractions import Fraction
 
     from transformers import AutoModelForCausalLM
 
-    from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
     from fastdistill.train.evaluate import divergence_per_token
 
-    require_vllm()
     tokenizer = build_tokenizer()
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=3).float().eval(),
-                                      tokenizer, tmp_path / "teacher")
     student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=11), tokenizer,
                                       tmp_path / "student")
     rows = conversations(40)
-    with student_and_teacher(student_dir, teacher_dir, tmp_path / "logs") as (student, teacher):
-        train = score_dataset(rows[:32], teacher.url, tmp_path / "cache", top_k=8, rows_per_shard=16, concurrency=4)
-        held = score_dataset(rows[32:], teacher.url, tmp_path / "held", top_k=8, concurrency=4)
-        assert train.manifest_written and held.manifest_written
-        mixed = cache_config(tmp_path / "cache", student_dir, tmp_path / "mixed", lmbda=0.25, lmbda_final=0.75,
-                             num_train_epochs=1,
-                             per_device_train_batch_size=8, max_completion_length=8, teacher_top_k=8,
-                             vllm_server_base_url=student.url, teacher_server_urls={"default": teacher.url},
-                             verify_weight_sync=True, heartbeat_stale_after_s=60.0)
-        summary = AsyncDistillationTrainer(mixed).train()
+    student, teacher = tiny_servers.student, tiny_servers.teacher
+    train = score_dataset(rows[:32], teacher.url, tmp_path / "cache", top_k=8, rows_per_shard=16, concurrency=4)
+    held = score_dataset(rows[32:], teacher.url, tmp_path / "held", top_k=8, concurrency=4)
+    assert train.manifest_written and held.manifest_written
+    mixed = cache_config(tmp_path / "cache", student_dir, tmp_path / "mixed", lmbda=0.25, lmbda_final=0.75,
+                         num_train_epochs=1,
+                         per_device_train_batch_size=8, max_completion_length=8, teacher_top_k=8,
+                         vllm_server_base_url=student.url, teacher_server_urls={"default": teacher.url},
+                         verify_weight_sync=True, heartbeat_stale_after_s=60.0)
+    summary = AsyncDistillationTrainer(mixed).train()
     assert summary["steps"] == 32 // 8 and summary["model_version"] == 1 + 32 // 8  # cold sync + one per step
     assert sorted(trained_ids(tmp_path / "mixed")) == list(range(32))
     records = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
@@ -191,7 +188,7 @@ def test_score_mix_and_train_from_the_cache_with_real_servers(tmp_path):
     assert on_policy == [0, 2, 5, 10, 15]
     assert all(r["sync/served_logprob_gap"] <= 1e-4 for r in records)
 
-    held_out = list(TeacherCache(tmp_path / "held"))  # the servers are gone from here on
+    held_out = list(TeacherCache(tmp_path / "held"))  # no server from here on
     before = divergence_per_token(AutoModelForCausalLM.from_pretrained(student_dir).eval(), held_out, ["default"])
     config = cache_config(tmp_path / "cache", student_dir, tmp_path / "run", num_train_epochs=4, learning_rate=3e-3,
                           per_device_train_batch_size=8, export_final_model=True)

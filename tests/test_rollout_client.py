@@ -36,7 +36,7 @@ from fastdistill.rollout import (  # noqa: E402
 )
 from fastdistill.serve import VLLMServer, VLLMServerError  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import free_port, require_vllm  # noqa: E402
+from fastdistill.testing.vllm_server import free_port  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 
 TOLERANCE = 1e-4
@@ -46,35 +46,23 @@ FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0
 # --------------------------------------------------------------------------------------------- real vLLM servers
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """(folder, fp32 model, tokenizer) of a tiny Qwen3 with head dim 32, saved in Hugging Face format."""
-    require_vllm()
-    tokenizer = build_tokenizer()
-    config = tiny_config(
-        len(tokenizer), head_dim=32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
-    )
-    model = build_model(config, seed=0).float().eval()
-    folder = save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-qwen3"))
-    return folder, model, tokenizer
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny_servers):
+    """(folder, fp32 model, tokenizer) of the session's tiny teacher (tests/conftest.py): a tiny Qwen3 with head dim
+    32 in Hugging Face format."""
+    return tiny_servers.teacher_dir, tiny_servers.teacher_model, tiny_servers.tokenizer
 
 
-@pytest.fixture(scope="session")
-def teacher_server(tiny_checkpoint, tmp_path_factory):
-    """One teacher-role server (``--max-logprobs -1``) shared by the session."""
-    folder, _, _ = tiny_checkpoint
-    log_path = tmp_path_factory.mktemp("logs") / "teacher.log"
-    with VLLMServer(folder, role="teacher", log_path=log_path) as server:
-        yield server
+@pytest.fixture(scope="module")
+def teacher_server(tiny_servers):
+    """The session's teacher-role server (``--max-logprobs -1``)."""
+    return tiny_servers.teacher
 
 
-@pytest.fixture(scope="session")
-def student_server(tiny_checkpoint, tmp_path_factory):
-    """A student-role server: dev mode, default ``--max-logprobs`` (20)."""
-    folder, _, _ = tiny_checkpoint
-    log_path = tmp_path_factory.mktemp("logs") / "student.log"
-    with VLLMServer(folder, role="student", log_path=log_path) as server:
-        yield server
+@pytest.fixture(scope="module")
+def student_server(tiny_servers):
+    """The session's student-role server: dev mode, ``--max-logprobs V`` (the tiny vocabulary's size)."""
+    return tiny_servers.student
 
 
 def reference_logprobs(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
@@ -161,17 +149,18 @@ def test_generation_logprobs_match_hf(tiny_checkpoint, teacher_server):
 def test_student_role_server_generates_and_rejects_large_k_clearly(tiny_checkpoint, student_server):
     _, _, tokenizer = tiny_checkpoint
     prompt = chat_prompt(tokenizer, "Hello!")
+    cap = len(tokenizer)  # the server's --max-logprobs
 
     async def generate_then_score():
         async with StudentClient(student_server.url) as student, TeacherClient(student_server.url) as teacher:
             generation = await student.generate(prompt, max_tokens=8, temperature=0.8, top_p=0.95, top_k=20)
-            within_cap = await teacher.score(prompt, generation.token_ids, top_k=20)
+            within_cap = await teacher.score(prompt, generation.token_ids, top_k=cap)
             with pytest.raises(VLLMRequestError) as rejected:
-                await teacher.score(prompt, generation.token_ids, top_k=32)
+                await teacher.score(prompt, generation.token_ids, top_k=cap + 1)
             return generation, within_cap, rejected.value
 
     generation, within_cap, error = asyncio.run(generate_then_score())
-    assert within_cap.candidate_ids.shape == (len(generation.token_ids), 21)
+    assert within_cap.candidate_ids.shape == (len(generation.token_ids), cap + 1)
     assert np.all(generation.logprobs <= 0)
     assert error.status == 400 and "--max-logprobs -1" in str(error)
 
@@ -496,7 +485,7 @@ def test_backoff_is_capped_exponential_with_jitter():
 # --------------------------------------------------------------------------------------- vocabulary check
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def other_vocab_server(tmp_path_factory, tiny_checkpoint):
     """A teacher-role server whose tokenizer was trained on other text (a different vocabulary)."""
     tokenizer = build_tokenizer(corpus=["zebra quartz vixen jumbo " * 20, "xylophone kiwi yak " * 20], vocab_size=300)

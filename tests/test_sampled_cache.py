@@ -385,30 +385,25 @@ def test_mixing_pads_on_policy_and_sampled_rows_to_one_width(tokenizer, tokenize
 
 
 @pytest.mark.vllm
-def test_score_a_sampled_cache_with_a_real_teacher_then_train_from_it(tmp_path):
-    """Against real vLLM: the teacher server scores a sampled training cache (S = 8; the stored log-probs of the
-    drawn tokens are the teacher's, checked against HF transformers); the server stops; training from the sampled
-    cache lowers the dense forward KL to the teacher on held-out rows (computed with HF transformers). A server
-    without ``--max-logprobs -1`` answers with vLLM's message, which the stub tests replay."""
+def test_score_a_sampled_cache_with_a_real_teacher_then_train_from_it(tmp_path, tiny_servers):
+    """Against real vLLM: the teacher server (the session's peaked tiny teacher, lm_head scaled up, so there is a
+    divergence to learn) scores a sampled training cache (S = 8; the stored log-probs of the drawn tokens are the
+    teacher's, checked against HF transformers); training from the sampled cache, given no server, lowers the dense
+    forward KL to the teacher on held-out rows (computed with HF transformers). A server without ``--max-logprobs
+    -1`` answers with vLLM's message, which the stub tests replay."""
     from transformers import AutoModelForCausalLM
 
-    from fastdistill.testing.vllm_server import VLLMServer, require_vllm
     from fastdistill.train.trainer import AsyncDistillationTrainer
 
-    require_vllm()
     tokenizer = build_tokenizer()
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    teacher_model = build_model(tiny_config(len(tokenizer), **special), seed=3).float().eval()
-    with torch.no_grad():  # logits 8x larger: a peaked teacher, so there is a divergence to learn
-        teacher_model.model.norm.weight.mul_(8.0)
-    teacher_dir = save_pretrained_dir(teacher_model, tokenizer, tmp_path / "teacher")
+    teacher_dir = tiny_servers.teacher_dir
     student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=11), tokenizer,
                                       tmp_path / "student")
     rows = conversations(40)
-    with VLLMServer(teacher_dir, role="teacher", log_path=tmp_path / "teacher.log") as teacher:
-        train = score_dataset(rows[:32], teacher.url, tmp_path / "cache", candidates="sampled", num_samples=8,
-                              rows_per_shard=16, concurrency=4)
-        assert train.manifest_written
+    train = score_dataset(rows[:32], tiny_servers.teacher.url, tmp_path / "cache", candidates="sampled",
+                          num_samples=8, rows_per_shard=16, concurrency=4)
+    assert train.manifest_written
     cache = TeacherCache(tmp_path / "cache")
     assert cache.candidate_mode == "sampled" and len(cache) == 32
     hf_teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()

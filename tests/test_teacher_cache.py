@@ -31,8 +31,8 @@ from fastdistill.cache.score import parse_shard, shard_block  # noqa: E402
 from fastdistill.cli import main as cli_main  # noqa: E402
 from fastdistill.rollout.client import TeacherClient, parse_prompt_logprobs  # noqa: E402
 from fastdistill.rollout.http import RetryPolicy  # noqa: E402
-from fastdistill.testing.vllm_server import free_port, require_vllm  # noqa: E402
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
+from fastdistill.testing.vllm_server import free_port  # noqa: E402
+from fastdistill.tiny import build_tokenizer  # noqa: E402
 from fastdistill.train.config import ConfigError  # noqa: E402
 
 DEADLINE_S = 120.0  # only keeps a broken test from hanging; nothing is asserted about time
@@ -459,17 +459,9 @@ def test_rows_without_a_completion_are_refused(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory):
-    """A tiny Qwen3 teacher folder served by a real vLLM teacher-role server."""
-    require_vllm()
-    from fastdistill.serve import VLLMServer
-
-    tokenizer = build_tokenizer()
-    config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    folder = save_pretrained_dir(build_model(config, seed=3).float().eval(), tokenizer,
-                                 tmp_path_factory.mktemp("tiny-teacher"))
-    with VLLMServer(folder, role="teacher", log_path=tmp_path_factory.mktemp("logs") / "teacher.log") as server:
-        yield folder, server
+def tiny_teacher(tiny_servers):
+    """(folder, server): the session's tiny Qwen3 teacher folder and the real vLLM teacher-role server serving it."""
+    return tiny_servers.teacher_dir, tiny_servers.teacher
 
 
 @pytest.mark.vllm

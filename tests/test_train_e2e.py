@@ -15,25 +15,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill.tiny import build_tokenizer
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(student folder, student server with gloo weight transfer, teacher server), started side by side."""
-    require_vllm()
-    tokenizer = build_tokenizer()
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
-                                      tmp_path_factory.mktemp("student"))
-    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
-                                      tmp_path_factory.mktemp("teacher"))
-    with student_and_teacher(student_dir, teacher_dir, tmp_path_factory.mktemp("logs")) as (student, teacher):
-        yield student_dir, student, teacher
+def servers(tiny_servers):
+    """(student folder, student server with gloo weight transfer, teacher server): the session's tiny pair. Each
+    run's cold sync puts the student folder's weights on the student server, whatever an earlier test left there."""
+    return tiny_servers.student_dir, tiny_servers.student, tiny_servers.teacher
 
 
 def write_run(tmp_path: Path, servers, **overrides) -> Path:
@@ -67,10 +59,10 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_worker_routes_mopd_rows_to_their_teacher(servers):
-    """Two teacher ids on two real servers (the teacher, and the untouched student serving as a second teacher):
-    N samples for N prompts, each scored by its row's teacher, with that model's log-probs (≤ 1e-4 vs HF). Runs
-    before the tests that sync new weights into the student server."""
+def test_worker_routes_mopd_rows_to_their_teacher(servers, tiny_servers):
+    """Two teacher ids on two real servers (the teacher, and the student serving the student folder's weights as a
+    second teacher): N samples for N prompts, each scored by its row's teacher, with that model's log-probs
+    (≤ 1e-4 vs HF)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -80,6 +72,7 @@ def test_worker_routes_mopd_rows_to_their_teacher(servers):
     student_dir, student, teacher = servers
     models = {"t": AutoModelForCausalLM.from_pretrained(teacher.model_dir).eval(),
               "s": AutoModelForCausalLM.from_pretrained(student_dir).eval()}
+    tiny_servers.serve_student_weights(models["s"])  # an earlier test may have trained the served weights
     rows = [{"prompt_ids": [1, 5 + i, 9, 30 + i], "teacher_id": "t" if i % 3 else "s"} for i in range(9)]
     config = RolloutConfig(student.url, {"t": teacher.url, "s": student.url}, teacher_top_k=4, max_tokens=6,
                            shuffle=False)

@@ -1,16 +1,17 @@
 """The teacher-scoring plugin (fastdistill.sync.vllm_scoring) against a real vLLM-CPU server, and its client side.
 
-The server (marker ``vllm``, one per module) serves a tiny in-code Qwen3 with ``--max-num-batched-tokens 32``, so
-longer sequences are prefilled in chunks and several requests share a batch, and KV blocks of 32 tokens (vLLM-CPU's
-default of 128 would keep the test's sequences out of the prefix cache). The oracle is Hugging Face's
-log-softmax of the same weights in float64. The client-side tests (decoding, the start-up probe against stubs) need
-no server.
+The server (marker ``vllm``: the session's tiny teacher, tests/conftest.py) serves a tiny in-code Qwen3 with
+``--max-num-batched-tokens 32``, so longer sequences are prefilled in chunks and several requests share a batch, and
+KV blocks of 32 tokens (vLLM-CPU's default of 128 would keep the test's sequences out of the prefix cache). The
+oracle is Hugging Face's log-softmax of the same weights in float64. The client-side tests (decoding, the start-up
+probe against stubs) need no server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import importlib
 import json
 import sys
@@ -36,30 +37,19 @@ from fastdistill.scoring_wire import (  # noqa: E402
     request_xargs,
     row_width,
 )
-from fastdistill.serve import VLLMServer  # noqa: E402
 from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import require_vllm  # noqa: E402
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
+from fastdistill.testing.vllm_server import SCORING_CHUNK_TOKENS as CHUNK_TOKENS  # noqa: E402
 
-CHUNK_TOKENS = 32
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
-def scoring_server(tmp_path_factory):
-    """(server, float64 model, vocabulary size): a teacher with the plugin, prefill chunks of 32 tokens."""
-    require_vllm()
-    tokenizer = build_tokenizer()
-    config = tiny_config(len(tokenizer), head_dim=32, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    model = build_model(config, seed=0).float().eval()
-    folder = save_pretrained_dir(model, tokenizer, tmp_path_factory.mktemp("tiny-qwen3"))
-    log_path = tmp_path_factory.mktemp("logs") / "teacher.log"
-    server = VLLMServer(folder, role="teacher", log_path=log_path,
-                        extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS), "--enable-chunked-prefill",
-                                    "--block-size", str(CHUNK_TOKENS)])
-    with server:
-        yield server, model.double(), config.vocab_size
+def scoring_server(tiny_servers):
+    """(server, float64 model, vocabulary size): the session's tiny teacher (with the plugin, prefill chunks of 32
+    tokens) and its weights in float64."""
+    command = tiny_servers.teacher.command()
+    assert command[command.index("--max-num-batched-tokens") + 1] == str(CHUNK_TOKENS)
+    return tiny_servers.teacher, copy.deepcopy(tiny_servers.teacher_model).double(), tiny_servers.vocab_size
 
 
 def float64_logprobs(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
