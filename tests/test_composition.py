@@ -171,15 +171,18 @@ def run_params() -> list[Any]:
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "train.md"
 DOC_NAMES = {"topk": "top-K"}  # how docs/train.md spells a value (others: as they are)
+# the runs table's column of each factor (a new factor needs one)
+DOC_COLUMNS = {"async_mode": "`async_mode`", "signal": "signal", "source": "source", "weight_sync": "weight sync",
+               "ranks": "ranks", "start": "start", "processes": "rollout processes", "loss_type": "`loss_type`"}
 
 
 def docs_tables() -> list[str]:
-    """The lines of the two tables in ``docs/train.md`` ("What composes"): each pair of factors with its pairs of
-    values and the runs that hold them (or "refused"), then the runs."""
+    """The lines of the two tables in ``docs/train.md`` ("What composes"), headers included: each pair of factors
+    with its pairs of values and the runs that hold them (or "refused"), then the runs."""
     def name(value: Any) -> str:
         return DOC_NAMES.get(value, str(value))
 
-    lines = []
+    lines = ["| options | pairs of values (runs) |", "|---|---|"]
     for a, b in itertools.combinations(FACTORS, 2):
         cells = []
         for x, y in itertools.product(FACTORS[a], FACTORS[b]):
@@ -188,6 +191,8 @@ def docs_tables() -> list[str]:
             cells.append(f"{name(x)} × {name(y)}: refused" if pair in REFUSED_PAIRS
                          else f"{name(x)} × {name(y)} ({', '.join(runs)})")
         lines.append(f"| {a} × {b} | " + "; ".join(cells) + " |")
+    lines.append("| run | " + " | ".join(DOC_COLUMNS[factor] for factor in FACTORS) + " |")
+    lines.append("|" + "---|" * (len(FACTORS) + 1))
     for i, run in enumerate(RUNS):
         lines.append(f"| {i + 1} | " + " | ".join(name(value) for value in run.values()) + " |")
     return lines
@@ -290,8 +295,9 @@ def test_a_refused_pair_is_a_config_error_naming_both_options(pair, tmp_path):
 def endpoints(tmp_path_factory):
     """A student server (gloo weight transfer, LoRA enabled), a top-K teacher server (which scores the student's
     query ids too: the teacher role runs vLLM's V1 model runner, which the scoring plugin that fastdistill's vLLM
-    entry point installs patches) and a hidden-state teacher server of one tiny teacher, the online dataset (NUM_ROWS prompts, row LONG_ROW too long) and a teacher cache of NUM_ROWS
-    conversations scored by the top-K teacher with ``fastdistill score``."""
+    entry point installs patches) and a hidden-state teacher server of one tiny teacher, the online dataset
+    (NUM_ROWS prompts, row LONG_ROW too long) and a teacher cache of NUM_ROWS conversations scored by the top-K
+    teacher with ``fastdistill score``."""
     from fastdistill.serve import VLLMServer
     from fastdistill.testing.vllm_server import require_vllm, running
     from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
