@@ -82,7 +82,11 @@ RUN_BOUND_S = 600  # a hang guard for one trainer process
 BROKEN_BOUND_S = 120  # the same for a run of a known-broken pair: it is expected to fail, maybe by hanging
 LORA_RANK = 4
 STUDENT_QUERIES = 4  # reverse_kl_mc: S draws per position
-SAMPLING_TOP_K = 8  # reverse_kl_mc: top-k sampling, so the student's logprobs=8 hold the rollout policy's support
+# reverse_kl_mc samples with top_k = the tiny vocabulary (409 ids): the student's logprobs=top_k hold the rollout
+# policy μ over its whole support, and nothing is truncated. With a smaller top-k the draws cover only the top-k ids
+# while π_θ/μ weights them by the untruncated π_θ: the estimate misses π_θ's mass off μ's support, and at staleness 0
+# the ratio's mean is that mass (0.025 with top_k = 8 on this near-uniform student), not 1.
+RATIO_LOG_TOLERANCE = 1e-4  # |log π_θ − log μ| at staleness 0: fp32 log-probs of vLLM-CPU and the trainer
 DESIGN_RESTARTS = 4000  # greedy covers tried by all_pairs_design (the 3880th of seed 0 is the one in RUNS)
 
 
@@ -211,6 +215,7 @@ class Endpoints:
     hidden_url: str
     dataset: str
     cache: str
+    vocab_size: int
 
 
 def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[str, Any]:
@@ -238,7 +243,7 @@ def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[s
     if run["loss_type"] == "reverse_kl_pg":
         values["pg_importance_ratio"] = run["async_mode"] == "async"
     elif run["loss_type"] == "reverse_kl_mc":
-        values.update(num_student_queries=STUDENT_QUERIES, top_k=SAMPLING_TOP_K)
+        values.update(num_student_queries=STUDENT_QUERIES, top_k=where.vocab_size)
     return values
 
 
@@ -270,7 +275,7 @@ def test_a_refused_pair_is_a_config_error_naming_both_options(pair, tmp_path):
     loads first, before any server is asked) with a ConfigError that names both options; the same combination with
     either of the two values changed to a supported one loads."""
     where = Endpoints("student", "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11",
-                      "prompts.jsonl", "cache")
+                      "prompts.jsonl", "cache", 409)
     holding = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
     holding = [run for run in holding if pairs_of(run) & REFUSED_PAIRS.keys() == {pair}]  # this refusal alone
     assert holding
@@ -293,7 +298,8 @@ def test_a_refused_pair_is_a_config_error_naming_both_options(pair, tmp_path):
 
 @pytest.fixture(scope="module")
 def endpoints(tmp_path_factory):
-    """A student server (gloo weight transfer, LoRA enabled), a top-K teacher server (which scores the student's
+    """A student server (gloo weight transfer, LoRA enabled, ``--max-logprobs`` the vocabulary: reverse_kl_mc's
+    replies hold μ over the whole vocabulary), a top-K teacher server (which scores the student's
     query ids too: the teacher role runs vLLM's V1 model runner, which the scoring plugin that fastdistill's vLLM
     entry point installs patches) and a hidden-state teacher server of one tiny teacher, the online dataset
     (NUM_ROWS prompts, row LONG_ROW too long) and a teacher cache of NUM_ROWS conversations scored by the top-K
@@ -320,7 +326,7 @@ def endpoints(tmp_path_factory):
         {"role": "assistant", "content": f"The answer is {2 * i + 1}."}]}) + "\n" for i in range(NUM_ROWS)))
     logs = root / "logs"
     student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", max_lora_rank=8,
-                         log_path=logs / "student.log")
+                         extra_args=["--max-logprobs", str(len(tokenizer))], log_path=logs / "student.log")
     topk = VLLMServer(teacher_dir, role="teacher", log_path=logs / "topk.log")
     hidden = VLLMServer(teacher_dir, role="teacher", signal="hidden", log_path=logs / "hidden.log")
     logs.mkdir()
@@ -330,7 +336,8 @@ def endpoints(tmp_path_factory):
                                  str(conversations), "--teacher-url", topk.url, "--output", str(cache), "--top-k", "4",
                                  "--rows-per-shard", "5"], capture_output=True, text=True, timeout=RUN_BOUND_S)
         assert scored.returncode == 0, scored.stdout[-3000:] + scored.stderr[-3000:]
-        yield Endpoints(str(student_dir), student.url, topk.url, hidden.url, str(dataset), str(cache))
+        yield Endpoints(str(student_dir), student.url, topk.url, hidden.url, str(dataset), str(cache),
+                        len(tokenizer))
 
 
 def train(config_path: Path, ranks: int, overrides: list[str], bound_s: float) -> str:
@@ -373,7 +380,10 @@ def loss_metric_names(run: dict[str, Any]) -> list[str]:
 def check_loss_metrics(run: dict[str, Any], record: dict[str, Any]) -> None:
     """One step's record of ``run``: its loss metrics (:func:`loss_metric_names`) are there and finite; a JSD is
     > 0 (the student and the teacher differ), a sampled reverse-KL estimate may be of either sign; a ratio of
-    probabilities is > 0 and its max at least its mean; no ratio is clipped (no ``pg_ratio_clip`` is set)."""
+    probabilities is > 0 and its max at least its mean; no ratio is clipped (no ``pg_ratio_clip`` is set). A step
+    whose samples all have staleness 0 was sampled from the weights it trains (the cold sync, a resume's sync or
+    the previous step's): there π_θ = μ, so every ratio is 1 up to :data:`RATIO_LOG_TOLERANCE` in log — served and
+    trained weights (full or adapter) agree, and μ is the whole sampling distribution."""
     names = loss_metric_names(run)
     missing = [name for name in names if not isinstance(record.get(name), (int, float))]
     assert not missing, (missing, record)
@@ -384,8 +394,11 @@ def check_loss_metrics(run: dict[str, Any], record: dict[str, Any]) -> None:
         assert "jsd" not in record and ("pg/ratio_mean" in names) == ("pg/ratio_mean" in record), record
     if "pg/ratio_mean" in names:
         assert 0 < record["pg/ratio_mean"] <= record["pg/ratio_max"] and record["pg/clip_frac"] == 0, record
-    if "pg/advantage_std" in names:
-        assert record["pg/advantage_std"] >= 0, record
+        if record["sample/staleness_mean"] == 0:  # a mean of staleness >= 0: every sample's is 0
+            low, high = math.exp(-RATIO_LOG_TOLERANCE), math.exp(RATIO_LOG_TOLERANCE)
+            assert low <= record["pg/ratio_mean"] and record["pg/ratio_max"] <= high, record
+    if "pg/advantage_std" in names:  # > 0: the teacher scored positions (their advantages differ)
+        assert record["pg/advantage_std"] > 0, record
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
