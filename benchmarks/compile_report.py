@@ -74,6 +74,17 @@ TARGETS = {
     "sm80": Target("sm80", 80, sm_count=108, smem_per_block=166912, smem_per_sm=167936),
     "sm90": Target("sm90", 90, sm_count=132, smem_per_block=232448, smem_per_sm=233472),
 }
+TARGETS_ENV = "FASTDISTILL_COMPILE_TARGETS"
+
+
+def selected_targets() -> tuple[str, ...]:
+    """The targets the compile tests check: ``$FASTDISTILL_COMPILE_TARGETS`` (comma-separated names of
+    :data:`TARGETS`), default all. ValueError naming an unknown one."""
+    names = tuple(n.strip() for n in os.environ.get(TARGETS_ENV, "").split(",") if n.strip()) or tuple(TARGETS)
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise ValueError(f"${TARGETS_ENV} names unknown targets {unknown}; known: {list(TARGETS)}")
+    return names
 
 
 @dataclass(frozen=True)

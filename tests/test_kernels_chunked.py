@@ -309,7 +309,7 @@ import fastdistill_kernels.logits_chunk as lc
 C, V, S = 4096, 152064, 65
 meta = torch.device("meta")
 out = {}
-for tname in ("sm80", "sm90"):
+for tname in cr.selected_targets():
     target = cr.TARGETS[tname]
     backend = make_backend(GPUTarget("cuda", target.arch, 32))
     for features in ("plain", "bias+softcap"):
@@ -346,9 +346,22 @@ print(json.dumps(out))
 """
 
 
+def compile_targets() -> tuple[str, ...]:
+    """The GPU targets the compile tests check (``compile_report.selected_targets``: all, or
+    ``$FASTDISTILL_COMPILE_TARGETS``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compile_report", ROOT / "benchmarks" / "compile_report.py")
+    report = importlib.util.module_from_spec(spec)
+    sys.modules["compile_report"] = report  # dataclasses look their module up
+    spec.loader.exec_module(report)
+    return report.selected_targets()
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """Both kernels compiled for sm_80 and sm_90, bf16, C=4096 rows × V=152064, S=65, plain and bias+softcap."""
+    """Both kernels compiled for each selected target (sm_80, sm_90), bf16, C=4096 rows × V=152064, S=65, plain and
+    bias+softcap."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default a launch gets; silences triton 3.9's notice
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(ROOT)], capture_output=True, text=True,
@@ -360,7 +373,7 @@ def compiled() -> dict:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("target", ["sm80", "sm90"])
+@pytest.mark.parametrize("target", compile_targets())
 @pytest.mark.parametrize("features", ["plain", "bias+softcap"])
 @pytest.mark.parametrize("kernel", ["_chunk_stats_kernel", "_chunk_grad_kernel"])
 def test_kernels_compile_for_gpu_targets(compiled, target, features, kernel):
