@@ -713,6 +713,61 @@ def test_push_while_a_long_generation_is_in_flight(untied_server, one_call):
     assert served_logprob_gap(server.url, model, PROBES) <= TOLERANCE
 
 
+CUT_OFF_AFTER = 5  # tensors the killed trainer hands to the broadcast before it dies (of the tiny model's 25)
+
+
+def _trainer_killed_mid_broadcast(url: str, folder: str, one_call: bool) -> None:
+    """Spawned: a trainer that joins the server's group, starts a push in 4 KiB chunks and dies (``os._exit``) when
+    the broadcast asks for its sixth tensor."""
+    import fastdistill.sync.channels as channels
+
+    send = channels.send_tensors
+
+    def dying(weights):
+        for index, item in enumerate(weights):
+            if index == CUT_OFF_AFTER:
+                os._exit(3)
+            yield item
+
+    channels.send_tensors = lambda group, weights, manifest, **kwargs: send(group, dying(weights), manifest, **kwargs)
+    model = load(Path(folder))
+    perturb(model, seed=41)
+    sync = VLLMWeightSync(url, bucket_bytes=4096, timeout_s=60, one_call=one_call)
+    sync.init()
+    sync.push(model, version=41)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("one_call", [False, True], ids=["pause-keep", "one-call"])
+def test_a_trainer_killed_mid_broadcast_leaves_the_server_serving_and_a_new_trainer_syncs(untied_server, one_call):
+    """vLLM ends a failed update session without finalising its layerwise reload: the layers not yet received stayed
+    on the meta device and the next engine step killed the server. The engine now puts their previous weights back:
+    the server answers at once (one-call) and the next trainer's init and push serve its weights exactly."""
+    folder, server = untied_server
+    log_before = len(server.log_path.read_text())
+    trainer = SPAWN.Process(target=_trainer_killed_mid_broadcast, args=(server.url, str(folder), one_call))
+    trainer.start()
+    trainer.join(120)
+    assert trainer.exitcode == 3, f"the trainer should have died mid-broadcast, exit code {trainer.exitcode}"
+    wait_for_log = time.monotonic() + 60
+    while "update broke off" not in server.log_path.read_text()[log_before:] and time.monotonic() < wait_for_log:
+        time.sleep(0.1)
+    log = server.log_path.read_text()[log_before:]
+    assert re.search(r"the update broke off after \d+ of 25 tensors", log), log[-3000:]
+    assert "EngineDeadError" not in log and server.process.poll() is None
+    if one_call:  # nothing paused it: it serves at once (with /pause the server waits for the next trainer)
+        answer = request_json_blocking("POST", server.url + "/v1/completions",
+                                       {"model": str(folder), "prompt": PROBES[0], "max_tokens": 4}, timeout_s=60)
+        assert answer["usage"]["completion_tokens"] == 4
+    model = load(folder)
+    perturb(model, seed=42)
+    with VLLMWeightSync(server.url, timeout_s=60, one_call=one_call) as sync:
+        sync.push(model, version=42)
+    assert served_logprob_gap(server.url, model, PROBES) <= TOLERANCE
+    assert weight_version(server.url) == "42"
+    assert "EngineDeadError" not in server.log_path.read_text()[log_before:]
+
+
 @pytest.mark.vllm
 def test_fsdp2_ranks_push_together(untied_server):
     _, server = untied_server

@@ -131,6 +131,35 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 self.model.load_weights(chunk)
                 self._received.update(name for name, _ in chunk)
 
+    def update_weights(self, update_info: dict) -> None:
+        """Parse ``update_info`` and receive the weights; if that fails, abandon the update (see below) and
+        re-raise."""
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            self._abandon_update(len(update_info.get("names", ())) if isinstance(update_info, dict) else 0)
+            raise
+
+    def _abandon_update(self, expected: int) -> None:
+        # vLLM's worker ends the update session when a receive raises but does not finalise the layerwise reload, so
+        # every layer not yet complete would stay on the meta device and the next engine step would kill the engine
+        # (a trainer that dies or is cut off mid-broadcast). Drop what partly-received layers buffered and finalise:
+        # those layers get their previous weights back, completed layers keep the new ones, and the engine serves on
+        # until the next successful update.
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        for layer in self.model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load():
+                info.loaded_weights, info.load_numel = [], 0
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._refresh_tied_cpu_heads()
+        self._group = self._store = None  # a broken broadcast leaves the group unusable
+        logger.warning("fastdistill gloo weight transfer: the update broke off after %d of %d tensors; layers received "
+                       "in full serve the new weights, the others their previous ones, until the next update "
+                       "(after a new /init_weight_transfer_engine)", len(self._received), expected)
+
     def finish_weight_update(self) -> None:
         """Finalise the layerwise reload, then re-pack tied CPU LM heads that were not sent."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -190,7 +219,6 @@ class WorkerExtension:
         """``update_info``: the ``/update_weights`` payload's ``update_info`` as a JSON string (``/collective_rpc``
         passes only strings)."""
         self.start_weight_update()  # type: ignore[attr-defined]
-        try:
-            self.update_weights(json.loads(update_info))  # type: ignore[attr-defined]
-        finally:
-            self.finish_weight_update()  # type: ignore[attr-defined]
+        # A failed update ends the session itself (vLLM's worker, then the engine's abandon path): no finish then.
+        self.update_weights(json.loads(update_info))  # type: ignore[attr-defined]
+        self.finish_weight_update()  # type: ignore[attr-defined]
