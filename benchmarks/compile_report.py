@@ -390,7 +390,7 @@ def dense_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] =
     launch with ``dtype``, ``target``, ``kernel``, ``mode`` (β mode of the gradient kernel; "stats" for the first
     kernel), ``smem_per_block`` (the target's limit) and ``metrics`` (:func:`compile_launch`)."""
     sys.path.insert(0, str(ROOT / "kernels"))
-    out = []
+    out, jobs = [], []
     for dtype in dtypes:
         for t in targets:
             target = TARGETS[t]
@@ -398,7 +398,10 @@ def dense_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] =
             modes = ["stats", *DENSE_MODES]
             for launch, mode in zip(launches, modes, strict=True):
                 out.append(dict(dtype=dtype, target=t, kernel=launch.kernel, mode=mode,
-                                smem_per_block=target.smem_per_block, metrics=compile_launch(launch, target)))
+                                smem_per_block=target.smem_per_block))
+                jobs.append((launch, target))
+    for entry, metrics in zip(out, compile_launches(jobs), strict=True):
+        entry["metrics"] = metrics
     return out
 
 
@@ -407,13 +410,16 @@ def dense_fused_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, 
     distinct kernel with ``dtype``, ``target``, ``kernel``, ``mode`` ("forward", "mixed" or
     "backward-<backward mode>/<β mode>"), ``smem_per_block`` and ``metrics`` (:func:`compile_launch`)."""
     sys.path.insert(0, str(ROOT / "kernels"))
-    out = []
+    out, jobs = [], []
     for dtype in dtypes:
         for t in targets:
             target = TARGETS[t]
             for label, launch in record_dense_fused_launches(dtype, target):
                 out.append(dict(dtype=dtype, target=t, kernel=launch.kernel, mode=label,
-                                smem_per_block=target.smem_per_block, metrics=compile_launch(launch, target)))
+                                smem_per_block=target.smem_per_block))
+                jobs.append((launch, target))
+    for entry, metrics in zip(out, compile_launches(jobs), strict=True):
+        entry["metrics"] = metrics
     return out
 
 
@@ -452,6 +458,48 @@ def compile_launch(launch: Launch, target: Target) -> dict:
     metrics["ptx"] = ptx_stats(kernel.asm["ptx"])
     metrics["occupancy"] = occupancy(metrics, target)
     return metrics
+
+
+_PENDING: list[tuple[Launch, Target]] = []  # what the forked compile workers read (Launch objects do not pickle)
+
+
+def _compile_pending(index: int) -> dict:
+    return compile_launch(*_PENDING[index])
+
+
+def compile_jobs() -> int:
+    """How many kernels compile at once: ``$FASTDISTILL_COMPILE_JOBS``, else one per CPU core."""
+    value = os.environ.get("FASTDISTILL_COMPILE_JOBS", "")
+    return max(1, int(value)) if value.strip() else max(1, os.cpu_count() or 1)
+
+
+def compile_launches(jobs: list[tuple[Launch, Target]], on_done=None) -> list[dict]:
+    """:func:`compile_launch` of every ``(launch, target)``, :func:`compile_jobs` at a time in forked worker
+    processes (each compile is independent: one MLIR pipeline and one ptxas run, both single-threaded). Returns the
+    metrics in the order of ``jobs``; ``on_done(index, metrics)`` is called as each finishes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    results: list[dict] = [{}] * len(jobs)
+    workers = min(compile_jobs(), len(jobs))
+    if workers <= 1:
+        for index, job in enumerate(jobs):
+            results[index] = compile_launch(*job)
+            if on_done:
+                on_done(index, results[index])
+        return results
+    _PENDING[:] = jobs
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = {pool.submit(_compile_pending, index): index for index in range(len(jobs))}
+            for future in as_completed(futures):
+                index = futures[future]
+                results[index] = future.result()
+                if on_done:
+                    on_done(index, results[index])
+    finally:
+        _PENDING.clear()
+    return results
 
 
 def ptxas_stats(log: str) -> dict:
@@ -684,10 +732,15 @@ def build_report(variants: list[Variant], shapes: list[Shape], targets: list[Tar
                  first_chunk_only: bool = False, progress=None) -> dict:
     """Record, compile and measure every distinct kernel (see :func:`collect_units`); the JSON-able report."""
     units, launch_of, calls = collect_units(variants, shapes, targets, first_chunk_only)
-    for i, unit in enumerate(units):
-        unit.metrics = compile_launch(launch_of[unit.id], TARGETS[unit.target])
+    done = 0
+
+    def compiled(index: int, metrics: dict) -> None:
+        nonlocal done
+        units[index].metrics, done = metrics, done + 1
         if progress:
-            progress(i + 1, len(units), unit)
+            progress(done, len(units), units[index])
+
+    compile_launches([(launch_of[unit.id], TARGETS[unit.target]) for unit in units], on_done=compiled)
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "versions": tool_versions(),

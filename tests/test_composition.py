@@ -405,14 +405,19 @@ def restore_student_weights(where: Endpoints) -> None:
     """Push the student folder's weights back into the shared student server. A full-sync run leaves its trained
     weights there, and an adapter sync sends only the adapters, which the server applies to the weights it holds:
     an adapter run after a full-sync one would sample from other weights than its trainer's (its importance ratios
-    at staleness 0 were 0.96 on average, up to 1.35, instead of 1)."""
+    at staleness 0 were 0.96 on average, up to 1.35, instead of 1), which the adapter sync now refuses."""
     from transformers import AutoModelForCausalLM
 
+    from fastdistill.http_client import request_json_blocking
     from fastdistill.sync import VLLMWeightSync
+    from fastdistill.sync.adapter import UNTOUCHED_WEIGHT_VERSION
 
     model = AutoModelForCausalLM.from_pretrained(where.student_dir)
     with VLLMWeightSync(where.student_url, timeout_s=RUN_BOUND_S) as sync:
         sync.push(model, version=0)
+    # what the adapter sync's init checks: the server holds the weights it loaded (vLLM's initial version)
+    request_json_blocking("POST", where.student_url + "/update_weight_version",
+                          {"new_version": UNTOUCHED_WEIGHT_VERSION}, timeout_s=RUN_BOUND_S)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("peft")
 
 from fastdistill.cli import build_parser, build_server  # noqa: E402
+from fastdistill.http_client import request_json_blocking  # noqa: E402
 from fastdistill.rollout import StudentClient, VLLMRequestError  # noqa: E402
 from fastdistill.rollout.adapters import adapter_name, generate_with_adapter  # noqa: E402
 from fastdistill.serve import VLLMServer  # noqa: E402
@@ -406,6 +407,37 @@ def test_init_deletes_the_version_folders_of_an_earlier_run(servers, tmp_path):
     (tmp_path / "v9.txt").write_text("not a version folder")
     AdapterWeightSync(server.url, tmp_path, prefix="fastdistill-clean").init()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v9.txt"]
+
+
+@pytest.mark.vllm
+def test_a_server_whose_base_weights_a_full_sync_replaced_is_refused_until_they_are_declared_back(servers, tmp_path):
+    """An adapter applies over the weights the server holds. After a full weight sync (here of other weights) those
+    are not the trainer's base model: init refuses, naming the server, its weight version and the two fixes. With the
+    base pushed back and declared (vLLM's initial version), init accepts the server and the adapter serves the
+    trainer's log-probs again."""
+    from fastdistill.sync import VLLMWeightSync, WeightSyncError
+    from fastdistill.sync.adapter import UNTOUCHED_WEIGHT_VERSION
+
+    base, server = servers["lora"]
+    other = tiny_student(seed=9)
+    with VLLMWeightSync(server.url, timeout_s=120) as full:
+        full.push(other, version=77)
+        with pytest.raises(WeightSyncError) as refused:
+            AdapterWeightSync(server.url, tmp_path / "a", prefix="fastdistill-base-check").init()
+        assert f"the student server at {server.url} serves weights that a weight sync replaced (weight_version " \
+               "'77'" in str(refused.value)
+        assert "Restart the server from the base model" in str(refused.value)
+        assert f'POST {server.url}/update_weight_version {{"new_version": "default"}}' in str(refused.value)
+        full.push(base, version=78)
+    request_json_blocking("POST", server.url + "/update_weight_version", {"new_version": UNTOUCHED_WEIGHT_VERSION},
+                          timeout_s=60)
+    trained = lora_student(base)
+    train_step(trained, seed=31)
+    sync = AdapterWeightSync(server.url, tmp_path / "b", prefix="fastdistill-base-check", lora_rank=RANK,
+                             timeout_s=120)
+    sync.init()
+    sync.push(trained, version=1)
+    assert served_sampled_logprob_gap(server.url, trained, PROBES, sync.served_model_name) <= TOLERANCE
 
 
 @pytest.mark.vllm

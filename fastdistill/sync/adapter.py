@@ -33,6 +33,9 @@ from fastdistill.sync.weights import WeightSync, _ranks_agree
 logger = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 300.0
+# vLLM's weight version of a server whose weights no weight sync has replaced since it loaded them (``/weight_info``);
+# every full sync stamps its own version.
+UNTOUCHED_WEIGHT_VERSION = "default"
 _START_LORA_SERVER = (
     "start the student with LoRA enabled: `fastdistill serve-student MODEL --enable-lora --max-lora-rank R` "
     "(R >= lora_r, one of vLLM's ranks 1, 8, 16, 32, 64, ...), or add vLLM's --enable-lora --max-lora-rank R and the "
@@ -101,13 +104,15 @@ class AdapterWeightSync(WeightSync):
     # -------------------------------------------------------------------------------------------- init
 
     def init(self) -> None:
-        """Check that the server can load adapters at run time (else :class:`ConfigError` saying how to start it),
-        note its base model, and unload adapters of this prefix left by an earlier run and delete the version folders
-        left in ``adapter_dir`` (sender only)."""
+        """Check that the server can load adapters at run time (else :class:`ConfigError` saying how to start it)
+        and still holds the base weights it loaded (else :class:`WeightSyncError`), note its base model, and unload
+        adapters of this prefix left by an earlier run and delete the version folders left in ``adapter_dir`` (sender
+        only)."""
         if self._initialized:
             return
         if self.is_sender:
             self._check_server()
+            self._check_base_weights()
             models = self._call("GET", "/v1/models", timeout_s=_CONTROL_TIMEOUT_S)["data"]
             self.base_model = next(str(entry["id"]) for entry in models if not entry.get("parent"))
             for entry in models:
@@ -145,6 +150,18 @@ class AdapterWeightSync(WeightSync):
         if "/v1/load_lora_adapter" not in routes:
             raise ConfigError(f"the student server at {self.base_url} has LoRA enabled but cannot load adapters at "
                                 f"run time (no /v1/load_lora_adapter route): {_START_LORA_SERVER}")
+
+    def _check_base_weights(self) -> None:
+        """The adapters apply over the weights the server holds, which must be the trainer's base model: refuse a
+        server whose weights a full weight sync replaced (its ``weight_version`` is no longer vLLM's initial one)."""
+        version = self._call("GET", "/weight_info", timeout_s=_CONTROL_TIMEOUT_S).get("weight_version")
+        if version != UNTOUCHED_WEIGHT_VERSION:
+            raise WeightSyncError(
+                f"the student server at {self.base_url} serves weights that a weight sync replaced (weight_version "
+                f"{version!r}, not {UNTOUCHED_WEIGHT_VERSION!r}); lora_sync='adapter' sends only the adapters, which "
+                f"the server applies over the weights it holds, and those must be the trainer's base model. Restart "
+                f"the server from the base model, or push the base weights back and then declare them with "
+                f"POST {self.base_url}/update_weight_version {{\"new_version\": \"{UNTOUCHED_WEIGHT_VERSION}\"}}")
 
     # -------------------------------------------------------------------------------------------- push
 
