@@ -143,6 +143,8 @@ def test_length_limits_name_the_server_and_eval_rows_are_filtered_or_refused():
     served = {"student": ServedModel("s", 20), "a": ServedModel("a", 64), "b": ServedModel("b", 15)}
     assert limits_exceeded([10, 13, 10], ["a", "a", "b"], served, 8) == {1: ("student", 21, 20),
                                                                           2: ("teacher b", 19, 15)}
+    # a teacher with its own tokenizer: its token counts are known per rollout only, the student's still bound
+    assert limits_exceeded([10, 13, 10], ["a", "a", "b"], served, 8, own_tokenizer={"b"}) == {1: ("student", 21, 20)}
     rows = [{"prompt_ids": [1] * n, "teacher_id": t} for n, t in [(4, "a"), (13, "a")]]
     with pytest.raises(ConfigError, match="eval_dataset: 1 of 2 rows do not fit"):
         fitting_eval_rows(rows, ["a", "b"], served, config(max_completion_length=8))

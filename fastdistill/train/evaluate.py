@@ -252,7 +252,8 @@ def fitting_eval_rows(eval_rows: list[dict[str, Any]], teacher_ids: Sequence[str
 
     completion = config.max_completion_length
     routes = [row.get("teacher_id") or teacher_ids[0] for row in eval_rows]
-    limits = limits_exceeded([len(row["prompt_ids"]) for row in eval_rows], routes, served, completion)
+    limits = limits_exceeded([len(row["prompt_ids"]) for row in eval_rows], routes, served, completion,
+                             config.cross_tokenizer_teacher_ids)
     if not limits:
         return eval_rows, 0
     index = max(limits, key=lambda i: len(eval_rows[i]["prompt_ids"]))

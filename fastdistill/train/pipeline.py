@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,14 +100,16 @@ def own_tokenizers(config: Any) -> dict[str, Any]:
 
 
 def limits_exceeded(prompt_lengths: Sequence[int], teacher_ids: Sequence[str], served: Mapping[str, Any],
-                    completion: int) -> dict[int, tuple[str, int, int]]:
+                    completion: int, own_tokenizer: Collection[str] = ()) -> dict[int, tuple[str, int, int]]:
     """Row -> ``(server, needed tokens, its max_model_len)`` for the rows whose prompt plus ``completion`` tokens
     cannot fit the student's ``max_model_len``, or their teacher's (which scores prompt + completion and asks for one
-    more token)."""
+    more token). A teacher in ``own_tokenizer`` counts in its own tokens, which only its rendering of each rollout
+    tells: the rollout checks those (a ``too_long`` drop), not this bound."""
     limits = {}
     for index, (prompt, teacher_id) in enumerate(zip(prompt_lengths, teacher_ids, strict=True)):
-        checks = [("student", prompt + completion, served["student"].max_model_len),
-                  (f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len)]
+        checks = [("student", prompt + completion, served["student"].max_model_len)]
+        if teacher_id not in own_tokenizer:
+            checks.append((f"teacher {teacher_id}", prompt + completion + 1, served[teacher_id].max_model_len))
         for server, needed, limit in checks:
             if needed > limit:
                 limits[index] = (server, needed, limit)
@@ -127,7 +129,7 @@ def long_prompt_drops(rows: Any, teacher_ids: Sequence[str], served: Mapping[str
     completion = config.max_completion_length
     # from the table's lengths and codes, not its rows: that would read every prompt
     routes = [rows.teacher_id(i) if len(teacher_ids) > 1 else teacher_ids[0] for i in range(len(rows))]
-    limits = limits_exceeded(rows.lengths.tolist(), routes, served, completion)
+    limits = limits_exceeded(rows.lengths.tolist(), routes, served, completion, config.cross_tokenizer_teacher_ids)
     if not limits:
         return frozenset(), []
     longest = max(limits, key=lambda i: int(rows.lengths[i]))
