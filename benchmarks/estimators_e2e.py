@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from fastdistill.testing.runs import count_prompts, save_tiny_pair, write_jsonl
 from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
-from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
 SHOWN = ("pg/", "reverse_kl", "sync/served_logprob_gap", "model_version")
 
@@ -36,15 +36,8 @@ def main() -> None:
     require_vllm()
     root = args.output_dir
     root.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
-                                      root / "student")
-    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
-                                      root / "teacher")
-    rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(8)]
-    dataset = root / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    student_dir, teacher_dir = save_tiny_pair(root)
+    dataset = write_jsonl(root / "prompts.jsonl", count_prompts(8))
     runs = (("reverse_kl_mc", {"top_k": args.top_k, "pg_stabilizer": args.stabilizer}),
             ("reverse_kl_student_topk", {}))
     with student_and_teacher(student_dir, teacher_dir, root / "logs") as (student, teacher):

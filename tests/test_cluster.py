@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from fastdistill.testing.cluster import Listener, NetnsCluster, require_netns, wait_for
+from fastdistill.testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 
 pytestmark = [pytest.mark.netns, pytest.mark.vllm]
 
@@ -73,10 +74,6 @@ def load_launcher():
 launcher = load_launcher()
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 class Topology:
     """The shared cluster: hosts, servers (launched), the launcher config and where runs write."""
 
@@ -107,20 +104,12 @@ class Topology:
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory):
     from fastdistill.testing.vllm_server import require_vllm
-    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
     require_netns()
     require_vllm()
     root = tmp_path_factory.mktemp("cluster")
-    tokenizer = build_tokenizer()
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
-                                      root / "student")
-    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
-                                      root / "teacher")
-    dataset = root / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]})
-                               + "\n" for i in range(NUM_ROWS)))
+    student_dir, teacher_dir = save_tiny_pair(root)
+    dataset = write_jsonl(root / "prompts.jsonl", count_prompts(NUM_ROWS))
     train_config = {
         "model_name_or_path": str(student_dir), "train_dataset": str(dataset),
         "per_device_train_batch_size": SAMPLES_PER_STEP // 2, "num_train_epochs": 1, "learning_rate": 1e-3,

@@ -45,6 +45,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fastdistill.testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError
 
 FACTORS: dict[str, tuple[Any, ...]] = {
@@ -306,27 +307,22 @@ def endpoints(tmp_path_factory):
     teacher with ``fastdistill score``."""
     from fastdistill.serve import VLLMServer
     from fastdistill.testing.vllm_server import require_vllm, running
-    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+    from fastdistill.tiny import build_tokenizer
 
     require_vllm()
     root = tmp_path_factory.mktemp("composition")
-    tokenizer = build_tokenizer()
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=1), tokenizer,
-                                      root / "student")
-    teacher_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), **special), seed=2), tokenizer,
-                                      root / "teacher")
-    prompts = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(NUM_ROWS)]
+    student_dir, teacher_dir = save_tiny_pair(root)
+    vocab_size = len(build_tokenizer())
+    prompts = count_prompts(NUM_ROWS)
     prompts[LONG_ROW] = {"prompt": [{"role": "user", "content": "Count to 9. " * 120}]}  # 615 tokens > 512 - 8
-    dataset = root / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    dataset = write_jsonl(root / "prompts.jsonl", prompts)
     conversations = root / "conversations.jsonl"
     conversations.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {i} + {i + 1}?"},
         {"role": "assistant", "content": f"The answer is {2 * i + 1}."}]}) + "\n" for i in range(NUM_ROWS)))
     logs = root / "logs"
     student = VLLMServer(student_dir, role="student", weight_transfer_backend="gloo", max_lora_rank=8,
-                         extra_args=["--max-logprobs", str(len(tokenizer))], log_path=logs / "student.log")
+                         extra_args=["--max-logprobs", str(vocab_size)], log_path=logs / "student.log")
     topk = VLLMServer(teacher_dir, role="teacher", log_path=logs / "topk.log")
     hidden = VLLMServer(teacher_dir, role="teacher", signal="hidden", log_path=logs / "hidden.log")
     logs.mkdir()
@@ -337,7 +333,7 @@ def endpoints(tmp_path_factory):
                                  "--rows-per-shard", "5"], capture_output=True, text=True, timeout=RUN_BOUND_S)
         assert scored.returncode == 0, scored.stdout[-3000:] + scored.stderr[-3000:]
         yield Endpoints(str(student_dir), student.url, topk.url, hidden.url, str(dataset), str(cache),
-                        len(tokenizer))
+                        vocab_size)
 
 
 def train(config_path: Path, ranks: int, overrides: list[str], bound_s: float) -> str:
@@ -418,10 +414,6 @@ def restore_student_weights(where: Endpoints) -> None:
     # what the adapter sync's init checks: the server holds the weights it loaded (vLLM's initial version)
     request_json_blocking("POST", where.student_url + "/update_weight_version",
                           {"new_version": UNTOUCHED_WEIGHT_VERSION}, timeout_s=RUN_BOUND_S)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 @pytest.mark.vllm

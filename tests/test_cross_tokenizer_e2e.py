@@ -16,10 +16,7 @@ float64 with Hugging Face, estimated on a fixed number of completions sampled wi
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ import yaml
 from fastdistill.errors import ConfigError
 from fastdistill.testing.cross_tokenizer import teacher_tokenizer
 from fastdistill.testing.cross_tokenizer_models import ascii_student_tokenizer, save_tiny_model
+from fastdistill.testing.runs import count_prompts, train_through_cli, write_jsonl
 from fastdistill.testing.vllm_server import VLLMServer, require_vllm, running
 
 pytestmark = pytest.mark.vllm
@@ -61,9 +59,7 @@ def servers(tmp_path_factory):
 
 def run_config(tmp_path: Path, servers, **overrides) -> dict:
     student_dir, teacher_dir, student, teacher = servers
-    rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(NUM_PROMPTS)]
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", count_prompts(NUM_PROMPTS))
     config = {
         "model_name_or_path": str(student_dir), "output_dir": str(tmp_path / "run"), "train_dataset": str(dataset),
         "vllm_server_base_url": student.url, "teacher_server_urls": {"default": teacher.url},
@@ -138,13 +134,8 @@ def test_cross_tokenizer_teacher_trains_to_a_lower_per_byte_reverse_kl(servers, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     student_dir, teacher_dir, _, _ = servers
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(run_config(tmp_path, servers)))
-    command = [str(Path(sys.executable).parent / "fastdistill"), "train", "--config", str(path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = train_through_cli(run_config(tmp_path, servers), tmp_path / "run.yaml")
     run = tmp_path / "run"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     training = [r for r in records if "loss" in r]
     assert len(training) == STEPS, [sorted(r) for r in records[:1]]
     assert all(r.get("rollout/dropped_total", 0) == 0 for r in training)  # ASCII completions all align

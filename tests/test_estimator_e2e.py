@@ -9,15 +9,10 @@ The first step's importance ratio π_θ/μ at the draws is 1: the server's log �
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
 
+from fastdistill.testing.runs import chat_prompts, count_prompts, train_through_cli, write_jsonl
 from fastdistill.tiny import build_tokenizer
 
 pytestmark = pytest.mark.vllm
@@ -64,12 +59,8 @@ def test_reverse_kl_mc_trains_to_a_lower_held_out_reverse_kl(servers, tmp_path):
 
     student_dir, teacher_dir, student, teacher = servers
     vocab = len(build_tokenizer())
-    rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(NUM_PROMPTS)]
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": text}]}) + "\n"
-                                for text in HELD_OUT))
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", count_prompts(NUM_PROMPTS))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", chat_prompts(HELD_OUT))
     config = {
         "model_name_or_path": str(student_dir), "output_dir": str(tmp_path / "run"), "train_dataset": str(dataset),
         "eval_dataset": str(held_out), "vllm_server_base_url": student.url,
@@ -78,13 +69,8 @@ def test_reverse_kl_mc_trains_to_a_lower_held_out_reverse_kl(servers, tmp_path):
         "gradient_checkpointing": False, "disable_tqdm": True, "save_strategy": "no", "heartbeat_stale_after_s": 60.0,
         "loss_type": "reverse_kl_mc", "num_student_queries": 16, "top_k": vocab, "temperature": 1.0, "beta": 1.0,
     }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    command = [str(Path(sys.executable).parent / "fastdistill"), "train", "--config", str(path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = train_through_cli(config, tmp_path / "run.yaml")
     run = tmp_path / "run"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     training = [r for r in records if "loss" in r]
     assert len(training) == STEPS and all(r.get("rollout/dropped_total", 0) == 0 for r in training)
     # step 1 trains samples of the weights it starts from (staleness 0): π_θ = μ, so the importance ratio at every

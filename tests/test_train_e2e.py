@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fastdistill.testing.runs import count_prompts, read_jsonl, train_command, write_jsonl
 from fastdistill.tiny import build_tokenizer
 
 pytestmark = pytest.mark.vllm
@@ -30,9 +31,7 @@ def servers(tiny_servers):
 
 def write_run(tmp_path: Path, servers, **overrides) -> Path:
     student_dir, student, teacher = servers
-    rows = [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(NUM_PROMPTS)]
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", count_prompts(NUM_PROMPTS))
     config = {
         "model_name_or_path": str(student_dir), "output_dir": str(tmp_path / "run"), "train_dataset": str(dataset),
         "vllm_server_base_url": student.url, "teacher_server_urls": {"default": teacher.url},
@@ -46,17 +45,13 @@ def write_run(tmp_path: Path, servers, **overrides) -> Path:
     return path
 
 
-def train_command(config: Path, *overrides: str) -> list[str]:
-    return [str(Path(sys.executable).parent / "fastdistill"), "train", "--config", str(config), *overrides]
-
-
 def trained_prompt_ids(run: Path) -> list[int]:
     lines = (run / "trained_prompts.jsonl").read_text().splitlines()
     return [p for line in lines if line.strip() for p in json.loads(line)["prompt_ids"]]
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return read_jsonl(run / "metrics.jsonl")
 
 
 def test_worker_routes_mopd_rows_to_their_teacher(servers, tiny_servers):
