@@ -48,9 +48,9 @@ def check_runs(result: dict, seeds: list[int]) -> None:
 
 @pytest.mark.slow
 def test_bench_hidden_zipf_smallest(tmp_path):
-    result, stdout = run_bench(tmp_path, "--train-prompts", "16", "--held-out", "4", "--run-seeds", "0", "1")
+    result, stdout = run_bench(tmp_path, "--train-prompts", "16", "--held-out", "4", "--run-seeds", "3")
     assert result["task"] == "zipf" and result["train_prompts"] == 16 and result["held_out_prompts"] == 4
-    check_runs(result, [0, 1])
+    check_runs(result, [3])
     teacher = result["teacher"]
     assert math.isfinite(teacher["language_entropy"]) and teacher["kl_language_teacher"] >= 0
     assert "topk-2@1ep" in stdout and "language entropy" in stdout

@@ -308,7 +308,7 @@ import fastdistill_kernels.logits_chunk as lc
 
 C, V, S = 4096, 152064, 65
 meta = torch.device("meta")
-out = {}
+jobs = []  # (key, launch, target), compiled together at the end (cr.compile_launches: one per core)
 for tname in cr.selected_targets():
     target = cr.TARGETS[tname]
     backend = make_backend(GPUTarget("cuda", target.arch, 32))
@@ -333,15 +333,16 @@ for tname in cr.selected_targets():
                 mock.patch.object(lc, "_chunk_grad_kernel", recorder(lc._chunk_grad_kernel)):
             lc.launch_chunk_stats(x, bias, ids, **kw)
             lc.launch_chunk_grad(x, bias, ids, f32(C, S), f32(C), f32(C), f32(C, S), **kw)
-        for launch in launches:
-            m = cr.compile_launch(launch, target)
-            row = {k: m.get(k) for k in ("error", "registers", "spill_store_bytes", "spill_load_bytes",
-                                         "stack_frame_bytes", "shared_bytes", "static_shared_bytes", "num_warps")}
-            row["sass_spill_store"] = m.get("sass", {}).get("spill_store")
-            row["sass_instructions"] = m.get("sass", {}).get("instructions")
-            row["smem_limit"] = target.smem_per_block
-            row["grid"] = list(launch.grid)
-            out[f"{tname}/{features}/{launch.kernel}"] = row
+        jobs += [(f"{tname}/{features}/{launch.kernel}", launch, target) for launch in launches]
+out = {}
+for (key, launch, target), m in zip(jobs, cr.compile_launches([job[1:] for job in jobs]), strict=True):
+    row = {k: m.get(k) for k in ("error", "registers", "spill_store_bytes", "spill_load_bytes",
+                                 "stack_frame_bytes", "shared_bytes", "static_shared_bytes", "num_warps")}
+    row["sass_spill_store"] = m.get("sass", {}).get("spill_store")
+    row["sass_instructions"] = m.get("sass", {}).get("instructions")
+    row["smem_limit"] = target.smem_per_block
+    row["grid"] = list(launch.grid)
+    out[key] = row
 print(json.dumps(out))
 """
 
