@@ -72,10 +72,12 @@ def server_message(body: bytes | str) -> str:
     return text[:_MESSAGE_LIMIT]
 
 
-def new_session(*, connection_limit: int = 100) -> aiohttp.ClientSession:
+def new_session(*, connection_limit: int = 100, keep_alive: bool = True) -> aiohttp.ClientSession:
     """An aiohttp session that never uses a proxy (``trust_env=False``, see the module's note) and keeps at most
-    ``connection_limit`` connections open. Every session fastdistill opens comes from here."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connection_limit), trust_env=False)
+    ``connection_limit`` connections open (``keep_alive=False``: none is reused, each request opens its own). Every
+    session fastdistill opens comes from here."""
+    connector = aiohttp.TCPConnector(limit=connection_limit, force_close=not keep_alive)
+    return aiohttp.ClientSession(connector=connector, trust_env=False)
 
 
 async def send(

@@ -364,7 +364,9 @@ def stalled_server_outcome(servers: list[subprocess.Popen], urls: list[str]) -> 
                 return request_json_pooled(session, "POST", pool, "/v1/completions", payload={}, retry=retry,
                                            stats=stats)
 
-            await asyncio.gather(*[call() for _ in range(4)])  # pooled connections to both replicas
+            # pooled connections to both replicas, more than the requests that will wait on replica 0: its spare
+            # idle ones are dropped too, so a resend must not take one of them
+            await asyncio.gather(*[call() for _ in range(8)])
             os.kill(servers[0].pid, signal.SIGSTOP)
             try:
                 waiting = [asyncio.create_task(call()) for _ in range(4)]  # half of them on replica 0

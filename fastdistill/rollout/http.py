@@ -19,7 +19,14 @@ from typing import Any
 import aiohttp
 
 from fastdistill.errors import VLLMError, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
-from fastdistill.http_client import DECODE_IN_THREAD_BYTES, NO_ANSWER_ERRORS, decode_json, send, server_message
+from fastdistill.http_client import (
+    DECODE_IN_THREAD_BYTES,
+    NO_ANSWER_ERRORS,
+    decode_json,
+    new_session,
+    send,
+    server_message,
+)
 from fastdistill.rollout.replicas import Replica, ReplicaPool
 
 __all__ = ["VLLMError", "VLLMRequestError", "VLLMResponseError", "VLLMUnavailableError"]
@@ -143,6 +150,7 @@ async def request_json_pooled(
     for attempt in range(retry.max_attempts):
         if attempt > 0 and stats is not None:
             stats.retries += 1
+        fresh = resend is not None
         if resend is not None:
             replica, resend = resend, None
             replica.inflight += 1  # what acquire counts; released below like any attempt
@@ -162,8 +170,13 @@ async def request_json_pooled(
             await asyncio.sleep(wait_s)
         url = replica.url + path
         try:
-            status, body = await send(session, method, url, payload=payload, timeout_s=retry.request_timeout_s,
-                                      headers=headers)
+            if fresh:  # the session's other pooled connections to this replica may have been dropped too
+                async with new_session(connection_limit=1, keep_alive=False) as once:
+                    status, body = await send(once, method, url, payload=payload, timeout_s=retry.request_timeout_s,
+                                              headers=headers)
+            else:
+                status, body = await send(session, method, url, payload=payload, timeout_s=retry.request_timeout_s,
+                                          headers=headers)
             if status < 400:
                 pool.record_success(replica)
                 return await _decode_json(url, body, decode)
