@@ -140,14 +140,16 @@ async def request_json_pooled(
     (pooled) connection before answering, the request is resent to it at once on a new connection instead, without
     counting a failure (a retry, not a failover): keep-alive servers drop connections they believe idle after a
     stall, with requests waiting on them. A request that finds every replica down waits
-    for the first cooldown to end before its first attempt. ``retry.max_attempts`` bounds all attempts.
+    for the first cooldown to end before its first attempt. ``retry.max_attempts`` bounds the attempts; that resend
+    comes on top.
     """
     last_error: BaseException | None = None
     failed: Replica | None = None
     backoffs = 0
     resend: Replica | None = None  # a replica that dropped the pooled connection: resent there at once, once
     resent = False
-    for attempt in range(retry.max_attempts):
+    attempt = -1
+    while (attempt := attempt + 1) < retry.max_attempts + resent:  # the one resend comes on top of the attempts
         if attempt > 0 and stats is not None:
             stats.retries += 1
         fresh = resend is not None
@@ -199,5 +201,5 @@ async def request_json_pooled(
             pool.release(replica)
     where = pool.urls[0] + path if len(pool.urls) == 1 else f"{path} on replicas {list(pool.urls)}"
     raise VLLMUnavailableError(
-        f"{method} {where} failed {retry.max_attempts} times with transient errors; last: {last_error!r}"
+        f"{method} {where} failed {attempt} times with transient errors; last: {last_error!r}"
     ) from last_error
