@@ -24,7 +24,7 @@ def save_tiny_pair(root: Path, seeds: tuple[int, int] = (1, 2)) -> tuple[Path, P
 
 def count_prompts(n: int) -> list[dict[str, Any]]:
     """``n`` chat rows ``{"prompt": [user: "Count to k."]}``, k cycling through 1..9."""
-    return [{"prompt": [{"role": "user", "content": f"Count to {i % 9 + 1}."}]} for i in range(n)]
+    return chat_prompts(f"Count to {i % 9 + 1}." for i in range(n))
 
 
 def chat_prompts(texts: Iterable[str]) -> list[dict[str, Any]]:
