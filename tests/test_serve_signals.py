@@ -144,8 +144,10 @@ def test_stopping_the_serve_cli_stops_the_server_and_frees_its_port(tmp_path, st
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_a_real_vllm_server_stops_with_the_serve_cli(tmp_path, signum):
+def test_a_real_vllm_server_stops_with_the_serve_cli_killed_by_sigkill(tmp_path):
+    """vLLM's own process tree (API server, engine core) ends with a CLI that had no chance to forward anything: the
+    parent-death supervision, not the signal handlers. The handled signals are forwarded the same way to any server,
+    which the stand-in cases above check for each of them."""
     from fastdistill.testing.vllm_server import require_vllm, vllm_python
     from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
@@ -161,7 +163,7 @@ def test_a_real_vllm_server_stops_with_the_serve_cli(tmp_path, signum):
         assert outcome == "healthy", (tmp_path / "cli.log").read_text()[-4000:]
         server = descendants(cli.pid)  # vLLM's processes
         assert server, "the CLI runs no server process"
-        cli.send_signal(signum)
+        cli.send_signal(signal.SIGKILL)
         wait_for(lambda: port_refuses(port), 120, f"port {port} still accepts connections")
         wait_for(lambda: not any(map(alive, server)), 120, "a vLLM process outlived the CLI")
         wait_for(lambda: cli.poll() is not None, 60, "the CLI still runs")
