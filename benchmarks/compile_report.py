@@ -476,9 +476,16 @@ def compile_jobs() -> int:
 def compile_launches(jobs: list[tuple[Launch, Target]], on_done=None) -> list[dict]:
     """:func:`compile_launch` of every ``(launch, target)``, :func:`compile_jobs` at a time in forked worker
     processes (each compile is independent: one MLIR pipeline and one ptxas run, both single-threaded). Returns the
-    metrics in the order of ``jobs``; ``on_done(index, metrics)`` is called as each finishes."""
+    metrics in the order of ``jobs``; ``on_done(index, metrics)`` is called as each finishes. The workers are
+    killed when the calling thread ends, however it ends: a forked worker of a killed parent would otherwise wait
+    forever on a job queue whose write end it holds itself."""
     import multiprocessing
+    import signal
     from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from fastdistill.supervise import death_signal_setter
 
     results: list[dict] = [{}] * len(jobs)
     workers = min(compile_jobs(), len(jobs))
@@ -490,7 +497,9 @@ def compile_launches(jobs: list[tuple[Launch, Target]], on_done=None) -> list[di
         return results
     _PENDING[:] = jobs
     try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        # Forked from this thread when the pool starts (all at once under fork), so the death signal follows it.
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=death_signal_setter(signal.SIGKILL)) as pool:
             futures = {pool.submit(_compile_pending, index): index for index in range(len(jobs))}
             for future in as_completed(futures):
                 index = futures[future]

@@ -10,6 +10,7 @@ one turns its xfail into a failure, and the mark goes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -245,3 +246,49 @@ def test_dense_fused_kernels_do_not_spill(dense_fused_report, dtype, target, lab
     m = e["metrics"]
     assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass"]["spill_store"]) == (0, 0, 0), (
         e["mode"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])
+
+
+# A compile parent that blocks in its pool until killed: the workers report their pids, then wait forever (the work
+# itself is replaced; the pool and its workers are the real ones).
+POOL_PARENT = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("compile_report", sys.argv[1])
+cr = importlib.util.module_from_spec(spec)
+sys.modules["compile_report"] = cr
+spec.loader.exec_module(cr)
+
+def compile_forever(launch, target):
+    open(os.path.join(sys.argv[2], str(os.getpid())), "w").close()
+    signal.pause()
+
+cr.compile_launch = compile_forever
+cr.compile_launches([(None, None)] * 2)
+"""
+
+
+def test_compile_workers_die_with_a_killed_parent(tmp_path):
+    """SIGKILL of the process running ``compile_launches`` takes its forked pool workers with it (they would wait on
+    the job queue for ever): the parent's process group is empty afterwards."""
+    import signal
+
+    from fastdistill.supervise import group_is_empty
+    from fastdistill.testing.cluster import wait_for
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, "FASTDISTILL_COMPILE_JOBS": "2"}
+    parent = subprocess.Popen([sys.executable, "-c", POOL_PARENT, str(SCRIPT), str(pids)], env=env,
+                              start_new_session=True)
+    try:
+        wait_for(lambda: len(list(pids.iterdir())) == 2, timeout_s=120, what="two compile workers started")
+        workers = [int(path.name) for path in pids.iterdir()]
+        assert all(os.getpgid(pid) == parent.pid for pid in workers)
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: group_is_empty(parent.pid), timeout_s=60, what="the compile workers ended with their parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
