@@ -483,8 +483,6 @@ def compile_launches(jobs: list[tuple[Launch, Target]], on_done=None) -> list[di
     import signal
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from fastdistill.supervise import death_signal_setter
 
     results: list[dict] = [{}] * len(jobs)
