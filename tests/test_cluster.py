@@ -10,7 +10,7 @@ One cluster and one set of servers serve every case (module scope). Each case st
   rendezvous store (torch's, on every interface: what docs/multinode.md says); a slow teacher host (its server
   stopped for 7 s mid-run, a ninth of the request timeout) causes no failover;
 - a teacher host partitioned mid-run: rollouts fail over to the other replica, the run finishes, the metrics count
-  the partitioned replica's errors and the failovers, and after the heal the host serves requests again;
+  the partitioned replica's errors and the failovers, and after the heal the same run sends it requests again;
 - a trainer node killed: the other ends by itself, naming the lost rank and its address; a resume on both nodes
   trains every remaining prompt exactly once;
 - the student host partitioned just before a weight sync: the run stops with an error naming the student's address
@@ -52,9 +52,10 @@ REQUEST_TIMEOUT_S = 60.0
 SLOW_HOST_STALL_S = 7.0
 WEIGHT_SYNC_TIMEOUT_S = 30.0
 RUN_BOUND_S = 420.0  # a hang guard for one run of both nodes
-# The teacher partition's run: long enough that the partitioned replica's requests time out, fail over, and the
-# replica is probed again after the heal (a cooldown of 2 s) before the run ends; a tiny step takes well under 1 s.
-PARTITION_EPOCHS = 4
+# The teacher partition's run: long enough that the partitioned replica's requests time out and fail over, and that
+# rollouts are still to be scored when the link comes back (a tiny step takes about 0.1 s, the rollouts run at most
+# a few steps ahead of training).
+PARTITION_EPOCHS = 6
 PARTITION_TIMEOUT_S = 6.0
 TOPOLOGY_EPOCHS = 2  # the plain run's: long enough to outlast the slow teacher's stall
 NO_CHECKPOINTS = 'save_strategy="no"'  # the runs that resume nothing skip the per-step checkpoint
@@ -276,14 +277,17 @@ def test_the_topology_trains_across_hosts_binds_every_socket_to_its_host_and_wai
 def test_a_partitioned_teacher_fails_over_and_is_used_again_after_the_heal(topology):
     """teacher1's link goes down after the first step: its requests time out after the request timeout and fail
     over to teacher0 (metrics: replica errors of default@1 and failovers, none for default@0); the run finishes every
-    prompt once; after the heal teacher1 serves again (within the same run when its cooldown ends before the run
-    does, else to a request from the trainer's host)."""
+    prompt once. After the heal the same run uses teacher1 again: teacher0's server is stopped (SIGSTOP) when the link
+    comes back, so the remaining rollouts can only be scored once the pool probes teacher1 again (the requests in
+    flight at the cut failed as one outage: its cooldown is the first one, 2 s); teacher0 is continued as soon as
+    teacher1 has served."""
     import time
 
     output_dir = topology.output_dir("teacher-partition")
     host = topology.cluster["teacher1"]
     trainers = topology.start("teacher-partition", [f"num_train_epochs={PARTITION_EPOCHS}",
                                                     f"request_timeout={PARTITION_TIMEOUT_S}", NO_CHECKPOINTS])
+    stopped: list[int] = []
     try:
         wait_for(lambda: logged_steps(output_dir) >= 1, timeout_s=RUN_BOUND_S, what="the first step")
         host.partition()
@@ -291,29 +295,33 @@ def test_a_partitioned_teacher_fails_over_and_is_used_again_after_the_heal(topol
         wait_for(lambda: metric_total(metric_records(output_dir), "rollout/failover_total") > 0,
                  timeout_s=RUN_BOUND_S, what="a failover in the metrics")
         failover_seen_s = time.monotonic() - cut
-        host.heal()
+        at_failover = metric_records(output_dir)
+        stopped = topology.cluster["teacher0"].pids()
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        running_at_heal = all(t.process.poll() is None for t in trainers.values())
         before = served_requests(server_log(topology, "teacher-default-1"))
+        host.heal()
+        healed = time.monotonic()
         wait_for(lambda: served_requests(server_log(topology, "teacher-default-1")) > before
                  or all(t.process.poll() is not None for t in trainers.values()),
                  timeout_s=RUN_BOUND_S, what="teacher1 used again")
+        used_again_s = time.monotonic() - healed
         used_again = served_requests(server_log(topology, "teacher-default-1")) > before
     finally:
         host.heal()
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
     statuses = topology.finish(trainers)
     print(f"failover visible in the metrics {failover_seen_s:.1f} s after the partition "
-          f"(request timeout {PARTITION_TIMEOUT_S} s)")
+          f"(request timeout {PARTITION_TIMEOUT_S} s); teacher1 served again {used_again_s:.1f} s after the heal")
     assert statuses == {"trainer-0": 0, "trainer-1": 0}, topology.logs(trainers)
     assert trained_counts(output_dir) == dict.fromkeys(range(PARTITION_EPOCHS * NUM_ROWS), 1)
-    records = metric_records(output_dir)
-    assert metric_total(records, "rollout/replica_errors/default@1_total") >= 1, records[-1]
-    assert metric_total(records, "rollout/replica_errors/default@0_total") == 0
-    if not used_again:
-        # the run can end before teacher1's cooldown (doubled per failed request, up to 30 s) lets the pool probe
-        # it again (the pool's probe and re-admission: tests/test_rollout_client.py); the host itself must serve
-        # again from the trainer's host once its link is back
-        warm_up(topology.cluster["trainer0"], topology.config, topology.servers)
-        print("teacher1 was not probed again before the run ended; it serves again after the heal")
-    assert served_requests(server_log(topology, "teacher-default-1")) > before
+    assert metric_total(at_failover, "rollout/replica_errors/default@1_total") >= 1, at_failover[-1]
+    assert metric_total(at_failover, "rollout/replica_errors/default@0_total") == 0
+    assert metric_total(metric_records(output_dir), "rollout/replica_errors/default@1_total") >= 1
+    assert running_at_heal, "the run ended before the heal: it proves nothing"
+    assert used_again, "the run ended without a request to teacher1 after the heal"
 
 
 def test_a_lost_trainer_node_ends_the_other_and_both_resume_exactly_once(topology):

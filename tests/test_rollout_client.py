@@ -591,6 +591,55 @@ def test_replica_pool_cooldown_probe_and_recovery(monkeypatch):
     assert a.cooldown_s == 0.0 and a.is_up(clock[0])
 
 
+def test_requests_in_flight_when_a_replica_fails_are_one_outage_and_do_not_double_its_cooldown(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("fastdistill.rollout.replicas.time.monotonic", lambda: clock[0])
+    pool = ReplicaPool(["http://a", "http://b"], cooldown_s=2.0, max_cooldown_s=30.0)
+    a, _ = pool.replicas
+    sent = [clock[0] + offset for offset in (0.0, 0.1, 0.2)]  # three requests to a, then its link goes down
+    clock[0] += 6.0
+    for at in sent:
+        pool.record_failure(a, TimeoutError(), sent_at=at)
+    assert a.errors == 3 and a.cooldown_s == 2.0 and a.down_until == 108.0  # one outage: the first cooldown
+    clock[0] += 2.5
+    probe_sent = clock[0]
+    clock[0] += 6.0
+    pool.record_failure(a, TimeoutError(), sent_at=probe_sent)  # sent after the failure: still down
+    assert a.cooldown_s == 4.0 and a.down_until == clock[0] + 4.0
+    pool.record_failure(a, TimeoutError())  # no send time: a new failure
+    assert a.cooldown_s == 8.0
+
+
+def test_a_burst_of_requests_to_a_failing_server_sets_one_cooldown():
+    """Three requests are in flight at a stub that answers 503 to all of them once all three have arrived: the
+    replica is down for the first cooldown, not three doublings of it; a request sent after that fails doubles it."""
+    retry = RetryPolicy(max_attempts=1, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=60.0)
+    arrived = 0
+    all_arrived = asyncio.Event()
+
+    async def handler(request):
+        nonlocal arrived
+        arrived += 1
+        if arrived >= 3:
+            all_arrived.set()
+        await all_arrived.wait()
+        return web.Response(status=503, text="busy")
+
+    async def call(url):
+        async with StudentClient(url, model="student", retry=retry, replica_cooldown_s=0.05) as student:
+            burst = await asyncio.gather(*(student.generate([1], max_tokens=1) for _ in range(3)),
+                                         return_exceptions=True)
+            replica = student.pool.replicas[0]
+            after_burst = (replica.errors, replica.cooldown_s)
+            late = await asyncio.gather(student.generate([1], max_tokens=1), return_exceptions=True)
+            return burst + late, after_burst, replica.cooldown_s
+
+    outcomes, after_burst, after_late = serve_and_call(handler, call)
+    assert all(isinstance(outcome, VLLMUnavailableError) for outcome in outcomes), outcomes
+    assert after_burst == (3, 0.05)
+    assert after_late == 0.1
+
+
 def test_replica_urls_are_validated():
     with pytest.raises(ValueError, match="replica pool: the list of replica URLs is empty"):
         ReplicaPool([])

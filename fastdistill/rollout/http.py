@@ -171,6 +171,7 @@ async def request_json_pooled(
             # server that is known to be down (a restarting vLLM server would also be slowed by it).
             await asyncio.sleep(wait_s)
         url = replica.url + path
+        sent_at = time.monotonic()
         try:
             if fresh:  # the session's other pooled connections to this replica may have been dropped too
                 async with new_session(connection_limit=1, keep_alive=False) as once:
@@ -196,7 +197,7 @@ async def request_json_pooled(
                 resent, resend = True, replica  # on a new connection: not the replica's failure
                 continue
             failed = replica
-            pool.record_failure(replica, error)
+            pool.record_failure(replica, error, sent_at)
         finally:
             pool.release(replica)
     where = pool.urls[0] + path if len(pool.urls) == 1 else f"{path} on replicas {list(pool.urls)}"

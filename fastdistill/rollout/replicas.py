@@ -3,6 +3,9 @@
 A :class:`ReplicaPool` lives in one asyncio loop (no locks). The HTTP layer asks it for a replica per attempt
 (:meth:`ReplicaPool.acquire`), reports the outcome, and releases it. A replica that failed with a transient error
 is *down* for a cooldown (doubling on each further failure, capped) and is skipped while another replica is up.
+Only a request sent after the replica's last failure can double it: the requests in flight when a replica goes down
+fail together, one outage, and leave the first cooldown as it is (a blip under load must not bench a replica for the
+cap).
 When its cooldown ends it is *probing*: it takes at most one request at a time until one succeeds, so a replica
 that is still dead costs one fast failure per cooldown, not a burst. When every replica is down, requests go to
 the one whose cooldown ends first (the caller's backoff paces them), so a single-URL pool behaves like a plain URL.
@@ -25,6 +28,7 @@ class Replica:
     down_until: float = 0.0
     cooldown_s: float = 0.0  # current cooldown; 0 while healthy
     errors: int = 0  # transient failures since the pool was built
+    failed_at: float = float("-inf")  # when the last failure that set the cooldown was recorded
 
     def is_up(self, now: float) -> bool:
         return now >= self.down_until
@@ -94,15 +98,20 @@ class ReplicaPool:
         replica.down_until = 0.0
         self.down_since = None
 
-    def record_failure(self, replica: Replica, error: BaseException) -> None:
-        """A transient failure: put ``replica`` down for its (doubled) cooldown and remember the error."""
+    def record_failure(self, replica: Replica, error: BaseException, sent_at: float | None = None) -> None:
+        """A transient failure of a request to ``replica`` sent at monotonic time ``sent_at`` (None: now): put it down
+        for its cooldown, doubled when the request was sent after its last failure (a probe that failed too), and
+        remember the error. A request already in flight at that failure only counts as an error."""
         now = time.monotonic()
         replica.errors += 1
-        replica.cooldown_s = min(self.max_cooldown_s, max(self.cooldown_s, 2.0 * replica.cooldown_s))
-        replica.down_until = now + replica.cooldown_s
         self.last_error = error
         if self.down_since is None:
             self.down_since = now
+        if replica.cooldown_s > 0 and (now if sent_at is None else sent_at) < replica.failed_at:
+            return  # the same outage as the failure that set the cooldown
+        replica.cooldown_s = min(self.max_cooldown_s, max(self.cooldown_s, 2.0 * replica.cooldown_s))
+        replica.down_until = now + replica.cooldown_s
+        replica.failed_at = now
 
     def has_other_up(self, replica: Replica) -> bool:
         """Whether a replica other than ``replica`` is up now (so a retry can fail over without backing off)."""
