@@ -172,44 +172,69 @@ def core_layout() -> tuple[list[int] | None, list[int] | None]:
     return cores[:half], cores[half:]
 
 
-def plot_curves(history: list[dict[str, float]], teacher_accuracy: float, path: Path) -> None:
-    """Training and held-out jsd per step, held-out accuracy against the teacher's, and throughput, in one PNG."""
+def smoothed(values: list[float], window: int = 9) -> list[float]:
+    """Centred moving average of ``values`` over ``window`` points (fewer at the ends), NaN entries left out; NaN
+    where a window holds none."""
+    half = max(0, window // 2)
+    out = []
+    for i in range(len(values)):
+        kept = [v for v in values[max(0, i - half): i + half + 1] if not math.isnan(v)]
+        out.append(sum(kept) / len(kept) if kept else float("nan"))
+    return out
+
+
+def curves_figure(history: list[dict[str, float]], teacher_accuracy: float):
+    """The demo's figure: training and held-out jsd per step, held-out accuracy against the teacher's, and per-step
+    throughput and staleness (raw, faint, with a smoothed line over each); every legend sits below its panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] for h in history if "jsd" in h]
+    trained = [h for h in history if "jsd" in h]
+    steps = [h["step"] for h in trained]
     evals = [h for h in history if "eval/jsd" in h]
-    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
-    left.plot(steps, [h["jsd"] for h in history if "jsd" in h], label="train jsd/token (on-policy samples)")
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.8))
+    left.plot(steps, [h["jsd"] for h in trained], label="train jsd/token (on-policy samples)")
     left.plot([h["step"] for h in evals], [h["eval/jsd"] for h in evals], "o--", label="held-out jsd/token")
-    left.set_xlabel("optimizer step")
     left.set_ylabel("nats per token")
     left.set_yscale("log")
-    left.legend()
     left.set_title("divergence to the teacher")
     middle.plot([h["step"] for h in evals], [100 * h.get("eval/exact_match", float("nan")) for h in evals], "o-",
                 label="student (greedy)")
     middle.axhline(100 * teacher_accuracy, linestyle="--", color="gray", label="teacher")
     middle.set_ylim(-2, 102)
-    middle.set_xlabel("optimizer step")
     middle.set_ylabel("% exact answers")
-    middle.legend()
     middle.set_title("held-out accuracy")
-    right.plot(steps, [h.get("perf/trained_tok_s_wall_clock", float("nan")) for h in history if "jsd" in h],
-               label="trained tokens/s")
+    throughput = [h.get("perf/trained_tok_s_wall_clock", float("nan")) for h in trained]
+    right.plot(steps, throughput, color="tab:blue", alpha=0.3, linewidth=0.8)
+    right.plot(steps, smoothed(throughput), color="tab:blue", label="trained tokens/s (smoothed)")
     right.set_ylabel("trained tokens/s")
     staleness = right.twinx()  # versions: a scale of its own
-    staleness.plot(steps, [h.get("sample/staleness_mean", float("nan")) for h in history if "jsd" in h],
-                   color="tab:orange", label="mean staleness (versions)")
+    stale = [h.get("sample/staleness_mean", float("nan")) for h in trained]
+    staleness.plot(steps, stale, color="tab:orange", alpha=0.3, linewidth=0.8)
+    staleness.plot(steps, smoothed(stale), color="tab:orange", label="mean staleness, versions (smoothed)")
     staleness.set_ylabel("versions")
-    right.set_xlabel("optimizer step")
-    right.legend(loc="center left")
-    staleness.legend(loc="center right")
-    right.set_title("throughput and staleness")
+    right.set_title("throughput and staleness (faint: per step)")
+    handles = right.get_legend_handles_labels()
+    twin_handles = staleness.get_legend_handles_labels()
+    for axes, (lines, labels) in ((left, left.get_legend_handles_labels()),
+                                  (middle, middle.get_legend_handles_labels()),
+                                  (right, (handles[0] + twin_handles[0], handles[1] + twin_handles[1]))):
+        axes.set_xlabel("optimizer step")
+        # below the x label, outside the plotting area: never over the data
+        axes.legend(lines, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False,
+                    fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    return figure
+
+
+def plot_curves(history: list[dict[str, float]], teacher_accuracy: float, path: Path) -> None:
+    """Write :func:`curves_figure` to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    figure = curves_figure(history, teacher_accuracy)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)
 
 
