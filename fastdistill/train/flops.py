@@ -1,19 +1,36 @@
-"""Model FLOPs utilisation: FLOPs per trained token and the accelerator's dense peak, where it is known.
+"""Model FLOPs utilisation of a training step: the useful matmul FLOPs it did, and the accelerator's dense peak.
 
-``flops_per_token`` follows TRL 1.16's convention: forward + backward =
-3 × forward, with ``L · (attention + MLP) + 2 · V · h`` forward FLOPs per token (attention scores counted for a
-sequence of ``seq_len``). ``peak_flops`` returns None on CPU and on unknown accelerators, so MFU is simply not
-logged there instead of being made up.
+A step's FLOPs (:class:`StepFlopsModel`, read once from the model) count useful work only, per part:
+
+- the decoder blocks' linear layers: ``2·in·out`` forward FLOPs per forwarded token each; the backward adds the
+  activation gradient (``2·in·out``) and, for a trainable weight, the weight gradient (``2·in·out``): 3× the forward
+  for trainable weights, 2× for frozen ones (LoRA's base weights: no weight gradient);
+- the lm_head (``2·D·V`` forward per position) on the **trained positions only**: the loss projects only those
+  (3× trainable, 2× frozen);
+- attention scores and their weighted sum (``4·heads·head_dim`` forward per query-key pair and layer) over the
+  causal pairs of each packed sample, ``Σ L·(L+1)/2``: samples of a packed row do not attend to each other; the
+  backward is 2× the forward (dQ, dK, dV, dP).
+
+Not counted: element-wise work (norms, activations, softmax, the loss's own arithmetic beyond its logits GEMM),
+recomputation (gradient checkpointing, a backward that recomputes logits or attention tiles) and masked-out tiles.
+
+``peak_flops`` returns the datasheet's dense bf16/fp16 rate, or None on CPU and unknown accelerators (no MFU is
+logged there rather than a made-up one). The step's metrics say which rate they divide by:
+``perf/mfu_fwd_bwd_datasheet`` and ``perf/mfu_wall_clock_datasheet`` (% of the datasheet peak of every rank's device).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-# Dense peak FLOP/s per device for (bf16, fp16); matched on the CUDA device name, first match wins.
+# Dense peak FLOP/s per device for (bf16, fp16), from the vendors' datasheets; matched on the CUDA device name, first
+# match wins.
 _PEAKS: list[tuple[str, float | None, float | None]] = [
     (r"GB300|GB200", 2.5e15, None),
     (r"B300|B200", 2.25e15, None),
@@ -30,9 +47,13 @@ _PEAKS: list[tuple[str, float | None, float | None]] = [
     (r"L4", 121e12, 121e12),
 ]
 
+MFU_FWD_BWD = "perf/mfu_fwd_bwd_datasheet"  # % of the datasheet peak over forward + backward seconds
+MFU_WALL_CLOCK = "perf/mfu_wall_clock_datasheet"  # % of the datasheet peak over the step's wall-clock seconds
+ATTENTION_PAIRS = "batch/attention_pairs_per_step"  # Σ L·(L+1)/2 over the step's samples (all ranks)
+
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """Dense peak FLOP/s of ``device`` for ``dtype`` (bf16 or fp16), or None (CPU, fp32, unknown device)."""
+    """Datasheet dense peak FLOP/s of ``device`` for ``dtype`` (bf16 or fp16), or None (CPU, fp32, unknown)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     name = torch.cuda.get_device_name(device)
@@ -42,26 +63,102 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
-def flops_per_token(config: Any, seq_len: float) -> float:
-    """Training FLOPs per forwarded token of a dense decoder (forward + backward), TRL's formula."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h = text.hidden_size
+def causal_pairs(lengths: Iterable[int]) -> int:
+    """Query-key pairs of causal attention over samples of ``lengths`` tokens, each attending only to itself:
+    ``Σ L·(L+1)/2``."""
+    total = 0
+    for length in lengths:
+        if length < 0:
+            raise ValueError(f"a sample length must be >= 0, got {length}")
+        total += length * (length + 1) // 2
+    return total
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """A step's useful matmul FLOPs (forward + backward) by part: the blocks' linear layers, the lm_head on the
+    trained positions, and attention over the causal pairs."""
+
+    linear: float
+    head: float
+    attention: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.head + self.attention
+
+
+@dataclass(frozen=True)
+class StepFlopsModel:
+    """Forward matmul FLOPs of one model, per unit of work: ``trainable_per_token`` / ``frozen_per_token`` (the
+    blocks' linear layers whose weight trains / is frozen, per forwarded token), ``head_per_position`` (2·D·V, per
+    trained position; ``head_trainable``) and ``attention_per_pair`` (4·heads·head_dim·layers, per causal pair)."""
+
+    trainable_per_token: float
+    frozen_per_token: float
+    head_per_position: float
+    head_trainable: bool
+    attention_per_pair: float
+
+    def step(self, forwarded_tokens: float, trained_tokens: float, attention_pairs: float) -> StepFlops:
+        """Forward + backward FLOPs of a step that forwarded ``forwarded_tokens``, trained ``trained_tokens``
+        positions and attended over ``attention_pairs`` causal pairs (:func:`causal_pairs`)."""
+        if min(forwarded_tokens, trained_tokens, attention_pairs) < 0:
+            raise ValueError("token and pair counts must be >= 0, got "
+                             f"{forwarded_tokens}, {trained_tokens}, {attention_pairs}")
+        return StepFlops(
+            linear=forwarded_tokens * (3.0 * self.trainable_per_token + 2.0 * self.frozen_per_token),
+            head=trained_tokens * self.head_per_position * (3.0 if self.head_trainable else 2.0),
+            attention=3.0 * attention_pairs * self.attention_per_pair)
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _weight_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """(out, in) of a linear weight: the global shape, also for an FSDP2-sharded DTensor."""
+    out_features, in_features = weight.shape
+    return int(out_features), int(in_features)
+
+
+def step_flops_model(model: nn.Module) -> StepFlopsModel:
+    """The :class:`StepFlopsModel` of a Hugging Face causal LM (peft-wrapped or not, sharded or not): every
+    ``nn.Linear`` but the output embedding counts per forwarded token (a LoRA layer's frozen base and its trainable
+    adapters apart), the output embedding per trained position, attention from the config's layers, heads and
+    head_dim."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} has no output embedding (lm_head): not a causal LM")
+    trainable = frozen = 0.0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module is not head:
+            out_features, in_features = _weight_shape(module.weight)
+            if module.weight.requires_grad:
+                trainable += 2.0 * in_features * out_features
+            else:
+                frozen += 2.0 * in_features * out_features
+    vocab, hidden = _weight_shape(head.weight)
+    text = _text_config(model.config)
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or h // heads
-    attention = 2 * h * (heads * head_dim + 2 * kv_heads * head_dim) + 2 * heads * head_dim * h
-    attention += 4 * heads * head_dim * seq_len
-    mlp = 6 * h * text.intermediate_size
-    return 3.0 * (text.num_hidden_layers * (attention + mlp) + 2 * text.vocab_size * h)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return StepFlopsModel(trainable_per_token=trainable, frozen_per_token=frozen,
+                          head_per_position=2.0 * hidden * vocab, head_trainable=bool(head.weight.requires_grad),
+                          attention_per_pair=4.0 * heads * head_dim * text.num_hidden_layers)
 
 
-def mfu_record(record: dict[str, float], model_config: Any, peak: float | None, world_size: int) -> dict[str, float]:
-    """``perf/mfu_fwd_bwd`` and ``perf/mfu_wall_clock`` of a step's ``record`` in % of the devices' dense ``peak``
-    (FLOP/s per device; None: unknown, no metrics), from its forwarded tokens and samples and its seconds."""
-    tokens, samples = record.get("batch/forwarded_tokens_per_step", 0.0), record.get("batch/samples_per_step", 0.0)
-    if peak is None or not tokens or not samples:
+def mfu_record(record: dict[str, float], flops_model: StepFlopsModel, peak: float | None,
+               world_size: int) -> dict[str, float]:
+    """``perf/mfu_fwd_bwd_datasheet`` and ``perf/mfu_wall_clock_datasheet`` of a step's ``record``: its useful FLOPs
+    (from its forwarded and trained tokens and its causal pairs, summed over ranks) in % of ``world_size`` devices'
+    datasheet ``peak`` (FLOP/s per device) over its forward + backward and its wall-clock seconds, and
+    ``perf/step_tflop``. Empty when the peak is unknown or the record lacks the counts (ranks other than 0)."""
+    tokens = record.get("batch/forwarded_tokens_per_step", 0.0)
+    pairs = record.get(ATTENTION_PAIRS)
+    if peak is None or not tokens or pairs is None:
         return {}
-    flops = flops_per_token(model_config, tokens / samples) * tokens
+    flops = flops_model.step(tokens, record.get("batch/trained_tokens_per_step", 0.0), pairs).total
     total_peak = peak * world_size
-    return {"perf/mfu_fwd_bwd": 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
-            "perf/mfu_wall_clock": 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}
+    return {"perf/step_tflop": flops / 1e12,
+            MFU_FWD_BWD: 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
+            MFU_WALL_CLOCK: 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +39,7 @@ from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.cross_tokenizer import load_cross_teachers
 from fastdistill.train.distributed import check_world_size, init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator, held_out_rows
-from fastdistill.train.flops import mfu_record, peak_flops
+from fastdistill.train.flops import ATTENTION_PAIRS, causal_pairs, mfu_record, peak_flops, step_flops_model
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_run
 from fastdistill.train.metrics import MetricsLogger, rank0_step_metrics
 from fastdistill.train.model import (
@@ -103,7 +104,8 @@ class AsyncDistillationTrainer:
         on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     ):
         self.config = config
-        self.dist = init_distributed()
+        self.dist = init_distributed(timeout_s=config.ddp_timeout,
+                                     heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
         check_world_size(config, self.dist.world_size)  # options that need one process, refused before any work
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
@@ -151,6 +153,7 @@ class AsyncDistillationTrainer:
         self.scheduler = LRSchedule(self.optimizer, config.lr_scheduler_type, self.max_steps, warmup)
         compute_dtype = torch.bfloat16 if self._use_bf16() else next(self.hf_model.parameters()).dtype
         self.peak_flops = peak_flops(self.dist.device, compute_dtype)  # None on CPU: no MFU metrics
+        self.flops_model = step_flops_model(self.hf_model)  # useful FLOPs per token, trained position and pair
         # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
         self._divergence_name = "jsd" if config.loss_type == "jsd" else "reverse_kl"
         self.worker = None
@@ -199,7 +202,7 @@ class AsyncDistillationTrainer:
         self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
-            run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
+            run_name=config.run_name, config=config.to_masked_dict(), disable_progress=config.disable_tqdm,
             initial_step=self.step,
         )
         started = time.perf_counter()
@@ -235,7 +238,7 @@ class AsyncDistillationTrainer:
                 record["perf/step_s"] = now - last_step_end
                 record["perf/trained_tok_s_wall_clock"] = record.get("batch/trained_tokens_per_step", 0) / max(
                     record["perf/step_s"], 1e-9)
-                record.update(mfu_record(record, self.hf_model.config, self.peak_flops, self.dist.world_size))
+                record.update(mfu_record(record, self.flops_model, self.peak_flops, self.dist.world_size))
                 record.update(clock.step_record(record["perf/step_s"]))
                 last_step_end = now
                 self.metrics.update(record)  # every step: values between two logging steps are reduced together
@@ -280,7 +283,9 @@ class AsyncDistillationTrainer:
                 self.metrics.close()
                 self.shutdown_s = time.perf_counter() - stopping
                 clock.stop()
-                self.dist.close()  # the process group this trainer made
+                # the process group this trainer made; a failure (sys.exc_info: the error propagating) is
+                # marked in the store, so that the other ranks end naming it
+                self.dist.close(sys.exc_info()[1])
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
                    "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
                    "dropped_stale_total": getattr(self.source, "dropped_stale_total", 0),
@@ -447,6 +452,8 @@ class AsyncDistillationTrainer:
             record = step_record(result, self.teacher_ids, self._divergence_name, self.model_version, len(window))
             if self.dist.is_main:
                 record.update(self._rank0_metrics())
+                record[ATTENTION_PAIRS] = float(causal_pairs(  # every rank's samples: packed rows attend per sample
+                    len(s.input_ids) for mb in self._window.microbatches for row in mb for s in row))
         return record
 
     def _mark_trained(self) -> None:

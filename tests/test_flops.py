@@ -1,0 +1,87 @@
+"""The step's useful FLOPs (fastdistill/train/flops.py), counted by hand on a tiny Qwen3, and the MFU metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastdistill.tiny import build_model, tiny_config
+from fastdistill.train.flops import (
+    ATTENTION_PAIRS,
+    MFU_FWD_BWD,
+    MFU_WALL_CLOCK,
+    causal_pairs,
+    mfu_record,
+    peak_flops,
+    step_flops_model,
+)
+
+# hidden 16, 2 layers, 2 query heads and 1 key-value head of head_dim 8, intermediate 24, vocabulary 50, untied head
+CONFIG = dict(hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24)
+LENGTHS = [3, 5]  # two samples packed into one row of 8 tokens
+TRAINED = 4  # completion positions the loss projects
+
+
+def tiny():
+    return build_model(tiny_config(50, **CONFIG))
+
+
+def test_causal_pairs_are_per_sample():
+    assert causal_pairs([3, 5]) == 6 + 15  # 3·4/2 + 5·6/2: no pair crosses a sample boundary
+    assert causal_pairs([]) == 0 and causal_pairs([1]) == 1
+    with pytest.raises(ValueError, match="length must be >= 0"):
+        causal_pairs([2, -1])
+
+
+def test_full_fine_tuning_counted_by_hand():
+    # Forward FLOPs per token and layer, 2·in·out per linear layer:
+    #   q 16→16: 512, k 16→8: 256, v 16→8: 256, o 16→16: 512, gate 16→24: 768, up 16→24: 768, down 24→16: 768
+    #   = 3,840; two layers: 7,680.  lm_head: 2·16·50 = 1,600 per trained position.
+    #   attention: 4·heads·head_dim·layers = 4·2·8·2 = 128 per causal pair.
+    # Step (8 forwarded tokens, 4 trained positions, 6 + 15 = 21 pairs), everything trainable (3× the forward):
+    #   linear 8·3·7,680 = 184,320; head 4·3·1,600 = 19,200; attention 3·21·128 = 8,064; total 211,584.
+    model = step_flops_model(tiny())
+    assert (model.trainable_per_token, model.frozen_per_token) == (7_680, 0)
+    assert (model.head_per_position, model.head_trainable, model.attention_per_pair) == (1_600, True, 128)
+    flops = model.step(forwarded_tokens=8, trained_tokens=TRAINED, attention_pairs=causal_pairs(LENGTHS))
+    assert (flops.linear, flops.head, flops.attention) == (184_320, 19_200, 8_064)
+    assert flops.total == 211_584
+
+
+def test_lora_counts_frozen_weights_twice_the_forward_counted_by_hand():
+    pytest.importorskip("peft")
+    from fastdistill.train.lora import apply_lora
+
+    lora = apply_lora(tiny(), r=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    # Adapters per layer (trainable): q: A 16→2 = 64, B 2→16 = 64; v: A 16→2 = 64, B 2→8 = 32: 224; two layers 448.
+    # Base weights (frozen, no weight gradient): 7,680 as above; the lm_head is frozen too.
+    # Step: linear 8·(3·448 + 2·7,680) = 133,632; head 4·2·1,600 = 12,800; attention 3·21·128 = 8,064.
+    model = step_flops_model(lora)
+    assert (model.trainable_per_token, model.frozen_per_token, model.head_trainable) == (448, 7_680, False)
+    flops = model.step(8, TRAINED, causal_pairs(LENGTHS))
+    assert (flops.linear, flops.head, flops.attention) == (133_632, 12_800, 8_064)
+    assert flops.total == 154_496
+
+
+def test_the_head_counts_trained_positions_only_and_attention_the_packed_lengths():
+    model = step_flops_model(tiny())
+    one_sample = model.step(8, 8, causal_pairs([8]))
+    packed = model.step(8, 2, causal_pairs([4, 4]))
+    assert one_sample.head == 4 * packed.head  # 8 positions projected against 2
+    assert one_sample.attention / packed.attention == pytest.approx(36 / 20)  # 8·9/2 against 2·(4·5/2)
+    with pytest.raises(ValueError, match=">= 0"):
+        model.step(8, -1, 0)
+
+
+def test_mfu_metrics_say_they_divide_by_the_datasheet_rate():
+    model = step_flops_model(tiny())
+    record = {"batch/forwarded_tokens_per_step": 8.0, "batch/trained_tokens_per_step": float(TRAINED),
+              ATTENTION_PAIRS: 21.0, "perf/fwd_bwd_s": 2.0, "perf/step_s": 4.0}
+    out = mfu_record(record, model, peak=1_000.0, world_size=2)  # 211,584 FLOPs over 2 devices of 1,000 FLOP/s
+    assert out[MFU_FWD_BWD] == pytest.approx(100 * 211_584 / 2.0 / 2_000)
+    assert out[MFU_WALL_CLOCK] == pytest.approx(100 * 211_584 / 4.0 / 2_000)
+    assert out["perf/step_tflop"] == pytest.approx(211_584 / 1e12)
+    assert MFU_FWD_BWD.endswith("_datasheet") and MFU_WALL_CLOCK.endswith("_datasheet")
+    assert mfu_record(record, model, peak=None, world_size=1) == {}  # CPU: no MFU rather than a made-up one
+    assert mfu_record({k: v for k, v in record.items() if k != ATTENTION_PAIRS}, model, 1_000.0, 1) == {}
+    assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
