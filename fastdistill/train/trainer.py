@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -104,8 +103,7 @@ class AsyncDistillationTrainer:
         on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     ):
         self.config = config
-        self.dist = init_distributed(timeout_s=config.ddp_timeout,
-                                     heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
+        self.dist = init_distributed()
         check_world_size(config, self.dist.world_size)  # options that need one process, refused before any work
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
@@ -202,7 +200,7 @@ class AsyncDistillationTrainer:
         self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
-            run_name=config.run_name, config=config.to_masked_dict(), disable_progress=config.disable_tqdm,
+            run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
             initial_step=self.step,
         )
         started = time.perf_counter()
@@ -283,9 +281,7 @@ class AsyncDistillationTrainer:
                 self.metrics.close()
                 self.shutdown_s = time.perf_counter() - stopping
                 clock.stop()
-                # the process group this trainer made; a failure (sys.exc_info: the error propagating) is
-                # marked in the store, so that the other ranks end naming it
-                self.dist.close(sys.exc_info()[1])
+                self.dist.close()  # the process group this trainer made
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
                    "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
                    "dropped_stale_total": getattr(self.source, "dropped_stale_total", 0),
