@@ -50,6 +50,12 @@ def trained_prompt_ids(run: Path) -> list[int]:
     return [p for line in lines if line.strip() for p in json.loads(line)["prompt_ids"]]
 
 
+def trained_prompt_lines(run: Path) -> list[list[int]]:
+    """Each step's trained prompt ids."""
+    return [json.loads(line)["prompt_ids"] for line in (run / "trained_prompts.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
 def metrics(run: Path) -> list[dict]:
     return read_jsonl(run / "metrics.jsonl")
 
@@ -149,10 +155,11 @@ def test_kill_9_and_resume_trains_every_prompt_exactly_once(tmp_path, servers):
 
 
 def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
-    """async_mode=False: every step's samples are generated with the current weights (staleness 0, nothing
-    dropped), and each prompt is trained once. With an eval_dataset and eval_steps=3 the held-out divergence is
-    logged at steps 0, 3, 6 and 8 (the end); the last equals the divergence of the exported model on the greedy
-    completions the server gives once the run is over."""
+    """async_mode=False at the default token budget (the student's max_model_len, which would pack more than a
+    step's 4 samples into a micro-batch): every step trains one wave of 4 prompts generated with the current weights
+    (staleness 0, nothing dropped), and each prompt is trained once. With an eval_dataset and eval_steps=3 the
+    held-out divergence is logged at steps 0, 3, 6 and 8 (the end); the last equals the divergence of the exported
+    model on the greedy completions the server gives once the run is over."""
     from transformers import AutoModelForCausalLM
 
     from fastdistill.data.prompts import tokenize_prompts
@@ -162,7 +169,7 @@ def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
     eval_path = tmp_path / "held_out.jsonl"
     eval_path.write_text("".join(json.dumps(row) + "\n" for row in held_out))
     config = write_run(tmp_path, servers, save_strategy="no", async_mode=False, verify_weight_sync=False,
-                       eval_dataset=str(eval_path), eval_steps=3)
+                       eval_dataset=str(eval_path), eval_steps=3, token_budget=None)
     result = subprocess.run(train_command(config), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "run"
@@ -170,6 +177,8 @@ def test_synchronous_mode_trains_fresh_samples_only(tmp_path, servers):
     assert [r["step"] for r in records] == [0, *range(1, NUM_PROMPTS // 4 + 1)]
     training = records[1:]
     assert all(r["sample/staleness_mean"] == 0.0 for r in training)
+    assert all(r["batch/row_fill_frac"] > 0 for r in training)  # the token budget batcher packed the rows
+    assert [len(line) for line in trained_prompt_lines(run)] == [4] * (NUM_PROMPTS // 4)
     assert not any(r.get("sample/dropped_stale_total") for r in training)
     assert sorted(trained_prompt_ids(run)) == list(range(NUM_PROMPTS))
     assert [r["step"] for r in records if "eval/jsd" in r] == [0, 3, 6, 8]

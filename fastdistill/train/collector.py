@@ -8,6 +8,10 @@ The collector owns the rules that decide what is trained and when the run ends:
 - a prompt is *done* when it is trained or dropped: rejected by a server, out of rollout attempts (the source
   passes a :class:`~fastdistill.rollout.dropped.DroppedPrompt` for it), or longer than the token budget of a row (the
   batcher refuses it). Dropped prompts are listed in :attr:`WindowCollector.new_drops` for the trainer to report;
+- a source that generates in waves with the current weights (the synchronous source: ``ends_step_with_wave``)
+  makes each window exactly one wave, however many micro-batches the batcher packs it into: once the wave is
+  consumed, what waits in the batcher is flushed as the window's last, partial micro-batch, so that no sample is
+  trained after a newer weight sync;
 - the run ends once every prompt below ``total_prompts`` is done: when the prompts not yet done all wait in the
   batcher, they are flushed as a final, partial micro-batch. A rank left without samples in that micro-batch gets an
   empty row (the trainer runs it as a zero-weight ghost so that every rank makes the same collective calls).
@@ -148,12 +152,19 @@ class WindowCollector:
 
     def collect(self, source: Source, model_version: int) -> Window | None:
         """The next window, or None when the run is over (every prompt done, or the source exhausted with nothing
-        pending)."""
+        pending). With a wave source (``ends_step_with_wave``) the window is the source's next wave, in as many
+        micro-batches as it fills."""
         microbatches: list[MicroBatch] = []
         collected = 0  # samples in this window's micro-batches (not yet marked trained)
         last = False
-        while len(microbatches) < self.microbatches_per_step:
+        by_wave = getattr(source, "ends_step_with_wave", False)
+        while by_wave or len(microbatches) < self.microbatches_per_step:
             pending = self.batcher.pending
+            if by_wave and source.wave_consumed and (microbatches or pending):
+                if pending:  # the wave's rest: trained now, with the weights that generated it
+                    microbatches.append(self._flush())
+                    collected += len(pending)
+                break
             if self.remaining() - collected <= len(pending):
                 if pending:  # the run's last prompts: a final, partial micro-batch
                     microbatches.append(self._flush())

@@ -243,11 +243,13 @@ class SynchronousSource:
     ``next`` serves samples from the current wave; when it is empty it runs the next ``wave_size`` prompts of the
     dispatcher (:class:`~fastdistill.rollout.dispatch.PromptDispatcher`, the worker's order and skips) through the
     one rollout sequence (:class:`~fastdistill.rollout.Rollouts`: every teacher signal, the same failure handling
-    as the worker) and stamps them with the trainer's version. With the fixed-count batcher a wave is exactly one
-    step, so nothing is stale and nothing is wasted; generation and training simply never overlap (the baseline the
-    asynchronous pipeline is measured against). A prompt given up on comes out as a :class:`DroppedPrompt`; rollouts
-    that keep failing raise :class:`~fastdistill.errors.RolloutsFailingError` as in the worker; when the dispatcher
-    is exhausted, :class:`SourceExhausted`.
+    as the worker) and stamps them with the trainer's version. A wave is one optimizer step whatever the batcher
+    (:attr:`ends_step_with_wave`: the collector ends the window once :attr:`wave_consumed`, flushing what its batcher
+    holds), so no sample is trained after a newer weight sync and nothing is regenerated; generation and training
+    simply never overlap (the baseline the asynchronous pipeline is measured against). A prompt given up on comes
+    out as a :class:`DroppedPrompt`; rollouts that keep failing raise
+    :class:`~fastdistill.errors.RolloutsFailingError` as in the worker; when the dispatcher is exhausted,
+    :class:`SourceExhausted`.
     """
 
     def __init__(self, rows: Any, rollout_config: Any, wave_size: int):
@@ -269,6 +271,13 @@ class SynchronousSource:
         # as the worker's are, so the baseline pays no per-step connection setup.
         self._loop = asyncio.new_event_loop()
         self._rollouts: Any = None
+
+    ends_step_with_wave = True  # the window collector ends a step with each wave (see WindowCollector.collect)
+
+    @property
+    def wave_consumed(self) -> bool:
+        """Every item of the current wave has been served (the next :meth:`next` generates a new wave)."""
+        return not self.wave
 
     def next(self, model_version: int) -> RolloutSample | DroppedPrompt:
         if not self.wave:
