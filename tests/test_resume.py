@@ -113,14 +113,15 @@ def test_a_corrupt_line_before_the_last_is_an_error_naming_file_and_line(tmp_pat
         ("edited row", r"data_fingerprint: [0-9a-f]{16}… in the checkpoint, [0-9a-f]{16}… now"),
         ("seed", r"seed: 42 in the checkpoint, 7 now"),
         ("shuffle", r"shuffle: True in the checkpoint, False now"),
-        ("epochs", r"num_train_epochs: 1 in the checkpoint, 2 now"),
+        ("fewer epochs", r"num_train_epochs: 2 in the checkpoint, 1 now \(only raising it is allowed\)"),
     ],
 )
 def test_a_resume_on_other_data_or_order_is_refused_by_name(tmp_path, student_dir, samples, change, message):
-    """Prompt ids mean (epoch, row of the shuffled order): another dataset, seed, shuffle or epoch count gives them
-    other rows, so the checkpoint's list of trained ids would silently skip some prompts and repeat others."""
+    """Prompt ids mean (epoch, row of the shuffled order): another dataset, seed or shuffle gives them other rows,
+    so the checkpoint's list of trained ids would silently skip some prompts and repeat others; fewer epochs than
+    the checkpoint was written for would leave prompts it counted on untrained."""
     output = tmp_path / "run"
-    crashed_run(student_dir, output, samples)
+    crashed_run(student_dir, output, samples, **({"num_train_epochs": 2} if change == "fewer epochs" else {}))
     before = {name: (output / name).read_text() for name in ("trained_prompts.jsonl", "metrics.jsonl")}
     stream, overrides = samples, {}
     if change == "fewer rows":
@@ -130,7 +131,8 @@ def test_a_resume_on_other_data_or_order_is_refused_by_name(tmp_path, student_di
         edited[0] = edited[0] + 1
         stream = [*samples[:9], dataclasses.replace(samples[9], input_ids=edited), *samples[10:]]
     else:
-        overrides = {"seed": {"seed": 7}, "shuffle": {"shuffle": False}, "epochs": {"num_train_epochs": 2}}[change]
+        overrides = {"seed": {"seed": 7}, "shuffle": {"shuffle": False},
+                     "fewer epochs": {"num_train_epochs": 1}}[change]
     resumed = AsyncDistillationTrainer(config(student_dir, output, resume_from_checkpoint="latest", **overrides),
                                        samples=stream)
     with pytest.raises(ConfigError, match=rf"checkpoint-2 was written for other data .*{message}"):
@@ -185,6 +187,34 @@ def test_a_cache_run_resumed_on_another_cache_is_refused(cache_and_student, tmp_
     # the same cache resumes
     same = cache_config(cache, student, output, save_strategy="steps", save_steps=2, resume_from_checkpoint="latest")
     assert AsyncDistillationTrainer(same).train()["steps"] == 2 * NUM_ROWS // 4
+
+
+def test_a_finished_cache_run_resumed_with_more_epochs_trains_the_new_epochs_once(cache_and_student,  # noqa: F811
+                                                                                  tmp_path):
+    """Prompt ids do not depend on the epoch count: a run of one epoch, resumed from its last checkpoint with
+    ``num_train_epochs: 2``, trains the second epoch's prompts (every cached row once more), each exactly once, and
+    records the new epoch count for the next resume; lowering it again is refused."""
+    from fastdistill.rollout import row_of_prompt
+
+    cache, student = cache_and_student
+    output = tmp_path / "run"
+    settings = dict(save_strategy="steps", save_steps=2)
+    first = AsyncDistillationTrainer(cache_config(cache, student, output, num_train_epochs=1, **settings)).train()
+    assert first["steps"] == NUM_ROWS // 4
+    resumed = cache_config(cache, student, output, num_train_epochs=2, resume_from_checkpoint="latest", **settings)
+    summary = AsyncDistillationTrainer(resumed).train()
+    assert summary["steps"] == 2 * NUM_ROWS // 4
+    lines = read_jsonl(output / "trained_prompts.jsonl")
+    assert [line["step"] for line in lines] == list(range(1, 2 * NUM_ROWS // 4 + 1))
+    trained = [p for line in lines for p in line["prompt_ids"]]
+    assert sorted(trained) == list(range(2 * NUM_ROWS))  # every prompt of both epochs, exactly once
+    assert sorted(trained[NUM_ROWS:]) == list(range(NUM_ROWS, 2 * NUM_ROWS))  # the resume trained epoch 2's ids
+    assert sorted(row_of_prompt(p, NUM_ROWS, resumed.seed) for p in trained[NUM_ROWS:]) == list(range(NUM_ROWS))
+    state = json.loads((output / f"checkpoint-{2 * NUM_ROWS // 4}" / "rollout_state.json").read_text())
+    assert state["data"]["num_train_epochs"] == 2
+    fewer = cache_config(cache, student, output, num_train_epochs=1, resume_from_checkpoint="latest", **settings)
+    with pytest.raises(ConfigError, match=r"num_train_epochs: 2 in the checkpoint, 1 now"):
+        AsyncDistillationTrainer(fewer).train()
 
 
 # ------------------------------------------------------------------------------------------------ earlier runs

@@ -1,7 +1,8 @@
 """The order prompts are visited in: a seeded shuffle per epoch, a cursor that resumes mid-epoch, and teacher routing.
 
 A ``prompt_id`` counts across epochs: prompt ``epoch · num_rows + position`` is the row at ``position`` of that
-epoch's order, so a cursor can resume at any prompt and a checkpoint only stores ids.
+epoch's order, so a cursor can resume at any prompt and a checkpoint only stores ids. An epoch's order depends on
+the seed and the epoch alone, never on how many epochs the run has: a resume may raise ``num_train_epochs``.
 """
 
 from __future__ import annotations

@@ -209,7 +209,9 @@ class RunLedger:
 @dataclass(frozen=True)
 class DataIdentity:
     """What makes a prompt id mean the same row: prompt ``i`` of a run is row ``order(seed, epoch)[i % num_prompts]``
-    of epoch ``i // num_prompts`` (no order for ``samples``: the samples carry their ids).
+    of epoch ``i // num_prompts`` (no order for ``samples``: the samples carry their ids). ``num_train_epochs`` only
+    says where the ids end: a resume may raise it (the ids already trained keep their rows, the new epochs' ids
+    follow them), not lower it below what the checkpoint was written for.
 
     ``source``: ``"dataset"`` (the tokenised prompt table), ``"teacher_cache"`` or ``"samples"``;
     ``data_fingerprint``: sha256 (hex) of the tokenised prompts and their teachers
@@ -229,14 +231,19 @@ class DataIdentity:
 
     def differences(self, recorded: dict[str, Any]) -> list[str]:
         """``"<name>: <recorded> in the checkpoint, <this> now"`` for every field that differs from ``recorded``
-        (a :meth:`to_json` dict); fingerprints are shown by their first 16 hex digits."""
+        (a :meth:`to_json` dict), except a raised ``num_train_epochs`` (prompt ids do not depend on the epoch
+        count: :func:`~fastdistill.rollout.order.epoch_order`); fingerprints are shown by their first 16 hex
+        digits."""
         changed = []
         for name, value in self.to_json().items():
             old = recorded.get(name)
             if old != value:
+                if name == "num_train_epochs" and isinstance(old, (int, float)) and value > old:
+                    continue  # more epochs: the same ids, and more after them
                 if name == "data_fingerprint":
                     old, value = f"{str(old)[:16]}…", f"{value[:16]}…"
-                changed.append(f"{name}: {old} in the checkpoint, {value} now")
+                suffix = " (only raising it is allowed)" if name == "num_train_epochs" else ""
+                changed.append(f"{name}: {old} in the checkpoint, {value} now{suffix}")
         return changed
 
 
