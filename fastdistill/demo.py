@@ -310,7 +310,7 @@ def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[st
             temperature=settings.temperature, export_final_model=False, seed=seed, heartbeat_stale_after_s=60.0,
             disable_tqdm=not sys.stderr.isatty(), eval_steps=max(1, steps_estimate // settings.eval_points),
         )
-        (output_dir / "config.yaml").write_text(_yaml(config.to_dict()))
+        (output_dir / "config.yaml").write_text(_yaml(config.to_masked_dict()))
         trainer = AsyncDistillationTrainer(config, train_dataset=train_rows, eval_dataset=held_rows,
                                            tokenizer=tokenizer)
         summary = trainer.train()

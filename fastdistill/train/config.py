@@ -455,10 +455,16 @@ class AsyncDistillationConfig:
         return max(1, math.ceil(self.num_train_epochs * num_prompts / per_step))
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict, API keys masked (what trackers and saved configs get)."""
+        """The fields as a plain dict, API keys included: ``AsyncDistillationConfig(**config.to_dict())`` is an equal
+        config. What leaves the process (trackers, logs, saved configs) takes :meth:`to_masked_dict`."""
+        return dataclasses.asdict(self)
+
+    def to_masked_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` with every API key masked as ``"***"`` (:func:`~fastdistill.auth.mask_secrets`): what
+        trackers and saved configs get. Fed back as a config, a mask is a :class:`ConfigError` naming the field."""
         from fastdistill.auth import mask_secrets
 
-        return mask_secrets(dataclasses.asdict(self))
+        return mask_secrets(self.to_dict())
 
     # --------------------------------------------------------------------------------------------------- loading
 

@@ -200,7 +200,7 @@ class AsyncDistillationTrainer:
         self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
         self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
-            run_name=config.run_name, config=config.to_dict(), disable_progress=config.disable_tqdm,
+            run_name=config.run_name, config=config.to_masked_dict(), disable_progress=config.disable_tqdm,
             initial_step=self.step,
         )
         started = time.perf_counter()
