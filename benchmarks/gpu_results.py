@@ -1,25 +1,29 @@
 """The read-off of a one-call GPU check (``benchmarks/gpu_check.py``'s JSON): whether the compiled kernels are
-validated, the exact line to change when they are, and the RESULTS.md section of the benchmark table.
+validated, the validation record of the run when they are, and the RESULTS.md section of the benchmark table.
 
-``KERNELS_VALIDATED_ON_GPU`` may flip only when every compiled correctness gate passed on a real GPU: the check was
-no dry run, saw a CUDA GPU, every ``test_compiled_*`` kernel test ran and passed (none skipped), and every ``ours-*``
-row of each benchmark step that ran passed its correctness gate against the float64 reference.
+The record (``kernels/fastdistill_kernels/validated.json``, :mod:`fastdistill_kernels.validation`: per design the
+sha256 of each kernel's source, and the run: commit, date, machine, compiled tests) is printed, and written with
+``--record``, only when every compiled correctness gate passed on a real GPU: the check was no dry run, saw a CUDA
+GPU, every ``test_compiled_*`` kernel test ran and passed (none skipped), and every ``ours-*`` row of each benchmark
+step that ran passed its correctness gate against the float64 reference. The hashes are those the check recorded
+(``kernel_hashes`` in its JSON) or, without them, those of this source tree, which must then be the tree that ran.
 
     python benchmarks/gpu_results.py benchmarks/results/gpu_check.json                 # verdict + table
     python benchmarks/gpu_results.py gpu_check.json --results benchmarks/RESULTS.md    # and paste the section
+    python benchmarks/gpu_results.py gpu_check.json --record --commit abc1234          # and write the record
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAG_FILE = ROOT / "kernels" / "fastdistill_kernels" / "__init__.py"
-FLAG_TEST = ROOT / "tests" / "test_kernels.py"
+VALIDATION_MODULE = ROOT / "kernels" / "fastdistill_kernels" / "validation.py"
 FLAG = "KERNELS_VALIDATED_ON_GPU"
 SECTION_START = "<!-- gpu-check:start -->"
 SECTION_END = "<!-- gpu-check:end -->"
@@ -60,29 +64,61 @@ def validation_problems(results: dict) -> list[str]:
     return out
 
 
-def flag_line() -> tuple[int, str]:
-    """``(line number, text)`` of the flag's assignment in its source file."""
-    for i, line in enumerate(FLAG_FILE.read_text().splitlines(), 1):
-        if re.match(rf"{FLAG}\s*=", line):
-            return i, line
-    raise LookupError(f"{FLAG} = ... not found in {FLAG_FILE}")
+def validation_module():
+    """``fastdistill_kernels.validation``, loaded from this tree by path (it imports nothing of the package, and the
+    check's own interpreter need not have the package importable)."""
+    spec = importlib.util.spec_from_file_location("fastdistill_kernels_validation", VALIDATION_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def verdict(results: dict) -> str:
-    """The lines to print: the exact change to make when the kernels are validated, else why not."""
+def source_commit() -> str:
+    """This tree's commit (short), ``+changes`` when the kernels differ from it, or ``unknown`` without git."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "kernels"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
+def run_record(results: dict, commit: str | None = None) -> dict:
+    """What the record says about the run: commit, date, machine, software, the compiled tests that passed."""
+    steps = results.get("steps", {})
+    versions = steps.get("install", {}).get("versions", {})
+    compiled = steps.get("kernel-tests", {}).get("compiled", {})
+    return {
+        "commit": commit or results.get("commit") or source_commit(),
+        "date": str(results.get("date", "?"))[:10],
+        "machine": (steps.get("environment", {}).get("gpus") or ["?"])[0],
+        "software": ", ".join(f"{k} {versions[k]}" for k in ("python", "torch", "triton") if k in versions),
+        "check": "benchmarks/gpu_check.py",
+        "compiled_tests": {"passed": compiled.get("passed", 0), "total": compiled.get("tests", 0)},
+    }
+
+
+def validation_record(results: dict, commit: str | None = None) -> dict:
+    """The record a passing check writes: every design's kernel hashes (the check's, else this tree's) on this run."""
+    validation = validation_module()
+    return validation.new_record(run_record(results, commit), results.get("kernel_hashes"))
+
+
+def verdict(results: dict, commit: str | None = None) -> str:
+    """The lines to print: the new validation record when every compiled gate passed, else why not."""
     problems = validation_problems(results)
-    number, line = flag_line()
-    where = f"{FLAG_FILE.relative_to(ROOT)}:{number}"
+    record_file = VALIDATION_MODULE.with_name("validated.json")
+    where = record_file.relative_to(ROOT) if record_file.is_relative_to(ROOT) else record_file
     if problems:
-        return "\n".join([f"{FLAG} stays as it is ({where}: {line.strip()}): not every compiled correctness gate "
+        return "\n".join([f"{FLAG} stays as it is ({where} is not rewritten): not every compiled correctness gate "
                           "passed on a GPU:", *(f"  - {p}" for p in problems)])
     gpu = results["steps"]["environment"]["gpus"][0]
     return "\n".join([
-        f"Every compiled correctness gate passed on {gpu}. Change {where}:",
-        f"  - {line.strip()}",
-        f"  + {FLAG} = True",
-        f"and in {FLAG_TEST.relative_to(ROOT)} replace test_the_kernels_are_not_marked_validated_yet's "
-        f"`is False` with `is True`; record the table below in benchmarks/RESULTS.md.",
+        f"Every compiled correctness gate passed on {gpu}. The validation record of this run, for {where} "
+        "(`--record` writes it; record the table below in benchmarks/RESULTS.md):",
+        json.dumps(validation_record(results, commit), indent=2),
     ])
 
 
@@ -116,7 +152,7 @@ def bench_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown_section(results: dict) -> str:
+def markdown_section(results: dict, commit: str | None = None) -> str:
     """The RESULTS.md section between the gpu-check markers: machine, matmul peak, steps, table, verdict."""
     steps = results.get("steps", {})
     gpus = steps.get("environment", {}).get("gpus") or ["no GPU"]
@@ -141,7 +177,7 @@ def markdown_section(results: dict) -> str:
         bench_table(results),
         "",
         "```",
-        verdict(results),
+        verdict(results, commit),
         "```",
         SECTION_END,
     ])
@@ -163,13 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", type=Path, help="the JSON gpu_check.py wrote")
     p.add_argument("--results", type=Path, help="replace the gpu-check section of this markdown file")
+    p.add_argument("--record", action="store_true", help="write the validation record when every compiled gate "
+                   "passed (kernels/fastdistill_kernels/validated.json)")
+    p.add_argument("--commit", help="the commit the check ran (default: the JSON's, else this tree's)")
     args = p.parse_args(argv)
     results = json.loads(args.json.read_text())
-    section = markdown_section(results)
+    section = markdown_section(results, args.commit)
     print(section)
     if args.results:
         update_results(args.results, section)
-    return 0 if not validation_problems(results) else 1
+    validated = not validation_problems(results)
+    if args.record and validated:
+        path = VALIDATION_MODULE.with_name("validated.json")
+        path.write_text(json.dumps(validation_record(results, args.commit), indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0 if validated else 1
 
 
 if __name__ == "__main__":

@@ -69,6 +69,19 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 import pytest  # noqa: E402
 
 
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter in this session (fixed when triton is first imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.interpreter``: the test hands CPU tensors to the Triton kernels, so it runs only in Triton's
+    CPU interpreter; on a CUDA machine without ``TRITON_INTERPRET=1`` the compiled-kernel tests cover the kernels."""
+    if item.get_closest_marker("interpreter") and not triton_interpreting():
+        pytest.skip("CPU tensors through the Triton kernels need TRITON_INTERPRET=1 (on a GPU the compiled-kernel "
+                    "tests cover the kernels)")
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct exported once per test run to a float32 Hugging Face folder (~20-40 s), or reused from

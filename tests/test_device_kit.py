@@ -1,11 +1,13 @@
 """benchmarks/device_kit.py (the wheels one GPU-check call carries) and benchmarks/gpu_results.py (the check's
-read-off: the KERNELS_VALIDATED_ON_GPU verdict and the RESULTS.md section), on synthetic inputs."""
+read-off: the verdict, the validation record of a passing run and the RESULTS.md section), on synthetic inputs."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -91,7 +93,8 @@ PASSING = {
     "date": "2027-01-01T00:00:00+00:00", "dry_run": False, "budget_s": 480.0, "elapsed_s": 400.0,
     "steps": {
         "environment": {"status": "ok", "gpus": ["NVIDIA H200, 580.159.03, 143771 MiB, 9.0"]},
-        "install": {"status": "ok", "seconds": 8.0},
+        "install": {"status": "ok", "seconds": 8.0,
+                    "versions": {"python": "3.12.3", "torch": "2.11.0+cu130", "triton": "3.6.0"}},
         "kernel-tests": {"status": "ok", "seconds": 150.0, "compiled": {"tests": 70, "passed": 70, "failed": []}},
         "bench-4096": {"status": "ok", "seconds": 90.0, "rows": [_ok_row(["ours-det", "ours-fused", "liger", "cce"])],
                        "machine": {"bf16_matmul_peak_tflops": 780.0, "versions": {"triton": "3.6.0"}}},
@@ -102,19 +105,44 @@ PASSING = {
 }
 
 
-def _flag_line() -> tuple[int, str]:
-    lines = (ROOT / "kernels" / "fastdistill_kernels" / "__init__.py").read_text().splitlines()
-    (hit,) = [(i, line) for i, line in enumerate(lines, 1) if line.startswith("KERNELS_VALIDATED_ON_GPU =")]
-    return hit
+def _printed_record(text: str) -> dict:
+    return json.loads(text[text.index("{"):])
 
 
-def test_a_passing_gpu_run_prints_the_exact_line_to_change():
+def test_a_passing_gpu_run_prints_its_validation_record():
+    """Commit, date, machine, software and compiled-test count of the run, and every design's kernel hashes (this
+    tree's when the check recorded none; the check's own when it did)."""
+    from fastdistill_kernels import validation
+
     assert gr.validation_problems(PASSING) == []
-    number, line = _flag_line()
-    text = gr.verdict(PASSING)
-    assert f"kernels/fastdistill_kernels/__init__.py:{number}" in text
-    assert f"  - {line}" in text and "  + KERNELS_VALIDATED_ON_GPU = True" in text
-    assert "NVIDIA H200" in text
+    text = gr.verdict(PASSING, commit="abc1234")
+    assert "kernels/fastdistill_kernels/validated.json" in text and "NVIDIA H200" in text
+    record = _printed_record(text)
+    assert record == validation.new_record(record["designs"]["sparse"]["triton"]["validated_on"])
+    run = record["designs"]["dense"]["triton-chunked"]["validated_on"]
+    assert run == {"commit": "abc1234", "date": "2027-01-01", "machine": "NVIDIA H200, 580.159.03, 143771 MiB, 9.0",
+                   "software": "python 3.12.3, torch 2.11.0+cu130, triton 3.6.0", "check": "benchmarks/gpu_check.py",
+                   "compiled_tests": {"passed": 70, "total": 70}}
+    recorded = {"sparse": {"triton": {"forward._forward_kernel": "0" * 64}}}
+    record = _printed_record(gr.verdict({**PASSING, "kernel_hashes": recorded, "commit": "def5678"}))
+    assert record["designs"]["sparse"]["triton"]["kernels"] == recorded["sparse"]["triton"]
+    assert record["designs"]["sparse"]["triton"]["validated_on"]["commit"] == "def5678"
+
+
+def test_the_record_is_written_only_when_every_compiled_gate_passed(tmp_path, monkeypatch):
+    package = tmp_path / "fastdistill_kernels"
+    shutil.copytree(ROOT / "kernels" / "fastdistill_kernels", package,
+                    ignore=shutil.ignore_patterns("__pycache__", "validated.json"))
+    monkeypatch.setattr(gr, "VALIDATION_MODULE", package / "validation.py")
+    results = tmp_path / "check.json"
+    results.write_text(json.dumps(_mutated(["steps", "kernel-tests", "status"], "failed")))
+    assert gr.main([str(results), "--record", "--commit", "abc1234"]) == 1
+    assert not (package / "validated.json").exists()
+    results.write_text(json.dumps(PASSING))
+    assert gr.main([str(results), "--record", "--commit", "abc1234"]) == 0
+    written = json.loads((package / "validated.json").read_text())
+    assert written == gr.validation_record(PASSING, "abc1234")
+    assert written["designs"]["sparse"]["triton-chunked"]["validated_on"]["commit"] == "abc1234"
 
 
 def _mutated(path: list, value):
@@ -144,7 +172,7 @@ def test_the_flag_stays_unless_every_compiled_gate_passed_on_a_gpu(path, value, 
     problems = gr.validation_problems(results)
     assert any(expect in p for p in problems), problems
     text = gr.verdict(results)
-    assert "stays as it is" in text and "+ KERNELS_VALIDATED_ON_GPU = True" not in text
+    assert "stays as it is" in text and "is not rewritten" in text and "{" not in text
 
 
 def test_a_contender_failing_its_gate_does_not_block_the_flag():

@@ -25,7 +25,6 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
-import fastdistill_kernels  # noqa: E402
 import triton.language as tl  # noqa: E402
 from fastdistill_kernels import TileConfig, backward, config, fused_sparse_jsd, ops  # noqa: E402
 from loss_cases import make_case, rel_close  # noqa: E402
@@ -34,8 +33,6 @@ import fastdistill.loss.api as api  # noqa: E402
 from fastdistill import sparse_jsd_loss  # noqa: E402
 from fastdistill.loss.support import canonical_mask  # noqa: E402
 
-on_interpreter = pytest.mark.skipif(not INTERPRETER, reason="CPU tensors through the kernels need TRITON_INTERPRET=1 "
-                                    "(on a GPU the cuda_compiled tests cover the kernels)")
 cuda_compiled = pytest.mark.skipif(not CUDA or INTERPRETER, reason="the compiled kernels need a CUDA GPU "
                                    "(and TRITON_INTERPRET unset)")
 
@@ -91,7 +88,7 @@ API_GRID = [
 
 
 @pytest.mark.slow
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("beta,tail,mode,softcap,T,dtype", API_GRID)
 def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, dtype):
     """Through sparse_jsd_loss: padded, duplicated and masked slots, rows without signal, bias, two teachers."""
@@ -117,7 +114,7 @@ def test_triton_backend_matches_float64_reference(beta, tail, mode, softcap, T, 
 
 
 @pytest.mark.slow
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_modes_with_per_row_upstream_gradients(backward_mode, dtype):
@@ -139,7 +136,7 @@ def test_backward_modes_with_per_row_upstream_gradients(backward_mode, dtype):
         rel_close(g, r, grad_rtol, name)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_forward_in_row_block_slabs_matches_one_launch(monkeypatch):
     """Row blocks sit on grid axis 1 (at most 65,535 on CUDA): more are launched in slabs from first_row_block.
     Slabs of one row block give exactly the single launch's results."""
@@ -172,7 +169,7 @@ def _concentrated_case(N=40, D=48, V=512, K=8, seed=5):
 
 
 @pytest.mark.slow
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backward_mode", ["deterministic", "fused"])
 def test_gradient_filter_error_stays_within_its_bound(backward_mode):
     """Each skipped entry has |dL/dx| < eps·|g_row|, so |Δdh[n, d]| ≤ eps·|g_n|·Σ_v |W[v, d]|,
@@ -197,7 +194,7 @@ def test_gradient_filter_error_stays_within_its_bound(backward_mode):
     assert ((db_f - db).abs() <= eps * weights.abs().sum() + slack).all()
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_rows_whose_candidates_cover_the_vocabulary():
     """No non-candidate column: the exact tail bucket is absent (tail log-sum-exp over an empty set)."""
     g = torch.Generator().manual_seed(3)
@@ -218,7 +215,7 @@ def test_rows_whose_candidates_cover_the_vocabulary():
             rel_close(a, r, FP32_RTOL, name)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_scalar_upstream_gradient_and_only_requested_gradients():
     case = _case(seed=8)
     ids, lps, mask = case.narrowed(0.3)
@@ -232,7 +229,7 @@ def test_scalar_upstream_gradient_and_only_requested_gradients():
     torch.testing.assert_close(h.grad, 2.5 * h1.grad)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_token_weights_match_the_torch_path():
     case = _case(seed=9)
     ids, lps, mask = case.narrowed(0.0)
@@ -246,7 +243,7 @@ def test_token_weights_match_the_torch_path():
         rel_close(a, r, FP32_RTOL, name)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "triton-chunked"])
 def test_no_scored_rows_gives_zero_loss_connected_to_graph(backend):
     case = _case(seed=1)
@@ -272,7 +269,7 @@ def test_auto_backend_keeps_cpu_tensors_on_the_torch_path(monkeypatch):
     assert torch.isfinite(sparse_jsd_loss(h, w, *case.narrowed(0.0), bias=b).loss)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_triton_backend_errors_are_clear(monkeypatch):
     case = _case(seed=2)
     args = (*case.leaves()[:2], *case.narrowed(0.0))
@@ -287,7 +284,7 @@ def test_triton_backend_errors_are_clear(monkeypatch):
         sparse_jsd_loss(*args, backend="triton")
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_op_rejects_bad_settings():
     case = _case(seed=2)
     h, w, b, ids, lps, valid = _scored_inputs(case, 0.0, torch.float32)
@@ -297,7 +294,7 @@ def test_op_rejects_bad_settings():
         fused_sparse_jsd(h, w, ids, lps, valid, filter_eps=0.0)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_loads_through_the_hugging_face_kernels_library():
     kernels = pytest.importorskip("kernels", reason="the Hugging Face `kernels` package is not installed")
     module = kernels.get_local_kernel(KERNELS_DIR)
@@ -310,7 +307,7 @@ def test_loads_through_the_hugging_face_kernels_library():
 
 
 # ------------------------------------------------------------------------------------------------ dW without addmm
-@on_interpreter
+@pytest.mark.interpreter
 def test_dw_fallback_without_mixed_precision_addmm_matches_float64(monkeypatch):
     """Torch releases without ``addmm(..., out_dtype=float32)`` take fp32 GEMMs of upcast column blocks: same
     result as one float64 product of the half-precision operands, to fp32 rounding, whatever the block size."""
@@ -324,7 +321,7 @@ def test_dw_fallback_without_mixed_precision_addmm_matches_float64(monkeypatch):
         rel_close(dw, expected, 1e-6, f"dW, blocks of {block} elements")
 
 
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_deterministic_backward_forced_onto_the_fallback(monkeypatch, dtype):
     """The whole op with the mixed-precision GEMM reported missing and tiny upcast blocks (several per vocabulary
@@ -347,7 +344,7 @@ def test_deterministic_backward_forced_onto_the_fallback(monkeypatch, dtype):
     assert len(blocks) >= 4 and all(shape.numel() > 64 * 50 for shape, _ in blocks), blocks
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_deterministic_backward_is_bitwise_reproducible(dtype=torch.bfloat16):
     """Same inputs, same bits: vocabulary chunks (here one tile each) of fixed shape and summation order."""
     case = _case(seed=4)
@@ -375,7 +372,7 @@ def test_vocabulary_chunks_stay_within_the_workspace_bound():
     assert backward.vocab_chunk_tiles(cfg, 8, tiles, 4) == tiles  # everything fits: one chunk
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_candidates_crowded_into_tiles_and_split_edges(backward_mode="fused"):
     """Several candidates of one row in the same vocabulary tile (several trips of the per-row cursor), ids on
     tile and split boundaries (0, 63, 64, 127, 128, V − 1), slots in no particular order, invalid slots between
@@ -436,7 +433,7 @@ def test_mixed_addmm_detection(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ device guard
-@on_interpreter
+@pytest.mark.interpreter
 def test_every_launch_runs_under_the_tensors_device_guard(monkeypatch):
     """Triton launches on the current CUDA device: forward and backward launches run inside
     ``torch.cuda.device(hidden.device)``. Pretend the tensors are CUDA ones and record the guard."""
@@ -480,7 +477,7 @@ def _loop_bounds_probe(OUT, D, steps, BLOCK: tl.constexpr):
     tl.store(OUT + tl.arange(0, BLOCK), acc)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_python_ranges_over_kernel_arguments_run_in_the_interpreter():
     """Triton 3.6's interpreter converted a scalar argument with ``int()`` of a one-element array, which numpy 2.4
     and later refuse; ``fastdistill_kernels.compat`` patches that (only where it is broken), so the loops over D,
@@ -518,37 +515,6 @@ def test_tensors_on_a_second_gpu_while_the_first_is_current():
         results.append([out.divergence.cpu(), *(g.cpu() for g in _grads(out.divergence.sum(), (h, w, b)))])
     for a, r in zip(*results, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
-
-
-# ------------------------------------------------------------------------------------------------ "auto" routing
-def _route(monkeypatch, backend="auto"):
-    """Which path sparse_jsd_loss takes for tensors that claim to be on CUDA: "triton" or "torch"."""
-    taken, real_torch = [], api.torch_sparse_jsd
-    monkeypatch.setattr(api, "_is_cuda", lambda x: True)  # CPU tensors that claim to be CUDA ones
-    monkeypatch.setattr(api, "_triton_sparse_jsd", lambda *a, **k: taken.append("triton") or real_torch(*a, **k))
-    monkeypatch.setattr(api, "torch_sparse_jsd", lambda *a, **k: taken.append("torch") or real_torch(*a, **k))
-    case = _case(seed=2)
-    sparse_jsd_loss(*case.leaves()[:2], *case.narrowed(0.0), backend=backend)
-    return taken[0]
-
-
-def test_auto_keeps_cuda_tensors_off_the_kernels_until_they_are_validated(monkeypatch):
-    monkeypatch.delenv("FASTDISTILL_TRITON", raising=False)
-    monkeypatch.setattr(fastdistill_kernels, "KERNELS_VALIDATED_ON_GPU", False)
-    assert _route(monkeypatch) == "torch"
-    assert _route(monkeypatch, backend="triton") == "triton"  # explicit selection always works
-    monkeypatch.setenv("FASTDISTILL_TRITON", "1")  # opt in
-    assert _route(monkeypatch) == "triton"
-    monkeypatch.delenv("FASTDISTILL_TRITON")
-    monkeypatch.setattr(fastdistill_kernels, "KERNELS_VALIDATED_ON_GPU", True)  # after a passing GPU check
-    assert _route(monkeypatch) == "triton"
-    monkeypatch.setenv("FASTDISTILL_TRITON", "0")  # opt out
-    assert _route(monkeypatch) == "torch"
-
-
-def test_the_kernels_are_not_marked_validated_yet():
-    """Flip this (and KERNELS_VALIDATED_ON_GPU) only with a passing benchmarks/gpu_check.py run recorded."""
-    assert fastdistill_kernels.KERNELS_VALIDATED_ON_GPU is False
 
 
 # ------------------------------------------------------------------------------------------------ compiled on a GPU

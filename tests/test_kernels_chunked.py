@@ -31,11 +31,11 @@ from fastdistill_kernels import chunked_logits_sparse_jsd, logits_chunk  # noqa:
 from loss_cases import make_case, rel_close  # noqa: E402
 
 import fastdistill.loss.api as api  # noqa: E402
+import fastdistill.loss.routing as routing  # noqa: E402
 from fastdistill import sparse_jsd_loss  # noqa: E402
 from fastdistill.loss.chunked import LossConfig  # noqa: E402
 from fastdistill.loss.support import canonical_mask  # noqa: E402
 
-on_interpreter = pytest.mark.skipif(not INTERPRETER, reason="CPU tensors through the kernels need TRITON_INTERPRET=1")
 cuda_compiled = pytest.mark.skipif(not CUDA or INTERPRETER, reason="the compiled kernels need a CUDA GPU "
                                    "(and TRITON_INTERPRET unset)")
 
@@ -93,7 +93,7 @@ GRID = [
 
 
 @pytest.mark.slow
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("beta,tail,mode,softcap,T,scale,bias,weighted", GRID)
 def test_matches_float64_reference(beta, tail, mode, softcap, T, scale, bias, weighted):
     """Padded, duplicated and masked slots, unscored rows, two teachers, three chunks; fp32."""
@@ -115,7 +115,7 @@ def test_matches_float64_reference(beta, tail, mode, softcap, T, scale, bias, we
 
 
 @pytest.mark.slow
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("beta,softcap", [(0.0, None), (0.5, 4.0), (1.0, None)])
 def test_half_precision_inputs_in_the_interpreter(dtype, beta, softcap):
@@ -133,7 +133,7 @@ def test_half_precision_inputs_in_the_interpreter(dtype, beta, softcap):
         rel_close(g, r, HALF_GRAD_RTOL[dtype], name)
 
 
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tail_mode", ["exact", "trl"])
 def test_rows_whose_candidates_cover_the_vocabulary(tail_mode):
     """No non-candidate column in rows 0..2 (exact tail bucket absent), a real tail in rows 3..5; V = 70 spans two
@@ -158,7 +158,7 @@ def test_rows_whose_candidates_cover_the_vocabulary(tail_mode):
 
 
 @pytest.mark.slow
-@on_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("chunk_rows", [1, 7, 40, None])
 def test_chunk_size_does_not_change_the_result(chunk_rows):
     """One row per chunk, uneven chunks, one chunk, the default rule: the same loss and gradients."""
@@ -182,7 +182,7 @@ def test_chunk_rows_rule():
     assert logits_chunk.chunk_rows_for(100, 10**9, torch.float32) == 1
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_only_the_weighted_sum_is_differentiable():
     """Gradients are computed in the forward for ``loss``: any scalar upstream gradient works, a gradient through
     the per-row divergences (a non-scalar upstream) raises a clear error."""
@@ -203,7 +203,7 @@ def test_only_the_weighted_sum_is_differentiable():
     assert not out.entropy.requires_grad and not out.teacher_entropy.requires_grad
 
 
-@on_interpreter
+@pytest.mark.interpreter
 def test_only_requested_gradients_are_computed():
     case = _case(seed=9)
     ids, lps, mask = case.narrowed(0.0)
@@ -224,7 +224,7 @@ def test_public_api_routes_the_backend_name(monkeypatch):
     args = (*case.leaves()[:2], *case.narrowed(0.0))
     assert "triton-chunked" in api.BACKENDS
     assert sparse_jsd_loss(*args, backend="triton-chunked") == "sentinel"
-    monkeypatch.setattr(api, "_is_cuda", lambda x: True)
+    monkeypatch.setattr(routing, "_is_cuda", lambda x: True)
     sparse_jsd_loss(*args, backend="triton-chunked")
     assert taken == ["chunked", "chunked"]
 

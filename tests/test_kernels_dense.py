@@ -32,6 +32,7 @@ CASES = [  # beta, temperature, softcap (student; teacher 4.0), padded teacher v
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 @pytest.mark.parametrize("beta,T,softcap,padded,chunk_rows", CASES)
@@ -52,6 +53,7 @@ def test_triton_matches_float64_reference(backend, beta, T, softcap, padded, chu
         rel_close(g, r, fp32_tol, name)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_no_mask_no_weights_no_bias_single_teacher(backend):
     x = make_inputs(seed=3, N=9, V=70, Vt=70)
@@ -72,6 +74,7 @@ def test_no_mask_no_weights_no_bias_single_teacher(backend):
         rel_close(a, b, tol, name)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_nothing_scored_gives_zero_loss_and_zero_gradients(backend):
     x = make_inputs(seed=1, N=5)
@@ -89,6 +92,7 @@ def test_needs_cuda_or_the_interpreter(monkeypatch, backend):
         run(x, torch.float32, backend)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_float64_inputs_are_refused_with_a_pointer_to_the_torch_path(backend):
     x = make_inputs(seed=0, N=4)
@@ -97,6 +101,7 @@ def test_float64_inputs_are_refused_with_a_pointer_to_the_torch_path(backend):
         run(x, torch.float64, backend)
 
 
+@pytest.mark.interpreter
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_extreme_logits_stay_finite_and_match_the_float64_torch_path(backend):
@@ -115,6 +120,7 @@ def test_extreme_logits_stay_finite_and_match_the_float64_torch_path(backend):
             assert err <= 3 * EPS32 * Z**2 * unit, f"beta={beta} {name}: {err:.3e}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", TRITON_BACKENDS)
 def test_without_grad_gives_the_same_statistics(backend):
     x = make_inputs(seed=4)
@@ -154,6 +160,7 @@ def call_fused(x, heads, beta, dtype=torch.float32, **kw):
     return out, grads
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode", ["deterministic", "fused"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_fused_kernels_match_the_float64_rows_in_both_backward_modes(mode, beta):
@@ -171,6 +178,7 @@ def test_fused_kernels_match_the_float64_rows_in_both_backward_modes(mode, beta)
     assert float(dropped.min()) > 0  # the padded columns carry mass
 
 
+@pytest.mark.interpreter
 def test_fused_deterministic_mode_is_bitwise_reproducible_and_tiling_invariant():
     """The same inputs give the same bits; one vocabulary tile per backward chunk and one or three forward splits
     give the same values within fp32 rounding."""
@@ -191,6 +199,7 @@ def test_fused_deterministic_mode_is_bitwise_reproducible_and_tiling_invariant()
             rel_close(a, b, tol, name)
 
 
+@pytest.mark.interpreter
 def test_fused_gradients_only_where_asked_and_never_to_the_teacher():
     from fastdistill_kernels.dense_fused import fused_dense_teacher_jsd
 
@@ -211,6 +220,7 @@ def dense_rows_sum_grad_w(x):
                       1.0, need_dh=False, need_dw=True, need_db=False)[5]
 
 
+@pytest.mark.interpreter
 def test_fused_without_rows_returns_empty_results_and_zero_gradients():
     from fastdistill_kernels.dense_fused import fused_dense_teacher_jsd
 
@@ -221,6 +231,7 @@ def test_fused_without_rows_returns_empty_results_and_zero_gradients():
     assert dh.shape == (0, 8) and float(dw.abs().max()) == 0.0
 
 
+@pytest.mark.interpreter
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(n=st.integers(1, 40), v=st.integers(1, 140), pad=st.integers(0, 70), ds=st.integers(1, 40),
        dt=st.integers(1, 40), beta=st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]), temperature=st.floats(0.5, 2.0),
@@ -240,6 +251,7 @@ def test_fused_kernels_match_the_float64_rows_on_any_shape(n, v, pad, ds, dt, be
             assert float(a.detach().abs().max()) <= tol, name
 
 
+@pytest.mark.interpreter
 def test_fused_bfloat16_teacher_rows_with_a_float32_student():
     """The trainer's case: bfloat16 teacher rows as served, a float32 student; the oracle gets the same rounded rows."""
     x = make_inputs(seed=8, N=33, V=100, Vt=110)
@@ -258,6 +270,7 @@ def test_fused_bfloat16_teacher_rows_with_a_float32_student():
         rel_close(a, b, tol, name)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("change,message", [
     (dict(hs=torch.zeros(4, 8, dtype=torch.float64)), "student_hidden must be float32, bfloat16 or float16"),
     (dict(wt=torch.zeros(70, 5)), r"teacher hidden \(N, D\) and weight \(V, D\) disagree: \(4, 6\), \(70, 5\)"),

@@ -11,10 +11,8 @@ import torch
 from .chunked import LossConfig, sparse_jsd_rows
 from .options import BACKENDS, TAIL_MODES
 from .outputs import SparseJSDOutput, summarize
+from .routing import TRITON_DTYPES, route
 from .support import _check_beta, canonical_mask
-
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TRITON_ENV = "FASTDISTILL_TRITON"  # "1": backend="auto" uses the kernels on CUDA before they are marked validated
 
 
 def sparse_jsd_loss(
@@ -58,11 +56,11 @@ def sparse_jsd_loss(
             or ``"trl"`` (TRL's subtraction with clamp). The teacher tail is always the clamped subtraction.
         teacher_index: ``(N,)`` integer teacher index per position for per-teacher statistics, or None.
         num_teachers: number of teachers (rows of ``per_teacher``).
-        backend: ``"auto"`` (the torch path; the Triton kernels for CUDA tensors in float32/bfloat16/float16 only
-            when triton is installed **and** the kernels are enabled: they have not yet been validated on a real
-            GPU, so today that takes ``FASTDISTILL_TRITON=1``, see :func:`triton_enabled_for_auto`),
-            ``"torch"`` (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises
-            N×V), ``"triton"`` (the fused kernels, always: CUDA tensors, or CPU tensors under
+        backend: ``"auto"`` (for CUDA tensors in float32/bfloat16/float16 with triton installed: the fastest
+            Triton design validated on a real GPU that fits the free memory — ``"triton-chunked"``, else
+            ``"triton"`` — see :mod:`fastdistill.loss.routing`; otherwise the torch path), ``"torch"``
+            (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises N×V),
+            ``"triton"`` (the fused kernels, always: CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``), ``"triton-chunked"`` (6·N·D·V FLOPs: cuBLAS logits per chunk of ≤ 4096 rows
             within 2 GiB, two Triton passes over them, gradients in the forward; only ``loss`` is differentiable,
             see :func:`fastdistill_kernels.chunked_logits_sparse_jsd`; same devices as ``"triton"``).
@@ -83,38 +81,18 @@ def sparse_jsd_loss(
         return reference_sparse_jsd(hidden, weight, ids, lps, mask, bias=bias, cfg=cfg,
                                     teacher_index=teacher_index, num_teachers=num_teachers,
                                     token_weights=token_weights)
+    chunk_rows = None
+    if backend == "auto":
+        picked = route("sparse", ((hidden, weight),))
+        backend, chunk_rows = picked.backend, picked.chunk_rows
     if backend == "triton-chunked":
         return _triton_chunked_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
-                                          token_weights)
-    if backend == "triton" or (backend == "auto" and _triton_is_default(hidden, weight)):
+                                          token_weights, chunk_rows=chunk_rows)
+    if backend == "triton":
         return _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
                                   token_weights)
     return torch_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,
                             token_weights=token_weights)
-
-
-def _triton_is_default(hidden, weight) -> bool:
-    """``backend="auto"`` takes the kernels for CUDA tensors in a kernel dtype when triton is installed and the
-    kernels are enabled for "auto" (:func:`triton_enabled_for_auto`)."""
-    return (_is_cuda(hidden) and hidden.dtype in TRITON_DTYPES and weight.dtype in TRITON_DTYPES
-            and triton_enabled_for_auto() and importlib.util.find_spec("triton") is not None)
-
-
-def _is_cuda(x: torch.Tensor) -> bool:
-    """Whether ``x`` lives on a CUDA device (a separate function so tests can route without a GPU)."""
-    return x.is_cuda
-
-
-def triton_enabled_for_auto() -> bool:
-    """Whether ``backend="auto"`` may route CUDA tensors to the Triton kernels: ``FASTDISTILL_TRITON=1`` opts in,
-    ``FASTDISTILL_TRITON=0`` opts out, and otherwise only once the kernels are marked validated on a real GPU
-    (``fastdistill_kernels.KERNELS_VALIDATED_ON_GPU``, False until ``benchmarks/gpu_check.py`` has passed)."""
-    flag = os.environ.get(TRITON_ENV, "").strip()
-    if flag in ("0", "1"):
-        return flag == "1"
-    from fastdistill_kernels import KERNELS_VALIDATED_ON_GPU
-
-    return bool(KERNELS_VALIDATED_ON_GPU)
 
 
 def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, teacher_index=None,

@@ -27,7 +27,6 @@ import torch
 
 from .api import (
     _is_number,
-    _triton_is_default,
     _validate_weights,
     check_teacher_index,
     save_gradients,
@@ -36,6 +35,7 @@ from .api import (
 from .chunked import default_chunk_rows
 from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
+from .routing import route
 from .support import _check_beta
 
 
@@ -107,9 +107,10 @@ def dense_teacher_jsd_loss(
             materialises ``(N, V)``; the oracle of the tests), ``"triton"`` (both lm_heads fused into the kernels'
             tiles, no logits in memory, :func:`fastdistill_kernels.dense_fused.fused_dense_teacher_jsd`),
             ``"triton-chunked"`` (cuBLAS logits per row chunk and two Triton passes,
-            :func:`fastdistill_kernels.dense_chunk.chunked_dense_teacher_jsd`), or ``"auto"``: ``"triton"`` for CUDA
-            tensors in float32/bfloat16/float16 when the kernels are enabled for "auto" (as for
-            :func:`sparse_jsd_loss`: ``FASTDISTILL_TRITON=1`` until they are validated on a GPU), else ``"torch"``.
+            :func:`fastdistill_kernels.dense_chunk.chunked_dense_teacher_jsd`), or ``"auto"``: for CUDA tensors in
+            float32/bfloat16/float16, the fastest Triton design validated on a real GPU that fits the free memory
+            (``"triton-chunked"``, else ``"triton"``; :mod:`fastdistill.loss.routing`, as for
+            :func:`sparse_jsd_loss`), else ``"torch"``.
             The Triton backends take CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``; ``student_top_k``
             stays on the torch path.
         chunk_rows: rows per chunk of the torch path, or None (tiles of at most 32 MiB, at most 256 rows).
@@ -153,9 +154,9 @@ def dense_teacher_jsd_loss(
         return _student_top_k_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
                                   teacher, float(beta), student_top_k, chunk_rows, token_weights, teacher_index,
                                   num_teachers)
-    if backend == "auto" and _triton_is_default(student_hidden, student_weight) and _triton_is_default(t_hidden,
-                                                                                                         t_weight):
-        backend = "triton"
+    if backend == "auto":
+        picked = route("dense", ((student_hidden, student_weight), (t_hidden, t_weight)), chunk_rows)
+        backend, chunk_rows = picked.backend, picked.chunk_rows or chunk_rows
     if backend in ("triton", "triton-chunked"):
         return _triton_dense(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias, student,
                              teacher, float(beta), backend, chunk_rows, token_weights, teacher_index, num_teachers)

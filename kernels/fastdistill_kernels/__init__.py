@@ -13,10 +13,10 @@ from importlib import import_module
 
 from .buckets import bucket_divergence, logit_gradients
 
-# False until a run of benchmarks/gpu_check.py on a real GPU has passed (the compiled kernels against the torch path,
-# every mode and dtype). While False, fastdistill's ``backend="auto"`` keeps CUDA tensors on the torch path unless
-# FASTDISTILL_TRITON=1; ``backend="triton"`` always selects the kernels.
-KERNELS_VALIDATED_ON_GPU = False
+# Which kernels have run on a real GPU is recorded per design, by the hash of its device code, in validated.json
+# (:mod:`fastdistill_kernels.validation`, written from a passing benchmarks/gpu_check.py run). fastdistill's
+# ``backend="auto"`` picks only validated designs; ``backend="triton"`` / ``"triton-chunked"`` always select theirs.
+# ``KERNELS_VALIDATED_ON_GPU`` (read lazily) is True when every design's kernels match the record.
 
 _LAZY = {
     "BACKWARD_MODES": ".backward",
@@ -34,12 +34,19 @@ _LAZY = {
     "chunked_dense_teacher_jsd": ".dense_chunk",
     "DenseRowLosses": ".dense_fused",
     "fused_dense_teacher_jsd": ".dense_fused",
+    "DESIGNS": ".validation",
+    "is_validated": ".validation",
+    "validated_designs": ".validation",
 }
 
 __all__ = ["KERNELS_VALIDATED_ON_GPU", "bucket_divergence", "logit_gradients", *_LAZY]
 
 
 def __getattr__(name: str):
+    if name == "KERNELS_VALIDATED_ON_GPU":
+        from .validation import DESIGNS, validated_designs
+
+        return validated_designs() == frozenset(DESIGNS)
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,130 @@
+"""What ``backend="auto"`` runs: the fastest validated Triton design that fits the device's memory, else the torch path.
+
+For CUDA tensors in a kernel dtype, with triton installed, the designs in order of speed are ``"triton-chunked"``
+(cuBLAS logits per row chunk, 6·N·D·V FLOPs, a ``(C, V)`` logits buffer) and ``"triton"`` (the fused kernels, no
+logits in memory, 8·N·D·V FLOPs). ``auto`` takes the first one that
+
+- has run on a real GPU as it is today (:func:`fastdistill_kernels.validation.is_validated`: its device code hashes
+  to the committed record of the last passing GPU check), or any design under ``FASTDISTILL_TRITON=1``; and
+- fits the memory budget: the chunked design needs a buffer of at least :data:`MIN_CHUNK_ROWS` rows (or all rows,
+  when fewer) within :func:`memory_budget`, and gets the largest chunk up to its default that fits; the fused
+  design's workspace is bounded (its tile config), so it always fits.
+
+Otherwise, and always under ``FASTDISTILL_TRITON=0``, CPU tensors or other dtypes: the torch path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TRITON_ENV = "FASTDISTILL_TRITON"  # "1": auto may pick designs no GPU has validated; "0": auto never picks kernels
+BUDGET_ENV = "FASTDISTILL_AUTO_MEMORY_MIB"  # MiB auto's design may take for its buffers; default: free − margin
+MIN_CHUNK_ROWS = 1024  # below this the chunked design rereads the weight too often to stay ahead of the fused one
+MARGIN_FRACTION = 0.10  # of the device's memory, left free by auto's choice (the allocator's fragmentation, the rest)
+MIN_MARGIN_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class Route:
+    """What ``auto`` picked: ``backend`` ("triton-chunked", "triton" or "torch") and, for the chunked design, the
+    rows per chunk that fit the budget (None: the design's default)."""
+
+    backend: str
+    chunk_rows: int | None = None
+
+
+def _is_cuda(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on a CUDA device (a separate function so tests can route without a GPU)."""
+    return x.is_cuda
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on ``device`` can get: the driver's free memory plus what torch's caching allocator
+    holds reserved but unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def total_device_bytes(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes ``auto``'s design may take for its buffers on ``device``: ``FASTDISTILL_AUTO_MEMORY_MIB`` when set,
+    else the free memory (:func:`free_device_bytes`) minus a margin of 10 % of the device (at least 1 GiB)."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    if raw:
+        try:
+            mib = float(raw)
+        except ValueError:
+            mib = -1.0
+        if not mib >= 0:
+            raise ValueError(f"{BUDGET_ENV} must be a number of MiB >= 0, got {raw!r}")
+        return int(mib * 2**20)
+    margin = max(MIN_MARGIN_BYTES, int(MARGIN_FRACTION * total_device_bytes(device)))
+    return max(0, free_device_bytes(device) - margin)
+
+
+def kernel_designs_allowed(loss: str) -> list[str]:
+    """The Triton designs ``auto`` may pick for ``loss`` ("sparse" or "dense"), fastest first: validated ones, or all
+    under ``FASTDISTILL_TRITON=1``, none under ``FASTDISTILL_TRITON=0``."""
+    flag = os.environ.get(TRITON_ENV, "").strip()
+    if flag == "0":
+        return []
+    from fastdistill_kernels.validation import is_validated
+
+    return [b for b in ("triton-chunked", "triton") if flag == "1" or is_validated(loss, b)]
+
+
+def kernels_usable(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether every ``(hidden, weight)`` pair is CUDA tensors in a kernel dtype, with triton installed."""
+    return (all(_is_cuda(h) and h.dtype in TRITON_DTYPES and w.dtype in TRITON_DTYPES for h, w in pairs)
+            and importlib.util.find_spec("triton") is not None)
+
+
+def chunk_rows_within(budget: int, n_rows: int, row_bytes: int, default_rows: int) -> int | None:
+    """The most rows per chunk, up to ``default_rows``, whose buffer (``row_bytes`` each) fits ``budget``; None when
+    not even ``min(n_rows, MIN_CHUNK_ROWS)`` rows fit."""
+    rows = min(default_rows, budget // max(1, row_bytes))
+    return rows if rows >= max(1, min(n_rows, MIN_CHUNK_ROWS)) else None
+
+
+def route(loss: str, pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], chunk_rows: int | None = None) -> Route:
+    """``auto``'s choice for ``loss`` ("sparse": one ``(hidden, weight)`` pair; "dense": the student's, then the
+    teacher's). ``chunk_rows``, if given, is the caller's chunk size: the chunked design then needs that buffer."""
+    if not kernels_usable(*pairs):
+        return Route("torch")
+    designs = kernel_designs_allowed(loss)
+    if "triton-chunked" in designs:
+        row_bytes = sum(w.shape[0] * torch.promote_types(h.dtype, w.dtype).itemsize for h, w in pairs)
+        budget = memory_budget(pairs[0][0].device)
+        if chunk_rows is not None:
+            if chunk_rows * row_bytes <= budget:
+                return Route("triton-chunked", chunk_rows)
+        else:
+            default = _default_chunk_rows(loss, pairs)
+            rows = chunk_rows_within(budget, pairs[0][0].shape[0], row_bytes, default)
+            if rows is not None:
+                return Route("triton-chunked", None if rows == default else rows)
+    if "triton" in designs:
+        return Route("triton")
+    return Route("torch")
+
+
+def _default_chunk_rows(loss: str, pairs) -> int:
+    """The chunked design's own default rows per chunk for these inputs."""
+    (hs, ws), *rest = pairs
+    dtype = torch.promote_types(hs.dtype, ws.dtype)
+    if loss == "sparse":
+        from fastdistill_kernels.logits_chunk import chunk_rows_for
+
+        return chunk_rows_for(hs.shape[0], ws.shape[0], dtype)
+    from fastdistill_kernels.dense_chunk import dense_chunk_rows_for
+
+    (ht, wt), = rest
+    return dense_chunk_rows_for(hs.shape[0], ws.shape[0], wt.shape[0], dtype, torch.promote_types(ht.dtype, wt.dtype))
