@@ -118,14 +118,8 @@ async def score_full(client: Any, prompt_ids: list[int], completion_ids: list[in
     """The teacher's full-vocabulary log-probs (L, vocab_size) float32 at every completion position of one row,
     teacher-forced through ``prompt_logprobs=-1`` on a :class:`~fastdistill.rollout.TeacherClient` (replicas,
     retries and failover as for top-K scoring). Raises VLLMRequestError when the server refuses the row."""
-    from fastdistill.rollout.client import _first_choice, _max_logprobs_hint
-
-    payload = {"model": await client.model_name(), "prompt": [*prompt_ids, *completion_ids], "max_tokens": 1,
-               "temperature": 1.0, "prompt_logprobs": FULL_VOCABULARY}
-    url = client._where("/v1/completions")
-    body = await client._request("POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint)
-    return parse_full_prompt_logprobs(url, _first_choice(url, body).get("prompt_logprobs"), len(prompt_ids),
-                                      len(completion_ids), vocab_size)
+    url, per_position = await client.prompt_logprobs([*prompt_ids, *completion_ids], FULL_VOCABULARY)
+    return parse_full_prompt_logprobs(url, per_position, len(prompt_ids), len(completion_ids), vocab_size)
 
 
 async def check_full_distribution(client: Any, probe_ids: list[int], vocab_size: int) -> None:
@@ -135,7 +129,7 @@ async def check_full_distribution(client: Any, probe_ids: list[int], vocab_size:
         await score_full(client, probe_ids[:1], probe_ids[1:], vocab_size)
     except VLLMRequestError as error:
         if error.status == 400 and "logprobs" in error.server_message.lower():
-            raise _refused_full_vocabulary(client._where("/v1/completions"), error) from error
+            raise _refused_full_vocabulary(error.url, error) from error
         raise
 
 

@@ -384,6 +384,19 @@ class TeacherClient(_VLLMEndpoint):
             "POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint,
             decode=lambda url, body: scores_from_body(url, body, prompt_length, completion_length, top_k))
 
+    async def prompt_logprobs(self, token_ids: Sequence[int], num_logprobs: int) -> tuple[str, Any]:
+        """Teacher-force ``token_ids`` (``max_tokens=1``, temperature 1) asking for ``num_logprobs`` log-probs per
+        position (-1: vLLM's whole vocabulary, which needs ``--max-logprobs -1``) and return ``(where,
+        per_position)``: vLLM's ``choices[0].prompt_logprobs`` as sent (one entry per token, the first None; for
+        callers that decode it themselves) and the server it came from, for messages (one URL, or the path and the
+        replica list). Retries and failover as :meth:`score`; a rejection raises
+        :class:`~fastdistill.errors.VLLMRequestError` with the ``--max-logprobs`` hint."""
+        payload = {"model": await self.model_name(), "prompt": [int(token) for token in token_ids], "max_tokens": 1,
+                   "temperature": 1.0, "prompt_logprobs": int(num_logprobs)}
+        where = self._where("/v1/completions")
+        body = await self._request("POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint)
+        return where, _first_choice(where, body).get("prompt_logprobs")
+
     async def check_query_scoring(self) -> None:
         """Raise :class:`VLLMResponseError` (saying what to install and how to start the teacher) unless every
         replica answers a one-row scoring request with the scoring plugin's field; what a run whose loss reads

@@ -27,10 +27,6 @@ def apply_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, target
     return peft_model
 
 
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-
-
 def export_merged(peft_model: nn.Module, tokenizer: Any, path: str | Path, is_main: bool) -> Path | None:
     """A Hugging Face folder of the merged model at ``path``, written by rank 0 (collective under FSDP2: every rank
     gathers and merges each tensor in turn). Streamed: rank 0 moves each merged tensor to its CPU as it comes and the
