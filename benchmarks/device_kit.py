@@ -3,10 +3,11 @@
 The lent GPU machine runs its own image (Python 3.12, torch 2.11 + CUDA 13, triton 3.6, transformers 5.17, numpy,
 pandas, pyarrow, accelerate, pytest, hypothesis, ...) and reaches no package index; one call carries at most 64 MiB.
 So the check runs on that image as it is, and the kit holds only what the check needs and the image lacks:
-TRL 1.16.0, Liger, Cut Cross-Entropy (the benchmark's contenders) and ``datasets`` with its two missing dependencies
-(TRL imports it). ``pip download --no-deps --only-binary=:all:`` fetches them for the image's interpreter
-(``--python-version 3.12 --implementation cp`` and the manylinux x86_64 tags a wheel may carry); the check installs
-them with ``pip install --no-index --no-deps --target`` (``benchmarks/gpu_check.py --kit``).
+TRL 1.16.0, Liger, Cut Cross-Entropy (the benchmark's contenders), ``datasets`` with its two missing dependencies
+(TRL imports it) and ``msgspec`` (fastdistill's own dependency the image lacks: the trainer imports it).
+``pip download --no-deps --only-binary=:all:`` fetches them for the image's interpreter (``--python-version 3.12
+--implementation cp`` and the manylinux x86_64 tags a wheel may carry); the check installs them with ``pip install
+--no-index --no-deps --target`` (``benchmarks/gpu_check.py --kit``).
 
 Not carried, each for its reason (the check reports their steps as skipped): vLLM (gigabytes of CUDA wheels that pin
 their own torch), flash-attn (no wheel on PyPI; it is built against one torch and CUDA), ``kernels`` (the HF kernel
@@ -34,6 +35,7 @@ KIT_PACKAGES = {
     "datasets": "5.2.0",  # TRL's trainers import it; its other dependencies are on the image
     "dill": "0.4.1",  # datasets: dill<0.4.2
     "multiprocess": "0.70.19",  # datasets: multiprocess<0.70.20
+    "msgspec": "0.23.0",  # fastdistill imports it (the rollout decoder, under fastdistill.train): the train-step step
 }
 NOT_CARRIED = {
     "vllm": "gigabytes of CUDA wheels pinning their own torch: far over the 64 MiB one call carries",
@@ -119,7 +121,7 @@ def install_command(python: str, kit: Path, site: Path) -> list[str]:
 # What the check imports once the kit is in: the kernels' stack and every contender of the benchmark.
 PROBE_MODULES = {"trl": "trl.experimental.async_distillation.async_distillation_trainer",
                  "liger-kernel": "liger_kernel.transformers", "cut-cross-entropy": "cut_cross_entropy",
-                 "datasets": "datasets", "fastdistill": "fastdistill.loss",
+                 "datasets": "datasets", "msgspec": "msgspec", "fastdistill": "fastdistill.loss",
                  "fastdistill_kernels": "fastdistill_kernels"}
 PROBE = """
 import importlib, importlib.metadata as md, json, sys

@@ -19,6 +19,12 @@ Steps, in order of value, each in its own process group with its own limit (:dat
   bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 (the Qwen shape) against TRL, Liger and
                       CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside Liger), each
                       behind its correctness gate (an implementation that disagrees is not timed).
+  train-step          ``bench_train_step.py``: the trainer's own step (``AsyncDistillationTrainer``, one process,
+                      bf16 autocast) at the Qwen2.5-0.5B and -1.5B shapes from a teacher cache written in-process,
+                      K=8 and 32, loss backends auto and torch: its phase split, MFU, peak memory
+                      and the plain cross-entropy step as its floor; 20 steps must lower the loss and a packed
+                      row must match its samples alone (SDPA, and flash-attn when importable); its guard compares
+                      peak memory and MFU with the last recorded GPU run. Dry run: the tiny CPU rehearsal.
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
                       row (position_ids restarting per sample, no attention mask) against each sample alone.
   bench-16384         the same benchmark at N=16384, K=8 and K=64 (Liger and CCE measured once).
@@ -80,8 +86,8 @@ BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-de
 BENCH_SHAPES = {"bench-4096": ([4096], [8]), "bench-16384": ([16384], [8, 64])}
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds), in the order the steps run (by value); the global budget cuts them further.
-STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150, "packed-attention": 45,
-               "bench-16384": 150, "vllm-sync": 120}
+STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150,
+               "train-step": 240, "packed-attention": 45, "bench-16384": 150, "vllm-sync": 120}
 KIT_INSTALL_LIMIT_S = 60  # unpacking ~3 MiB of wheels and an import probe, instead of building a venv
 STEPS = tuple(STEP_LIMITS)
 KERNEL_TEST_WORKERS = 8  # pytest-xdist processes for the compiled tests (compiles in parallel), where it is there
@@ -337,6 +343,26 @@ def step_worker(ctx: Context, name: str, timeout_s: float) -> dict:
     return {**json.loads(lines[-1]), "seconds": res["seconds"]}
 
 
+TRAIN_STEP_RESERVE_S = 60  # of the step's limit: the configuration running at its budget's end, the checks, the JSON
+
+
+def step_train(ctx: Context, timeout_s: float) -> dict:
+    """``bench_train_step.py`` (dry run: ``--tiny`` on the CPU); its table, checks and guard go into the JSON. Passes
+    when the benchmark exits 0: every correctness check passed and no guard bound was crossed."""
+    out = ctx.workdir / "train-step.json"
+    cmd = [ctx.python, str(ROOT / "benchmarks" / "bench_train_step.py"), "--json", str(out),
+           "--budget-s", str(int(max(10.0, timeout_s - TRAIN_STEP_RESERVE_S)))]
+    if ctx.args.dry_run:
+        cmd.append("--tiny")
+    res = run_command(cmd, timeout_s, env=ctx.env())
+    data = json.loads(out.read_text()) if out.exists() else {}
+    ok = res["rc"] == 0 and bool(data.get("shapes"))
+    checks = {f"{s['shape']} {name}": c["status"] for s in data.get("shapes", []) for name, c in s["checks"].items()}
+    return {"status": "ok" if ok else ("timeout" if res["timed_out"] else "failed"), "table": data.get("table"),
+            "checks": checks, "guard": data.get("guard"), "machine": data.get("machine"),
+            "shapes": data.get("shapes"), **res}
+
+
 def run_step(ctx: Context, name: str) -> dict:
     """Dispatch step ``name`` within what is left of the budget."""
     timeout_s = step_timeout(name, ctx.time_left(), ctx.args.dry_run, kit=ctx.args.kit is not None)
@@ -352,6 +378,8 @@ def run_step(ctx: Context, name: str) -> dict:
         if ctx.args.dry_run and name != "bench-4096":
             return {"status": "skipped", "detail": "dry run: one CPU smoke config only"}
         return step_bench(ctx, name, timeout_s)
+    if name == "train-step":
+        return step_train(ctx, timeout_s)
     return step_worker(ctx, name, timeout_s)
 
 
