@@ -344,8 +344,12 @@ class AsyncDistillationConfig:
             ok = isinstance(teacher_id, str) and teacher_id != "" and isinstance(replicas, Sequence) and replicas
             ok = ok and all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in replicas)
             _check(ok, f"teacher_server_urls[{teacher_id!r}]", value, "an http(s) URL or a non-empty list of them")
-        _check(self.vllm_server_base_url.startswith(("http://", "https://")), "vllm_server_base_url",
-               self.vllm_server_base_url, "an http(s) URL")
+        student = self.vllm_server_base_url
+        # one server: the weight sync and its check push to and read from one student (RolloutConfig would take
+        # replicas, but they would serve weights no sync reaches)
+        _check(isinstance(student, str) and student.startswith(("http://", "https://")), "vllm_server_base_url",
+               student, "an http(s) URL, one server (a list of student replicas is not supported: the weight sync "
+               "updates one student server)")
 
     def _validate_teacher_signal(self) -> None:
         """``teacher_signal``, ``teacher_hidden_dtype`` and ``teacher_model_paths``, and the options a hidden-state
