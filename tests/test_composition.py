@@ -11,6 +11,10 @@ The factors (the table in ``docs/train.md``, "What composes"):
 - ``start``: ``fresh``, or ``resumed`` (one step, then a resume from its checkpoint to the end of the epoch);
 - ``processes``: ``rollout_processes``, 1 or 2 rollout worker processes sharing the prompt stream.
 
+The token budget goes with ``async_mode``: the synchronous runs keep the default (``token_budget`` unset: the
+student server's ``max_model_len``, which packs a whole wave into one micro-batch), the asynchronous ones set
+``token_budget: 0`` (a fixed sample count per step, so that their step count is known in advance).
+
 Four pairs are refused at config time with a :class:`ConfigError` naming both options (:data:`REFUSED_PAIRS`, one
 test each). Every other pair of option values appears in at least one run of :data:`RUNS`, a fixed list computed by
 the greedy pairwise generator :func:`all_pairs_design` (the first test checks that the list is still what it
@@ -227,11 +231,15 @@ def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[s
         "teacher_server_urls": {"default": where.hidden_url if run["signal"] == "hidden" else where.topk_url},
         "teacher_signal": run["signal"], "async_mode": run["async_mode"] == "async",
         "per_device_train_batch_size": SAMPLES_PER_STEP // run["ranks"], "num_train_epochs": 1,
-        "learning_rate": 1e-3, "token_budget": 0, "max_completion_length": 8, "teacher_top_k": 4,
+        "learning_rate": 1e-3, "max_completion_length": 8, "teacher_top_k": 4,
         "max_staleness": 3, "gradient_checkpointing": False, "disable_tqdm": True, "heartbeat_stale_after_s": 60.0,
         "save_strategy": "steps" if run["start"] == "resumed" else "no", "save_steps": 1,
         "rollout_processes": run["processes"],
     }
+    if run["async_mode"] == "async":  # a fixed sample count per step, so that the step count is known
+        values["token_budget"] = 0
+    # sync runs keep the default token budget (the student server's max_model_len): a synchronous step is one wave of
+    # SAMPLES_PER_STEP prompts however many micro-batches the budget packs it into, so the step count is known too
     if run["source"] == "online":
         values.update(train_dataset=where.dataset, skip_long_prompts=True)
     else:
