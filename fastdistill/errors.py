@@ -33,6 +33,11 @@ class LostRankError(RuntimeError):
     names the rank(s) and their address."""
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A collective of the trainer ranks did not finish within ``ddp_timeout`` while every rank's heartbeat was
+    current (a rank alive but not joining it); the message says which collective failed and how."""
+
+
 class VLLMError(RuntimeError):
     """Base class of every error the HTTP clients raise about a vLLM server."""
 

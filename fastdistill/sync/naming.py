@@ -7,6 +7,8 @@ LoRA weights).
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -65,6 +67,40 @@ class NamedTensors:
 WeightSource = torch.nn.Module | NamedTensors
 
 
+class GatherClock:
+    """Where a push's FSDP all-gathers stand (the trainer ranks' own collectives, not the student's part): the
+    parameter being gathered now (``current``, None between gathers) and since when, the one whose gather raised
+    (``failed``), and the seconds spent gathering (:meth:`seconds`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.current: str | None = None
+        self.failed: str | None = None
+        self.started = 0.0
+        self._total_s = 0.0
+
+    @contextlib.contextmanager
+    def gathering(self, name: str) -> Iterator[None]:
+        self.current, self.started = name, self.clock()
+        try:
+            yield
+        except BaseException:
+            self.failed = name
+            raise
+        finally:
+            self._total_s += self.clock() - self.started
+            self.current = None
+
+    def seconds(self) -> float:
+        """Seconds spent in gathers so far, the one running included."""
+        running = self.clock() - self.started if self.current is not None else 0.0
+        return self._total_s + running
+
+    def running_s(self) -> float:
+        """Seconds the gather running now has taken (0 between gathers)."""
+        return self.clock() - self.started if self.current is not None else 0.0
+
+
 def _cast_dtype(tensor_dtype: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """``dtype`` for floating-point tensors (the server's), anything else as it is."""
     return dtype if dtype is not None and tensor_dtype.is_floating_point else tensor_dtype
@@ -85,7 +121,8 @@ def weight_manifest(
 
 
 def iter_named_weights(
-    model: WeightSource, *, include_tied: bool = False, dtype: torch.dtype | None = None
+    model: WeightSource, *, include_tied: bool = False, dtype: torch.dtype | None = None,
+    gathers: GatherClock | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every parameter, one at a time, detached.
 
@@ -94,13 +131,18 @@ def iter_named_weights(
     parameter is yielded once under its first name (``model.embed_tokens.weight``), like ``named_parameters()``;
     ``include_tied=True`` also yields its aliases (``lm_head.weight``), as ``state_dict()`` would. ``dtype`` casts
     each floating-point tensor (e.g. fp32 master weights to a bf16 server). A :class:`NamedTensors` yields its pairs
-    (``include_tied`` does not apply).
+    (``include_tied`` does not apply). ``gathers`` records the all-gathers (a stall there is the trainer ranks',
+    not the server's).
     """
     pairs = iter(model) if isinstance(model, NamedTensors) else iter(_named_parameters(model, include_tied))
     for name, param in pairs:
         with torch.no_grad():
             full_tensor = getattr(param, "full_tensor", None)
-            tensor = full_tensor() if callable(full_tensor) else param
+            if callable(full_tensor):
+                with gathers.gathering(name) if gathers is not None else contextlib.nullcontext():
+                    tensor = full_tensor()
+            else:
+                tensor = param
             tensor = tensor.detach()
             target = _cast_dtype(tensor.dtype, dtype)
             if tensor.dtype != target:

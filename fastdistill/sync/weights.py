@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from typing import Any
@@ -18,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from fastdistill.auth import api_key_problem
+from fastdistill.errors import LostRankError
+from fastdistill.sync import peers
 from fastdistill.sync.channels import Channel, GlooChannel, NcclChannel
 from fastdistill.sync.errors import WeightSyncError
 from fastdistill.sync.http import request, served_dtype
-from fastdistill.sync.naming import WeightSource, iter_named_weights, weight_manifest
+from fastdistill.sync.naming import GatherClock, WeightSource, iter_named_weights, weight_manifest
 from fastdistill.sync.network import rendezvous_address
 from fastdistill.sync.threads import TaskFailed, run_together
 from fastdistill.sync.transport import DEFAULT_BUCKET_BYTES, TensorSpec, dtype_name
@@ -30,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 _CONTROL_TIMEOUT_S = 300.0  # /pause, /start_weight_update, /resume (TRL's value)
 _CLEANUP_S = 30.0  # best-effort calls after a failure
+_DEADLINE_POLL_S = 0.1  # how often the student's deadline is checked during a transfer
+_GATHER_BACKSTOP_S = 7200.0  # beyond the student's timeout: a transfer whose gathers never return still ends
 
 
 class WeightSync(ABC):
@@ -228,8 +233,9 @@ class VLLMWeightSync(WeightSync):
         barrier_s = time.perf_counter() - barrier_start
         update_info = _update_info(manifest)
 
-        def receive() -> Any:
-            return self._call("POST", "/update_weights", {"update_info": update_info})
+        def receive() -> Any:  # bounded by _transfer's student deadline, which does not count the gathers
+            return self._call("POST", "/update_weights", {"update_info": update_info},
+                              timeout_s=self.timeout_s + _GATHER_BACKSTOP_S)
 
         try:
             # The server's /update_weights returns once it has received everything: both sides must run at once.
@@ -269,7 +275,9 @@ class VLLMWeightSync(WeightSync):
         rpc = {"method": "fastdistill_update_weights", "kwargs": {"update_info": json.dumps(_update_info(manifest))},
                "timeout": self.timeout_s}
         try:
-            self._transfer("/collective_rpc", lambda: self._call("POST", "/collective_rpc", rpc), model, manifest)
+            http_s = self.timeout_s + _GATHER_BACKSTOP_S  # the transfer's student deadline bounds it instead
+            self._transfer("/collective_rpc", lambda: self._call("POST", "/collective_rpc", rpc, timeout_s=http_s),
+                           model, manifest)
         except _TransferFailed as failure:
             raise failure.error from failure.cause
         transfer_s = time.perf_counter() - start - barrier_s
@@ -283,19 +291,80 @@ class VLLMWeightSync(WeightSync):
 
     def _transfer(self, route: str, call: Any, model: WeightSource, manifest: list[TensorSpec]) -> None:
         """Run the server's receiving call and the broadcast at once; on failure drop the channel and raise
-        :class:`_TransferFailed`."""
+        :class:`_TransferFailed`.
+
+        ``timeout_s`` bounds the student's part only: the seconds the broadcast spends in the trainer ranks' own
+        all-gathers (FSDP ``full_tensor``, bounded by the collective timeout and the ranks' heartbeat) are not
+        counted, and a failure while a gather runs (or raised in one) is reported as the trainer ranks', naming the
+        silent rank when the heartbeat knows it, not as the student's."""
         assert self._channel is not None
-        weights = iter_named_weights(model, include_tied=self.include_tied, dtype=self.dtype)
+        gathers = GatherClock()
+        weights = iter_named_weights(model, include_tied=self.include_tied, dtype=self.dtype, gathers=gathers)
+        finished = threading.Event()
+        pending = {route, "broadcast"}
+
+        def tracked(name: str, function: Any) -> Any:
+            def run() -> Any:
+                try:
+                    return function()
+                finally:
+                    pending.discard(name)
+                    if not pending:
+                        finished.set()
+            return run
+
+        def student_deadline() -> None:
+            started = time.monotonic()
+            while not finished.wait(_DEADLINE_POLL_S):
+                student_s = time.monotonic() - started - gathers.seconds()
+                if student_s > self.timeout_s:
+                    raise WeightSyncError(
+                        f"weight transfer to {self.base_url} failed: the student did not finish {route} within "
+                        f"weight_sync_timeout={self.timeout_s:g} s (the trainer's own all-gathers, "
+                        f"{gathers.seconds():.1f} s, not counted); still running: {', '.join(sorted(pending))}")
+
+        tasks = {route: tracked(route, call), "broadcast": tracked("broadcast", self._channel.broadcaster(weights,
+                                                                                                       manifest)),
+                 "student deadline": student_deadline}
         try:
-            run_together({route: call, "broadcast": self._channel.broadcaster(weights, manifest)}, self.timeout_s)
+            # the deadline task ends the wait; the outer bound is only a backstop against a gather that never
+            # returns (the collective timeout and the heartbeat end those first)
+            run_together(tasks, self.timeout_s + _GATHER_BACKSTOP_S)
         except TaskFailed as failure:
             self._channel.drop()  # a broken broadcast leaves the group unusable
             self._channel = None
-            error = failure.error if isinstance(failure.error, WeightSyncError) else None
+            trainer = self._trainer_stall(gathers, failure)
+            error = trainer or (failure.error if isinstance(failure.error, WeightSyncError) else None)
             error = error or WeightSyncError(f"weight transfer to {self.base_url} failed in {failure}")
             error.add_note("the server may hold partially updated weights until the next successful push")
             cause = None if error is failure.error else failure.error
             raise _TransferFailed(error, cause, server_blocked=route in failure.running()) from None
+        finally:
+            finished.set()
+
+    def _trainer_stall(self, gathers: GatherClock, failure: TaskFailed) -> RuntimeError | None:
+        """The error of a transfer that failed while (or because) the trainer ranks' own all-gather did not
+        finish: a :class:`LostRankError` naming the silent rank(s) when the heartbeat knows them, else a
+        :class:`WeightSyncError` saying it was the trainer's collective; None when no gather was involved."""
+        name = gathers.current or gathers.failed
+        if name is None:
+            return None
+        if gathers.current is not None:
+            how = f"has not returned for {gathers.running_s():.0f} s"
+        else:
+            how = f"failed ({str(failure.error).splitlines()[0][:300] if failure.error else failure})"
+        what = f"the trainer ranks' own all-gather of {name} (FSDP full_tensor, a collective of every trainer rank)"
+        student = f"the student ({self.base_url}) was waiting for the weights, not failing"
+        watch = peers.active_watch()
+        silent = watch.silent(2 * watch.interval_s) if watch is not None else []
+        if silent:
+            ranks = ", ".join(str(rank) for rank, _ in silent)
+            where = ", ".join(watch.where(rank) for rank, _ in silent)
+            return LostRankError(
+                f"rank {watch.rank} lost trainer rank(s) {ranks} of {watch.world_size} (at {where}) during a weight "
+                f"push: {what} {how}, its heartbeat is {silent[0][1]:.0f} s old; {student}")
+        return WeightSyncError(f"weight push stalled in {what}: it {how}; a trainer rank stopped answering or "
+                               f"lags; {student}")
 
     def _cleanup(self, error: BaseException, *, paused: bool, started: bool) -> None:
         """Best effort after a failure: close an open update, then resume generation. Failures become notes."""
@@ -337,9 +406,12 @@ def _update_info(manifest: list[TensorSpec]) -> dict[str, list]:
 
 
 def _ranks_agree(ok: bool) -> bool:
-    """All ranks of the default group learn whether every rank is ``ok`` (trivially ``ok`` without a group)."""
+    """All ranks of the default group learn whether every rank is ``ok`` (trivially ``ok`` without a group). The
+    sender may have spent up to the control calls' timeout on the server first: the others wait in the store
+    (:func:`~fastdistill.sync.peers.await_main`), not in the collective. Call with the sender as rank 0."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return ok
+    peers.await_main()
     backend = str(dist.get_backend()).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)

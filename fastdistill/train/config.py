@@ -21,7 +21,13 @@ from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
 from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
-from fastdistill.train.config_checks import LOSS_TYPES, PG_LOSS_TYPES, QUERY_LOSS_TYPES, validate_loss_options
+from fastdistill.train.config_checks import (
+    LOSS_TYPES,
+    PG_LOSS_TYPES,
+    QUERY_LOSS_TYPES,
+    validate_loss_options,
+    validate_rank_heartbeat,
+)
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
 from fastdistill.train.config_checks import choice as _choice
@@ -121,6 +127,8 @@ class AsyncDistillationConfig:
     queue_maxsize: int | None = None  # TRL: 1024; None: one step's samples (see resolved_queue_maxsize)
     rollout_processes: int = 1  # ours: rollout worker processes sharing the prompt stream (docs/rollout.md)
     heartbeat_stale_after_s: float = 300.0
+    ddp_timeout: float = 1800.0  # HF's: seconds a collective of the trainer ranks may take (torch's default)
+    rank_heartbeat_timeout_s: float = 30.0  # ours: a trainer rank silent this long ends the run naming it; 0: off
     shuffle: bool = True  # ours: TRL never shuffles
     skip_long_prompts: bool = False  # ours: skip prompts that cannot fit a server's max_model_len (else an error)
     # --- loss
@@ -216,7 +224,9 @@ class AsyncDistillationConfig:
         _check(not unknown, "report_to", self.report_to, f"a list drawn from {list(REPORTERS)}")
         _range(self, "beta", 0.0, 1.0)
         _positive(self, "learning_rate", "teacher_temperature", "temperature", "adam_epsilon", "request_timeout",
-                  "weight_sync_timeout", "vllm_server_timeout", "heartbeat_stale_after_s", "num_train_epochs")
+                  "weight_sync_timeout", "vllm_server_timeout", "heartbeat_stale_after_s", "num_train_epochs",
+                  "ddp_timeout")
+        validate_rank_heartbeat(self)
         # The loss would divide the student's logits by T, but the teacher's log-probs come from vLLM's
         # prompt_logprobs, which are computed from the raw logits whatever the request's temperature: the two sides
         # would be at different temperatures.
@@ -344,12 +354,8 @@ class AsyncDistillationConfig:
             ok = isinstance(teacher_id, str) and teacher_id != "" and isinstance(replicas, Sequence) and replicas
             ok = ok and all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in replicas)
             _check(ok, f"teacher_server_urls[{teacher_id!r}]", value, "an http(s) URL or a non-empty list of them")
-        student = self.vllm_server_base_url
-        # one server: the weight sync and its check push to and read from one student (RolloutConfig would take
-        # replicas, but they would serve weights no sync reaches)
-        _check(isinstance(student, str) and student.startswith(("http://", "https://")), "vllm_server_base_url",
-               student, "an http(s) URL, one server (a list of student replicas is not supported: the weight sync "
-               "updates one student server)")
+        _check(self.vllm_server_base_url.startswith(("http://", "https://")), "vllm_server_base_url",
+               self.vllm_server_base_url, "an http(s) URL")
 
     def _validate_teacher_signal(self) -> None:
         """``teacher_signal``, ``teacher_hidden_dtype`` and ``teacher_model_paths``, and the options a hidden-state

@@ -103,6 +103,17 @@ def validate_cross_tokenizer(config: Any) -> None:
           "None with cross_tokenizer_loss='uld' (ULD has one term)")
 
 
+def validate_rank_heartbeat(config: Any) -> None:
+    """``rank_heartbeat_timeout_s``: 0 (off) or a number below ``ddp_timeout``, so that a silent trainer rank is
+    named before the collective timeout fires without a name (docs/multinode.md)."""
+    heartbeat = config.rank_heartbeat_timeout_s
+    check(number(heartbeat) and heartbeat >= 0, "rank_heartbeat_timeout_s", heartbeat,
+          "a finite number >= 0 (0 turns the trainer ranks' heartbeat off)")
+    check(heartbeat == 0 or heartbeat < config.ddp_timeout, "rank_heartbeat_timeout_s", heartbeat,
+          f"below ddp_timeout ({config.ddp_timeout:g}) or 0: a silent rank must be named before the collective "
+          "timeout fires without a name")
+
+
 def is_int(value: Any) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)

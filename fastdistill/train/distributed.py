@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import re
@@ -16,8 +17,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fastdistill.errors import ConfigError, LostRankError
+from fastdistill.errors import CollectiveTimeoutError, ConfigError, LostRankError
+from fastdistill.sync import peers
 from fastdistill.sync.network import LOOPBACK, interface_towards, is_loopback_host, local_address_towards
+
+# A collective that timed out: gloo's "Timed out waiting 1800000ms for recv operation to complete", NCCL's watchdog
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|collective operation timeout", re.IGNORECASE)
 
 # Options that need a single trainer process, and why.
 SINGLE_PROCESS_OPTIONS = {
@@ -47,6 +52,8 @@ class Distributed:
     device: torch.device
     owns_group: bool = False  # init_distributed created the process group: close() destroys it
     addresses: tuple[str, ...] = ()  # per rank, its address towards MASTER_ADDR (what gloo's errors name)
+    timeout_s: float | None = None  # the collectives' timeout (ddp_timeout); None: torch's default
+    watch: peers.PeerWatch | None = None  # the heartbeat of the ranks (rank_heartbeat_timeout_s > 0)
 
     @property
     def is_main(self) -> bool:
@@ -56,6 +63,7 @@ class Distributed:
         """Rank 0's ``value`` (any picklable object) on every rank."""
         if self.world_size == 1:
             return value
+        peers.await_main()  # rank 0 may have worked alone for long: the others wait in the store
         holder = [value]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
@@ -65,6 +73,7 @@ class Distributed:
         if self.world_size == 1:
             return per_rank[0] if per_rank is not None else None
         received: list[Any] = [None]
+        peers.await_main()
         dist.scatter_object_list(received, per_rank if self.is_main else None, src=0)
         return received[0]
 
@@ -76,23 +85,47 @@ class Distributed:
         dist.all_reduce(reduced)
         return reduced.cpu()
 
-    def lost_rank_error(self, error: BaseException) -> LostRankError | None:
+    def lost_rank_error(self, error: BaseException) -> RuntimeError | None:
         """A :class:`LostRankError` naming the other ranks at the peer addresses a failed collective's ``error``
-        names (gloo: ``Read error [10.0.0.2]:41234: Connection reset by peer``), or None when it names none."""
-        named = set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(error)))
+        names (gloo: ``Read error [10.0.0.2]:41234: Connection reset by peer``), or, for a collective that timed out
+        (gloo: ``Timed out waiting 1800000ms for recv``; NCCL's watchdog), the ranks whose heartbeat went silent
+        (a :class:`CollectiveTimeoutError` when none did); None when it is neither."""
+        text = str(error)
+        first_line = text.splitlines()[0][:300] if text else type(error).__name__
+        named = set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", text))
         lost = [rank for rank, address in enumerate(self.addresses) if address in named and rank != self.rank]
-        if not lost:
+        if lost:
+            where = ", ".join(sorted(named & set(self.addresses)))
+            ranks = ", ".join(map(str, lost))
+            return LostRankError(
+                f"rank {self.rank} lost trainer rank(s) {ranks} of {self.world_size} (at {where}): a collective with "
+                f"it failed ({first_line}). Resume every node with resume_from_checkpoint=latest once it is back")
+        # torch's own timeout texts only (gloo; NCCL's watchdog): fastdistill's errors mention their own timeouts
+        if type(error).__module__.startswith("fastdistill") or not _COLLECTIVE_TIMEOUT.search(text):
             return None
-        where = ", ".join(sorted(named & set(self.addresses)))
-        ranks = ", ".join(map(str, lost))
-        return LostRankError(
-            f"rank {self.rank} lost trainer rank(s) {ranks} of {self.world_size} (at {where}): a collective with it "
-            f"failed ({str(error).splitlines()[0][:300]}). Resume every node with resume_from_checkpoint=latest "
-            "once it is back")
+        silent = self.watch.silent(2 * self.watch.interval_s) if self.watch is not None else []
+        if silent:
+            ranks = ", ".join(str(rank) for rank, _ in silent)
+            where = ", ".join(self.addresses[rank] for rank, _ in silent if rank < len(self.addresses))
+            return LostRankError(
+                f"rank {self.rank} lost trainer rank(s) {ranks} of {self.world_size} (at {where}): a collective "
+                f"timed out ({first_line}) and its heartbeat is {silent[0][1]:.0f} s old. Resume every node with "
+                "resume_from_checkpoint=latest once it is back")
+        limit = f"ddp_timeout={self.timeout_s:g} s" if self.timeout_s else "torch's default timeout"
+        alive = ("every rank's heartbeat is current: a rank is alive but did not join the collective"
+                 if self.watch is not None else "no heartbeat to tell which rank (rank_heartbeat_timeout_s=0)")
+        return CollectiveTimeoutError(
+            f"rank {self.rank}: a collective of the {self.world_size} trainer ranks timed out after {limit} "
+            f"({first_line}); {alive}")
 
-    def close(self) -> None:
-        """Destroy the process group if :func:`init_distributed` created it (a group made by the caller stays);
-        calling it again does nothing. Every rank calls it, at the end of the run."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop the heartbeat (marking this rank done, or failed with ``error``: the other ranks then end naming
+        it) and destroy the process group if :func:`init_distributed` created it (a group made by the caller
+        stays); calling it again does nothing. Every rank calls it, at the end of the run."""
+        if self.watch is not None:
+            self.watch.stop(error)
+            self.watch = None
+            peers.activate(None)
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False
@@ -116,10 +149,16 @@ def _gloo_interface_towards_master(*, enabled: bool) -> Iterator[None]:
         del os.environ["GLOO_SOCKET_IFNAME"]
 
 
-def init_distributed(init_method: str | None = None) -> Distributed:
+def init_distributed(init_method: str | None = None, *, timeout_s: float | None = None,
+                     heartbeat_timeout_s: float = 0.0) -> Distributed:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``; gloo on CPU, NCCL on
     GPU), or run as one process. ``init_method`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT``) is where the
-    ranks meet. A group that already exists is used as it is, and left to its creator to destroy."""
+    ranks meet; ``timeout_s`` (the config's ``ddp_timeout``) bounds every collective of the group (None: torch's
+    default). A group that already exists is used as it is, and left to its creator to destroy.
+
+    With several ranks and ``heartbeat_timeout_s > 0`` every rank starts a :class:`~fastdistill.sync.peers.
+    PeerWatch` (a rank silent that long ends the others, naming it) and the rank-0-only waits park the other ranks in
+    the store (:func:`~fastdistill.sync.peers.await_main`)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -128,16 +167,41 @@ def init_distributed(init_method: str | None = None) -> Distributed:
         torch.cuda.set_device(device)
     owns_group = world_size > 1 and not dist.is_initialized()
     if owns_group:
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         with _gloo_interface_towards_master(enabled=not cuda and init_method is None):
             dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
-                                    rank=int(os.environ["RANK"]))
+                                    rank=int(os.environ["RANK"]), **timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     addresses: tuple[str, ...] = ()
+    watch = None
     if world_size > 1:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, _address_towards_master())
         addresses = tuple(gathered)
-    return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses)
+        main_store = dist.distributed_c10d._get_default_store()
+        if heartbeat_timeout_s > 0:
+            store, host = _heartbeat_store(main_store, heartbeat_timeout_s)
+            watch = peers.PeerWatch(store, rank, world_size, timeout_s=heartbeat_timeout_s, addresses=addresses,
+                                    store_host=host).start()
+        peers.activate(peers.MainRelease(watch.store if watch is not None else peers.prefixed(main_store), rank,
+                                         watch))
+    return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses, timeout_s=timeout_s,
+                       watch=watch)
+
+
+def _heartbeat_store(store: Any, timeout_s: float) -> tuple[Any, str]:
+    """A store for the heartbeat thread, whose operations time out after ``timeout_s``, and the host it lives on:
+    a client of its own to the group's TCPStore (torchrun's, on node 0), or the group's store itself (a file
+    store: local, it does not hang)."""
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        client = dist.TCPStore(base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                               wait_for_workers=False)
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        return peers.prefixed(client, run), f"{base.host}:{base.port}"
+    return peers.prefixed(store), ""
 
 
 def _address_towards_master() -> str:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -103,7 +104,8 @@ class AsyncDistillationTrainer:
         on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     ):
         self.config = config
-        self.dist = init_distributed()
+        self.dist = init_distributed(timeout_s=config.ddp_timeout,
+                                     heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
         check_world_size(config, self.dist.world_size)  # options that need one process, refused before any work
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
@@ -281,7 +283,9 @@ class AsyncDistillationTrainer:
                 self.metrics.close()
                 self.shutdown_s = time.perf_counter() - stopping
                 clock.stop()
-                self.dist.close()  # the process group this trainer made
+                # the process group this trainer made; a failure (sys.exc_info: the error propagating) is
+                # marked in the store, so that the other ranks end naming it
+                self.dist.close(sys.exc_info()[1])
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
                    "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
                    "dropped_stale_total": getattr(self.source, "dropped_stale_total", 0),

@@ -1,0 +1,287 @@
+"""Every wait of the trainer ranks bounded and named (fastdistill.sync.peers, train/distributed.py): the heartbeat
+names a silent rank (SIGSTOP: alive, sockets open, nothing answers) on every surviving rank long before the
+collective timeout; rank 0's long solo waits park the others in the store, so a wait longer than ``ddp_timeout``
+ends with fastdistill's own error; a weight push whose trainer peer stalls in the FSDP all-gather names that peer,
+not the student.
+
+The ranks are subprocesses started like torchrun's workers (env:// rendezvous on a TCPStore this test hosts, as
+torchrun's agent does). Bounds are hang guards far above the configured heartbeat, never timings.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from fastdistill.errors import LostRankError, WeightSyncError
+from fastdistill.sync import peers
+from fastdistill.sync.naming import GatherClock
+
+ROOT = Path(__file__).resolve().parent.parent
+HANG_GUARD_S = 240.0  # a run that ends only at the collective timeout (600 s below) fails here instead
+
+# ------------------------------------------------------------------------------------------------ the watch itself
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watches(world_size: int, timeout_s: float = 10.0) -> tuple[list[peers.PeerWatch], FakeClock, list]:
+    store, clock, lost = dist.HashStore(), FakeClock(), []
+    made = [peers.PeerWatch(peers.prefixed(store), rank, world_size, timeout_s=timeout_s, clock=clock,
+                            addresses=[f"10.0.0.{rank + 1}" for rank in range(world_size)], on_lost=lost.append)
+            for rank in range(world_size)]
+    for watch in made:
+        watch.beat()
+    for watch in made:
+        watch.check()
+    return made, clock, lost
+
+
+def test_a_rank_whose_heartbeat_stops_is_named_once_silent_longer_than_the_timeout():
+    (w0, w1, w2), clock, _ = watches(3)
+    for _ in range(3):  # rank 2 goes silent at 0; ranks 0 and 1 go on beating every 3 s
+        clock.now += 3.0
+        w0.beat(), w1.beat()
+        assert w0.check() is None and w1.check() is None
+    clock.now = 10.5
+    w0.beat(), w1.beat()
+    for watch in (w0, w1):
+        error = watch.check()
+        assert isinstance(error, LostRankError)
+        assert str(error).startswith(f"rank {watch.rank} lost trainer rank(s) 2 of 3 (at 10.0.0.3): no heartbeat "
+                                     "for 10 s (rank_heartbeat_timeout_s=10)")
+    assert w0.silent(5.0) == [(2, 10.5)]
+
+
+def test_a_rank_done_is_no_longer_watched_and_a_failed_one_is_named_after_the_grace():
+    (w0, w1, w2), clock, _ = watches(3)
+    w1.stop()  # ended normally: marked done
+    w2.stop(RuntimeError("boom"))
+    clock.now = 5.0
+    w0.beat()
+    assert w0.check() is None  # the failure's grace: its own error path usually ends the others first
+    clock.now = 15.5  # the timeout after the failure was first read
+    w0.beat()
+    error = w0.check()
+    assert str(error) == "rank 0: trainer rank 2 of 3 (at 10.0.0.3) failed: RuntimeError: boom"
+    assert w0.peer_failure(2) == "RuntimeError: boom" and w0.peer_failure(1) is None
+
+
+def test_a_store_that_stops_answering_names_the_store_s_host():
+    class DeadStore:
+        def set(self, *args):
+            raise RuntimeError("Socket Timeout\nmore")
+
+    lost = []
+    watch = peers.PeerWatch(DeadStore(), 1, 2, timeout_s=5.0, interval_s=0.01, store_host="10.0.0.1:29500",
+                            on_lost=lost.append)
+    watch._thread = None
+    watch._run()  # one round: the store times out
+    assert str(lost[0]).startswith("rank 1 of 2 lost the rendezvous store at 10.0.0.1:29500 (trainer rank 0's "
+                                   "host): no answer within rank_heartbeat_timeout_s=5 s (Socket Timeout)")
+
+
+def test_a_gather_stall_in_a_weight_push_names_the_silent_trainer_rank_not_the_student():
+    from fastdistill.sync.threads import TaskFailed
+    from fastdistill.sync.weights import VLLMWeightSync
+
+    (w0, _), clock, _ = watches(2)
+    clock.now = 9.0  # rank 1 silent for 9 s (more than two beats)
+    w0.beat()
+    w0.check()
+    gathers = GatherClock(clock=clock)
+    sync = VLLMWeightSync("http://10.0.0.9:8000")
+    failure = TaskFailed(None, [], "still running after 30 s: /collective_rpc, broadcast")
+    assert sync._trainer_stall(gathers, failure) is None  # no gather involved: the student's failure
+    peers.activate(peers.MainRelease(w0.store, 0, w0))
+    try:
+        with pytest.raises(RuntimeError), gathers.gathering("model.layers.0.mlp.up_proj.weight"):
+            clock.now = 12.0
+            error = sync._trainer_stall(gathers, failure)
+            raise RuntimeError("leave the gather")
+    finally:
+        peers.activate(None)
+    assert isinstance(error, LostRankError)
+    assert str(error).startswith("rank 0 lost trainer rank(s) 1 of 2 (at 10.0.0.2) during a weight push: the "
+                                 "trainer ranks' own all-gather of model.layers.0.mlp.up_proj.weight")
+    assert "the student (http://10.0.0.9:8000) was waiting for the weights, not failing" in str(error)
+    gathers.current = "lm_head.weight"  # without a heartbeat: still the trainer's, not the student's
+    error = sync._trainer_stall(gathers, failure)
+    assert isinstance(error, WeightSyncError) and "weight push stalled in the trainer ranks' own all-gather" in str(
+        error)
+
+
+def test_lost_rank_error_reads_gloo_s_timeout_but_not_a_fastdistill_error_that_mentions_a_timeout():
+    import torch
+
+    from fastdistill.errors import CollectiveTimeoutError
+    from fastdistill.train.distributed import Distributed
+
+    group = Distributed(0, 2, torch.device("cpu"), addresses=("10.0.0.1", "10.0.0.2"), timeout_s=60)
+    gloo = RuntimeError("[/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv operation")
+    error = group.lost_rank_error(gloo)
+    assert isinstance(error, CollectiveTimeoutError) and "timed out after ddp_timeout=60 s" in str(error)
+    assert group.lost_rank_error(WeightSyncError("... within weight_sync_timeout=30 s")) is None
+    (w0, _), clock, _ = watches(2)
+    clock.now = 30.0
+    w0.beat()
+    w0.check()
+    group.watch = w0
+    assert str(group.lost_rank_error(gloo)).startswith("rank 0 lost trainer rank(s) 1 of 2 (at 10.0.0.2): a "
+                                                       "collective timed out")
+
+
+# ------------------------------------------------------------------------------------------------ real ranks
+
+RANK = """
+import os, signal, sys, time
+import torch
+from fastdistill.errors import ServerDownError
+from fastdistill.train.distributed import init_distributed
+
+scenario, ddp_timeout, heartbeat = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+torch.set_num_threads(1)
+group = init_distributed(timeout_s=ddp_timeout, heartbeat_timeout_s=heartbeat)
+if scenario == "stall":
+    if group.rank == group.world_size - 1:
+        print("stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    group.all_reduce_sum(torch.ones(1))
+    print("all_reduce returned", flush=True)
+elif scenario == "long-wait":
+    error = None
+    try:
+        if group.is_main:
+            time.sleep(2.5 * ddp_timeout)  # rank 0 alone: waiting for rollouts
+        got = group.scatter([f"for rank {rank}" for rank in range(group.world_size)] if group.is_main else None)
+        print("scattered", got, flush=True)
+        if group.is_main:
+            time.sleep(1.5 * ddp_timeout)
+            raise ServerDownError("the student answered nothing for 600 s")
+        group.broadcast(None)
+    except BaseException as failure:
+        error = failure
+        raise
+    finally:
+        group.close(error)
+"""
+
+
+def start_ranks(tmp_path: Path, scenario: str, world_size: int, ddp_timeout: float, heartbeat: float,
+                script: str = RANK) -> list[subprocess.Popen]:
+    """``world_size`` rank processes as torchrun starts them: env:// on a TCPStore hosted here (torchrun's agent
+    store), the test's process group on gloo."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    start_ranks.store = store  # alive as long as the test (the agent's store outlives its workers)
+    path = tmp_path / "rank.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME",)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world_size),
+               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    return [subprocess.Popen([sys.executable, str(path), scenario, str(ddp_timeout), str(heartbeat)],
+                             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for rank in range(world_size)]
+
+
+def finish(ranks: list[subprocess.Popen], stopped: list[subprocess.Popen] = ()) -> list[str]:
+    """Each rank's output once the others have ended (hang guard); a stopped rank is killed after them."""
+    try:
+        outputs = [rank.communicate(timeout=HANG_GUARD_S)[0] if rank not in stopped else "" for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    return outputs
+
+
+def test_a_stopped_rank_is_named_on_every_surviving_rank_long_before_the_collective_timeout(tmp_path):
+    """Rank 2 of 3 stops (SIGSTOP: sockets open, nothing answers) while the others enter an all-reduce with it:
+    ranks 0 and 1 end with LOST_PEER_EXIT_CODE and a LostRankError naming rank 2 and its address, within the hang
+    guard (the collective timeout, 600 s, would come much later)."""
+    ranks = start_ranks(tmp_path, "stall", 3, ddp_timeout=600, heartbeat=3)
+    outputs = finish(ranks, stopped=[ranks[2]])
+    for rank in (0, 1):
+        assert ranks[rank].returncode == peers.LOST_PEER_EXIT_CODE, outputs[rank][-3000:]
+        assert (f"fastdistill.errors.LostRankError: rank {rank} lost trainer rank(s) 2 of 3 (at 127.0.0.1): no "
+                "heartbeat for") in outputs[rank], outputs[rank][-3000:]
+        assert "all_reduce returned" not in outputs[rank]
+
+
+def test_rank_0_alone_longer_than_ddp_timeout_ends_with_its_own_error_not_the_collective_timeout(tmp_path):
+    """ddp_timeout 3 s: rank 0 waits alone 7.5 s (rollouts) before a scatter, which still arrives; then it waits
+    4.5 s more and fails with ServerDownError: rank 1, parked in the store for its broadcast, ends naming rank 0's
+    ServerDownError. Neither rank meets gloo's timeout."""
+    ranks = start_ranks(tmp_path, "long-wait", 2, ddp_timeout=3, heartbeat=2.5)
+    outputs = finish(ranks)
+    assert "scattered for rank 0" in outputs[0] and "scattered for rank 1" in outputs[1], outputs
+    assert ranks[0].returncode == 1 and "fastdistill.errors.ServerDownError: the student answered nothing" in \
+        outputs[0], outputs[0][-3000:]
+    assert ranks[1].returncode not in (0, None)
+    assert ("LostRankError: rank 1: trainer rank 0 (at 127.0.0.1) failed while this rank waited for it: "
+            "ServerDownError: the student answered nothing for 600 s") in outputs[1], outputs[1][-3000:]
+    assert not any("Timed out waiting" in output for output in outputs), outputs
+
+
+PUSH_RANK = """
+import os, signal, sys
+import torch
+from torch.distributed.fsdp import fully_shard
+from fastdistill.sync import VLLMWeightSync, weights as weights_module
+from fastdistill.train.distributed import init_distributed
+from test_sync import FakeVLLM, tiny_model
+
+scenario, ddp_timeout, heartbeat = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+torch.set_num_threads(1)
+group = init_distributed(timeout_s=ddp_timeout, heartbeat_timeout_s=heartbeat)
+model = tiny_model(tied=False, seed=3)
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+fake = FakeVLLM() if group.is_main else None
+sync = VLLMWeightSync(fake.url if fake else "http://127.0.0.1:1", is_sender=group.is_main, timeout_s=2,
+                      one_call=True)
+sync.init()
+if not group.is_main:
+    plain = weights_module.iter_named_weights
+
+    def stalling(*args, **kwargs):  # rank 1 stops after its second gather: rank 0 is left inside the third
+        for index, item in enumerate(plain(*args, **kwargs)):
+            if index == 2:
+                print("stopping", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            yield item
+
+    weights_module.iter_named_weights = stalling
+sync.push(model, version=1)
+print("pushed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ddp_timeout, heartbeat", [(600, 4), (12, 30)], ids=["heartbeat", "gather-timeout"])
+def test_a_weight_push_whose_trainer_peer_stalls_names_the_peer_not_the_student(tmp_path, ddp_timeout, heartbeat):
+    """Rank 1 stops in the middle of the push's FSDP all-gathers; weight_sync_timeout is 2 s, shorter than either
+    bound, and yet the student is not blamed: the gathers do not count against it. With the heartbeat (4 s) rank
+    0's watch names rank 1; with the all-gather's own timeout first (ddp_timeout 12 s, heartbeat 30 s) the push
+    names rank 1 from its heartbeat's age."""
+    ranks = start_ranks(tmp_path, "push", 2, ddp_timeout=ddp_timeout, heartbeat=heartbeat, script=PUSH_RANK)
+    output = finish(ranks, stopped=[ranks[1]])[0]
+    assert ranks[0].returncode not in (0, None) and "pushed" not in output, output[-3000:]
+    assert "LostRankError: rank 0 lost trainer rank(s) 1 of 2 (at 127.0.0.1)" in output, output[-3000:]
+    assert "weight transfer to http" not in output and "the student did not finish" not in output, output[-3000:]
+    if heartbeat < ddp_timeout:
+        assert ranks[0].returncode == peers.LOST_PEER_EXIT_CODE
+    else:
+        assert "during a weight push: the trainer ranks' own all-gather of" in output, output[-3000:]
