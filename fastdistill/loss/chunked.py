@@ -7,6 +7,12 @@ which two GEMMs fold into ``dh`` and ``dW``. Nothing is recomputed in backward (
 whole chunk), so the work is the three unavoidable matmuls; extra memory is one tile plus O(N·S),
 independent of N.
 
+On a GPU the chunks are large (a 1 GiB fp32 tile, at most 4096 rows: every chunk rereads the weight, so small
+chunks would leave the GEMMs waiting on memory), and bf16 inputs stay bf16 GEMM operands with fp32 results; the
+gradient GEMMs take the fp32 ``dL/dz`` tile as two bf16 terms (:mod:`fastdistill.loss.gemm`). Per chunk of ``c``
+rows that is 2·c·D·V FLOPs for the logits and 8·c·D·V for dh and dW (10·N·D·V in all, at tensor-core rate) and
+about 70 bytes of elementwise traffic per logit; the weight is never copied to fp32.
+
 The per-row math (divergence, and its gradient in the form ``dL/dz_v = exp(z_v − m_nc)·coef_nc`` at
 non-candidates, ``cand_grad`` at candidates) is :mod:`fastdistill_kernels.buckets`, shared with the Triton
 kernels. Shifting by the non-candidate max ``m_nc`` keeps every exponent ≤ 0, and candidate entries are
@@ -19,9 +25,14 @@ from __future__ import annotations
 import torch
 from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
-DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile
-MAX_CHUNK_ROWS = 256  # beyond this the GEMMs gain little, and smaller vocabularies keep a smaller tile
-BLOCK_ROWS = 16  # rows per block of the in-tile reductions (two small (BLOCK_ROWS, V) scratch buffers)
+from .gemm import gemm_into, split_gemm_into, split_operands, split_tile
+
+DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile on the CPU
+MAX_CHUNK_ROWS = 256  # beyond this the CPU's GEMMs gain little, and smaller vocabularies keep a smaller tile
+GPU_TILE_BYTES = 2**30  # on a GPU: each chunk rereads the weight; hundreds of rows keep the GEMMs compute-bound
+GPU_MAX_CHUNK_ROWS = 4096
+BLOCK_ROWS = 16  # rows per block of the in-tile reductions on the CPU (a small (BLOCK_ROWS, V) scratch buffer)
+GPU_SCRATCH_BYTES = 2**27  # the scratch block on a GPU: few, large blocks (every block costs a few kernel launches)
 
 
 class LossConfig:
@@ -38,47 +49,73 @@ class LossConfig:
         self.tail_mode = tail_mode
 
 
-def default_chunk_rows(vocab_size: int, dtype: torch.dtype, tile_bytes: int = DEFAULT_TILE_BYTES) -> int:
-    """Rows per chunk: at most ``MAX_CHUNK_ROWS``, and the ``(rows, V)`` logits tile fits in ``tile_bytes``."""
+def default_chunk_rows(vocab_size: int, dtype: torch.dtype, tile_bytes: int | None = None, *,
+                       on_gpu: bool = False) -> int:
+    """Rows per chunk: the ``(rows, V)`` logits tile fits in ``tile_bytes`` (default :data:`DEFAULT_TILE_BYTES`, on a
+    GPU :data:`GPU_TILE_BYTES`), at most :data:`MAX_CHUNK_ROWS` (GPU: :data:`GPU_MAX_CHUNK_ROWS`), at least one."""
     elem = torch.finfo(dtype).bits // 8
-    return max(1, min(MAX_CHUNK_ROWS, tile_bytes // (vocab_size * elem)))
+    tile = tile_bytes or (GPU_TILE_BYTES if on_gpu else DEFAULT_TILE_BYTES)
+    return max(1, min(GPU_MAX_CHUNK_ROWS if on_gpu else MAX_CHUNK_ROWS, tile // (vocab_size * elem)))
+
+
+def scratch_rows(vocab_size: int, dtype: torch.dtype, on_gpu: bool) -> int:
+    """Rows of the in-tile reductions' scratch block: :data:`BLOCK_ROWS` on the CPU, :data:`GPU_SCRATCH_BYTES` worth
+    on a GPU."""
+    if not on_gpu:
+        return BLOCK_ROWS
+    return max(1, GPU_SCRATCH_BYTES // (vocab_size * (torch.finfo(dtype).bits // 8)))
 
 
 class Workspace:
-    """The buffers every chunk of one call reuses, allocated once: the ``(rows, V)`` logits tile, two
-    ``(BLOCK_ROWS, V)`` scratch blocks, ``(rows, D)`` buffers for the chunk's hidden states in the compute dtype
-    (only when they are not in it) and scaled by ``logit_scale / T`` (only without a softcap), and a ``(V,)``
-    column-sum buffer (only for the bias gradient). Per chunk only O(rows·S) tensors are allocated, so the
-    allocator does not churn through tile-sized temporaries whatever its thresholds (glibc's defaults included)."""
+    """The buffers every chunk of one call reuses, allocated once: the ``(rows, V)`` logits tile, a scratch block
+    of :func:`scratch_rows` rows, ``(rows, D)`` buffers for the chunk's hidden states in the compute dtype (only
+    when they are upcast) and scaled by ``logit_scale / T`` (only when that folds into the operand), a ``(V,)``
+    column-sum buffer (only for the bias gradient) and, for split GEMMs (:mod:`fastdistill.loss.gemm`), the two
+    bf16 ``(rows, V)`` terms of ``dL/dz``. Per chunk only O(rows·S) tensors are allocated, so the allocator does not
+    churn through tile-sized temporaries whatever its thresholds (glibc's defaults included)."""
 
     def __init__(self, rows: int, vocab: int, hidden: torch.Tensor, dtype: torch.dtype, cfg: LossConfig,
-                 need_db: bool):
-        def buf(*shape: int) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=hidden.device)
+                 need_db: bool, *, split: bool = False, need_grad: bool = True):
+        def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dt, device=hidden.device)
 
+        on_gpu = hidden.device.type == "cuda"
         self.tile = buf(rows, vocab)
-        self.scratch = (buf(min(BLOCK_ROWS, rows), vocab), buf(min(BLOCK_ROWS, rows), vocab))
-        self.cast = buf(rows, hidden.shape[1]) if hidden.dtype != dtype else None
-        self.scaled = buf(rows, hidden.shape[1]) if cfg.softcap is None else None
+        self.scratch = buf(min(scratch_rows(vocab, dtype, on_gpu), rows), vocab)
+        self.cast = buf(rows, hidden.shape[1]) if hidden.dtype != dtype and not split else None
+        self.scaled = buf(rows, hidden.shape[1]) if cfg.softcap is None and not split else None
         self.colsum = buf(vocab) if need_db else None
+        self.split = (buf(rows, vocab, dt=hidden.dtype), buf(rows, vocab, dt=hidden.dtype)) if split and need_grad \
+            else None
 
     def hidden_chunk(self, h: torch.Tensor) -> torch.Tensor:
         """The chunk's hidden states ``h`` ``(c, D)`` in the compute dtype (a copy into the cast buffer if needed)."""
         return h if self.cast is None else self.cast[: h.shape[0]].copy_(h)
 
 
-def logit_bias(b: torch.Tensor | None, cfg: LossConfig) -> torch.Tensor | None:
-    """The bias as :func:`_student_logits` adds it: times ``logit_scale / T`` without a softcap (computed once
-    per call, not per chunk)."""
-    if b is None or cfg.softcap is not None:
+def logit_bias(b: torch.Tensor | None, cfg: LossConfig, fold: bool = True) -> torch.Tensor | None:
+    """The bias as :func:`_student_logits` adds it: times ``logit_scale / T`` when that scale folds into the
+    operand (``fold``, no softcap; computed once per call, not per chunk), else as it is."""
+    if b is None or cfg.softcap is not None or not fold:
         return b
     return b * (cfg.logit_scale / cfg.temperature)
 
 
 def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor,
-                    operand: torch.Tensor | None = None):
+                    operand: torch.Tensor | None = None, split: bool = False):
     """Final student logits ``softcap(scale·(h Wᵀ + b)) / T`` into ``out`` ``(c, V)``; ``b`` comes from
-    :func:`logit_bias`. ``operand`` ``(c, D)``, if given, receives the scaled hidden states (no temporary)."""
+    :func:`logit_bias`. ``operand`` ``(c, D)``, if given, receives the scaled hidden states (no temporary).
+    ``split``: ``h`` and ``w`` are bf16 operands of an fp32-output GEMM, the bias and scales applied to ``out``
+    (scaling a bf16 operand would round it again)."""
+    if split:
+        gemm_into(out, h, w.t())
+        if b is not None:
+            out.add_(b)
+        if cfg.softcap is None:
+            alpha = cfg.logit_scale / cfg.temperature
+            return out if alpha == 1.0 else out.mul_(alpha)
+        c = cfg.softcap
+        return out.mul_(cfg.logit_scale / c).tanh_().mul_(c / cfg.temperature)
     if cfg.softcap is None:
         alpha = cfg.logit_scale / cfg.temperature  # fold the scalars into the (c, D) operand, not the (c, V) tile
         a = h * alpha if operand is None else torch.mul(h, alpha, out=operand)
@@ -97,7 +134,7 @@ def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cf
 
 
 def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, cfg: LossConfig,
-                 scratch: tuple[torch.Tensor, torch.Tensor]):
+                 scratch: torch.Tensor):
     """Reduce one logits tile ``z`` ``(c, V)`` and overwrite it, in place, with ``exp(z − m_nc)`` at
     non-candidates (times the softcap derivative ``1 − u²`` when softcap is set) and 0 at candidates, ready to
     be scaled into ``dL/dz``.
@@ -112,20 +149,19 @@ def _chunk_stats(z: torch.Tensor, ids_safe: torch.Tensor, valid: torch.Tensor, c
     m_nc = torch.where(torch.isfinite(m_nc), m_nc, torch.zeros_like(m_nc))  # a row whose candidates are all of V
     s_nc = torch.empty_like(m_nc)
     sum_ry = torch.empty_like(m_nc)  # Σ_v exp(y_v)·y_v over non-candidates, y = z − m_nc (for the entropy)
-    for i in range(0, z.shape[0], BLOCK_ROWS):
-        rows = slice(i, i + BLOCK_ROWS)
+    block = scratch.shape[0]
+    for i in range(0, z.shape[0], block):
+        rows = slice(i, i + block)
         zb = z[rows]
-        y, r = (buf[: zb.shape[0]] for buf in scratch)
+        y = scratch[: zb.shape[0]]
         torch.sub(zb, m_nc[rows].unsqueeze(1), out=y)
-        torch.exp(y, out=r)
-        y.scatter_(1, ids_safe[rows], 0.0)  # candidates: r = 0 there, and r·y must not be 0·(−inf)
+        r = torch.exp(y, out=zb)  # the tile now holds r = exp(z − m_nc), 0 at candidates (z = −inf there)
+        y.scatter_(1, ids_safe[rows], 0.0)  # candidates: r·y must not be 0·(−inf)
         s_nc[rows] = r.sum(dim=1)
         sum_ry[rows] = torch.bmm(r.unsqueeze(1), y.unsqueeze(2)).view(-1)
-        if cfg.softcap is None:
-            zb.copy_(r)
-        else:  # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c with z = y + m_nc
+        if cfg.softcap is not None:  # softcap'(·) = 1 − u², u = tanh(scale·x/c) = z·T/c with z = y + m_nc
             y.add_(m_nc[rows].unsqueeze(1)).mul_(cfg.temperature / cfg.softcap).square_().neg_().add_(1.0)
-            torch.mul(r, y, out=zb)
+            r.mul_(y)
     lse_nc = m_nc + torch.log(s_nc)
     z_valid = torch.where(valid, z_cand, torch.full_like(z_cand, neg_inf))
     lse = torch.logaddexp(lse_nc, torch.logsumexp(z_valid, dim=1))
@@ -178,9 +214,10 @@ def sparse_jsd_rows(
     V = weight.shape[0]
     cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     dev = hidden.device
-    w = weight.to(cdt)
+    split = split_operands(hidden, weight)  # bf16 operands, fp32 results (GPU); else operands upcast to cdt
+    w = weight if split else weight.to(cdt)
     b = None if bias is None else bias.to(cdt)
-    c_rows = chunk_rows or default_chunk_rows(V, cdt)
+    c_rows = chunk_rows or default_chunk_rows(V, cdt, on_gpu=dev.type == "cuda")
     c_rows = max(1, min(c_rows, n))
     need_grad = need_dh or need_dw or need_db
 
@@ -195,10 +232,10 @@ def sparse_jsd_rows(
     tent = torch.empty(n, dtype=cdt, device=dev)
     dh = torch.empty(n, hidden.shape[1], dtype=cdt, device=dev) if need_dh else None
     # the first chunk writes dw, later ones accumulate into it (no zero-fill pass over V×D)
-    dw = (torch.empty_like(w) if n else torch.zeros_like(w)) if need_dw else None
+    dw = (torch.empty if n else torch.zeros)(V, w.shape[1], dtype=cdt, device=dev) if need_dw else None
     db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
-    ws = Workspace(c_rows, V, hidden, cdt, cfg, need_db)
-    b_logits = logit_bias(b, cfg)
+    ws = Workspace(c_rows, V, hidden, cdt, cfg, need_db, split=split, need_grad=need_grad)
+    b_logits = logit_bias(b, cfg, fold=not split)
 
     for start in range(0, n, c_rows):
         end = min(start + c_rows, n)
@@ -206,7 +243,8 @@ def sparse_jsd_rows(
         c = end - start
         h = ws.hidden_chunk(hidden[rows])
         z = ws.tile[:c]
-        _student_logits(h, w, b_logits, cfg, out=z, operand=None if ws.scaled is None else ws.scaled[:c])
+        _student_logits(h, w, b_logits, cfg, out=z, operand=None if ws.scaled is None else ws.scaled[:c],
+                        split=split)
         z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], cfg, ws.scratch)
         div[rows], tent[rows], grads = _row_losses(
             z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad,
@@ -224,6 +262,16 @@ def sparse_jsd_rows(
             cand_grad = cand_grad * (1.0 - (z_cand * (cfg.temperature / cfg.softcap)) ** 2)
         cand_grad = torch.where(valid[rows], cand_grad, torch.zeros_like(cand_grad))
         z.scatter_add_(1, ids_safe[rows], cand_grad)  # candidate entries of z are 0 before this
+        if need_db:
+            db.add_(torch.sum(z, dim=0, out=ws.colsum))
+        if split:  # dL/dz as hi + lo bf16 terms (z keeps the residual), two fp32-output GEMMs per gradient
+            hi, lo = (t[:c] for t in ws.split)
+            split_tile(z, hi, lo)
+            if need_dh:
+                split_gemm_into(dh[rows], hi, lo, w)
+            if need_dw:
+                split_gemm_into(dw, hi.t(), lo.t(), h, accumulate=start > 0)
+            continue
         if need_dh:
             torch.mm(z, w, out=dh[rows])
         if need_dw:
@@ -231,6 +279,4 @@ def sparse_jsd_rows(
                 torch.mm(z.t(), h, out=dw)
             else:
                 dw.addmm_(z.t(), h)
-        if need_db:
-            db.add_(torch.sum(z, dim=0, out=ws.colsum))
     return div, ent, tent, dh, dw, db
