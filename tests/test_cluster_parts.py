@@ -412,3 +412,64 @@ def test_requests_waiting_on_a_stalled_keep_alive_server_are_resent_not_failed_o
     answers, stats, pool = stalled_server_outcome(*keep_alive_servers)
     assert answers == [{}] * 4
     assert stats.failovers == 0 and [replica.errors for replica in pool.replicas] == [0, 0]
+
+
+# ------------------------------------------------------------------------------------------------ supervision
+
+FAILING_NODE = """
+import pathlib, sys
+print("fastdistill.errors.LostRankError: rank 0 lost trainer rank(s) 1 of 3 (at 10.0.0.2): no heartbeat for 31 s")
+print("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ")  # torchrun's summary comes after
+pathlib.Path(sys.argv[1]).touch()
+sys.exit(75)
+"""
+FOLLOWING_NODE = """
+import pathlib, sys, time
+while not pathlib.Path(sys.argv[1]).exists():  # ends by itself once the first node failed
+    time.sleep(0.05)
+print("fastdistill.errors.LostRankError: rank 1 of 3 lost the rendezvous store at 10.0.0.1:29500", flush=True)
+sys.exit(75)
+"""
+HANGING = "import time; time.sleep(600)"
+
+
+def test_a_failed_node_lets_the_others_end_by_themselves_then_stops_the_rest_and_names_it(tmp_path, capsys):
+    """trainer-0 fails (exit 75, its error line); trainer-1 ends by itself after it; trainer-2 never does and is
+    stopped after the grace; the launcher's outcome names trainer-0 and its error, exit status 75."""
+    marker, logs = tmp_path / "failed", tmp_path / "logs"
+    trainers = {name: launcher.launch(name, "local", [sys.executable, "-c", code, str(marker)], logs)
+                for name, code in (("trainer-0", FAILING_NODE), ("trainer-1", FOLLOWING_NODE),
+                                   ("trainer-2", HANGING))}
+    servers = {"student": launcher.launch("student", "local", [sys.executable, "-c", HANGING], logs)}
+    try:
+        outcome = launcher.supervise(trainers, servers, grace_s=2.0, poll_s=0.05, timeout_s=120)
+    finally:
+        launcher.stop_all(trainers, servers)
+    assert outcome.failed == "trainer-0" and outcome.failed_status == 75 and outcome.exit_code == 75
+    assert outcome.failed_error == ("fastdistill.errors.LostRankError: rank 0 lost trainer rank(s) 1 of 3 (at "
+                                    "10.0.0.2): no heartbeat for 31 s")
+    assert outcome.statuses["trainer-1"] == 75 and outcome.statuses["trainer-2"] < 0  # stopped by a signal
+    assert "launch: trainer node trainer-0 on local exited early (75): fastdistill.errors.LostRankError" in \
+        capsys.readouterr().err
+    assert all(launched.process.poll() is not None for launched in [*trainers.values(), *servers.values()])
+
+
+def test_a_server_that_exits_stops_the_trainer_nodes_at_once_and_is_named(tmp_path):
+    logs = tmp_path / "logs"
+    trainers = {"trainer-0": launcher.launch("trainer-0", "local", [sys.executable, "-c", HANGING], logs)}
+    servers = {"student": launcher.launch("student", "local", [
+        sys.executable, "-c", "import sys; print('RuntimeError: the engine core died'); sys.exit(0)"], logs)}
+    try:
+        outcome = launcher.supervise(trainers, servers, grace_s=600.0, poll_s=0.05, timeout_s=120)
+    finally:
+        launcher.stop_all(trainers, servers)
+    assert outcome.failed == "student" and outcome.failed_error == "RuntimeError: the engine core died"
+    assert outcome.exit_code == 1 and outcome.statuses["trainer-0"] < 0  # a server's exit is a failure, even 0
+
+
+def test_a_run_whose_nodes_all_succeed_exits_0(tmp_path):
+    logs = tmp_path / "logs"
+    trainers = {f"trainer-{i}": launcher.launch(f"trainer-{i}", "local", [sys.executable, "-c", "pass"], logs)
+                for i in range(2)}
+    outcome = launcher.supervise(trainers, {}, poll_s=0.05, timeout_s=120)
+    assert outcome.failed is None and outcome.exit_code == 0 and outcome.statuses == {"trainer-0": 0, "trainer-1": 0}

@@ -4,8 +4,10 @@ HOST``, or ``ip netns exec NS`` in the tests).
 
 ``python examples/multinode/launch.py cluster.yaml [field=value ...]``: starts every server, then every trainer node
 (the trainer waits for the servers' ``/health`` itself), waits for the trainer nodes to exit, stops the servers and
-exits with the first failing node's status (0 when all succeed). Any process that exits early (a server, a node)
-stops everything. Extra ``field=value`` arguments go to ``fastdistill train`` as config overrides.
+exits 0 when all succeed. Any process that exits early stops everything: a server at once, a failed trainer node
+after ``failure_grace_s`` (the other nodes end by themselves within it, naming the lost rank in their logs); the
+launcher then exits with the first failure's status and prints its name and error line. Extra ``field=value``
+arguments go to ``fastdistill train`` as config overrides.
 
 The config (YAML; see ``cluster.yaml`` beside this file):
 
@@ -23,12 +25,14 @@ The config (YAML; see ``cluster.yaml`` beside this file):
   ``teacher_server_urls``) as overrides, so that file names no address;
 - ``env``: variables set for every command (e.g. ``FASTDISTILL_VLLM_PYTHON``, ``OMP_NUM_THREADS``);
   ``fastdistill`` / ``torchrun``: how to run them on the hosts (default ``["fastdistill"]`` / ``["torchrun"]``);
-  ``logs``: the folder of each process's log (``<name>.log``).
+  ``logs``: the folder of each process's log (``<name>.log``); ``failure_grace_s`` (default 90): how long the other
+  trainer nodes get to end by themselves after one fails (above the trainer's ``rank_heartbeat_timeout_s``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import signal
 import subprocess
@@ -88,6 +92,7 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
     fastdistill: list[str] = field(default_factory=lambda: ["fastdistill"])
     torchrun: list[str] = field(default_factory=lambda: ["torchrun"])
+    failure_grace_s: float = 90.0
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Cluster:
@@ -123,6 +128,7 @@ class Cluster:
             teacher_args=[str(a) for a in raw.get("teacher_args", [])],
             env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},
             fastdistill=list(raw.get("fastdistill", ["fastdistill"])), torchrun=list(raw.get("torchrun", ["torchrun"])),
+            failure_grace_s=float(raw.get("failure_grace_s", 90.0)),
         )
 
     # ---------------------------------------------------------------------------------------------- commands
@@ -231,25 +237,92 @@ def start_trainers(cluster: Cluster, overrides: Sequence[str] = (), *, tag: str 
             for name, (host, command) in cluster.trainer_commands(overrides).items()}
 
 
-def wait_trainers(trainers: dict[str, Launched], servers: dict[str, Launched], *, timeout_s: float | None = None,
-                  poll_s: float = 0.5) -> dict[str, int]:
-    """Wait until every trainer node has exited; a server that exits meanwhile, or a node that fails while others
-    run, is reported and the rest is given until they exit themselves (they notice a lost peer). Returns each
-    node's exit status. Past ``timeout_s`` the remaining nodes are stopped and ``TimeoutError`` is raised."""
+@dataclass
+class Supervision:
+    """How a run ended: each trainer node's exit status and, when something failed, the first process that did
+    (``failed``: its name, ``failed_status``, ``failed_error``: the error line of its log)."""
+
+    statuses: dict[str, int]
+    failed: str | None = None
+    failed_status: int = 0
+    failed_error: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every node succeeded, else the first failure's status (1 for a signal or a server's exit 0)."""
+        if self.failed is None:
+            return next((1 for status in self.statuses.values() if status != 0), 0)
+        return self.failed_status if 0 < self.failed_status < 256 else 1
+
+
+def error_line(text: str) -> str:
+    """The line of a log that says why its process failed: the last fastdistill error, else the last
+    ``SomethingError: ...`` line (torchrun's own summary comes after the worker's error: it is skipped when the
+    worker's is there)."""
+    lines = text.splitlines()
+    for pattern in (r"fastdistill\.errors\.\w+: ", r"\b[\w.]*(Error|Exception)\b: "):
+        found = [line for line in lines if re.search(pattern, line)]
+        if found:
+            return found[-1].strip()[:500]
+    return lines[-1].strip()[:500] if lines else ""
+
+
+def supervise(trainers: dict[str, Launched], servers: dict[str, Launched], *, timeout_s: float | None = None,
+              grace_s: float = 90.0, poll_s: float = 0.5) -> Supervision:
+    """Wait until every trainer node has exited. A server that exits while nodes run stops them at once; a node
+    that fails (non-zero) gives the others ``grace_s`` seconds to end by themselves (they notice the lost peer
+    within the trainer's heartbeat bound and name it in their logs), then stops them. The first failure is
+    reported on stderr (name, host, status, its error line) and in the result. Past ``timeout_s`` the remaining
+    nodes are stopped and ``TimeoutError`` is raised."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    result = Supervision({})
+    stop_at: float | None = None
+    watched = dict(servers)
+
+    def fail(launched: Launched, what: str) -> None:
+        status = launched.process.returncode
+        result.failed, result.failed_status = launched.name, status
+        result.failed_error = error_line(launched.log_tail(200))
+        print(f"launch: {what} {launched.name} on {launched.host} exited early ({status}): {result.failed_error}\n"
+              f"{launched.log_tail()}", file=sys.stderr)
+
     while any(t.process.poll() is None for t in trainers.values()):
-        for server in servers.values():
+        now = time.monotonic()
+        for server in list(watched.values()):
             if server.process.poll() is not None:
-                print(f"launch: server {server.name} on {server.host} exited ({server.process.returncode}):\n"
-                      f"{server.log_tail()}", file=sys.stderr)
-                servers = {k: v for k, v in servers.items() if v is not server}
-        if deadline is not None and time.monotonic() > deadline:
+                del watched[server.name]
+                if result.failed is None:
+                    fail(server, "server")
+                    stop_at = now
+        for trainer in trainers.values():
+            if result.failed is None and trainer.process.poll() not in (None, 0):
+                fail(trainer, "trainer node")
+                stop_at = now + grace_s
+        if stop_at is not None and now >= stop_at:
+            running = [t.name for t in trainers.values() if t.process.poll() is None]
+            print(f"launch: stopping {running} after {result.failed} failed", file=sys.stderr)
+            for trainer in trainers.values():
+                trainer.stop()
+            break
+        if deadline is not None and now > deadline:
             running = [t.name for t in trainers.values() if t.process.poll() is None]
             for trainer in trainers.values():
                 trainer.stop()
             raise TimeoutError(f"trainer nodes {running} still running after {timeout_s:.0f} s: stopped")
         time.sleep(poll_s)
-    return {name: t.process.wait() for name, t in trainers.items()}
+    result.statuses = {name: t.process.wait() for name, t in trainers.items()}
+    if result.failed is None:  # every node ended before a failure was seen: the first non-zero one
+        for trainer in trainers.values():
+            if trainer.process.returncode != 0:
+                fail(trainer, "trainer node")
+                break
+    return result
+
+
+def wait_trainers(trainers: dict[str, Launched], servers: dict[str, Launched], *, timeout_s: float | None = None,
+                  grace_s: float = 90.0, poll_s: float = 0.5) -> dict[str, int]:
+    """:func:`supervise`'s exit status of each node."""
+    return supervise(trainers, servers, timeout_s=timeout_s, grace_s=grace_s, poll_s=poll_s).statuses
 
 
 def stop_all(*groups: dict[str, Launched]) -> None:
@@ -270,12 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         servers = start_servers(cluster)
         trainers = start_trainers(cluster, argv[1:])
-        statuses = wait_trainers(trainers, servers)
+        outcome = supervise(trainers, servers, grace_s=cluster.failure_grace_s)
     finally:
         stop_all(trainers, servers)
-    for name, status in statuses.items():
+    for name, status in outcome.statuses.items():
         print(f"launch: {name} exited with {status} (log {cluster.logs / (name + '.log')})", file=sys.stderr)
-    return next((status for status in statuses.values() if status != 0), 0)
+    if outcome.failed is not None:
+        print(f"launch: failed: {outcome.failed} (exit {outcome.failed_status}): {outcome.failed_error}",
+              file=sys.stderr)
+    return outcome.exit_code
 
 
 if __name__ == "__main__":
