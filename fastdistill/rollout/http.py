@@ -3,7 +3,8 @@ through a proxy, and parses error bodies): retries for transient failures only, 
 
 Transient: connection errors, timeouts, HTTP 429 and 5xx. Those are retried with capped exponential backoff and
 jitter. Any other 4xx fails at once with the server's own message; a body that is not the expected JSON fails at
-once too (retrying would not change it).
+once too (retrying would not change it). A socket this machine could not open (out of file descriptors, buffers,
+memory or local ports: :data:`LOCAL_ERRNOS`) is retried after the backoff too, but never held against the replica.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from fastdistill.http_client import (
 from fastdistill.rollout.replicas import Replica, ReplicaPool
 
 __all__ = ["VLLMError", "VLLMRequestError", "VLLMResponseError", "VLLMUnavailableError"]
+
+
+# errno values of a failure on this side of the connection: the server was never reached
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+
+
+def is_local_error(error: BaseException) -> bool:
+    """Whether ``error`` (e.g. aiohttp's ``ClientConnectorError`` around ``OSError(EMFILE)``) says this process could
+    not open or use a socket, rather than that the server did not answer."""
+    return isinstance(error, OSError) and error.errno in LOCAL_ERRNOS
 
 
 class _TransientHTTPStatus(Exception):
@@ -193,6 +204,9 @@ async def request_json_pooled(
             raise VLLMRequestError(url, status, message, hint)
         except (*NO_ANSWER_ERRORS, _TransientHTTPStatus) as error:
             last_error = error
+            if is_local_error(error):  # this machine's limit, not the replica's: retried after the backoff
+                failed = None
+                continue
             if not resent and _is_dropped_pooled_connection(error):
                 resent, resend = True, replica  # on a new connection: not the replica's failure
                 continue
@@ -201,6 +215,8 @@ async def request_json_pooled(
         finally:
             pool.release(replica)
     where = pool.urls[0] + path if len(pool.urls) == 1 else f"{path} on replicas {list(pool.urls)}"
+    local = (" (on this machine, not the server: it ran out of sockets, file descriptors or memory; raise `ulimit -n` "
+             "or lower max_inflight_tasks)") if last_error is not None and is_local_error(last_error) else ""
     raise VLLMUnavailableError(
-        f"{method} {where} failed {attempt} times with transient errors; last: {last_error!r}"
+        f"{method} {where} failed {attempt} times with transient errors; last: {last_error!r}{local}"
     ) from last_error

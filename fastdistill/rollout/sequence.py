@@ -289,15 +289,21 @@ class Rollouts:
                    on_metrics: Callable[[dict[str, Any]], None] | None = None) -> list[RolloutSample | DroppedPrompt]:
         """Run every ``(prompt_id, row_index)`` of ``batch`` to a sample or a drop notice, in ``batch``'s order.
 
-        All are in flight at once; a rollout failed by an unavailable server is dispatched again (only its scoring
-        when the generation succeeded). Raises :class:`RolloutsFailingError` / :class:`ServerDownError` as the
-        worker does. ``on_metrics`` receives each sample's metrics."""
+        At most ``max_inflight_tasks`` rollouts are in flight at once (each holds up to two connections: a long batch
+        must not open a socket per row); a rollout failed by an unavailable server is dispatched again (only its
+        scoring when the generation succeeded). Raises :class:`RolloutsFailingError` / :class:`ServerDownError` as
+        the worker does. ``on_metrics`` receives each sample's metrics."""
         results: dict[int, RolloutSample | DroppedPrompt] = {}
         todo = [Redispatch(prompt_id, row_index, None) for prompt_id, row_index in batch]
+        slots = asyncio.Semaphore(self.config.max_inflight_tasks)
+
+        async def bounded(item: Redispatch) -> tuple[RolloutSample | DroppedPrompt, dict[str, Any]]:
+            async with slots:
+                return await self.rollout(item.prompt_id, item.row_index, item.kept)
+
         while todo:
             self.check_servers()
-            outcomes = await asyncio.gather(*(self.rollout(item.prompt_id, item.row_index, item.kept)
-                                              for item in todo), return_exceptions=True)
+            outcomes = await asyncio.gather(*(bounded(item) for item in todo), return_exceptions=True)
             retry = []
             for item, outcome in zip(todo, outcomes, strict=True):
                 if isinstance(outcome, VLLMError):

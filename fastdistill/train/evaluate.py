@@ -21,11 +21,15 @@ import torch
 from fastdistill.data.packing import pack_row
 from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
 from fastdistill.loss import narrow_support, sparse_jsd_loss
-from fastdistill.rollout import RolloutSample
+from fastdistill.rollout import RolloutConfig, RolloutSample
 from fastdistill.train.cross_tokenizer import load_cross_teachers
 from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
 
 logger = logging.getLogger(__name__)
+
+# Rollouts in flight at once during an evaluation (each holds up to two connections): the rollout worker's default
+# cap, RolloutConfig.max_inflight_tasks, unless the run sets max_inflight_tasks.
+EVAL_MAX_INFLIGHT = RolloutConfig.__dataclass_fields__["max_inflight_tasks"].default
 
 
 def collect_scored_samples(
@@ -46,6 +50,7 @@ def collect_scored_samples(
     teacher_tokenizers: Mapping[str, str] | None = None,
     student_tokenizer: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    max_inflight_tasks: int = EVAL_MAX_INFLIGHT,
 ) -> list[RolloutSample]:
     """One scored sample per row ``{"prompt_ids", "teacher_id"?}``, through the one rollout sequence
     (:class:`~fastdistill.rollout.Rollouts`): the student server's completion (greedy by default; request seed
@@ -58,13 +63,14 @@ def collect_scored_samples(
     ``teacher_hidden`` in ``hidden_dtype``); unnamed teachers are top-K. ``teacher_tokenizers`` maps a
     cross-tokenizer teacher to its tokenizer folder (its samples carry ``cross_targets``; rows then need their
     ``prompt`` messages, which the teacher renders with its own chat template), with the student's tokenizer folder
-    ``student_tokenizer`` and the chat template's ``chat_template_kwargs``.
+    ``student_tokenizer`` and the chat template's ``chat_template_kwargs``. At most ``max_inflight_tasks`` rows are
+    in flight at once (default :data:`EVAL_MAX_INFLIGHT`), whatever the number of rows.
 
     A row whose rollout fails (a server rejects it, or stays unavailable through the retries) is logged and left out:
     the samples (``prompt_id`` = ``dataset_index`` = the row's index) are those of the rows that succeeded, in row
     order, so ``len(rows) - len(result)`` rows failed."""
     from fastdistill.auth import student_api_key_from_env, teacher_api_keys_with_env
-    from fastdistill.rollout import RetryPolicy, RolloutConfig
+    from fastdistill.rollout import RetryPolicy
     from fastdistill.rollout.dropped import DroppedPrompt
     from fastdistill.rollout.order import routed_table
     from fastdistill.rollout.sequence import run_wave
@@ -78,7 +84,7 @@ def collect_scored_samples(
         student_url=student_url, teacher_urls=dict(teacher_urls), teacher_top_k=top_k, max_tokens=max_tokens,
         temperature=temperature, generation_seed=seed, student_model=student_model, student_api_key=student_api_key,
         teacher_api_keys=teacher_api_keys, teacher_signals=teacher_signals, teacher_hidden_dtype=hidden_dtype,
-        max_inflight_tasks=max(1, len(rows)), max_consecutive_failures=len(rows) + 1,
+        max_inflight_tasks=min(len(rows), max_inflight_tasks), max_consecutive_failures=len(rows) + 1,
         retry=retry if retry is not None else RetryPolicy(),
         **({"teacher_tokenizers": dict(teacher_tokenizers), "student_tokenizer": student_tokenizer,
             "chat_template_kwargs": chat_template_kwargs} if teacher_tokenizers else {}))
@@ -95,9 +101,12 @@ def collect_scored_samples(
 
 def collect_held_out(config: Any, rows: Sequence[Mapping[str, Any]], *,
                      student_model: str | None = None) -> list[RolloutSample]:
-    """:func:`collect_scored_samples` with the servers, keys, signals, top-K, completion length, seed and request
-    timeout of ``config`` (an :class:`~fastdistill.train.AsyncDistillationConfig`)."""
+    """:func:`collect_scored_samples` with the servers, keys, signals, top-K, completion length, seed, request
+    timeout and in-flight cap (``max_inflight_tasks``; -1, automatic: :data:`EVAL_MAX_INFLIGHT`) of ``config`` (an
+    :class:`~fastdistill.train.AsyncDistillationConfig`)."""
     from fastdistill.rollout import RetryPolicy
+
+    inflight = config.max_inflight_tasks if config.max_inflight_tasks != -1 else EVAL_MAX_INFLIGHT
 
     return collect_scored_samples(
         config.vllm_server_base_url, config.teacher_server_urls, rows, top_k=config.teacher_top_k,
@@ -107,7 +116,7 @@ def collect_held_out(config: Any, rows: Sequence[Mapping[str, Any]], *,
         hidden_dtype=config.teacher_hidden_dtype, retry=RetryPolicy(request_timeout_s=config.request_timeout),
         teacher_tokenizers=config.teacher_tokenizers,
         student_tokenizer=str(config.model_name_or_path) if config.teacher_tokenizers else None,
-        chat_template_kwargs=config.chat_template_kwargs)
+        chat_template_kwargs=config.chat_template_kwargs, max_inflight_tasks=inflight)
 
 
 @torch.no_grad()
