@@ -118,6 +118,24 @@ def test_the_dry_run_passes_every_step_offline(rehearsal):
     assert "KERNELS_VALIDATED_ON_GPU stays as it is" in proc.stdout and "a dry run (no GPU)" in proc.stdout
 
 
+
+def test_the_train_step_rehearses_on_tiny_shapes(rehearsal):
+    """The trainer's own step (``bench_train_step.py --tiny``) under the image's interpreter, offline, with the kit:
+    fastdistill's trainer imports (msgspec from the kit), 20 steps lower the loss, the packed row matches its samples
+    alone, the floor ran, and the guard says a CPU run has nothing to guard."""
+    result = rehearsal["result"]
+    step = result["steps"]["train-step"]
+    assert step["status"] == "ok", step.get("output_tail", "")[-3000:]
+    assert step["checks"] == {"tiny loss_decreases": "ok", "tiny packed_attention": "ok",
+                              "tiny packed_flash_attention_2": "skipped"}
+    assert step["guard"]["ok"] and step["guard"]["detail"].startswith("not a GPU run")
+    (shape,) = step["shapes"]
+    assert shape["checks"]["loss_decreases"]["steps"] == 20
+    assert shape["runs"]["K=8 auto"]["status"] == "ok" and shape["floor"]["status"] == "ok"
+    msgspec = result["steps"]["install"]["versions"]["imports"]["msgspec"]
+    assert msgspec["ok"] and msgspec["file"].startswith(str(rehearsal["site"])), msgspec
+
+
 def test_pip_reached_no_index(rehearsal):
     """The kit went in with no index, no configuration and no dependency resolution, inside a namespace where
     no address but loopback exists: a pip that needed an index would have failed the install step."""
