@@ -152,3 +152,35 @@ def test_split_gemms_keep_the_fp32_gradients_at_sixteen_bits(monkeypatch, beta, 
     except AssertionError:
         return  # beyond the bound
     assert rounded >= 10 * split, (rounded, split)  # within the (envelope) bound, but an order of magnitude worse
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_dense_teacher_split_path_matches_its_fp32_path(monkeypatch, beta):
+    """The dense-teacher torch path on bf16 inputs, split (forced on CPU) against the same rows with the operands
+    upcast to fp32 (the CPU's path, itself checked against float64 in test_dense_teacher.py): the statistics agree to
+    fp32 rounding (the logits are the same exact products), the gradients within 4·2⁻¹⁶ of the largest entry (the
+    split dL/dz); ``hi`` alone is more than ten times further off."""
+    from test_dense_teacher import make_inputs
+
+    import fastdistill.loss.dense as dense
+
+    x = make_inputs(seed=5, N=40, V=96, Vt=110)
+    args = [x[k].bfloat16() for k in ("hs", "ws", "bs", "ht", "wt", "bt")]
+
+    def rows(split: bool):
+        monkeypatch.setattr(dense, "split_operands", lambda h, w: split and h.dtype == torch.bfloat16)
+        with torch.no_grad():
+            return dense.dense_rows(*args, dense.Head(1.2, 3.0, 0.7), dense.Head(0.9, 4.0, 0.7), beta, need_dh=True,
+                                    need_dw=True, need_db=True, chunk_rows=7, row_weights=x["token_weights"])
+
+    upcast, split = rows(False), rows(True)
+    for name, a, r in zip(("div", "ent", "tent", "dropped"), split[:4], upcast[:4], strict=True):
+        rel_close(a, r, 4 * EPS32, name)
+    for name, a, r in zip(("dh", "dW", "db"), split[4:], upcast[4:], strict=True):
+        assert a.dtype == torch.float32
+        rel_close(a, r, 4 * SPLIT_REL, name)
+    monkeypatch.setattr(dense, "split_gemm_into", lambda out, hi, lo, b, *, accumulate=False: gemm.gemm_into(
+        out, hi, b, accumulate=accumulate))
+    for name, a, r in zip(("dh", "dW"), rows(True)[4:6], upcast[4:6], strict=True):
+        with pytest.raises(AssertionError, match="max error"):
+            rel_close(a, r, 40 * SPLIT_REL, f"{name} from hi alone")

@@ -16,6 +16,10 @@ Closed forms, with s = log p (student), t = log q (teacher), both normalised ove
 
 Every log-prob is a finite logit minus a finite log-sum-exp, so no log(0) appears, and p·(…) where p underflows
 is an exact 0.
+
+On a GPU the torch path works as the sparse one (:mod:`fastdistill.loss.chunked`): tiles of 512 MiB each (four of
+them), bf16 inputs as bf16 GEMM operands with fp32 results, ``dL/dz`` as two bf16 terms in the gradient GEMMs
+(:mod:`fastdistill.loss.gemm`), row blocks of 128 MiB in the reductions.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from .api import (
     save_gradients,
     saved_gradients,
 )
-from .chunked import default_chunk_rows
+from .chunked import default_chunk_rows, scratch_rows
+from .gemm import gemm_into, split_gemm_into, split_operands, split_tile
 from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
 from .routing import route
@@ -48,11 +53,15 @@ class Head:
     temperature: float
 
     def logits(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-        """Final logits of ``h`` ``(c, D)`` against ``w`` ``(V', D)`` into ``out`` ``(c, V')``."""
+        """Final logits of ``h`` ``(c, D)`` against ``w`` ``(V', D)`` into ``out`` ``(c, V')`` (fp32 or fp64;
+        ``h``, ``w`` in its dtype, or bf16 operands of an fp32-output GEMM, :func:`fastdistill.loss.gemm.gemm_into`)."""
         if b is None:
-            torch.mm(h, w.t(), out=out)
-        else:
+            gemm_into(out, h, w.t())
+        elif h.dtype == out.dtype:
             torch.addmm(b, h, w.t(), out=out)
+        else:
+            gemm_into(out, h, w.t())
+            out.add_(b)
         if self.softcap is None:
             return out.mul_(self.scale / self.temperature)
         c = self.softcap
@@ -237,6 +246,9 @@ def student_top_k_support(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias
     return ids, lps, dropped
 
 
+GPU_DENSE_TILE_BYTES = 2**29  # each of the four (rows, V) fp32 tiles of the torch path on a GPU
+
+
 def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: Head, teacher: Head, beta: float, *,
                need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int | None = None, row_weights=None):
     """Per-row divergence, entropies and dropped teacher mass over scored rows, and the gradients of
@@ -251,12 +263,15 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
     any64 = torch.float64 in (s_hidden.dtype, s_weight.dtype, t_hidden.dtype, t_weight.dtype)
     cdt = torch.float64 if any64 else torch.float32
     dev = s_hidden.device
-    ws = s_weight.to(cdt)
+    on_gpu = dev.type == "cuda"
+    s_split, t_split = split_operands(s_hidden, s_weight), split_operands(t_hidden, t_weight)  # bf16 operands (GPU)
+    ws = s_weight if s_split else s_weight.to(cdt)
     bs = None if s_bias is None else s_bias.to(cdt)
-    wt, wt_pad = t_weight[:V].to(cdt), t_weight[V:].to(cdt)
+    wt, wt_pad = (t_weight[:V], t_weight[V:]) if t_split else (t_weight[:V].to(cdt), t_weight[V:].to(cdt))
     bt = None if t_bias is None else t_bias[:V].to(cdt)
     bt_pad = None if t_bias is None else t_bias[V:].to(cdt)
-    rows_per_chunk = max(1, min(chunk_rows or default_chunk_rows(max(V, Vt), cdt), max(n, 1)))
+    tile_rows = default_chunk_rows(max(V, Vt), cdt, GPU_DENSE_TILE_BYTES if on_gpu else None, on_gpu=on_gpu)
+    rows_per_chunk = max(1, min(chunk_rows or tile_rows, max(n, 1)))
     need_grad = need_dh or need_dw or need_db
 
     div = torch.empty(n, dtype=cdt, device=dev)
@@ -264,24 +279,28 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
     tent = torch.empty(n, dtype=cdt, device=dev)
     dropped = torch.zeros(n, dtype=cdt, device=dev)
     dh = torch.empty(n, s_hidden.shape[1], dtype=cdt, device=dev) if need_dh else None
-    dw = torch.zeros_like(ws) if need_dw else None
+    dw = torch.zeros(V, s_weight.shape[1], dtype=cdt, device=dev) if need_dw else None
     db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
     # Four (rows, V) tiles, allocated once and reused by every chunk: student log-probs S, teacher log-probs T,
     # and two work tiles A, B (probabilities, the mixture, the logit gradient).
     S, T, A, B = (torch.empty(rows_per_chunk, V, dtype=cdt, device=dev) for _ in range(4))
     pad = torch.empty(rows_per_chunk, Vt - V, dtype=cdt, device=dev) if Vt > V else None
+    # the gradient tile as two bf16 terms for the split GEMMs (fastdistill.loss.gemm)
+    HI, LO = ((torch.empty(rows_per_chunk, V, dtype=s_hidden.dtype, device=dev) for _ in range(2))
+              if s_split and need_grad else (None, None))
 
     for start in range(0, n, rows_per_chunk):
         end = min(start + rows_per_chunk, n)
         rows, c = slice(start, end), end - start
-        h = s_hidden[rows].to(cdt)
+        h = s_hidden[rows] if s_split else s_hidden[rows].to(cdt)
+        ht = t_hidden[rows] if t_split else t_hidden[rows].to(cdt)
         s, t, a, b = S[:c], T[:c], A[:c], B[:c]
         student.logits(h, ws, bs, out=s)
-        teacher.logits(t_hidden[rows].to(cdt), wt, bt, out=t)
+        teacher.logits(ht, wt, bt, out=t)
         lse_s = _row_logsumexp(s)
         lse_t = _row_logsumexp(t)
         if pad is not None:
-            lse_pad = _row_logsumexp(teacher.logits(t_hidden[rows].to(cdt), wt_pad, bt_pad, out=pad[:c]))
+            lse_pad = _row_logsumexp(teacher.logits(ht, wt_pad, bt_pad, out=pad[:c]))
             dropped[rows] = torch.exp(lse_pad - torch.logaddexp(lse_t, lse_pad))
         s.sub_(lse_s.unsqueeze(1))
         t.sub_(lse_t.unsqueeze(1))
@@ -301,7 +320,7 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
             grad = s_minus_t.sub_(d.unsqueeze(1)).mul_(p) if need_grad else None  # dD/dz = p (s − t − D)
         else:
             log_m = _log_mixture(s, t, beta, out=b)  # overwrites q (tile B)
-            # Σ q·(t − log m) needs q again: exp(t) recomputed in 16-row blocks rather than kept in a fifth tile
+            # Σ q·(t − log m) needs q again: exp(t) recomputed in row blocks rather than kept in a fifth tile
             q_term = _rowdot_exp_diff(t, log_m)
             s_minus_log_m = log_m.neg_().add_(s)
             div[rows] = beta * q_term + (1.0 - beta) * _rowdot(p, s_minus_log_m)
@@ -320,54 +339,72 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
             torch.add(s, lse_s.unsqueeze(1), out=u).mul_(student.temperature / student.softcap)
             grad.mul_(u.square_().neg_().add_(1.0))
         grad.mul_(factor.unsqueeze(1))
+        if need_db:
+            db.add_(grad.sum(dim=0))
+        if HI is not None:  # dL/dz as hi + lo bf16 terms (grad keeps the residual), two fp32-output GEMMs each
+            hi, lo = HI[:c], LO[:c]
+            split_tile(grad, hi, lo)
+            if need_dh:
+                split_gemm_into(dh[rows], hi, lo, ws)
+            if need_dw:
+                split_gemm_into(dw, hi.t(), lo.t(), h, accumulate=True)
+            continue
         if need_dh:
             torch.mm(grad, ws, out=dh[rows])
         if need_dw:
             dw.addmm_(grad.t(), h)
-        if need_db:
-            db.add_(grad.sum(dim=0))
     return div, ent, tent, dropped, dh, dw, db
 
 
+def _block(x: torch.Tensor) -> int:
+    """Rows per block of the per-row reductions over a ``(c, V)`` tile: 16 on the CPU, 128 MiB worth on a GPU
+    (:func:`fastdistill.loss.chunked.scratch_rows`)."""
+    return scratch_rows(x.shape[1] or 1, x.dtype, x.device.type == "cuda")
+
+
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row dot product of two ``(c, V)`` tiles, in blocks of 16 rows (a ``(16, V)`` temporary). Products summed
-    by ``torch.sum``, whose cascade summation keeps the fp32 error near eps whatever V; a batched matmul's running
-    sum drifts with V (~1e-5 relative at V = 32768)."""
+    """Per-row dot product of two ``(c, V)`` tiles, in row blocks (:func:`_block`; a block-sized temporary).
+    Products summed by ``torch.sum``, whose cascade summation keeps the fp32 error near eps whatever V; a batched
+    matmul's running sum drifts with V (~1e-5 relative at V = 32768)."""
     out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
-    for i in range(0, a.shape[0], 16):
-        out[i : i + 16] = (a[i : i + 16] * b[i : i + 16]).sum(dim=1)
+    step = _block(a)
+    for i in range(0, a.shape[0], step):
+        out[i : i + step] = (a[i : i + step] * b[i : i + step]).sum(dim=1)
     return out
 
 
 def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """Per-row log-sum-exp of a ``(c, V)`` tile in blocks of 16 rows (``torch.logsumexp`` would allocate ``(c, V)``
+    """Per-row log-sum-exp of a ``(c, V)`` tile in row blocks (``torch.logsumexp`` would allocate ``(c, V)``
     temporaries inside its kernel)."""
     out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    for i in range(0, x.shape[0], 16):
-        xb = x[i : i + 16]
+    step = _block(x)
+    for i in range(0, x.shape[0], step):
+        xb = x[i : i + step]
         m = xb.amax(dim=1)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        out[i : i + 16] = m + torch.log(torch.exp(xb - m.unsqueeze(1)).sum(dim=1))
+        out[i : i + step] = m + torch.log(torch.exp(xb - m.unsqueeze(1)).sum(dim=1))
     return out
 
 
 def _rowdot_exp_diff(log_a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row Σ exp(log_a)·(log_a − b), in blocks of 16 rows so the temporaries stay small."""
+    """Per-row Σ exp(log_a)·(log_a − b), in row blocks so the temporaries stay small."""
     out = torch.empty(log_a.shape[0], dtype=log_a.dtype, device=log_a.device)
-    for i in range(0, log_a.shape[0], 16):
-        block = log_a[i : i + 16]
-        out[i : i + 16] = (torch.exp(block) * (block - b[i : i + 16])).sum(dim=1)
+    step = _block(log_a)
+    for i in range(0, log_a.shape[0], step):
+        block = log_a[i : i + step]
+        out[i : i + step] = (torch.exp(block) * (block - b[i : i + step])).sum(dim=1)
     return out
 
 
 def _log_mixture(s: torch.Tensor, t: torch.Tensor, beta: float, *, out: torch.Tensor) -> torch.Tensor:
     """``log((1−β)·e^s + β·e^t)`` into ``out`` by log-sum-exp mixing, finite for finite s and t (no log of an
     underflowed mixture): with a = s + log(1−β), b = t + log β, ``log m = b + relu(a − b) + log1p(exp(−|a − b|))``.
-    The log1p term goes through a 16-row scratch block, so no second ``(c, V)`` tile is needed."""
+    The log1p term goes through a row-block scratch, so no second ``(c, V)`` tile is needed."""
     a_off, b_off = math.log1p(-beta), math.log(beta)
     torch.sub(s, t, out=out).add_(a_off - b_off)
-    for i in range(0, out.shape[0], 16):
-        d = out[i : i + 16]
+    step = _block(out)
+    for i in range(0, out.shape[0], step):
+        d = out[i : i + step]
         soft = d.abs().neg_().exp_().log1p_()
         d.clamp_(min=0.0).add_(soft)
     return out.add_(t).add_(b_off)
