@@ -1,39 +1,43 @@
-"""Benchmark of the fused Triton loss kernels against the loss implementations users have today.
+"""Benchmark of the fused Triton loss kernels against the bare GEMMs, its own model, and the losses users have today.
 
-On a CUDA machine (bf16, Qwen-like shapes: D ∈ {896, 1536, 3584}, V = 151936, N ∈ {4096, 16384}, K ∈ {8, 64}):
+Implementations (bf16 on a GPU):
   ours-det      fastdistill_kernels.fused_sparse_jsd, deterministic backward (vocabulary chunks: workspace + GEMMs)
   ours-fused    the same with the fused backward (fp32 atomics, no workspace)
   ours-filter   fused backward with gradient filtering (filter_eps = 2^-12, CCE's bf16 default)
-  ours-chunked  the 6·N·D·V variant (``chunked_logits_sparse_jsd``: cuBLAS logits per row chunk, two Triton passes)
+  ours-chunked  ``chunked_logits_sparse_jsd`` (cuBLAS logits per row chunk, two Triton passes)
   ours-dense    ``fused_dense_teacher_jsd``: the dense-teacher loss with both lm_heads fused into the tiles (here
                 liger's setting: its teacher hidden states through the same lm_head, forward KL, row mean)
   ours-dense-chunked  ``chunked_dense_teacher_jsd``, the same loss with cuBLAS logits per row chunk
   trl           TRL's ``_chunked_jsd_loss`` (checkpointed 256-row chunks), same sparse loss
-  liger         Liger's ``LigerFusedLinearJSD`` (dense teacher: a second hidden state through the same lm_head;
-                it computes its gradients inside the forward, so its "fwd" holds most of the work)
+  liger         Liger's ``LigerFusedLinearJSD`` (dense teacher: a second hidden state through the same lm_head)
   cce           Cut Cross-Entropy's ``linear_cross_entropy`` on the top-1 candidate (same matmul work, CE loss)
   torch         fastdistill's memory-bounded torch path (not in the default GPU sweep)
-It prints forward / backward time, TFLOP/s counting 8·N·D·V for forward + backward, MFU against a measured bf16
-``torch.mm`` peak, and the peak memory allocated beyond the inputs. K-independent implementations (liger, cce) are
-measured once per (N, D).
+
+Per configuration (N, D, V, K) and input distribution (``bench_inputs``: random, and peaked like a trained model's;
+each printed with its mean entropy, tokens per row at p ≥ 2⁻¹² and mean p_max):
+- the floor: the three bare GEMMs (logits, dL/dh, dL/dW; a dense teacher adds its logits GEMM), timed in the same
+  run, and every row's ratio to it;
+- forward + backward in one CUDA-event window (and the split), ``--repeats`` (default 10) after ``--warmup``
+  (default 5), min / median / max;
+- useful TFLOP/s (``roofline.useful_flops``: 6·N·D·V, + 2·N·D_t·V_t for a dense teacher; a design's recomputation
+  is not counted) and MFU against the matmul rate measured in the same call and the 989 TFLOP/s datasheet;
+- the predicted time of :mod:`roofline` (GEMM FLOPs / matmul rate + bytes / copy bandwidth, both measured in the
+  same call: a bf16 ``torch.mm`` and a device copy), its ratio to the measurement, and the predicted peak memory.
 
 Correctness gate: before timing an implementation on a config, its loss and gradients (dh, dW) on the first
-``--gate-rows`` rows are compared with a float64 evaluation of the loss it computes, from the same (rounded) inputs;
-tolerances follow the input dtype (:func:`gate_tolerances`). One that disagrees is not timed: its row reads
-"incorrect", with the differences. A missing third-party package is reported, not fatal; the fastdistill kernels
-not being importable is fatal (exit 2), and an ``ours-*`` row that is incorrect or fails makes the exit status 1
-(after the table and the JSON are written).
+``--gate-rows`` rows are compared with a float64 evaluation of the loss it computes, from the same (rounded) inputs
+(:func:`gate_tolerances`). One that disagrees is not timed. A missing third-party package is reported, not fatal;
+the fastdistill kernels not being importable is fatal (exit 2), and an ``ours-*`` row that is incorrect or fails
+makes the exit status 1 (after the table and the JSON are written).
 
-Without CUDA it sets TRITON_INTERPRET=1 and runs one tiny config in Triton's CPU interpreter, gate included, and
-also compares the kernels' loss and gradients with the torch path (``--quick`` keeps it to a few seconds).
+Without CUDA it sets TRITON_INTERPRET=1, runs one tiny config in Triton's CPU interpreter (CPU ceilings, gate
+included), compares the kernels with the torch path, and prints the predicted table at three lm_heads with the
+H200's recorded rates (``roofline.H200_RECORDED``); ``--predict-only`` prints only that table.
 
-    python benchmarks/bench_kernels.py                  # full GPU sweep (< 5 min on an H100-class GPU)
+    python benchmarks/bench_kernels.py                  # GPU sweep
     python benchmarks/bench_kernels.py --quick          # tiny smoke config (CPU: interpreter)
-    python benchmarks/bench_kernels.py --N 4096 --D 896 --K 8 --impls ours-det trl cce
-
-It also prints a roofline model of the two designs (``benchmarks/roofline.py``: fastdistill's no-logits kernels at
-8·N·D·V FLOPs against a chunked-logits design at 6·N·D·V), at the run's shapes on a GPU and at the GPU sweep's shapes
-elsewhere, and writes it to the JSON under ``"roofline"``.
+    python benchmarks/bench_kernels.py --predict-only   # the predicted table, no measurement
+    python benchmarks/bench_kernels.py --N 4096 --D 896 --K 8 --impls ours-det trl cce --dists peaked
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+from bench_inputs import DISTRIBUTIONS, distribution_stats, make_inputs, teacher_hidden  # noqa: E402
+
 IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked", "trl", "liger",
          "cce", "torch")
 OURS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked")
@@ -63,25 +71,12 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_kernels.json
 TRL_CHUNK_SIZE = 256  # TRL's _CHUNKED_LM_HEAD_CHUNK_SIZE
 FILTER_EPS = 2.0**-12
 MiB = 2**20
-TEACHER_SEED = 1  # liger's dense teacher hidden states
 GATE_ROWS = {"cuda": 256, "cpu": 32}
+STATS_ROWS = {"cuda": None, "cpu": 256}  # rows of the distribution statistics (None: all)
 
 
 class KernelsUnavailable(RuntimeError):
     """The fastdistill kernels (the ``ours-*`` rows) cannot be imported: the benchmark cannot do its job."""
-
-
-def make_inputs(N: int, D: int, V: int, K: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """hidden (N, D) and lm_head (V, D) leaves in ``dtype``, K+1 distinct candidate ids per row, teacher log-probs
-    (N, K+1) whose probabilities sum to < 1 (the rest is the teacher's tail), and an all-true slot mask."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    S = K + 1
-    hidden = torch.randn(N, D, generator=g, device=device).to(dtype).requires_grad_(True)
-    weight = (torch.randn(V, D, generator=g, device=device) / math.sqrt(D)).to(dtype).requires_grad_(True)
-    start = torch.randint(0, V, (N, 1), generator=g, device=device)
-    ids = (start + torch.arange(S, device=device) * (V // S)) % V  # distinct within a row
-    lps = torch.log_softmax(2.0 * torch.randn(N, S + 1, generator=g, device=device), dim=1)[:, :S].contiguous()
-    return hidden, weight, ids, lps, torch.ones(N, S, dtype=torch.bool, device=device)
 
 
 def import_kernels():
@@ -94,26 +89,19 @@ def import_kernels():
     return fused_sparse_jsd
 
 
-def teacher_hidden(hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Liger's dense teacher input: seeded normal hidden states shaped like ``hidden``, rounded to ``dtype``
-    (default: hidden's), the same for every call."""
-    g = torch.Generator(device=hidden.device).manual_seed(TEACHER_SEED)
-    return torch.randn(hidden.shape, generator=g, device=hidden.device).to(dtype or hidden.dtype)
-
-
-def loss_fn(impl: str, hidden, weight, ids, lps, mask):
+def loss_fn(impl: str, hidden, weight, ids, lps, mask, dist: str = "random"):
     """A closure computing the 0-dim loss of ``impl`` on these inputs (raises ImportError when a third-party
     package is not installed, :class:`KernelsUnavailable` for the ours-* rows)."""
     if impl in ("ours-dense", "ours-dense-chunked"):
         import_kernels()  # the same package: fail loudly when it is not importable
         from fastdistill_kernels import chunked_dense_teacher_jsd, fused_dense_teacher_jsd
 
-        teacher, n = teacher_hidden(hidden), hidden.shape[0]
+        teacher, n = teacher_hidden(hidden, dist=dist), hidden.shape[0]
         if impl == "ours-dense":
             return lambda: fused_dense_teacher_jsd(hidden, weight, teacher, weight.detach()).divergence.sum() / n
         return lambda: chunked_dense_teacher_jsd(hidden, weight, teacher, weight.detach()).loss / n
     if impl == "ours-chunked":
-        import_kernels()  # the same package: fail loudly when it is not importable
+        import_kernels()
         from fastdistill_kernels import chunked_logits_sparse_jsd
 
         return lambda: chunked_logits_sparse_jsd(hidden, weight, ids, lps, mask).loss
@@ -137,7 +125,7 @@ def loss_fn(impl: str, hidden, weight, ids, lps, mask):
         from liger_kernel.transformers import LigerFusedLinearJSD
 
         jsd = LigerFusedLinearJSD(jsd_beta=0.0, temperature=1.0)  # beta=0: forward KL(teacher‖student), row mean
-        teacher = teacher_hidden(hidden)
+        teacher = teacher_hidden(hidden, dist=dist)
         # shift_labels is a required positional argument in liger-kernel 0.8.5 (None: every row counts)
         return lambda: jsd(hidden, weight, teacher, weight.detach(), None)
     if impl == "cce":
@@ -147,7 +135,8 @@ def loss_fn(impl: str, hidden, weight, ids, lps, mask):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def reference_loss(impl: str, hidden, weight, ids, lps, input_dtype: torch.dtype) -> torch.Tensor:
+def reference_loss(impl: str, hidden, weight, ids, lps, input_dtype: torch.dtype, dist: str = "random"
+                   ) -> torch.Tensor:
     """The loss ``impl`` computes, in float64 on float64 ``hidden`` ``(n, D)`` and ``weight`` ``(V, D)`` that hold
     the benchmark's inputs (in ``input_dtype``: K+1 distinct ids per row, every slot used, β = 0). ours-* and
     torch: forward KL over the candidates + the exact tail; trl: the same with TRL's clamped student tail; liger
@@ -155,7 +144,7 @@ def reference_loss(impl: str, hidden, weight, ids, lps, input_dtype: torch.dtype
     through the same lm_head, averaged over rows; cce: cross-entropy on the top-1."""
     logp = torch.log_softmax(hidden @ weight.t(), dim=1)
     if impl in DENSE_TEACHER:
-        teacher = teacher_hidden(hidden, input_dtype).to(hidden.dtype)
+        teacher = teacher_hidden(hidden, input_dtype, dist).to(hidden.dtype)
         t = torch.log_softmax(teacher @ weight.detach().t(), dim=1)  # liger's teacher weight carries no gradient
         return (t.exp() * (t - logp)).sum() / hidden.shape[0]
     if impl == "cce":
@@ -181,19 +170,19 @@ def gate_tolerances(dtype: torch.dtype) -> dict[str, float]:
     return {"loss": max(4 * eps, 1e-5), "grad": max(4 * eps, 1e-4)}
 
 
-def correctness_gate(impl: str, inputs, rows: int) -> dict:
+def correctness_gate(impl: str, inputs, rows: int, dist: str = "random") -> dict:
     """``impl``'s loss, dh and dW on the first ``rows`` rows against :func:`reference_loss` in float64 from the same
     rounded inputs. Returns ``{"ok", "rows", "rel_diff": {loss, dh, dW}, "tol"}``."""
     hidden, weight, ids, lps, mask = inputs
     n = min(rows, hidden.shape[0])
     h = hidden[:n].detach().clone().requires_grad_(True)
-    fn = loss_fn(impl, h, weight, ids[:n], lps[:n], mask[:n])
+    fn = loss_fn(impl, h, weight, ids[:n], lps[:n], mask[:n], dist)
     loss = fn()
     got = (loss.detach(), *torch.autograd.grad(loss, (h, weight)))
     del loss
     h64 = h.detach().double().requires_grad_(True)
     w64 = weight.detach().double().requires_grad_(True)
-    ref_loss = reference_loss(impl, h64, w64, ids[:n], lps[:n], hidden.dtype)
+    ref_loss = reference_loss(impl, h64, w64, ids[:n], lps[:n], hidden.dtype, dist)
     ref = (ref_loss.detach(), *torch.autograd.grad(ref_loss, (h64, w64)))
     del ref_loss, h64, w64
     rel = {name: rel_l2(g, r) for name, g, r in zip(("loss", "dh", "dW"), got, ref, strict=True)}
@@ -210,80 +199,318 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# ------------------------------------------------------------------------------------------------------ timing
+class Clock:
+    """Timestamps on ``device``: CUDA events (recorded on the stream, no synchronisation between them) or
+    ``time.perf_counter`` on the CPU. :meth:`stamp` returns a mark, :meth:`seconds` the time between two marks
+    (after :meth:`wait`)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def stamp(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def wait(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
-def measure(impl: str, inputs, repeats: int, warmup: int, device: torch.device, gate_rows: int = 1) -> dict:
-    """The correctness gate on ``gate_rows`` rows, then (only if it passed) median forward / backward seconds, the
-    loss, and the peak memory allocated beyond the inputs (CUDA). Raises :class:`KernelsUnavailable` for an ours-*
-    row without the kernels."""
+def spread(xs: list[float]) -> dict:
+    """``{"min", "median", "max", "n"}`` of ``xs`` (seconds)."""
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
+def time_fwd_bwd(fn, leaves, repeats: int, warmup: int, device: torch.device) -> dict:
+    """Forward + backward of ``fn`` in one timing window per repeat (marks before, between and after; no
+    synchronisation inside the window): ``{"total", "fwd", "bwd"}`` spreads and the last loss."""
+    clock, tot, fwd, bwd, loss = Clock(device), [], [], [], None
+    for i in range(warmup + repeats):
+        for x in leaves:
+            x.grad = None
+        clock.wait()
+        t0 = clock.stamp()
+        out = fn()
+        t1 = clock.stamp()
+        out.backward()
+        t2 = clock.stamp()
+        clock.wait()
+        loss = float(out.detach())
+        del out
+        if i >= warmup:
+            tot.append(clock.seconds(t0, t2))
+            fwd.append(clock.seconds(t0, t1))
+            bwd.append(clock.seconds(t1, t2))
+    for x in leaves:
+        x.grad = None
+    return {"total": spread(tot), "fwd": spread(fwd), "bwd": spread(bwd), "loss": loss}
+
+
+def measure(impl: str, inputs, repeats: int, warmup: int, device: torch.device, gate_rows: int = 1,
+            dist: str = "random") -> dict:
+    """The correctness gate on ``gate_rows`` rows, then (only if it passed) forward + backward timings
+    (:func:`time_fwd_bwd`; ``fwd_s`` / ``bwd_s`` / ``total_s`` the medians), the loss, and the peak memory
+    allocated beyond the inputs (CUDA). Raises :class:`KernelsUnavailable` for an ours-* row without the kernels."""
     hidden, weight = inputs[0], inputs[1]
     try:
-        fn = loss_fn(impl, *inputs)
+        fn = loss_fn(impl, *inputs, dist)
     except ImportError as e:  # KernelsUnavailable is not an ImportError: it propagates
         return {"status": "missing", "error": repr(e)}
     try:
-        gate = correctness_gate(impl, inputs, gate_rows)
+        gate = correctness_gate(impl, inputs, gate_rows, dist)
     except Exception as e:  # an OOM or a broken package must not end the sweep
         return {"status": "failed", "error": f"correctness gate: {e!r}"[:2000]}
     if not gate["ok"]:
         return {"status": "incorrect", "gate": gate,
                 "error": f"disagrees with the float64 reference: {json.dumps(gate['rel_diff'])} > {gate['tol']}"}
     cuda = device.type == "cuda"
-    fwd, bwd, loss = [], [], None
     try:
         if cuda:
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        for i in range(warmup + repeats):
-            hidden.grad = weight.grad = None
-            sync(device)
-            t0 = time.perf_counter()
-            out = fn()
-            sync(device)
-            t1 = time.perf_counter()
-            out.backward()
-            sync(device)
-            t2 = time.perf_counter()
-            loss = float(out.detach())
-            del out
-            if i >= warmup:
-                fwd.append(t1 - t0)
-                bwd.append(t2 - t1)
+        t = time_fwd_bwd(fn, (hidden, weight), repeats, warmup, device)
         peak_mb = (torch.cuda.max_memory_allocated(device) - base) / MiB if cuda else None
     except Exception as e:  # an OOM or a broken package must not end the sweep
         return {"status": "failed", "error": repr(e)[:2000]}
-    finally:
-        hidden.grad = weight.grad = None
-    return {"status": "ok", "fwd_s": statistics.median(fwd), "bwd_s": statistics.median(bwd), "loss": loss,
-            "peak_mb": peak_mb, "gate": gate}
+    return {"status": "ok", "fwd_s": t["fwd"]["median"], "bwd_s": t["bwd"]["median"],
+            "total_s": t["total"]["median"], "spread_s": t["total"], "fwd_spread_s": t["fwd"],
+            "bwd_spread_s": t["bwd"], "loss": t["loss"], "peak_mb": peak_mb, "gate": gate}
 
 
-def matmul_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float:
-    """Measured bf16 ``torch.mm`` throughput at an (n × n) @ (n × n) product, TFLOP/s."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        torch.mm(a, b)
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e12
+def time_gemms(N: int, D: int, V: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int) -> dict:
+    """The floor: the three bare GEMMs of the lm_head (logits = h·Wᵀ, dL/dh = G·W, dL/dW = Gᵀ·h) on (N, D) and
+    (V, D) operands, in one timing window per repeat (spread) and each alone (medians, seconds); ``dense_s``
+    adds a second logits GEMM (a dense teacher's, same head)."""
+    clock = Clock(device)
+    t = {"h": torch.randn(N, D, device=device).to(dtype), "w": torch.randn(V, D, device=device).to(dtype),
+         "logits": torch.empty(N, V, device=device, dtype=dtype), "dh": torch.empty(N, D, device=device, dtype=dtype),
+         "dW": torch.empty(V, D, device=device, dtype=dtype)}
+    steps = {"logits": lambda: torch.mm(t["h"], t["w"].t(), out=t["logits"]),
+             "dh": lambda: torch.mm(t["logits"], t["w"], out=t["dh"]),
+             "dW": lambda: torch.mm(t["logits"].t(), t["h"], out=t["dW"])}
+    each = {k: [] for k in steps}
+    total = []
+    for i in range(warmup + repeats):
+        clock.wait()
+        marks = [clock.stamp()]
+        for step in steps.values():
+            step()
+            marks.append(clock.stamp())
+        clock.wait()
+        if i >= warmup:
+            total.append(clock.seconds(marks[0], marks[-1]))
+            for k, a, b in zip(steps, marks, marks[1:], strict=False):
+                each[k].append(clock.seconds(a, b))
+    t.clear()  # the (N, V) logits go before the implementations run
+    out = {"total": spread(total), **{f"{k}_s": statistics.median(v) for k, v in each.items()}}
+    out["three_s"] = out["total"]["median"]
+    out["dense_s"] = out["three_s"] + out["logits_s"]
+    return out
 
 
-def compare_with_torch_path(inputs, device: torch.device) -> dict:
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 10) -> float:
+    """Measured ``torch.mm`` FLOP/s at an (n × n) @ (n × n) product in ``dtype`` (GPU: 8192, CPU: 512)."""
+    n = n or (8192 if device.type == "cuda" else 512)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2.0 * n**3 / _median_time(lambda: torch.mm(a, b), device, repeats)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Measured device-to-device copy bandwidth, bytes/s counting the read and the write (GPU: 1 GiB, CPU: 64 MiB)."""
+    nbytes = nbytes or (2**30 if device.type == "cuda" else 2**26)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _median_time(lambda: dst.copy_(src), device, repeats)
+
+
+def _median_time(step, device: torch.device, repeats: int, warmup: int = 3) -> float:
+    clock, times = Clock(device), []
+    for i in range(warmup + repeats):
+        clock.wait()
+        a = clock.stamp()
+        step()
+        b = clock.stamp()
+        clock.wait()
+        if i >= warmup:
+            times.append(clock.seconds(a, b))
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype) -> roofline.Rates:
+    """The two ceilings of the prediction, measured now on ``device``: the ``dtype`` matmul rate (and fp32's) and
+    the copy bandwidth."""
+    rate = matmul_rate(device, dtype)
+    fp32 = rate if dtype == torch.float32 else matmul_rate(device, torch.float32, n=4096 if device.type == "cuda"
+                                                            else None)
+    bw = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+    return roofline.Rates(matmul_flops=rate, copy_bytes=bw, matmul_fp32_flops=fp32,
+                          source=f"measured in this call on {name}: {str(dtype).removeprefix('torch.')} torch.mm "
+                                 f"{_flops(rate)}, fp32 {_flops(fp32)}, copy {bw / 1e9:.0f} GB/s")
+
+
+def _flops(rate: float) -> str:
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
+def add_rates(m: dict, impl: str, shape: roofline.Shape, floor: dict, rates: roofline.Rates,
+              tokens_per_row: float) -> None:
+    """Useful TFLOP/s, MFU (against the measured matmul rate and the datasheet), the ratio to the bare-GEMM floor,
+    and the model's predicted time and memory, onto a measured row ``m``."""
+    if m["status"] != "ok":
+        return
+    dense = impl in DENSE_TEACHER
+    t = m["total_s"]
+    useful = roofline.useful_flops(shape, dense)
+    m["useful_tflop"] = useful / 1e12
+    m["tflops"] = useful / t / 1e12
+    m["mfu"] = useful / t / rates.matmul_flops
+    m["mfu_datasheet"] = useful / t / roofline.DATASHEET_BF16_FLOPS
+    m["floor"] = "four GEMMs" if dense else "three GEMMs"
+    m["floor_s"] = floor["dense_s"] if dense else floor["three_s"]
+    m["x_floor"] = t / m["floor_s"]
+    cost = roofline.impl_cost(impl, shape, tokens_per_row)
+    if cost is not None:
+        m["predicted_s"] = cost.predicted_s(rates)
+        m["measured_over_predicted"] = t / m["predicted_s"]
+        m["predicted_peak_mb"] = cost.peak_memory / MiB
+
+
+# ------------------------------------------------------------------------------------------------------ output
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'dist':<7}{'N':>6} {'D':>5} {'V':>6} {'K':>3}  {'impl':<19}{'fwd+bwd ms min/med/max':>24} {'fwd':>7} "
+          f"{'bwd':>7} {'×floor':>6} {'pred ms':>8} {'meas/pred':>9} {'TFLOP/s':>7} {'MFU':>5} {'MFU989':>6} "
+          f"{'peak MB':>8} {'pred MB':>8}")
+    for r in rows:
+        head = f"{r['dist']:<7}{r['N']:>6} {r['D']:>5} {r['V']:>6} {r['K']:>3}  "
+        f = r["floor"]
+        print(f"{head}{'three bare GEMMs':<19}{_ms3(f['total']):>24} {'':>7} {'':>7} {1.0:>6.2f} "
+              f"{fmt(r.get('floor_predicted_s') and 1e3 * r['floor_predicted_s'], '.1f'):>8}")
+        for impl, m in r["impls"].items():
+            if m["status"] != "ok":
+                print(f"{head}{impl:<19}{m['status']}: {m.get('error', '')[:80]}")
+                continue
+            pct = lambda x: fmt(x and 100 * x, ".0f") + "%"  # noqa: E731
+            print(f"{head}{impl:<19}{_ms3(m['spread_s']):>24} {1e3 * m['fwd_s']:>7.1f} {1e3 * m['bwd_s']:>7.1f} "
+                  f"{m['x_floor']:>6.2f} {fmt(m.get('predicted_s') and 1e3 * m['predicted_s'], '.1f'):>8} "
+                  f"{fmt(m.get('measured_over_predicted'), '.2f'):>9} {m['tflops']:>7.1f} {pct(m['mfu']):>5} "
+                  f"{pct(m['mfu_datasheet']):>6} {fmt(m['peak_mb'], '.0f'):>8} "
+                  f"{fmt(m.get('predicted_peak_mb'), '.0f'):>8}")
+
+
+def _ms3(s: dict) -> str:
+    return f"{1e3 * s['min']:.2f}/{1e3 * s['median']:.2f}/{1e3 * s['max']:.2f}"
+
+
+def machine_info(device: torch.device, rates: roofline.Rates | None) -> dict:
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+            "bf16_matmul_peak_tflops": rates and rates.matmul_flops / 1e12,
+            "matmul_tflops": rates and rates.matmul_flops / 1e12,
+            "matmul_fp32_tflops": rates and rates.matmul_fp32_flops / 1e12,
+            "copy_gbytes_per_s": rates and rates.copy_bytes / 1e9, "rates_source": rates and rates.source,
+            "datasheet_bf16_tflops": roofline.DATASHEET_BF16_FLOPS / 1e12, "python": sys.version.split()[0],
+            "versions": {p: version(p) for p in ("torch", "triton", "trl", "liger-kernel", "cut-cross-entropy")},
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--N", type=int, nargs="+", help="positions (GPU: 4096 16384; CPU / quick: 64)")
+    p.add_argument("--D", type=int, nargs="+", help="hidden sizes (GPU: 896 3584; CPU / quick: 48)")
+    p.add_argument("--V", type=int, help="vocabulary size (GPU: 152064; CPU / quick: 512)")
+    p.add_argument("--K", type=int, nargs="+", help="teacher top-K, K+1 slots per row (GPU: 8 64; CPU / quick: 8)")
+    p.add_argument("--dists", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS),
+                   help="input distributions (bench_inputs.py)")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, help=f"default GPU {GPU_IMPLS}, CPU {CPU_IMPLS}")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--quick", action="store_true", help="one tiny config, one timed repeat")
+    p.add_argument("--repeats", type=int, default=10, help="timed forward+backward windows (min/median/max)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed runs first (Triton compiles here)")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    p.add_argument("--gate-rows", type=int, help="rows of the correctness gate (default: GPU 256, CPU 32; >= 1)")
+    p.add_argument("--predict-only", action="store_true",
+                   help="print the predicted table at three lm_heads with the H200's recorded rates; measure nothing")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args.gate_rows = args.gate_rows or GATE_ROWS["cuda" if cuda else "cpu"]
+    if args.gate_rows < 1:
+        p.error("--gate-rows must be >= 1: the benchmark does not time unchecked implementations")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
+    small = args.quick or not cuda
+    args.N = args.N or ([512] if args.quick and cuda else [64] if small else [4096, 16384])
+    args.D = args.D or ([896] if args.quick and cuda else [48] if small else [896, 3584])
+    args.V = args.V or (152064 if cuda else 512)
+    args.K = args.K or ([8] if small else [8, 64])
+    args.impls = args.impls or list(GPU_IMPLS if cuda else CPU_IMPLS)
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    if args.quick:
+        args.repeats, args.warmup = 1, min(args.warmup, 1)
+    return args
+
+
+def print_predicted(rates: roofline.Rates) -> dict:
+    """The predicted table at :data:`roofline.HEADS` and the memory arithmetic; returns them for the JSON."""
+    rows = roofline.predicted_rows(roofline.HEADS, rates)
+    print("predicted (roofline.py; not a measurement), N=16384, K=8, bf16; cce at 5 tokens per row ≥ 2^-12:")
+    print(roofline.predicted_markdown(rows, rates))
+    memory = roofline.memory_lines(roofline.HEADS)
+    print("\n".join(memory))
+    return {"rates": rates.source, "rows": rows, "memory": memory}
+
+
+def run_config(args, device, rates, N: int, D: int, dist: str, stats_rows) -> list[dict]:
+    """Every K of one (N, D, distribution): the floor once, the distribution's statistics, each implementation."""
+    floor = time_gemms(N, D, args.V, args.dtype, device, args.repeats, args.warmup)
+    shared: dict[str, dict] = {}
+    rows = []
+    for K in args.K:
+        inputs = make_inputs(N, D, args.V, K, args.dtype, device, dist=dist)
+        stats = distribution_stats(inputs[0], inputs[1], stats_rows)
+        shape = roofline.Shape(N, D, args.V, K, args.dtype.itemsize)
+        by_impl = {}
+        for impl in args.impls:
+            if impl in K_INDEPENDENT and impl in shared:
+                by_impl[impl] = {**shared[impl], "measured_at_K": args.K[0]}
+                continue
+            by_impl[impl] = measure(impl, inputs, args.repeats, args.warmup, device, args.gate_rows, dist)
+            add_rates(by_impl[impl], impl, shape, floor, rates, stats["tokens_per_row_p_ge_2^-12"])
+            if impl in K_INDEPENDENT:
+                shared[impl] = by_impl[impl]
+        row = {"dist": dist, "N": N, "D": D, "V": args.V, "K": K, "distribution": stats, "floor": floor,
+               "floor_predicted_s": roofline.bare_gemms(shape).predicted_s(rates), "impls": by_impl}
+        if device.type == "cpu":
+            row["rel_diff_vs_torch_path"] = compare_with_torch_path(inputs)
+        rows.append(row)
+        del inputs
+    return rows
+
+
+def compare_with_torch_path(inputs) -> dict:
     """Relative differences of the kernels (both backward modes) from the torch path: loss, dh, dW."""
     from fastdistill import sparse_jsd_loss
 
     fused_sparse_jsd = import_kernels()
-
     hidden, weight, ids, lps, mask = inputs
 
     def run(f):
@@ -303,137 +530,53 @@ def compare_with_torch_path(inputs, device: torch.device) -> dict:
     return out
 
 
-def add_rates(m: dict, N: int, D: int, V: int, peak_tflops: float | None) -> None:
-    """TFLOP/s counting 8·N·D·V for forward + backward, and MFU against the measured matmul peak."""
-    if m["status"] != "ok":
-        return
-    m["tflops"] = 8 * N * D * V / (m["fwd_s"] + m["bwd_s"]) / 1e12
-    m["mfu"] = m["tflops"] / peak_tflops if peak_tflops else None
-
-
-def fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def print_table(rows: list[dict]) -> None:
-    print(f"{'N':>6} {'D':>5} {'V':>6} {'K':>3}  {'impl':<12} {'fwd ms':>9} {'bwd ms':>9} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'peak MB':>9} {'loss':>12}")
-    for r in rows:
-        for impl, m in r["impls"].items():
-            head = f"{r['N']:>6} {r['D']:>5} {r['V']:>6} {r['K']:>3}  {impl:<12}"
-            if m["status"] != "ok":
-                print(f"{head} {m['status']}: {m.get('error', '')[:80]}")
-                continue
-            print(f"{head} {1e3 * m['fwd_s']:>9.2f} {1e3 * m['bwd_s']:>9.2f} {fmt(m.get('tflops'), '.1f'):>8} "
-                  f"{fmt(m.get('mfu') and 100 * m['mfu'], '.1f'):>5}% {fmt(m['peak_mb'], '.0f'):>9} "
-                  f"{m['loss']:>12.6g}")
-
-
-def machine_info(device: torch.device, peak_tflops: float | None) -> dict:
-    def version(pkg: str) -> str | None:
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
-            "bf16_matmul_peak_tflops": peak_tflops, "python": sys.version.split()[0],
-            "versions": {p: version(p) for p in ("torch", "triton", "trl", "liger-kernel", "cut-cross-entropy")},
-            "date": datetime.now(UTC).isoformat(timespec="seconds")}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--N", type=int, nargs="+", help="positions (GPU: 4096 16384; CPU / quick: 64)")
-    p.add_argument("--D", type=int, nargs="+", help="hidden sizes (GPU: 896 1536 3584; CPU / quick: 48)")
-    p.add_argument("--V", type=int, help="vocabulary size (GPU: 151936; CPU / quick: 512)")
-    p.add_argument("--K", type=int, nargs="+", help="teacher top-K, K+1 slots per row (GPU: 8 64; CPU / quick: 8)")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, help=f"default GPU {GPU_IMPLS}, CPU {CPU_IMPLS}")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--quick", action="store_true", help="one tiny config, one timed repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the median is reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (Triton compiles here)")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
-    p.add_argument("--gate-rows", type=int, help="rows of the correctness gate (default: GPU 256, CPU 32; >= 1)")
-    args = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    args.gate_rows = args.gate_rows or GATE_ROWS["cuda" if cuda else "cpu"]
-    if args.gate_rows < 1:
-        p.error("--gate-rows must be >= 1: the benchmark does not time unchecked implementations")
-    small = args.quick or not cuda
-    args.N = args.N or ([512] if args.quick and cuda else [64] if small else [4096, 16384])
-    args.D = args.D or ([896] if args.quick and cuda else [48] if small else [896, 1536, 3584])
-    args.V = args.V or (151936 if cuda else 512)
-    args.K = args.K or ([8] if small else [8, 64])
-    args.impls = args.impls or list(GPU_IMPLS if cuda else CPU_IMPLS)
-    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
-    if args.quick:
-        args.repeats, args.warmup = 1, min(args.warmup, 1)
-    return args
-
-
-def roofline_shapes(args: argparse.Namespace, cuda: bool) -> list[tuple[int, int, int, int]]:
-    """``(N, D, V, S)`` for the roofline model: the run's configs on a GPU, the GPU sweep's otherwise."""
-    if cuda:
-        return [(N, D, args.V, K + 1) for D in args.D for N in args.N for K in args.K]
-    return [(N, 3584, 151936, K + 1) for N in (4096, 16384) for K in (8, 64)]
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run the sweep, print the table, write the JSON; returns the exit status (1: an ours-* row is not ok)."""
+    """Run the sweep (or only the prediction), print the tables, write the JSON; returns the exit status (1: an
+    ours-* row is not ok)."""
     args = parse_args(argv)
+    settings = {k: (str(v).removeprefix("torch.") if k == "dtype" else v) for k, v in vars(args).items() if k != "json"}
+    if args.predict_only:
+        result = {"settings": settings, "predicted": print_predicted(roofline.H200_RECORDED)}
+        return write_json(args.json, result, 0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before fastdistill_kernels (and its @triton.jit) loads
     if any(impl in OURS for impl in args.impls):
         import_kernels()  # fail before any measurement, not after a sweep
-    peak = matmul_peak_tflops(device) if device.type == "cuda" else None
-    rows = []
-    for D in args.D:
-        for N in args.N:
-            shared: dict[str, dict] = {}
-            for K in args.K:
-                inputs = make_inputs(N, D, args.V, K, args.dtype, device)
-                by_impl = {}
-                for impl in args.impls:
-                    if impl in K_INDEPENDENT and impl in shared:
-                        by_impl[impl] = {**shared[impl], "measured_at_K": args.K[0]}
-                        continue
-                    by_impl[impl] = measure(impl, inputs, args.repeats, args.warmup, device, args.gate_rows)
-                    add_rates(by_impl[impl], N, D, args.V, peak)
-                    if impl in K_INDEPENDENT:
-                        shared[impl] = by_impl[impl]
-                row = {"N": N, "D": D, "V": args.V, "K": K, "impls": by_impl}
-                if device.type == "cpu":
-                    row["rel_diff_vs_torch_path"] = compare_with_torch_path(inputs, device)
-                rows.append(row)
-                del inputs
-    print(f"device: {machine_info(device, peak)['device']}; bf16 matmul peak: {fmt(peak, '.0f')} TFLOP/s; "
-          f"dtype {str(args.dtype).removeprefix('torch.')}")
+    rates = measure_ceilings(device, args.dtype)
+    stats_rows = STATS_ROWS[device.type]
+    rows = [r for dist in args.dists for D in args.D for N in args.N
+            for r in run_config(args, device, rates, N, D, dist, stats_rows)]
+    print(f"device: {machine_info(device, rates)['device']}; ceilings {rates.source}; "
+          f"dtype {str(args.dtype).removeprefix('torch.')}; {args.repeats} repeats after {args.warmup} warm-ups")
+    for r in rows:
+        s = r["distribution"]
+        print(f"inputs {r['dist']} N={r['N']} D={r['D']} K={r['K']}: mean entropy {s['mean_entropy_nats']:.2f} nats, "
+              f"{s['tokens_per_row_p_ge_2^-12']:.1f} tokens per row at p >= 2^-12, mean p_max {s['mean_p_max']:.3f}")
     print_table(rows)
     for r in rows:
         if "rel_diff_vs_torch_path" in r:
-            print(f"N={r['N']} D={r['D']} K={r['K']} kernels vs torch path (max rel. diff): "
+            print(f"{r['dist']} N={r['N']} D={r['D']} K={r['K']} kernels vs torch path (max rel. diff): "
                   f"{json.dumps(r['rel_diff_vs_torch_path'])}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from roofline import print_roofline, roofline_rows
+    result = {"machine": machine_info(device, rates), "settings": settings, "rows": rows}
+    # the three heads predicted: with this call's ceilings on a GPU; without one, from the H200's recorded rates
+    result["predicted"] = print_predicted(rates if device.type == "cuda" else roofline.H200_RECORDED)
+    return write_json(args.json, result, report_ours_failures(rows))
 
-    roofline = roofline_rows(roofline_shapes(args, device.type == "cuda"), elem_bytes=args.dtype.itemsize)
-    print_roofline(roofline)
-    settings = {k: (str(v).removeprefix("torch.") if k == "dtype" else v) for k, v in vars(args).items() if k != "json"}
-    result = {"machine": machine_info(device, peak), "settings": settings, "rows": rows, "roofline": roofline}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.json}")
-    return report_ours_failures(rows)
+
+def write_json(path: Path, result: dict, status: int) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return status
 
 
 def report_ours_failures(rows: list[dict]) -> int:
     """Print every ours-* measurement that is not ok to stderr; 1 if there is one, else 0."""
     bad = [(r, impl, m) for r in rows for impl, m in r["impls"].items() if impl in OURS and m["status"] != "ok"]
     for r, impl, m in bad:
-        print(f"ERROR: {impl} at N={r['N']} D={r['D']} V={r['V']} K={r['K']}: {m['status']}: {m.get('error', '')}",
-              file=sys.stderr)
+        print(f"ERROR: {impl} at {r.get('dist', 'random')} N={r['N']} D={r['D']} V={r['V']} K={r['K']}: "
+              f"{m['status']}: {m.get('error', '')}", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -16,9 +16,10 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       TRITON_INTERPRET: the compiled kernels on the GPU
                       against the torch path and the float64 reference, every backward mode and dtype. Its gate:
                       every ``test_compiled_*`` test ran and passed.
-  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 (the Qwen shape) against TRL, Liger and
-                      CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside Liger), each
-                      behind its correctness gate (an implementation that disagrees is not timed).
+  bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 (the Qwen shape), random and peaked inputs,
+                      against TRL, Liger and CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside
+                      Liger), each behind its correctness gate; the three bare GEMMs and both ceilings of the
+                      prediction (matmul rate, copy bandwidth) measured in the same run; 10 repeats after 5 warm-ups.
   train-step          ``bench_train_step.py``: the trainer's own step (``AsyncDistillationTrainer``, one process,
                       bf16 autocast) at the Qwen2.5-0.5B and -1.5B shapes from a teacher cache written in-process,
                       K=8 and 32, loss backends auto and torch: its phase split, MFU, peak memory
@@ -27,7 +28,8 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       peak memory and MFU with the last recorded GPU run. Dry run: the tiny CPU rehearsal.
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
                       row (position_ids restarting per sample, no attention mask) against each sample alone.
-  bench-16384         the same benchmark at N=16384, K=8 and K=64 (Liger and CCE measured once).
+  bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the filter variant (Liger, CCE
+                      and the dense rows measured once per distribution).
   vllm-sync           optional, only when vllm is importable: a real GPU vLLM student server on the same GPU and a
                       weight push into it, checked through served log-probs. vLLM's ``ipc`` weight-transfer backend
                       (the only one that puts trainer and server on one device: NCCL cannot put two ranks on one
@@ -83,11 +85,17 @@ DEFAULT_VENV = ROOT / ".venv-gpu-check"
 BENCH_D, BENCH_V = 3584, 152064
 BENCH_IMPLS = ("ours-det", "ours-fused", "ours-filter", "ours-chunked", "ours-dense", "ours-dense-chunked", "trl",
                "liger", "cce")
-BENCH_SHAPES = {"bench-4096": ([4096], [8]), "bench-16384": ([16384], [8, 64])}
+BENCH_REPEATS, BENCH_WARMUP = 10, 5
+# Each benchmark step: its N, its K and its implementations (both input distributions, bench_inputs.DISTRIBUTIONS).
+BENCH_STEPS = {
+    "bench-4096": {"N": [4096], "K": [8], "impls": BENCH_IMPLS},
+    "bench-16384": {"N": [16384], "K": [8, 64],
+                    "impls": tuple(i for i in BENCH_IMPLS if i not in ("trl", "ours-filter"))},
+}
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds), in the order the steps run (by value); the global budget cuts them further.
 STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150,
-               "train-step": 240, "packed-attention": 45, "bench-16384": 150, "vllm-sync": 120}
+               "train-step": 240, "packed-attention": 45, "bench-16384": 180, "vllm-sync": 120}
 KIT_INSTALL_LIMIT_S = 60  # unpacking ~3 MiB of wheels and an import probe, instead of building a venv
 STEPS = tuple(STEP_LIMITS)
 KERNEL_TEST_WORKERS = 8  # pytest-xdist processes for the compiled tests (compiles in parallel), where it is there
@@ -97,7 +105,7 @@ MIN_STEP_S = 15  # a step with less time than this left is skipped
 RESERVE_S = 5  # kept for writing the JSON
 TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
 GPU_KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_chunked.py", "tests/test_kernels_dense.py")
-DRY_RUN_KERNEL_TESTS = "auto_keeps or device_guard or mixed_addmm_detection or not_marked_validated"
+DRY_RUN_KERNEL_TESTS = "auto_backend_keeps or device_guard or mixed_addmm_detection or op_rejects_bad_settings"
 IPC_NOTE = ("fastdistill's weight sync (VLLMWeightSync) supports the 'gloo' and 'nccl' backends, not vLLM's 'ipc' "
             "backend; NCCL cannot put two ranks on one GPU, so the same-GPU check pushes over gloo (CPU staging).")
 
@@ -307,14 +315,15 @@ def step_kernel_tests(ctx: Context, timeout_s: float) -> dict:
 
 
 def bench_command(ctx: Context, name: str, out: Path) -> list[str]:
-    """bench_kernels.py for step ``name`` (dry run: the CPU interpreter smoke config)."""
+    """bench_kernels.py for step ``name`` (dry run: the CPU interpreter smoke config, both distributions)."""
     cmd = [ctx.python, str(ROOT / "benchmarks" / "bench_kernels.py"), "--json", str(out)]
-    if ctx.args.dry_run:  # the interpreter: tiny, one kernel variant, no repeats
-        return [*cmd, "--quick", "--impls", "ours-det", "torch", "--N", "32", "--D", "32", "--V", "256", "--K", "4",
-                "--repeats", "1", "--warmup", "0", "--gate-rows", "16"]
-    n, k = BENCH_SHAPES[name]
-    return [*cmd, "--N", *map(str, n), "--D", str(BENCH_D), "--V", str(BENCH_V), "--K", *map(str, k),
-            "--impls", *BENCH_IMPLS, "--repeats", "2", "--warmup", "1", "--dtype", "bfloat16"]
+    if ctx.args.dry_run:  # the interpreter: tiny, one timed repeat
+        return [*cmd, "--quick", "--impls", "ours-det", "ours-chunked", "torch", "--N", "32", "--D", "32", "--V",
+                "256", "--K", "4", "--repeats", "1", "--warmup", "0", "--gate-rows", "16"]
+    spec = BENCH_STEPS[name]
+    return [*cmd, "--N", *map(str, spec["N"]), "--D", str(BENCH_D), "--V", str(BENCH_V), "--K", *map(str, spec["K"]),
+            "--impls", *spec["impls"], "--repeats", str(BENCH_REPEATS), "--warmup", str(BENCH_WARMUP),
+            "--dtype", "bfloat16"]
 
 
 def step_bench(ctx: Context, name: str, timeout_s: float) -> dict:
@@ -324,9 +333,11 @@ def step_bench(ctx: Context, name: str, timeout_s: float) -> dict:
     res = run_command(bench_command(ctx, name, out), timeout_s, env=env)
     data = json.loads(out.read_text()) if out.exists() else {}
     rows = data.get("rows", [])
-    summary = {f"N={r['N']} K={r['K']} {impl}": m["status"] for r in rows for impl, m in r["impls"].items()}
+    summary = {f"{r.get('dist', 'random')} N={r['N']} K={r['K']} {impl}": m["status"]
+               for r in rows for impl, m in r["impls"].items()}
     status = "ok" if res["rc"] == 0 and rows else ("timeout" if res["timed_out"] else "failed")
-    return {"status": status, "summary": summary, "machine": data.get("machine"), "rows": rows, **res}
+    return {"status": status, "summary": summary, "machine": data.get("machine"), "rows": rows,
+            "predicted": data.get("predicted"), **res}
 
 
 def step_worker(ctx: Context, name: str, timeout_s: float) -> dict:
@@ -374,7 +385,7 @@ def run_step(ctx: Context, name: str) -> dict:
         return step_install(ctx, timeout_s)
     if name == "kernel-tests":
         return step_kernel_tests(ctx, timeout_s)
-    if name.startswith("bench-"):
+    if name in BENCH_STEPS:
         if ctx.args.dry_run and name != "bench-4096":
             return {"status": "skipped", "detail": "dry run: one CPU smoke config only"}
         return step_bench(ctx, name, timeout_s)

@@ -22,6 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATION_MODULE = ROOT / "kernels" / "fastdistill_kernels" / "validation.py"
 FLAG = "KERNELS_VALIDATED_ON_GPU"
@@ -123,7 +126,13 @@ def verdict(results: dict, commit: str | None = None) -> str:
 
 
 def _ms(m: dict) -> str:
-    return f"{1e3 * (m['fwd_s'] + m['bwd_s']):.2f}" if m.get("status") == "ok" else "–"
+    """min / median / max of forward + backward in one window (older records: the median of fwd + bwd)."""
+    if m.get("status") != "ok":
+        return "–"
+    s = m.get("spread_s")
+    if s:
+        return f"{1e3 * s['min']:.1f} / **{1e3 * s['median']:.1f}** / {1e3 * s['max']:.1f}"
+    return f"{1e3 * (m['fwd_s'] + m['bwd_s']):.2f}"
 
 
 def _gate(m: dict) -> str:
@@ -134,22 +143,102 @@ def _gate(m: dict) -> str:
     return f"{'pass' if gate.get('ok') else '**fail**'} ({worst:.1e})"
 
 
+def _num(x, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "–" if x is None else f"{scale * x:{spec}}{suffix}"
+
+
+BENCH_HEADER = ["| step | inputs | N | D | V | K | impl | fwd+bwd ms min / **median** / max | fwd / bwd ms | × GEMMs | "
+                "predicted ms (measured ÷ predicted) | useful TFLOP/s | MFU: rate / 989 | peak MiB (predicted) | "
+                "gate (max rel. diff) |",
+                "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+
+def _total_s(m: dict) -> float:
+    """Median forward + backward seconds of a measured row (older records: median fwd + median bwd)."""
+    return m["total_s"] if "total_s" in m else m["fwd_s"] + m["bwd_s"]
+
+
+def bench_rows(name: str, r: dict, rate: float | None) -> list[str]:
+    """The markdown rows of one benchmark configuration: its bare-GEMM floor, then every implementation. Useful
+    TFLOP/s and MFU are computed here from the shape (``roofline.useful_flops``) and ``rate`` (FLOP/s, the matmul
+    rate measured in the same call), so older records read the same way."""
+    head = f"| {name} | {r.get('dist', 'random')} | {r['N']} | {r['D']} | {r['V']} | {r['K']} |"
+    lines = []
+    floor = r.get("floor")
+    if floor:
+        pred = r.get("floor_predicted_s")
+        lines.append(f"{head} three bare GEMMs | {_ms({'status': 'ok', 'spread_s': floor['total']})} | "
+                     f"{1e3 * floor['logits_s']:.1f} + {1e3 * floor['dh_s']:.1f} + {1e3 * floor['dW_s']:.1f} | 1.00 | "
+                     f"{_num(pred, '.1f', 1e3)} ({_num(pred and floor['three_s'] / pred, '.2f')}) | | | | |")
+    for impl, m in r["impls"].items():
+        ok = m.get("status") == "ok"
+        if not ok:
+            lines.append(f"{head} {impl} | {m.get('status')} | | | | | | | {_gate(m)} |")
+            continue
+        split = f"{1e3 * m['fwd_s']:.1f} / {1e3 * m['bwd_s']:.1f}"
+        x_floor = _num(m.get("x_floor"), ".2f") + (" (4)" if m.get("floor") == "four GEMMs" else "")
+        pred = f"{_num(m.get('predicted_s'), '.1f', 1e3)} ({_num(m.get('measured_over_predicted'), '.2f')})"
+        if m.get("predicted_s") is None:
+            pred = "–"
+        useful = roofline.useful_flops(roofline.Shape(r["N"], r["D"], r["V"], r["K"]),
+                                       impl in roofline.DENSE_TEACHER_IMPLS) / _total_s(m)
+        mfu = (f"{_num(rate and useful / rate, '.0f', 100, '%')} / "
+               f"{_num(useful / roofline.DATASHEET_BF16_FLOPS, '.0f', 100, '%')}")
+        peak = f"{_num(m.get('peak_mb'), ',.0f')} ({_num(m.get('predicted_peak_mb'), ',.0f')})"
+        lines.append(f"{head} {impl} | {_ms(m)} | {split} | {x_floor} | {pred} | {useful / 1e12:.0f} | "
+                     f"{mfu} | {peak} | {_gate(m)} |")
+    return lines
+
+
 def bench_table(results: dict) -> str:
-    """Markdown: one row per benchmark configuration and implementation — forward + backward time, peak memory
-    beyond the inputs, TFLOP/s (8·N·D·V), MFU against the bf16 matmul rate measured in the same call, the gate."""
-    lines = ["| step | N | D | V | K | impl | fwd+bwd ms | peak MB | TFLOP/s | MFU | gate (max rel. diff) |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    """Markdown: per benchmark configuration and input distribution, the three bare GEMMs (the floor) and each
+    implementation: forward + backward time (spread), the split, the ratio to the floor (four GEMMs for a dense
+    teacher, marked (4)), the predicted time and measured ÷ predicted, useful TFLOP/s (6·N·D·V, + 2·N·D·V for a dense
+    teacher), MFU against the matmul rate measured in the same call and the 989 TFLOP/s datasheet, peak memory beyond
+    the inputs beside its prediction, the gate."""
+    lines = list(BENCH_HEADER)
     for name in BENCH_STEPS:
         step = results.get("steps", {}).get(name, {})
+        tflops = (step.get("machine") or {}).get("bf16_matmul_peak_tflops")
         for r in step.get("rows", []):
-            for impl, m in r["impls"].items():
-                ok = m.get("status") == "ok"
-                peak = f"{m['peak_mb']:.0f}" if ok and m.get("peak_mb") is not None else "–"
-                tf = f"{m['tflops']:.1f}" if ok and m.get("tflops") else "–"
-                mfu = f"{100 * m['mfu']:.1f}%" if ok and m.get("mfu") else "–"
-                lines.append(f"| {name} | {r['N']} | {r['D']} | {r['V']} | {r['K']} | {impl} | {_ms(m)} | {peak} | "
-                             f"{tf} | {mfu} | {_gate(m)} |")
+            lines.extend(bench_rows(name, r, tflops and tflops * 1e12))
     return "\n".join(lines)
+
+
+def inputs_lines(results: dict) -> list[str]:
+    """One line per benchmark step and distribution: the measured ceilings, and what the inputs look like."""
+    out = []
+    for name in BENCH_STEPS:
+        step = results.get("steps", {}).get(name, {})
+        machine = step.get("machine") or {}
+        if machine.get("copy_gbytes_per_s"):
+            out.append(f"- {name}: {machine.get('rates_source')}; {machine.get('datasheet_bf16_tflops', 989):.0f} "
+                       "TFLOP/s datasheet.")
+        seen = set()
+        for r in step.get("rows", []):
+            s, key = r.get("distribution"), (r.get("dist"), r["N"])
+            if s and key not in seen:
+                seen.add(key)
+                out.append(f"- {name} {r.get('dist')} inputs (N={r['N']}): mean entropy {s['mean_entropy_nats']:.2f} "
+                           f"nats, {s['tokens_per_row_p_ge_2^-12']:.1f} tokens per row at p ≥ 2⁻¹², mean p_max "
+                           f"{s['mean_p_max']:.2f}.")
+    return out
+
+
+SKIP_KEYS = ("status", "cmd", "output_tail", "rows", "summary", "machine", "predicted", "install", "versions",
+             "commands", "planned", "counts", "compiled", "rc", "timed_out", "seconds", "notes")
+
+
+def step_lines(results: dict) -> list[str]:
+    """One line per step: status, seconds, and its scalar numbers (any step, future ones included)."""
+    out = []
+    for name, s in results.get("steps", {}).items():
+        facts = {k: v for k, v in s.items() if k not in SKIP_KEYS and isinstance(v, (int, float, str, bool))
+                 and v != "" and not (isinstance(v, str) and len(v) > 200)}
+        numbers = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in facts.items())
+        secs = f" ({s['seconds']:.0f} s)" if isinstance(s.get("seconds"), (int, float)) else ""
+        out.append(f"- {name}: **{s.get('status')}**{secs}" + (f"; {numbers}" if numbers else ""))
+    return out
 
 
 def markdown_section(results: dict, commit: str | None = None) -> str:
@@ -160,27 +249,41 @@ def markdown_section(results: dict, commit: str | None = None) -> str:
     peak = machine.get("bf16_matmul_peak_tflops")
     kt = steps.get("kernel-tests", {})
     compiled = kt.get("compiled", {})
-    step_line = ", ".join(f"{n} {s['status']}" + (f" ({s['seconds']:.0f} s)" if s.get("seconds") else "")
-                          for n, s in steps.items())
+    predicted = next((s["predicted"] for n in BENCH_STEPS if (s := steps.get(n, {})).get("predicted")), None)
     return "\n".join([
         SECTION_START,
         f"## One-call GPU check — `benchmarks/gpu_check.py` ({results.get('date', '?')[:10]})",
         "",
         f"GPU: {gpus[0]}. bf16 matmul rate measured in the same call: "
-        f"{f'{peak:.0f} TFLOP/s' if peak else '–'} (MFU below is against it). Versions: "
-        f"{json.dumps(machine.get('versions', {}))}. Whole check {results.get('elapsed_s', '?')} s of a "
-        f"{results.get('budget_s', '?')} s budget; steps: {step_line}.",
+        f"{f'{peak:.0f} TFLOP/s' if peak else '–'} (MFU below: against it / against the 989 TFLOP/s datasheet). "
+        f"Versions: {json.dumps(machine.get('versions', {}))}. Whole check {results.get('elapsed_s', '?')} s of a "
+        f"{results.get('budget_s', '?')} s budget. Steps:",
+        "",
+        *step_lines(results),
         "",
         f"Compiled-kernel tests: {compiled.get('passed', 0)} of {compiled.get('tests', 0)} passed "
-        f"({kt.get('status', 'not run')}).",
+        f"({kt.get('status', 'not run')}). Benchmark ceilings and inputs:",
+        "",
+        *inputs_lines(results),
         "",
         bench_table(results),
         "",
+        *([f"Predicted at three lm_heads (`benchmarks/roofline.py`) with {predicted['rates']}:", "",
+           predicted_table(predicted["rows"]), ""] if predicted else []),
         "```",
         verdict(results, commit),
         "```",
         SECTION_END,
     ])
+
+
+def predicted_table(rows: list[dict]) -> str:
+    """Markdown of ``roofline.predicted_rows``: predicted ms, × the predicted floor, MFU, peak memory."""
+    lines = ["| head | impl | predicted ms | × floor | MFU: rate / 989 | peak MiB |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['head']} | {r['impl']} | {r['ms']:.1f} | {r['x_floor']:.2f} | "
+                     f"{100 * r['mfu_measured_rate']:.0f}% / {100 * r['mfu_datasheet']:.0f}% | {r['peak_mib']:,.0f} |")
+    return "\n".join(lines)
 
 
 def update_results(path: Path, section: str) -> None:

@@ -1,106 +1,381 @@
-"""A roofline model of the two designs of the fused loss, for shapes no GPU has measured yet.
+"""The one home of the lm_head loss's cost formulas: per implementation, the FLOPs it does, the useful FLOPs, the
+HBM bytes it moves outside its GEMMs, and the memory it holds beyond its inputs; and the predicted time.
 
-Counts are per forward + backward over N positions, hidden size D, vocabulary V, S candidate slots, with operands of
-``elem_bytes`` bytes (2 for bf16) and fp32 gradients of the weight:
+Shapes: N positions, hidden size D, vocabulary V, S = K + 1 candidate slots, operands of ``e`` bytes (2: bf16); a
+dense teacher has its own head (D_t, V_t). Sizes used below: W = V·D·e (a weight or its gradient in the operand
+dtype), W32 = V·D·4, H = N·D·e, H32 = N·D·4, and a logits chunk of C rows C·V·e (or ·4 in fp32).
 
-- ``no-logits``: fastdistill's kernels. The forward streams W once per row block (BN rows) and keeps online
-  log-sum-exp statistics; the backward recomputes each logit tile and accumulates dh and dW from it. Matmul FLOPs:
-  2·N·D·V (forward) + 2·N·D·V (recompute) + 2·N·D·V (dh) + 2·N·D·V (dW) = 8·N·D·V. No N×V tensor exists.
-- ``chunked-logits``: the design Liger and fastdistill's torch path use — a GEMM writes a chunk of C rows of logits,
-  one pass over the chunk computes the loss and its logit gradient in place, two GEMMs give dh and dW. Matmul FLOPs:
-  6·N·D·V; the chunk's logits are written, read, overwritten with their gradient and read twice (dh, dW).
+- Useful FLOPs: the lm_head's forward and backward, 6·N·D·V (logits, dL/dh, dL/dW), plus 2·N·D_t·V_t for a dense
+  teacher's logits. A design that recomputes the logits in its backward does 8·N·D·V: the recomputation is
+  overhead, not useful work, so MFU divides the useful FLOPs only.
+- Predicted time = GEMM FLOPs / matmul rate + bytes / copy bandwidth, both measured in the same call (or the rates
+  of :data:`H200_RECORDED`). The GEMMs' own operand reads and output writes are inside the matmul rate (at these
+  shapes a GEMM is compute-bound); ``bytes`` counts every other pass over memory: the elementwise passes over
+  logits chunks, the read-modify-write of accumulators, zero fills and casts.
+- Memory: the named buffers alive at the peak (forward or backward, whichever is larger), beyond the inputs,
+  gradients included; :func:`memory_lines` prints the arithmetic.
 
-Bytes are HBM traffic under the stated reuse (W re-read once per row block or chunk: it does not fit in L2 at the
-shapes that matter; hidden states read once per pass); they are estimates, not measurements. Time on a device is
-``max(FLOPs / peak FLOP/s, bytes / peak bytes/s)``.
+The designs are those of the kernels as committed (``ours-*``, ``torch``), plus the 17cb676 chunked design (its
+H200 measurement calibrates the model), the three bare GEMMs (the floor) and Cut Cross-Entropy.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# Dense bf16 tensor-core peak and HBM bandwidth of the GPUs this project targets (vendor figures).
-DEVICES = {
-    "H200": (989e12, 4.8e12),
-    "H100-SXM": (989e12, 3.35e12),
-    "A100-SXM-80GB": (312e12, 2.04e12),
-}
+DATASHEET_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 tensor-core peak (vendor datasheet)
+MiB = 2**20
 
 
 @dataclass(frozen=True)
-class DesignCost:
-    """One design at one shape: matmul FLOPs, HBM bytes and the peak extra memory it holds (bytes)."""
+class Rates:
+    """The two ceilings a prediction divides by, and where they come from."""
 
-    design: str
-    flops: float
+    matmul_flops: float  # bf16 (or the run's dtype) GEMM FLOP/s
+    copy_bytes: float  # bytes/s of a device-to-device copy (read + write counted)
+    source: str
+    matmul_fp32_flops: float | None = None  # fp32 GEMMs (the torch path computes in fp32); None: matmul_flops
+
+
+# The H200 of the 2026-12-04 run (torch 2.11, cuBLAS): its two torch.mm (8192³, bf16) rates were 736.8 and
+# 775.0 TFLOP/s (the mean below); the three bare GEMMs at the Qwen2.5-7B head ran at ≈ 700 TFLOP/s. That run measured
+# no copy bandwidth and no fp32 GEMM: those two are datasheet figures (HBM3e 4.8 TB/s, fp32 67 TFLOP/s), upper
+# bounds, so the predicted byte and fp32 terms are optimistic.
+H200_RECORDED = Rates(matmul_flops=756e12, copy_bytes=4.8e12, matmul_fp32_flops=67e12,
+                      source="H200 recorded 2026-12-04: bf16 torch.mm 756 TFLOP/s measured (mean of 737, 775); "
+                             "copy 4.8 TB/s and fp32 67 TFLOP/s from the datasheet (not measured)")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One loss call: N rows, hidden D, vocabulary V, K teacher candidates, ``elem_bytes`` per operand; a dense
+    teacher's head (D_t, V_t) defaults to the student's."""
+
+    N: int
+    D: int
+    V: int
+    K: int = 8
+    elem_bytes: int = 2
+    D_t: int | None = None
+    V_t: int | None = None
+
+    @property
+    def S(self) -> int:
+        return self.K + 1
+
+    @property
+    def teacher(self) -> tuple[int, int]:
+        return (self.D_t or self.D, self.V_t or self.V)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One implementation at one shape. ``gemm_flops`` (all matmul FLOPs done), ``gemm_fp32_flops`` (the part done
+    by fp32 GEMMs), ``useful_flops``, ``bytes`` (HBM traffic outside the GEMMs) and ``memory`` (named buffers alive
+    at the peak, bytes)."""
+
+    impl: str
+    gemm_flops: float
+    useful_flops: float
     bytes: float
-    extra_memory: float
+    memory: dict[str, float] = field(default_factory=dict)
+    gemm_fp32_flops: float = 0.0
+    note: str = ""
 
-    def seconds(self, peak_flops: float, peak_bytes_per_s: float) -> float:
-        """The roofline time: bound by compute or by memory traffic, whichever is slower."""
-        return max(self.flops / peak_flops, self.bytes / peak_bytes_per_s)
+    def predicted_s(self, rates: Rates) -> float:
+        """GEMM FLOPs over the matmul rate (fp32 GEMMs over the fp32 rate) plus bytes over the copy bandwidth."""
+        fp32_rate = rates.matmul_fp32_flops or rates.matmul_flops
+        return ((self.gemm_flops - self.gemm_fp32_flops) / rates.matmul_flops
+                + self.gemm_fp32_flops / fp32_rate + self.bytes / rates.copy_bytes)
 
-    def arithmetic_intensity(self) -> float:
-        """FLOPs per byte of HBM traffic."""
-        return self.flops / self.bytes
-
-
-def no_logits_cost(N: int, D: int, V: int, S: int, *, elem_bytes: int = 2, block_rows: int = 128) -> DesignCost:
-    """fastdistill's kernels: W streamed once per row block in the forward and again in the backward; dW
-    accumulated in fp32 (read and written once per row block of the backward)."""
-    row_blocks = math.ceil(N / block_rows)
-    weight = V * D * elem_bytes
-    hidden = N * D * elem_bytes
-    stats = N * (S + 4) * 4  # candidate logits and the per-row statistics, fp32
-    forward = row_blocks * weight + hidden + stats
-    backward = row_blocks * weight + hidden + stats + N * D * 4 + row_blocks * V * D * 4 * 2  # dh, dW read+write
-    return DesignCost("no-logits", 8.0 * N * D * V, float(forward + backward), float(V * D * 4 + N * D * 4))
+    @property
+    def peak_memory(self) -> float:
+        return float(sum(self.memory.values()))
 
 
-def chunked_logits_cost(N: int, D: int, V: int, S: int, *, elem_bytes: int = 2, chunk_rows: int = 4096
-                        ) -> DesignCost:
-    """The chunked-logits design: per chunk of C rows, W is read by three GEMMs (logits, dh, dW) and the C×V logits
-    (in ``elem_bytes``) are written, read, rewritten as their gradient and read by the two gradient GEMMs; dW
-    accumulates in fp32 across chunks."""
-    chunks = math.ceil(N / chunk_rows)
-    weight = V * D * elem_bytes
-    logits = N * V * elem_bytes
-    hidden = N * D * elem_bytes
-    traffic = (3 * chunks * weight + 5 * logits + 2 * hidden + N * D * 4 + chunks * V * D * 4 * 2
-               + N * (S + 4) * 4)
-    extra = min(chunk_rows, N) * V * elem_bytes + V * D * 4 + N * D * 4
-    return DesignCost("chunked-logits", 6.0 * N * D * V, float(traffic), float(extra))
+def useful_flops(s: Shape, dense_teacher: bool = False) -> float:
+    """6·N·D·V (+ 2·N·D_t·V_t for a dense teacher's logits)."""
+    d_t, v_t = s.teacher
+    return 6.0 * s.N * s.D * s.V + (2.0 * s.N * d_t * v_t if dense_teacher else 0.0)
 
 
-def roofline_rows(shapes: list[tuple[int, int, int, int]], *, elem_bytes: int = 2) -> list[dict]:
-    """For each ``(N, D, V, S)``: both designs' FLOPs, bytes, intensity, extra memory and roofline time on every
-    device of :data:`DEVICES` (milliseconds)."""
+def _sizes(s: Shape) -> tuple[float, float, float, float]:
+    """(W, W32, H, H32) in bytes."""
+    return s.V * s.D * s.elem_bytes, s.V * s.D * 4.0, s.N * s.D * s.elem_bytes, s.N * s.D * 4.0
+
+
+# ---------------------------------------------------------------------------------------------------- the floor
+def bare_gemms(s: Shape, dense_teacher: bool = False) -> Cost:
+    """The floor: logits = h·Wᵀ, dL/dh = G·W, dL/dW = Gᵀ·h as three plain GEMMs (a dense teacher: four, its
+    logits too). Their outputs are the memory: the (N, V) logits (reused as G), dh, dW."""
+    W, _, H, _ = _sizes(s)
+    d_t, v_t = s.teacher
+    memory = {"logits (N, V)": s.N * s.V * s.elem_bytes, "dW": W, "dh": H}
+    if dense_teacher:
+        memory["teacher logits (N, V_t)"] = s.N * v_t * s.elem_bytes
+    name = "gemms-dense" if dense_teacher else "gemms"
+    return Cost(name, useful_flops(s, dense_teacher), useful_flops(s, dense_teacher), 0.0, memory)
+
+
+# ------------------------------------------------------------------------------------------ chunked logits designs
+CHUNK_ROWS_MAX, CHUNK_BYTES = 4096, 2**31  # logits_chunk.MAX_CHUNK_ROWS / DEFAULT_CHUNK_BYTES
+
+
+def chunk_rows(s: Shape, elem: int, chunk_bytes: int = CHUNK_BYTES, max_rows: int = CHUNK_ROWS_MAX) -> int:
+    """Rows per chunk: ≤ ``max_rows``, ≤ N, the (C, V) buffer of ``elem``-byte elements within ``chunk_bytes``."""
+    return max(1, min(max_rows, s.N, chunk_bytes // (s.V * elem)))
+
+
+def chunked_17cb676(s: Shape, dense_teacher: bool = False) -> Cost:
+    """The chunked design as measured on the H200 (commit 17cb676): per chunk of C ≤ 4096 rows a cuBLAS GEMM writes
+    the raw logits in the operand dtype, a Triton stats pass reads them, a grad pass rewrites them as dL/dx, dh and
+    dW GEMMs follow, dW accumulating into an fp32 (V, D) buffer (addmm: read + write per chunk). The backward
+    multiplies the saved gradients by the upstream scalar (a second fp32 dW) and casts dW to the operand dtype."""
+    W, W32, H, _ = _sizes(s)
+    C = chunk_rows(s, s.elem_bytes)
+    chunks = math.ceil(s.N / C)
+    logits = s.N * s.V * s.elem_bytes
+    passes = 3 * logits  # stats: read; grad: read + write
+    d_t, v_t = s.teacher
+    if dense_teacher:
+        passes += 2 * s.N * v_t * s.elem_bytes  # the teacher's logits read by both passes
+    dw_bytes = W32 + chunks * 2 * W32  # zero fill, then read + write per chunk
+    backward = 2 * H + 3 * W32 + W  # dh·g; dW·g (fp32 read, write) and the cast (fp32 read, bf16 write)
+    fwd_peak = W32 + C * s.V * s.elem_bytes + H + (C * v_t * s.elem_bytes if dense_teacher else 0)
+    bwd_peak = {"fp32 dW (saved)": W32, "fp32 dW·g": W32, "dW": W, "dh (saved)": H, "dh·g": H}
+    memory = bwd_peak if sum(bwd_peak.values()) >= fwd_peak else {"fp32 dW": W32, "logits chunk": fwd_peak - W32 - H,
+                                                                  "dh": H}
+    flops = useful_flops(s, dense_teacher)
+    name = "ours-dense-chunked@17cb676" if dense_teacher else "ours-chunked@17cb676"
+    return Cost(name, flops, flops, passes + dw_bytes + backward, memory, note=f"C={C}, {chunks} chunks")
+
+
+FP32_CHUNK_BYTES = 960 * 2**20  # logits_chunk.DEFAULT_CHUNK_BYTES now: the fp32 raw-logits buffer(s) of a chunk
+
+
+def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
+    """The chunked-logits design as the kernels hold it now (``logits_chunk.py`` / ``dense_chunk.py``): per chunk of
+    C rows a cuBLAS GEMM writes fp32 raw logits (C·V·4 bytes ≤ 960 MiB, both sides' buffers together for a dense
+    teacher), a Triton stats pass reads them, a grad pass reads them again and writes dL/dx in the operand dtype over
+    the first half of each row's fp32 storage; the dh GEMM writes dh[chunk], the dW GEMM accumulates in the operand
+    dtype (fp32 sums inside the GEMM: its read + write of dW for every chunk after the first). No fp32 (V, D)
+    buffer; the backward hands the gradients over (an upstream gradient of 1 costs no pass)."""
+    W, _, H, _ = _sizes(s)
+    _, v_t = s.teacher
+    row_bytes = 4 * (s.V + (v_t if dense_teacher else 0))
+    C = max(1, min(CHUNK_ROWS_MAX, s.N, FP32_CHUNK_BYTES // row_bytes))
+    chunks = math.ceil(s.N / C)
+    passes = 2 * s.N * row_bytes + s.N * s.V * s.elem_bytes  # two fp32 reads of the chunk(s), dL/dx written
+    dw_bytes = (chunks - 1) * 2 * W
+    buffer = "fp32 logits chunks (student, teacher)" if dense_teacher else "fp32 logits chunk"
+    memory = {"dW": W, "dh": H, buffer: C * row_bytes}
+    flops = useful_flops(s, dense_teacher)
+    return Cost("ours-dense-chunked" if dense_teacher else "ours-chunked", flops, flops, passes + dw_bytes, memory,
+                note=f"C={C}, {chunks} chunks")
+
+
+# --------------------------------------------------------------------------------------------- no-logits designs
+BLOCK_ROWS, BLOCK_VOCAB, WORKSPACE_BYTES = 128, 128, 2**27  # config.TileConfig (GPU, half precision)
+WORKSPACE_BYTES_17CB676 = 2**28
+
+
+def deterministic_blocks(s: Shape) -> tuple[int, int]:
+    """``(rows per row block, vocabulary columns per chunk)`` of the deterministic backward (as
+    ``backward.deterministic_blocks``): a row block's fp32 dh accumulator takes at most half of the workspace
+    budget, its (rows, chunk) dL/dx workspace the rest."""
+    per_row = 4 * s.D
+    most = max(BLOCK_ROWS, (WORKSPACE_BYTES // 2) // per_row // BLOCK_ROWS * BLOCK_ROWS)
+    n_blocks = math.ceil(s.N / most)
+    rows = min(s.N, math.ceil(math.ceil(s.N / n_blocks) / BLOCK_ROWS) * BLOCK_ROWS)
+    tiles = math.ceil(s.V / BLOCK_VOCAB)
+    chunk_tiles = max(1, min(tiles, (WORKSPACE_BYTES - rows * per_row) // (rows * BLOCK_VOCAB * s.elem_bytes)))
+    return rows, chunk_tiles * BLOCK_VOCAB
+
+
+def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False) -> Cost:
+    """fastdistill's fused kernels: the forward keeps online statistics (no logits written), the backward recomputes
+    each logit tile (8·N·D·V; a dense teacher's logits twice: + 4·N·D_t·V_t). "deterministic": per row block and
+    vocabulary chunk (:func:`deterministic_blocks`) dL/dx goes into a workspace, cuBLAS GEMMs fold it into an fp32
+    dh block (read + write per chunk, rounded once) and into dW in the operand dtype (written by the first row
+    block, read + written by the others): no fp32 (V, D) buffer. "fused": fp32 atomics into fp32 dh and dW from
+    every (row block, vocabulary tile) program, then casts to the operand dtype."""
+    W, W32, H, H32 = _sizes(s)
+    d_t, v_t = s.teacher
+    flops = 8.0 * s.N * s.D * s.V + (4.0 * s.N * d_t * v_t if dense_teacher else 0.0)
+    if mode == "deterministic":
+        rows, cols = deterministic_blocks(s)
+        n_blocks, vchunks = math.ceil(s.N / rows), math.ceil(s.V / cols)
+        one_chunk = vchunks == 1
+        dh_bytes = 0 if one_chunk else H32 + vchunks * 2 * H32 + (H32 + H)  # zero, read + write per chunk, round
+        work = s.N * s.V * s.elem_bytes + dh_bytes + (n_blocks - 1) * 2 * W
+        memory = {"dW": W, "dh": H, "workspace": rows * min(cols, s.V) * s.elem_bytes}
+        if not one_chunk:
+            memory["fp32 dh block"] = rows * s.D * 4
+        note = f"{n_blocks} row blocks × {vchunks} vocabulary chunks"
+    else:
+        row_blocks, tiles = math.ceil(s.N / BLOCK_ROWS), math.ceil(s.V / BLOCK_VOCAB)
+        # zero fills, the atomics' read-modify-writes of dW and dh, the casts
+        work = (W32 + H32) + row_blocks * 2 * W32 + tiles * 2 * H32 + (W32 + W) + (H32 + H)
+        memory, note = {"fp32 dW": W32, "fp32 dh": H32, "dW": W, "dh": H}, "fp32 atomics"
+    name = "ours-dense" if dense_teacher else {"deterministic": "ours-det", "fused": "ours-fused"}[mode]
+    return Cost(name, flops, useful_flops(s, dense_teacher), work, memory, note=note)
+
+
+def no_logits_17cb676(s: Shape) -> Cost:
+    """The deterministic no-logits design as measured on the H200 (17cb676): per vocabulary chunk an (N, chunk)
+    workspace (≤ 256 MiB), dW[chunk] into an fp32 (V, D) buffer, dh accumulated in fp32 (N, D), both cast at the
+    end."""
+    W, W32, H, H32 = _sizes(s)
+    cols = max(BLOCK_VOCAB, WORKSPACE_BYTES_17CB676 // (s.N * s.elem_bytes) // BLOCK_VOCAB * BLOCK_VOCAB)
+    vchunks = math.ceil(s.V / cols)
+    work = s.N * s.V * s.elem_bytes + vchunks * 2 * H32 + (W32 + H32) + (W32 + W) + (H32 + H)
+    memory = {"fp32 dW": W32, "fp32 dh": H32, "dW": W, "dh": H}
+    return Cost("ours-det@17cb676", 8.0 * s.N * s.D * s.V, useful_flops(s), work, memory,
+                note=f"{vchunks} vocabulary chunks")
+
+
+# ------------------------------------------------------------------------------------------------- torch path
+TORCH_TILE_BYTES, TORCH_MAX_ROWS = 2**30, 4096  # fastdistill.loss.chunked.GPU_TILE_BYTES / GPU_MAX_CHUNK_ROWS
+TORCH_SCRATCH_BYTES = 2**27  # fastdistill.loss.chunked.GPU_SCRATCH_BYTES
+# Elementwise bytes per logit of a chunk, read off fastdistill.loss.chunked (fp32 tile): amax 4; per scratch block
+# sub 8, exp 8, sum 4, bmm 8; the dL/dz scale 8; the split into bf16 hi + lo (copy 6, subtract 10, copy 6) 22.
+TORCH_BYTES_PER_LOGIT = 62
+
+
+def torch_path(s: Shape) -> Cost:
+    """fastdistill's torch path on a GPU (bf16 inputs): per chunk of c ≤ 4096 rows a 1 GiB fp32 logits tile from a
+    bf16 GEMM with fp32 output, elementwise passes over it (:data:`TORCH_BYTES_PER_LOGIT`), dL/dz split into two
+    bf16 terms, each through the dh and dW GEMMs (10·N·D·V in all), fp32 dh and dW (dW: read + write for each
+    accumulating GEMM); the backward multiplies the saved fp32 gradients by the upstream gradient and casts them."""
+    W, W32, H, H32 = _sizes(s)
+    c = max(1, min(TORCH_MAX_ROWS, s.N, TORCH_TILE_BYTES // (s.V * 4)))
+    chunks = math.ceil(s.N / c)
+    backward = (3 * W32 + W) + (3 * H32 + H)  # g·saved (read, write), the cast (read, write)
+    work = s.N * s.V * TORCH_BYTES_PER_LOGIT + 2 * H32 + (2 * chunks - 1) * 2 * W32 + backward
+    tile = c * s.V * 4
+    forward = {"fp32 dW": W32, "fp32 dh": H32, "fp32 logits tile": tile,
+               "scratch": min(tile, TORCH_SCRATCH_BYTES), "bf16 hi + lo tiles": 2 * c * s.V * 2}
+    backward_peak = {"fp32 dW (saved)": W32, "fp32 dW·g": W32, "dW": W, "fp32 dh (saved)": H32, "dh": H}
+    memory = max(forward, backward_peak, key=lambda m: sum(m.values()))
+    return Cost("torch", 10.0 * s.N * s.D * s.V, useful_flops(s), work, memory,
+                note=f"split bf16 GEMMs, c={c}, {chunks} chunks")
+
+
+def torch_path_17cb676(s: Shape) -> Cost:
+    """The torch path as measured on the H200 (17cb676): everything in fp32 (a copy of W, fp32 GEMMs without tensor
+    cores) over chunks of c ≤ 256 rows whose fp32 tile fits 32 MiB, twelve elementwise passes over each tile; dW
+    accumulates in fp32 (read + write per chunk); the backward multiplies and casts the saved gradients."""
+    W, W32, H, H32 = _sizes(s)
+    c = max(1, min(256, s.N, 32 * 2**20 // (s.V * 4)))
+    chunks = math.ceil(s.N / c)
+    work = (W + W32) + 12 * s.N * s.V * 4.0 + (chunks - 1) * 2 * W32 + (2 * H32 + H) + (2 * W32 + W)
+    flops = 6.0 * s.N * s.D * s.V
+    memory = {"fp32 dW (saved)": W32, "fp32 dW·g": W32, "dW": W, "fp32 dh (saved)": H32, "dh": H}
+    return Cost("torch@17cb676", flops, useful_flops(s), work, memory, gemm_fp32_flops=flops,
+                note=f"fp32 GEMMs, c={c}, {chunks} chunks")
+
+
+# -------------------------------------------------------------------------------------------- Cut Cross-Entropy
+def kept_tile_share(tokens_per_row: float, V: int, tile: int = 128) -> float:
+    """Share of CCE's 128 × 128 backward tiles holding a gradient entry ≥ 2⁻¹² when each row has
+    ``tokens_per_row`` such entries at unrelated ids (the target among them): 1 − exp(−tile²·tokens/V)."""
+    return 1.0 - math.exp(-tile * tile * max(1.0, tokens_per_row) / V)
+
+
+def cut_cross_entropy(s: Shape, tokens_per_row: float = 1.0) -> Cost:
+    """Cut Cross-Entropy (``linear_cross_entropy``, one target): the forward's logits tiles stay on chip (2·N·D·V),
+    the backward recomputes them (2·N·D·V) and does the dh / dW products only for kept tiles
+    (:func:`kept_tile_share`; 4·N·D·V when all are kept). Memory: dh and dW in the operand dtype."""
+    W, _, H, _ = _sizes(s)
+    kept = kept_tile_share(tokens_per_row, s.V)
+    flops = s.N * s.D * s.V * (4.0 + 4.0 * kept)
+    return Cost("cce", flops, useful_flops(s), 0.0, {"dW": W, "dh": H}, note=f"{100 * kept:.0f} % tiles kept")
+
+
+# ------------------------------------------------------------------------------------------------- the table
+def impl_cost(impl: str, s: Shape, tokens_per_row: float = 1.0) -> Cost | None:
+    """The cost model of a benchmark implementation (None: not modelled, e.g. TRL's and Liger's own code)."""
+    models = {
+        "gemms": lambda: bare_gemms(s),
+        "gemms-dense": lambda: bare_gemms(s, dense_teacher=True),
+        "ours-chunked": lambda: chunked(s),
+        "ours-chunked@17cb676": lambda: chunked_17cb676(s),
+        "ours-det": lambda: no_logits(s, "deterministic"),
+        "ours-det@17cb676": lambda: no_logits_17cb676(s),
+        "ours-fused": lambda: no_logits(s, "fused"),
+        "ours-filter": lambda: no_logits(s, "fused"),  # an upper bound: the filter only skips work
+        "ours-dense": lambda: no_logits(s, "deterministic", dense_teacher=True),
+        "ours-dense-chunked": lambda: chunked(s, dense_teacher=True),
+        "ours-dense-chunked@17cb676": lambda: chunked_17cb676(s, dense_teacher=True),
+        "torch": lambda: torch_path(s),
+        "torch@17cb676": lambda: torch_path_17cb676(s),
+        "cce": lambda: cut_cross_entropy(s, tokens_per_row),
+    }
+    return models[impl]() if impl in models else None
+
+
+DENSE_TEACHER_IMPLS = ("gemms-dense", "ours-dense", "ours-dense-chunked", "ours-dense-chunked@17cb676", "liger")
+
+
+def floor_of(impl: str) -> str:
+    """The bare-GEMM floor a row is compared with: four GEMMs for a dense teacher, else three."""
+    return "gemms-dense" if impl in DENSE_TEACHER_IMPLS else "gemms"
+
+
+HEADS = {  # the lm_heads of the predicted table (N = 16384 rows, K = 8, bf16)
+    "Qwen2.5-7B": Shape(16384, 3584, 152064),
+    "Llama-3-8B": Shape(16384, 4096, 128256),
+    "Qwen2.5-0.5B": Shape(16384, 896, 152064),
+}
+PREDICTED_IMPLS = ("gemms", "ours-chunked", "ours-det", "ours-fused", "torch", "gemms-dense", "ours-dense-chunked",
+                   "ours-dense", "cce")
+
+
+def predicted_rows(heads: dict[str, Shape], rates: Rates, impls=PREDICTED_IMPLS, tokens_per_row: float = 5.0
+                   ) -> list[dict]:
+    """Per head and implementation: FLOPs, bytes, predicted ms, ratio to its bare-GEMM floor (predicted), MFU of the
+    useful FLOPs against the matmul rate and the datasheet, peak memory beyond the inputs."""
     rows = []
-    for N, D, V, S in shapes:
-        for cost in (no_logits_cost(N, D, V, S, elem_bytes=elem_bytes),
-                     chunked_logits_cost(N, D, V, S, elem_bytes=elem_bytes)):
-            row = {"N": N, "D": D, "V": V, "S": S, "design": cost.design, "tflop": cost.flops / 1e12,
-                   "gbytes": cost.bytes / 1e9, "flop_per_byte": cost.arithmetic_intensity(),
-                   "extra_gib": cost.extra_memory / 2**30}
-            for name, (flops, bandwidth) in DEVICES.items():
-                row[f"ms_{name}"] = 1e3 * cost.seconds(flops, bandwidth)
-            rows.append(row)
+    for head, s in heads.items():
+        for impl in impls:
+            cost = impl_cost(impl, s, tokens_per_row)
+            floor = impl_cost(floor_of(impl), s)
+            t = cost.predicted_s(rates)
+            rows.append({"head": head, "N": s.N, "D": s.D, "V": s.V, "K": s.K, "impl": impl,
+                         "gemm_tflop": cost.gemm_flops / 1e12, "useful_tflop": cost.useful_flops / 1e12,
+                         "gbytes": cost.bytes / 1e9, "ms": 1e3 * t, "x_floor": t / floor.predicted_s(rates),
+                         "mfu_measured_rate": cost.useful_flops / t / rates.matmul_flops,
+                         "mfu_datasheet": cost.useful_flops / t / DATASHEET_BF16_FLOPS,
+                         "peak_mib": cost.peak_memory / MiB, "note": cost.note})
     return rows
 
 
-def print_roofline(rows: list[dict]) -> None:
-    """A table of :func:`roofline_rows`."""
-    devices = list(DEVICES)
-    header = (f"{'N':>6} {'D':>5} {'V':>7} {'S':>3} {'design':<15} {'TFLOP':>7} {'GB':>7} {'FLOP/B':>7} "
-              f"{'extra GiB':>9} " + " ".join(f"{'ms ' + d:>16}" for d in devices))
-    print("roofline model (estimates, not measurements):")
-    print(header)
+def predicted_markdown(rows: list[dict], rates: Rates) -> str:
+    """A markdown table of :func:`predicted_rows`."""
+    lines = [f"Rates: {rates.source}.", "",
+             "| head | impl | GEMM TFLOP | bytes GB | predicted ms | × floor | MFU (rate) | MFU (989) | peak MiB | |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        print(f"{r['N']:>6} {r['D']:>5} {r['V']:>7} {r['S']:>3} {r['design']:<15} {r['tflop']:>7.2f} "
-              f"{r['gbytes']:>7.1f} {r['flop_per_byte']:>7.0f} {r['extra_gib']:>9.2f} "
-              + " ".join(f"{r['ms_' + d]:>16.2f}" for d in devices))
+        lines.append(f"| {r['head']} | {r['impl']} | {r['gemm_tflop']:.1f} | {r['gbytes']:.1f} | {r['ms']:.1f} | "
+                     f"{r['x_floor']:.2f} | {100 * r['mfu_measured_rate']:.0f} % | {100 * r['mfu_datasheet']:.0f} % | "
+                     f"{r['peak_mib']:,.0f} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def memory_lines(heads: dict[str, Shape], impls=("ours-chunked", "ours-det", "torch", "ours-dense-chunked",
+                                                  "cce")) -> list[str]:
+    """The memory arithmetic: per head and implementation, the buffers alive at the peak and their sum (MiB)."""
+    out = []
+    for head, s in heads.items():
+        for impl in impls:
+            cost = impl_cost(impl, s)
+            parts = " + ".join(f"{name} {b / MiB:,.0f}" for name, b in cost.memory.items())
+            out.append(f"{head} {impl}: {parts} = {cost.peak_memory / MiB:,.0f} MiB")
+    return out
 
 
 if __name__ == "__main__":
-    print_roofline(roofline_rows([(4096, 3584, 152064, 9), (16384, 3584, 152064, 9), (16384, 3584, 152064, 65)]))
+    table = predicted_rows(HEADS, H200_RECORDED)
+    print(predicted_markdown(table, H200_RECORDED))
+    print("\n".join(memory_lines(HEADS)))

@@ -41,24 +41,106 @@ def test_bench_kernels_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
 
-    assert result["machine"]["versions"]["torch"]
-    assert len(result["rows"]) == 1
-    row = result["rows"][0]
-    for name, m in row["impls"].items():
-        # ours and the torch path are always there; the other packages may be absent (reported, not fatal)
-        assert m["status"] == "ok" or (m["status"] == "missing" and not name.startswith(("ours", "torch"))), (name, m)
-        if m["status"] == "ok":
-            assert m["fwd_s"] > 0 and m["bwd_s"] > 0 and math.isfinite(m["loss"]) and m["loss"] > 0
+    assert result["machine"]["versions"]["torch"] and result["machine"]["copy_gbytes_per_s"] > 0
+    assert [r["dist"] for r in result["rows"]] == ["random", "peaked"]
+    for row in result["rows"]:
+        assert row["floor"]["three_s"] > 0 and row["floor"]["dense_s"] > row["floor"]["three_s"]
+        for name, m in row["impls"].items():
+            # ours and the torch path are always there; the other packages may be absent (reported, not fatal)
+            assert m["status"] == "ok" or (m["status"] == "missing" and not name.startswith(("ours", "torch"))), m
+            if m["status"] != "ok":
+                continue
             assert m["gate"]["ok"] and m["gate"]["rows"] == 32, (name, m["gate"])  # timed only after the gate
-    same_loss = [m["loss"] for name, m in row["impls"].items() if name.startswith(("ours", "torch", "trl"))
-                 and not name.startswith("ours-dense") and m["status"] == "ok"]
-    # liger and ours-dense* (dense teacher) and cce (cross-entropy) compute other losses; the dense-teacher ones agree
-    dense = [m["loss"] for name, m in row["impls"].items() if name in ("liger", "ours-dense") and m["status"] == "ok"]
-    assert "ours-dense" in row["impls"] and max(dense) - min(dense) <= 1e-5 * max(dense), dense
-    assert len(same_loss) >= 2 and max(same_loss) - min(same_loss) <= 1e-5 * max(same_loss)
-    if "rel_diff_vs_torch_path" in row:  # CPU run: the kernels against the torch path, loss and gradients
-        for mode, diffs in row["rel_diff_vs_torch_path"].items():
+            spread = m["spread_s"]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"] and math.isfinite(m["loss"])
+            assert m["x_floor"] == pytest.approx(m["total_s"] / m["floor_s"])
+            assert m["predicted_s"] > 0
+            assert m["measured_over_predicted"] == pytest.approx(m["total_s"] / m["predicted_s"])
+        same_loss = [m["loss"] for name, m in row["impls"].items() if name.startswith(("ours", "torch", "trl"))
+                     and not name.startswith("ours-dense") and m["status"] == "ok"]
+        assert len(same_loss) >= 2 and max(same_loss) - min(same_loss) <= 1e-5 * max(same_loss)
+        for mode, diffs in row["rel_diff_vs_torch_path"].items():  # CPU run: kernels against the torch path
             assert all(d < 1e-5 for d in diffs.values()), (mode, diffs)
+    # no GPU: the predicted table at the three heads, from the H200's recorded rates
+    assert "H200 recorded" in result["predicted"]["rates"]
+    assert {r["head"] for r in result["predicted"]["rows"]} == {"Qwen2.5-7B", "Llama-3-8B", "Qwen2.5-0.5B"}
+    assert "three bare GEMMs" in proc.stdout and "mean p_max" in proc.stdout
+
+
+def test_predict_only_measures_nothing_and_follows_the_formula(tmp_path, capsys, monkeypatch):
+    """--predict-only: the table from the H200's recorded rates; the floor's time is 6·N·D·V / rate by hand."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("--predict-only measured something"))
+    out = tmp_path / "p.json"
+    assert bench.main(["--predict-only", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["predicted"]["rows"]
+    floor = next(r for r in rows if r["head"] == "Qwen2.5-7B" and r["impl"] == "gemms")
+    assert floor["ms"] == pytest.approx(1e3 * 6 * 16384 * 3584 * 152064 / 756e12)
+    assert floor["x_floor"] == 1.0 and floor["mfu_datasheet"] == pytest.approx(756 / 989)
+    assert "| Llama-3-8B | ours-chunked |" in capsys.readouterr().out
+
+
+def test_one_window_per_repeat_after_the_warmups():
+    """fwd and bwd marks inside one window: total = fwd + bwd per repeat; warm-ups are not timed."""
+    bench = _bench()
+    calls = []
+    x = torch.ones(3, requires_grad=True)
+
+    def fn():
+        calls.append(1)
+        return (x * 2).sum()
+
+    t = bench.time_fwd_bwd(fn, (x,), repeats=4, warmup=3, device=torch.device("cpu"))
+    assert len(calls) == 7 and t["total"]["n"] == 4 and t["loss"] == 6.0 and x.grad is None
+    assert t["total"]["min"] <= t["total"]["median"] <= t["total"]["max"]
+    assert t["total"]["median"] >= t["fwd"]["min"] and t["total"]["max"] >= t["bwd"]["max"]
+
+
+def test_bare_gemm_floor_and_ceilings_on_the_cpu():
+    bench = _bench()
+    cpu = torch.device("cpu")
+    f = bench.time_gemms(8, 16, 32, torch.float32, cpu, repeats=2, warmup=1)
+    assert f["total"]["n"] == 2 and f["dense_s"] == pytest.approx(f["three_s"] + f["logits_s"])
+    assert bench.copy_bandwidth(cpu, nbytes=2**16, repeats=2) > 0
+    assert bench.matmul_rate(cpu, torch.float32, n=32, repeats=2) > 0
+
+
+def test_useful_flops_and_the_floor_drive_the_row_rates():
+    """MFU divides the useful FLOPs (6·N·D·V; + 2·N·D·V for a dense teacher) by the measured rate and by 989."""
+    bench = _bench()
+    rates = bench.roofline.Rates(matmul_flops=1e12, copy_bytes=1e11, source="test")
+    shape = bench.roofline.Shape(4, 8, 16, 2, 4)
+    floor = {"three_s": 1e-3, "dense_s": 2e-3}
+    for impl, flops, floor_s in (("ours-det", 6 * 4 * 8 * 16, 1e-3), ("ours-dense", 8 * 4 * 8 * 16, 2e-3)):
+        m = {"status": "ok", "total_s": 4e-3}
+        bench.add_rates(m, impl, shape, floor, rates, tokens_per_row=1.0)
+        assert m["mfu"] == pytest.approx(flops / 4e-3 / 1e12) and m["x_floor"] == pytest.approx(4e-3 / floor_s)
+        assert m["mfu_datasheet"] == pytest.approx(flops / 4e-3 / 989e12)
+    m = {"status": "ok", "total_s": 1.0}
+    bench.add_rates(m, "trl", shape, floor, rates, tokens_per_row=1.0)
+    assert "predicted_s" not in m  # TRL's own code is not modelled
+
+
+def test_input_distributions_look_as_stated():
+    """peaked: the five chosen logits land where the construction puts them (float64 check); the statistics
+    function against a hand-made distribution."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_inputs
+
+    h, w, ids, lps, mask = bench_inputs.make_inputs(16, 256, 2048, 8, torch.float32, torch.device("cpu"),
+                                                    dist="peaked")
+    z = (h.double() @ w.double().t()).gather(1, ids[:, :5])
+    torch.testing.assert_close(z, torch.tensor([bench_inputs.PEAK_LOGITS] * 16, dtype=torch.float64),
+                               rtol=0, atol=1e-3)
+    assert bool((lps.exp().sum(1) < 1).all()) and all(len(set(r.tolist())) == 9 for r in ids)
+    # two rows: uniform over 4 tokens (entropy log 4, p_max 1/4, all 4 ≥ 2^-12), and a one-hot-ish row
+    weight = torch.eye(4)
+    hidden = torch.tensor([[0.0, 0.0, 0.0, 0.0], [50.0, 0.0, 0.0, 0.0]])
+    s = bench_inputs.distribution_stats(hidden, weight)
+    assert s["mean_entropy_nats"] == pytest.approx(math.log(4) / 2, abs=1e-6)
+    assert s["tokens_per_row_p_ge_2^-12"] == 2.5 and s["mean_p_max"] == pytest.approx((0.25 + 1.0) / 2, abs=1e-6)
+    with pytest.raises(ValueError, match="dist must be one of"):
+        bench_inputs.make_inputs(4, 8, 16, 2, torch.float32, torch.device("cpu"), dist="flat")
 
 
 class _Liger085JSD(torch.nn.Module):
@@ -153,24 +235,49 @@ def test_an_incorrect_ours_row_makes_the_exit_status_1(capsys):
     rows = [{"N": 1, "D": 2, "V": 3, "K": 4, "impls": {"trl": {"status": "missing"},
                                                        "ours-det": {"status": "incorrect", "error": "dh 0.5 > 0.03"}}}]
     assert bench.report_ours_failures(rows) == 1
-    assert "ours-det at N=1 D=2 V=3 K=4: incorrect" in capsys.readouterr().err
+    assert "ours-det at random N=1 D=2 V=3 K=4: incorrect" in capsys.readouterr().err
     rows[0]["impls"]["ours-det"] = {"status": "ok"}
     assert bench.report_ours_failures(rows) == 0
 
 
 def test_roofline_counts_follow_the_designs():
-    """8·N·D·V matmul FLOPs without logits, 6·N·D·V with chunked logits; the no-logits design's extra memory does
-    not grow with N·V, the chunked one's holds a chunk of logits."""
+    """FLOPs: 6·N·D·V useful for every design, 8·N·D·V done without logits; + 2·N·D_t·V_t useful for a dense teacher
+    (+ 4·N·D_t·V_t done by the fused kernel). Prediction: FLOPs / rate + bytes / bandwidth. Memory of the 17cb676
+    chunked design at the 7B head: two fp32 dW, a bf16 dW and two dh (it measured 5,424 MiB on the H200)."""
     sys.path.insert(0, str(SCRIPT.parent))
-    from roofline import chunked_logits_cost, no_logits_cost, roofline_rows
+    import roofline
 
-    N, D, V, S = 16384, 3584, 152064, 9
-    kernels, chunked = no_logits_cost(N, D, V, S), chunked_logits_cost(N, D, V, S, chunk_rows=4096)
-    assert kernels.flops == 8 * N * D * V and chunked.flops == 6 * N * D * V
-    # the fp32 dW read-modify-writes, once per 128-row block: 128 · V · D · 8 bytes
-    assert kernels.bytes > 128 * V * D * 8
-    assert chunked.extra_memory - kernels.extra_memory == 4096 * V * 2  # one chunk of bf16 logits; both hold dW, dh
-    assert no_logits_cost(2 * N, D, V, S).extra_memory - kernels.extra_memory == N * D * 4  # dh only
-    rows = roofline_rows([(N, D, V, S)])
-    assert [r["design"] for r in rows] == ["no-logits", "chunked-logits"]
-    assert all(r["ms_H200"] > 0 for r in rows)
+    s = roofline.Shape(16384, 3584, 152064, 8)
+    NDV = 16384 * 3584 * 152064
+    assert roofline.useful_flops(s) == 6 * NDV and roofline.useful_flops(s, dense_teacher=True) == 8 * NDV
+    chunked, det = roofline.impl_cost("ours-chunked", s), roofline.impl_cost("ours-det", s)
+    assert chunked.gemm_flops == chunked.useful_flops == 6 * NDV
+    assert det.gemm_flops == 8 * NDV and det.useful_flops == 6 * NDV
+    dense = roofline.impl_cost("ours-dense", s)
+    assert dense.gemm_flops == 12 * NDV and dense.useful_flops == 8 * NDV
+    rates = roofline.Rates(matmul_flops=500e12, copy_bytes=2e12, source="test")
+    assert det.predicted_s(rates) == pytest.approx(8 * NDV / 500e12 + det.bytes / 2e12)
+    old = roofline.impl_cost("ours-chunked@17cb676", s)
+    W32, W, H = 152064 * 3584 * 4, 152064 * 3584 * 2, 16384 * 3584 * 2
+    assert old.peak_memory == 2 * W32 + W + 2 * H
+    assert abs(old.peak_memory / 2**20 - 5424) / 5424 < 0.01
+    cce = roofline.impl_cost("cce", s, tokens_per_row=5)
+    kept = 1 - math.exp(-128 * 128 * 5 / 152064)
+    assert cce.gemm_flops == pytest.approx(NDV * (4 + 4 * kept)) and cce.peak_memory == W + H
+    torch_path = roofline.impl_cost("torch", s)
+    assert torch_path.gemm_flops == 10 * NDV and torch_path.gemm_fp32_flops == 0  # dL/dz as two bf16 terms
+    assert roofline.impl_cost("torch@17cb676", s).gemm_fp32_flops == 6 * NDV  # it computed in fp32
+    assert roofline.impl_cost("trl", s) is None and roofline.floor_of("ours-dense") == "gemms-dense"
+
+
+def test_roofline_constants_are_the_codes():
+    """The model's sizes are read off the code: a change there must show up here (and in the model)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import roofline
+    from fastdistill.loss import chunked as torch_path
+    from fastdistill_kernels.config import TileConfig
+
+    cfg = TileConfig()
+    assert (roofline.BLOCK_ROWS, roofline.BLOCK_VOCAB) == (cfg.block_rows, cfg.block_vocab)
+    assert (roofline.TORCH_TILE_BYTES, roofline.TORCH_MAX_ROWS, roofline.TORCH_SCRATCH_BYTES) == (
+        torch_path.GPU_TILE_BYTES, torch_path.GPU_MAX_CHUNK_ROWS, torch_path.GPU_SCRATCH_BYTES)

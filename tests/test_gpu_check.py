@@ -51,9 +51,13 @@ def test_dry_run_end_to_end(tmp_path):
 
     bench = steps["bench-4096"]
     assert bench["status"] == "ok", bench["output_tail"]
-    (row,) = bench["rows"]
-    for impl in ("ours-det", "torch"):
-        assert row["impls"][impl]["status"] == "ok" and row["impls"][impl]["gate"]["ok"], row["impls"][impl]
+    assert [r["dist"] for r in bench["rows"]] == ["random", "peaked"]  # the new benchmark, both distributions
+    for row in bench["rows"]:
+        for impl in ("ours-det", "ours-chunked", "torch"):
+            m = row["impls"][impl]
+            assert m["status"] == "ok" and m["gate"]["ok"] and m["predicted_s"] > 0, m
+        assert row["floor"]["three_s"] > 0 and row["distribution"]["mean_p_max"] > 0
+    assert bench["predicted"]["rows"] and bench["machine"]["copy_gbytes_per_s"] > 0
     assert steps["bench-16384"]["status"] == "skipped"
 
     packed = steps["packed-attention"]
@@ -192,3 +196,42 @@ def test_compiled_counts_treat_a_skip_as_no_pass(tmp_path):
     counts = _gpu_check().compiled_counts(report)
     assert counts["tests"] == 3 and counts["passed"] == 1
     assert counts["failed"] == ["test_compiled_b[fp32]: skipped", "test_compiled_c: failure"]
+
+
+def test_gpu_bench_steps_time_ten_repeats_after_five_warmups(tmp_path):
+    """On the GPU each benchmark step times >= 10 fwd+bwd windows after >= 5 warm-ups, on both distributions."""
+    gpu_check = _gpu_check()
+    args = gpu_check.parse_args(["--python", sys.executable, "--json", str(tmp_path / "o.json")])
+    ctx = gpu_check.Context(args=args, python=sys.executable, deadline=time.monotonic() + 60, workdir=tmp_path)
+    for name, spec in gpu_check.BENCH_STEPS.items():
+        cmd = gpu_check.bench_command(ctx, name, tmp_path / "b.json")
+        assert int(cmd[cmd.index("--repeats") + 1]) >= 10 and int(cmd[cmd.index("--warmup") + 1]) >= 5, cmd
+        assert "--quick" not in cmd and "--dists" not in cmd  # the default: both distributions
+        assert [int(n) for n in cmd[cmd.index("--N") + 1:cmd.index("--D")]] == spec["N"]
+        assert "cce" in cmd and "ours-chunked" in cmd
+    assert set(gpu_check.BENCH_STEPS) <= set(gpu_check.STEPS)
+
+
+def test_the_read_off_renders_every_step_and_the_bench_rows(tmp_path):
+    """gpu_results: a step it does not know (a later train-step) still gets its numbers; a bench row gets its floor,
+    spread, ratio and prediction."""
+    gpu_check = _gpu_check()
+    gr = gpu_check.gpu_results
+    floor = {"total": {"min": 0.07, "median": 0.076, "max": 0.08, "n": 10}, "three_s": 0.076, "dense_s": 0.1,
+             "logits_s": 0.024, "dh_s": 0.026, "dW_s": 0.026}
+    m = {"status": "ok", "fwd_s": 0.07, "bwd_s": 0.03, "total_s": 0.1, "peak_mb": 2100.0, "predicted_peak_mb": 2112.0,
+         "spread_s": {"min": 0.099, "median": 0.1, "max": 0.11, "n": 10}, "x_floor": 0.1 / 0.076,
+         "predicted_s": 0.08, "measured_over_predicted": 1.25, "gate": {"ok": True, "rel_diff": {"dh": 1e-3}}}
+    row = {"dist": "peaked", "N": 16384, "D": 3584, "V": 152064, "K": 8, "floor": floor, "floor_predicted_s": 0.071,
+           "impls": {"ours-chunked": m}, "distribution": {"mean_entropy_nats": 2.03, "mean_p_max": 0.82,
+                                                          "tokens_per_row_p_ge_2^-12": 5.0}}
+    results = {"steps": {"bench-16384": {"status": "ok", "rows": [row], "machine": {"bf16_matmul_peak_tflops": 700.0}},
+                         "train-step": {"status": "ok", "seconds": 12.0, "tokens_per_s": 1234.5}}}
+    table = gr.bench_table(results)
+    assert "| bench-16384 | peaked | 16384 | 3584 | 152064 | 8 | ours-chunked | 99.0 / **100.0** / 110.0 |" in table
+    assert "| 1.32 | 80.0 (1.25) |" in table and "2,100 (2,112)" in table
+    useful = 6 * 16384 * 3584 * 152064 / 0.1
+    assert f"| {useful / 1e12:.0f} | {100 * useful / 700e12:.0f}% / {100 * useful / 989e12:.0f}% |" in table
+    assert "three bare GEMMs | 70.0 / **76.0** / 80.0 | 24.0 + 26.0 + 26.0 | 1.00 | 71.0 (1.07) |" in table
+    assert "- train-step: **ok** (12 s); tokens_per_s 1.23e+03" in gr.step_lines(results)
+    assert any("peaked inputs (N=16384): mean entropy 2.03 nats, 5.0 tokens" in x for x in gr.inputs_lines(results))

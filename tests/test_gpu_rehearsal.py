@@ -111,8 +111,12 @@ def test_the_dry_run_passes_every_step_offline(rehearsal):
     for name in ("fastdistill", "fastdistill_kernels"):  # from this source tree, no build step
         assert versions["imports"][name]["file"].startswith(str(ROOT)), versions["imports"][name]
     assert steps["kernel-tests"]["status"] == "ok" and steps["kernel-tests"]["counts"]["passed"] >= 4
-    (row,) = steps["bench-4096"]["rows"]
-    assert all(row["impls"][impl]["gate"]["ok"] for impl in ("ours-det", "torch")), row
+    bench = steps["bench-4096"]  # the kernel benchmark's dry run: both input distributions, floor, prediction
+    assert [r["dist"] for r in bench["rows"]] == ["random", "peaked"], bench["output_tail"]
+    for row in bench["rows"]:
+        assert all(row["impls"][impl]["gate"]["ok"] for impl in ("ours-det", "ours-chunked", "torch")), row
+        assert row["floor"]["three_s"] > 0 and row["impls"]["ours-chunked"]["predicted_s"] > 0
+    assert "H200 recorded" in bench["predicted"]["rates"]
     assert steps["packed-attention"]["status"] == "ok"
     assert steps["vllm-sync"]["status"] == "skipped" and "not in the kit" in steps["vllm-sync"]["detail"]
     assert "KERNELS_VALIDATED_ON_GPU stays as it is" in proc.stdout and "a dry run (no GPU)" in proc.stdout
