@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import HARNESS_VARIABLES
+from conftest import HARNESS_VARIABLES, TEST_HOME
 
 from fastdistill.auth import default_key_file, write_new_key_file
 
@@ -24,7 +24,7 @@ def test_the_session_has_its_own_home_and_no_keys():
 
     assert not [name for name in os.environ if "API_KEY" in name]
     assert "FASTDISTILL_TRITON" not in os.environ
-    assert Path.home() != Path(pwd.getpwuid(os.getuid()).pw_dir)
+    assert Path.home() == TEST_HOME != Path(pwd.getpwuid(os.getuid()).pw_dir)  # the session's one home
     assert Path(os.environ["XDG_CACHE_HOME"]).is_relative_to(Path.home())
     for role in ("student", "teacher"):
         assert default_key_file(role).is_relative_to(Path.home()) and not default_key_file(role).exists()
