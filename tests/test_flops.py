@@ -85,3 +85,34 @@ def test_mfu_metrics_say_they_divide_by_the_datasheet_rate():
     assert mfu_record(record, model, peak=None, world_size=1) == {}  # CPU: no MFU rather than a made-up one
     assert mfu_record({k: v for k, v in record.items() if k != ATTENTION_PAIRS}, model, 1_000.0, 1) == {}
     assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_log_every_rank_s_causal_pairs(tmp_path_factory, tmp_path):
+    """Two trainer ranks (torchrun, FSDP2 over gloo): rank 0's logged attention pairs and forwarded tokens cover both
+    ranks' samples, so over an epoch they add up to Σ L·(L+1)/2 and Σ L of every sample trained."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainer_cases import TEACHERS, synthetic_run_samples, tiny_student_dir
+
+    student = tiny_student_dir(tmp_path_factory)
+    samples = synthetic_run_samples(8)
+    spec = {"student_dir": str(student), "output_dir": str(tmp_path / "out"), "num_samples": 8, "seed": 3,
+            "config": {"teacher_server_urls": TEACHERS, "weight_sync_backend": "none", "num_train_epochs": 1,
+                       "per_device_train_batch_size": 2, "token_budget": 0, "gradient_checkpointing": False,
+                       "disable_tqdm": True, "save_strategy": "no", "export_final_model": False}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(Path(__file__).parent / "run_trainer.py"), str(tmp_path / "spec.json")],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if line]
+    assert len(records) == 2  # 8 samples, 2 per rank and step
+    lengths = [len(s.input_ids) for s in samples]
+    assert sum(r[ATTENTION_PAIRS] for r in records) == causal_pairs(lengths)
+    assert sum(r["batch/forwarded_tokens_per_step"] for r in records) == sum(lengths)
