@@ -224,6 +224,7 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
         if value.get("status") == "ok" and "floor" in out:
             value["vs_floor_step"] = value["step_s"] / out["floor"]["step_s"]
             value["vs_floor_compute"] = value["compute_s"] / out["floor"]["compute_s"]
+            value["floor_aim_met"] = value["vs_floor_step"] <= FLOOR_AIM
     lengths = PACKED_LENGTHS["tiny" if args.tiny else "gpu"]
     out["checks"]["packed_attention"] = packed_attention_check(model, lengths, device, attention)
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -372,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(result, indent=1))
     print(result["table"])
     for shape in result["shapes"]:
+        for key, run in shape["runs"].items():
+            if "vs_floor_step" in run:
+                print(f"{shape['shape']} {key}: {run['vs_floor_step']:.2f}× the cross-entropy step "
+                      f"({run['vs_floor_compute']:.2f}× in forward + backward + optimizer); aim ≤ {FLOOR_AIM}×: "
+                      f"{'met' if run['floor_aim_met'] else 'not met'}")
         for name, check in shape["checks"].items():
             print(f"{shape['shape']} {name}: {check['status']} {check.get('detail', '')}".rstrip())
     print(f"guard: {'ok' if result['guard']['ok'] else 'FAILED'} {result['guard'].get('detail', '')}".rstrip())
