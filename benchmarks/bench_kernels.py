@@ -469,14 +469,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_predicted(rates: roofline.Rates) -> dict:
-    """The predicted table at :data:`roofline.HEADS` and the memory arithmetic; returns them for the JSON."""
-    rows = roofline.predicted_rows(roofline.HEADS, rates)
+def predicted_section(rates: roofline.Rates) -> dict:
+    """The predicted table at :data:`roofline.HEADS` and the memory arithmetic, for the JSON."""
+    return {"rates": rates.source, "rows": roofline.predicted_rows(roofline.HEADS, rates),
+            "memory": roofline.memory_lines(roofline.HEADS)}
+
+
+def print_predicted(section: dict, rates: roofline.Rates) -> None:
     print("predicted (roofline.py; not a measurement), N=16384, K=8, bf16; cce at 5 tokens per row ≥ 2^-12:")
-    print(roofline.predicted_markdown(rows, rates))
-    memory = roofline.memory_lines(roofline.HEADS)
-    print("\n".join(memory))
-    return {"rates": rates.source, "rows": rows, "memory": memory}
+    print(roofline.predicted_markdown(section["rows"], rates))
+    print("\n".join(section["memory"]))
 
 
 def run_config(args, device, rates, N: int, D: int, dist: str, stats_rows) -> list[dict]:
@@ -536,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = {k: (str(v).removeprefix("torch.") if k == "dtype" else v) for k, v in vars(args).items() if k != "json"}
     if args.predict_only:
-        result = {"settings": settings, "predicted": print_predicted(roofline.H200_RECORDED)}
+        result = {"settings": settings, "predicted": predicted_section(roofline.H200_RECORDED)}
+        print_predicted(result["predicted"], roofline.H200_RECORDED)
         return write_json(args.json, result, 0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -545,8 +548,17 @@ def main(argv: list[str] | None = None) -> int:
         import_kernels()  # fail before any measurement, not after a sweep
     rates = measure_ceilings(device, args.dtype)
     stats_rows = STATS_ROWS[device.type]
-    rows = [r for dist in args.dists for D in args.D for N in args.N
-            for r in run_config(args, device, rates, N, D, dist, stats_rows)]
+    # the three heads predicted: with this call's ceilings on a GPU; without one, from the H200's recorded rates
+    head_rates = rates if device.type == "cuda" else roofline.H200_RECORDED
+    result = {"machine": machine_info(device, rates), "settings": settings, "rows": [], "partial": True,
+              "predicted": predicted_section(head_rates)}
+    for dist in args.dists:
+        for D in args.D:
+            for N in args.N:
+                result["rows"] += run_config(args, device, rates, N, D, dist, stats_rows)
+                write_json(args.json, result, 0, quiet=True)  # a run cut short keeps what it measured
+    rows = result.pop("rows")
+    del result["partial"]
     print(f"device: {machine_info(device, rates)['device']}; ceilings {rates.source}; "
           f"dtype {str(args.dtype).removeprefix('torch.')}; {args.repeats} repeats after {args.warmup} warm-ups")
     for r in rows:
@@ -558,16 +570,19 @@ def main(argv: list[str] | None = None) -> int:
         if "rel_diff_vs_torch_path" in r:
             print(f"{r['dist']} N={r['N']} D={r['D']} K={r['K']} kernels vs torch path (max rel. diff): "
                   f"{json.dumps(r['rel_diff_vs_torch_path'])}")
-    result = {"machine": machine_info(device, rates), "settings": settings, "rows": rows}
-    # the three heads predicted: with this call's ceilings on a GPU; without one, from the H200's recorded rates
-    result["predicted"] = print_predicted(rates if device.type == "cuda" else roofline.H200_RECORDED)
+    result["rows"] = rows
+    print_predicted(result["predicted"], head_rates)
     return write_json(args.json, result, report_ours_failures(rows))
 
 
-def write_json(path: Path, result: dict, status: int) -> int:
+def write_json(path: Path, result: dict, status: int, quiet: bool = False) -> int:
+    """Write ``result`` (atomically: a reader never sees half a file); returns ``status``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)
+    if not quiet:
+        print(f"wrote {path}")
     return status
 
 

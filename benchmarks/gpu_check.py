@@ -28,8 +28,9 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       peak memory and MFU with the last recorded GPU run. Dry run: the tiny CPU rehearsal.
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
                       row (position_ids restarting per sample, no attention mask) against each sample alone.
-  bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the filter variant (Liger, CCE
-                      and the dense rows measured once per distribution).
+  bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the fused-backward variants
+                      (measured at 4096); Liger, CCE and the dense rows measured once per distribution. The
+                      benchmark rewrites its JSON after each configuration: a step cut short keeps its rows.
   vllm-sync           optional, only when vllm is importable: a real GPU vLLM student server on the same GPU and a
                       weight push into it, checked through served log-probs. vLLM's ``ipc`` weight-transfer backend
                       (the only one that puts trainer and server on one device: NCCL cannot put two ranks on one
@@ -90,7 +91,7 @@ BENCH_REPEATS, BENCH_WARMUP = 10, 5
 BENCH_STEPS = {
     "bench-4096": {"N": [4096], "K": [8], "impls": BENCH_IMPLS},
     "bench-16384": {"N": [16384], "K": [8, 64],
-                    "impls": tuple(i for i in BENCH_IMPLS if i not in ("trl", "ours-filter"))},
+                    "impls": tuple(i for i in BENCH_IMPLS if i not in ("trl", "ours-filter", "ours-fused"))},
 }
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds), in the order the steps run (by value); the global budget cuts them further.

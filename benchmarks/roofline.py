@@ -222,17 +222,19 @@ def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False
     return Cost(name, flops, useful_flops(s, dense_teacher), work, memory, note=note)
 
 
-def no_logits_17cb676(s: Shape) -> Cost:
+def no_logits_17cb676(s: Shape, dense_teacher: bool = False) -> Cost:
     """The deterministic no-logits design as measured on the H200 (17cb676): per vocabulary chunk an (N, chunk)
     workspace (≤ 256 MiB), dW[chunk] into an fp32 (V, D) buffer, dh accumulated in fp32 (N, D), both cast at the
     end."""
     W, W32, H, H32 = _sizes(s)
+    d_t, v_t = s.teacher
     cols = max(BLOCK_VOCAB, WORKSPACE_BYTES_17CB676 // (s.N * s.elem_bytes) // BLOCK_VOCAB * BLOCK_VOCAB)
     vchunks = math.ceil(s.V / cols)
     work = s.N * s.V * s.elem_bytes + vchunks * 2 * H32 + (W32 + H32) + (W32 + W) + (H32 + H)
     memory = {"fp32 dW": W32, "fp32 dh": H32, "dW": W, "dh": H}
-    return Cost("ours-det@17cb676", 8.0 * s.N * s.D * s.V, useful_flops(s), work, memory,
-                note=f"{vchunks} vocabulary chunks")
+    flops = 8.0 * s.N * s.D * s.V + (4.0 * s.N * d_t * v_t if dense_teacher else 0.0)
+    return Cost("ours-dense@17cb676" if dense_teacher else "ours-det@17cb676", flops, useful_flops(s, dense_teacher),
+                work, memory, note=f"{vchunks} vocabulary chunks")
 
 
 # ------------------------------------------------------------------------------------------------- torch path
@@ -303,6 +305,7 @@ def impl_cost(impl: str, s: Shape, tokens_per_row: float = 1.0) -> Cost | None:
         "ours-chunked@17cb676": lambda: chunked_17cb676(s),
         "ours-det": lambda: no_logits(s, "deterministic"),
         "ours-det@17cb676": lambda: no_logits_17cb676(s),
+        "ours-dense@17cb676": lambda: no_logits_17cb676(s, dense_teacher=True),
         "ours-fused": lambda: no_logits(s, "fused"),
         "ours-filter": lambda: no_logits(s, "fused"),  # an upper bound: the filter only skips work
         "ours-dense": lambda: no_logits(s, "deterministic", dense_teacher=True),
@@ -315,7 +318,8 @@ def impl_cost(impl: str, s: Shape, tokens_per_row: float = 1.0) -> Cost | None:
     return models[impl]() if impl in models else None
 
 
-DENSE_TEACHER_IMPLS = ("gemms-dense", "ours-dense", "ours-dense-chunked", "ours-dense-chunked@17cb676", "liger")
+DENSE_TEACHER_IMPLS = ("gemms-dense", "ours-dense", "ours-dense-chunked", "ours-dense-chunked@17cb676",
+                       "ours-dense@17cb676", "liger")
 
 
 def floor_of(impl: str) -> str:
@@ -375,7 +379,52 @@ def memory_lines(heads: dict[str, Shape], impls=("ours-chunked", "ours-det", "to
     return out
 
 
+AT_17CB676 = {"ours-chunked": "ours-chunked@17cb676", "ours-det": "ours-det@17cb676", "ours-fused": "ours-fused",
+              "ours-dense": "ours-dense@17cb676", "ours-dense-chunked": "ours-dense-chunked@17cb676",
+              "torch": "torch@17cb676", "cce": "cce"}
+
+
+def calibration_rows(record: dict, copy_bytes: float = H200_RECORDED.copy_bytes) -> list[dict]:
+    """The 17cb676 designs' predictions against a ``gpu_check`` record of that commit (each benchmark step's own
+    measured matmul rate; ``copy_bytes``: the record measured none): measured and predicted ms and peak MiB."""
+    rows = []
+    for name, step in record.get("steps", {}).items():
+        tflops = (step.get("machine") or {}).get("bf16_matmul_peak_tflops")
+        for r in step.get("rows", []) if tflops else []:
+            rates = Rates(tflops * 1e12, copy_bytes, source=f"{name}: torch.mm {tflops:.0f} TFLOP/s")
+            shape = Shape(r["N"], r["D"], r["V"], r["K"])
+            for impl, m in r["impls"].items():
+                if impl not in AT_17CB676 or m.get("status") != "ok":
+                    continue
+                cost = impl_cost(AT_17CB676[impl], shape)
+                measured = m["total_s"] if "total_s" in m else m["fwd_s"] + m["bwd_s"]
+                rows.append({"step": name, "N": r["N"], "K": r["K"], "impl": impl, "tflops": tflops,
+                             "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * cost.predicted_s(rates),
+                             "measured_mib": m.get("peak_mb"), "predicted_mib": cost.peak_memory / MiB})
+    return rows
+
+
+def calibration_markdown(rows: list[dict]) -> str:
+    lines = ["| step | N | K | impl | measured ms | predicted ms | measured ÷ predicted | "
+             "peak MiB measured / predicted |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['N']} | {r['K']} | {r['impl']} | {r['measured_ms']:.1f} | "
+                     f"{r['predicted_ms']:.1f} | {r['measured_ms'] / r['predicted_ms']:.2f} | "
+                     f"{r['measured_mib']:,.0f} / {r['predicted_mib']:,.0f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    table = predicted_rows(HEADS, H200_RECORDED)
-    print(predicted_markdown(table, H200_RECORDED))
-    print("\n".join(memory_lines(HEADS)))
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calibrate", type=Path, help="a gpu_check JSON of commit 17cb676: its designs' predictions "
+                        "against its measurements")
+    cli = parser.parse_args()
+    if cli.calibrate:
+        print(calibration_markdown(calibration_rows(json.loads(cli.calibrate.read_text()))))
+    else:
+        print(predicted_markdown(predicted_rows(HEADS, H200_RECORDED), H200_RECORDED))
+        print("\n".join(memory_lines(HEADS)))

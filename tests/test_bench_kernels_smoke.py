@@ -274,10 +274,27 @@ def test_roofline_constants_are_the_codes():
     """The model's sizes are read off the code: a change there must show up here (and in the model)."""
     sys.path.insert(0, str(SCRIPT.parent))
     import roofline
-    from fastdistill.loss import chunked as torch_path
     from fastdistill_kernels.config import TileConfig
+
+    from fastdistill.loss import chunked as torch_path
 
     cfg = TileConfig()
     assert (roofline.BLOCK_ROWS, roofline.BLOCK_VOCAB) == (cfg.block_rows, cfg.block_vocab)
     assert (roofline.TORCH_TILE_BYTES, roofline.TORCH_MAX_ROWS, roofline.TORCH_SCRATCH_BYTES) == (
         torch_path.GPU_TILE_BYTES, torch_path.GPU_MAX_CHUNK_ROWS, torch_path.GPU_SCRATCH_BYTES)
+
+
+def test_calibration_predicts_the_17cb676_designs_at_the_records_own_rate():
+    """roofline --calibrate: each measured row beside its 17cb676 design's prediction at that step's matmul rate."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import roofline
+
+    m = {"status": "ok", "fwd_s": 0.09, "bwd_s": 0.004, "peak_mb": 5424.0}
+    record = {"steps": {"bench-16384": {"machine": {"bf16_matmul_peak_tflops": 700.0}, "rows": [
+        {"N": 16384, "D": 3584, "V": 152064, "K": 8, "impls": {"ours-chunked": m, "trl": m,
+                                                               "ours-det": {"status": "incorrect"}}}]}}}
+    (row,) = roofline.calibration_rows(record, copy_bytes=4e12)
+    cost = roofline.chunked_17cb676(roofline.Shape(16384, 3584, 152064, 8))
+    assert row["impl"] == "ours-chunked" and row["measured_ms"] == pytest.approx(94.0)
+    assert row["predicted_ms"] == pytest.approx(1e3 * (6 * 16384 * 3584 * 152064 / 700e12 + cost.bytes / 4e12))
+    assert "| bench-16384 | 16384 | 8 | ours-chunked | 94.0 |" in roofline.calibration_markdown([row])
