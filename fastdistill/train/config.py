@@ -27,6 +27,7 @@ from fastdistill.train.config_checks import (
     QUERY_LOSS_TYPES,
     validate_loss_options,
     validate_rank_heartbeat,
+    validate_servers,
 )
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
@@ -289,26 +290,7 @@ class AsyncDistillationConfig:
                self.weight_sync_one_call, "None or False with weight_sync_backend='nccl' (GPU engines overlap steps)")
         _check(not (self.weight_sync_overlap and not self.async_mode), "weight_sync_overlap",
                self.weight_sync_overlap, "False with async_mode=False (a synchronous step waits for the new weights)")
-        # --- weight-sync rendezvous and API keys (keys from the environment when None; never quoted in errors)
-        address = self.weight_sync_master_address
-        _check(address is None or (isinstance(address, str) and address != "" and not any(c in address for c in " /")),
-               "weight_sync_master_address", address, "None (automatic) or a host name or IP address of the trainer")
-        port = self.weight_sync_port
-        _check(port is None or (_is_int(port) and 1 <= port <= 65535), "weight_sync_port", port,
-               "None (a free port) or an int in [1, 65535]")
-        from fastdistill.auth import check_api_keys, student_api_key_from_env, teacher_api_keys_with_env
-
-        teacher_ids = list(self.teacher_server_urls) if isinstance(self.teacher_server_urls, Mapping) else []
-        if self.vllm_server_api_key is None:
-            self.vllm_server_api_key = student_api_key_from_env()
-        if self.teacher_api_keys is None or isinstance(self.teacher_api_keys, Mapping):
-            self.teacher_api_keys = teacher_api_keys_with_env(teacher_ids, self.teacher_api_keys)
-        try:
-            check_api_keys(self.vllm_server_api_key, self.teacher_api_keys, teacher_ids,
-                           student_field="vllm_server_api_key")
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        self._validate_teachers()
+        validate_servers(self)  # the rendezvous address, the server URLs and the API keys
         self._validate_teacher_signal()
         _validate_cross_tokenizer(self)
         for name in ("model_init_kwargs", "chat_template_kwargs"):
@@ -344,18 +326,6 @@ class AsyncDistillationConfig:
                    "trained weights; evaluate the exported model with fastdistill eval, or set lmbda > 0)")
             _check(not self.verify_weight_sync, "verify_weight_sync", self.verify_weight_sync,
                    "False with teacher_cache and lmbda=0 (no student server is synced)")
-
-    def _validate_teachers(self) -> None:
-        urls = self.teacher_server_urls
-        _check(isinstance(urls, Mapping) and len(urls) > 0, "teacher_server_urls", urls,
-               "a non-empty mapping of teacher id to URL (or list of replica URLs)")
-        for teacher_id, value in urls.items():
-            replicas = [value] if isinstance(value, str) else value
-            ok = isinstance(teacher_id, str) and teacher_id != "" and isinstance(replicas, Sequence) and replicas
-            ok = ok and all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in replicas)
-            _check(ok, f"teacher_server_urls[{teacher_id!r}]", value, "an http(s) URL or a non-empty list of them")
-        _check(self.vllm_server_base_url.startswith(("http://", "https://")), "vllm_server_base_url",
-               self.vllm_server_base_url, "an http(s) URL")
 
     def _validate_teacher_signal(self) -> None:
         """``teacher_signal``, ``teacher_hidden_dtype`` and ``teacher_model_paths``, and the options a hidden-state

@@ -114,6 +114,44 @@ def validate_rank_heartbeat(config: Any) -> None:
           "timeout fires without a name")
 
 
+def validate_servers(config: Any) -> None:
+    """The weight-sync rendezvous address and port, the API keys (a key left None is read from the environment or
+    the key files ``fastdistill serve-*`` generated, :mod:`fastdistill.auth`; never quoted in an error) and the
+    servers' URLs of ``config``; a ConfigError naming the field."""
+    from fastdistill.auth import check_api_keys, student_api_key_from_env, teacher_api_keys_with_env
+
+    address = config.weight_sync_master_address
+    check(address is None or (isinstance(address, str) and address != "" and not any(c in address for c in " /")),
+          "weight_sync_master_address", address, "None (automatic) or a host name or IP address of the trainer")
+    port = config.weight_sync_port
+    check(port is None or (is_int(port) and 1 <= port <= 65535), "weight_sync_port", port,
+          "None (a free port) or an int in [1, 65535]")
+    urls = config.teacher_server_urls
+    teacher_ids = list(urls) if isinstance(urls, Mapping) else []
+    if config.vllm_server_api_key is None:
+        config.vllm_server_api_key = student_api_key_from_env()
+    if config.teacher_api_keys is None or isinstance(config.teacher_api_keys, Mapping):
+        config.teacher_api_keys = teacher_api_keys_with_env(teacher_ids, config.teacher_api_keys)
+    try:
+        check_api_keys(config.vllm_server_api_key, config.teacher_api_keys, teacher_ids,
+                       student_field="vllm_server_api_key")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    check(isinstance(urls, Mapping) and len(urls) > 0, "teacher_server_urls", urls,
+          "a non-empty mapping of teacher id to URL (or list of replica URLs)")
+    for teacher_id, value in urls.items():
+        replicas = [value] if isinstance(value, str) else value
+        ok = isinstance(teacher_id, str) and teacher_id != "" and isinstance(replicas, Sequence) and replicas
+        ok = ok and all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in replicas)
+        check(ok, f"teacher_server_urls[{teacher_id!r}]", value, "an http(s) URL or a non-empty list of them")
+    student = config.vllm_server_base_url
+    # one server: the weight sync and its check push to and read from one student (RolloutConfig would take
+    # replicas, but they would serve weights no sync reaches)
+    check(isinstance(student, str) and student.startswith(("http://", "https://")), "vllm_server_base_url", student,
+          "an http(s) URL, one server (a list of student replicas is not supported: the weight sync updates one "
+          "student server)")
+
+
 def is_int(value: Any) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
