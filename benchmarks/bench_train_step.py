@@ -56,6 +56,7 @@ from train_step_parts import (  # noqa: E402
     PhaseTimer,
     build_model,
     cross_entropy_step,
+    loss_input_dtypes,
     packed_attention_check,
     write_teacher_cache,
 )
@@ -225,6 +226,10 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
             value["vs_floor_step"] = value["step_s"] / out["floor"]["step_s"]
             value["vs_floor_compute"] = value["compute_s"] / out["floor"]["compute_s"]
             value["floor_aim_met"] = value["vs_floor_step"] <= FLOOR_AIM
+    trained = next((r["trained_tokens_per_step"] for r in out["runs"].values() if r.get("status") == "ok"), None)
+    if trained:
+        out["loss_inputs"] = loss_input_dtypes(model.get_output_embeddings().weight, int(trained), args.top_ks[0],
+                                               device)
     lengths = PACKED_LENGTHS["tiny" if args.tiny else "gpu"]
     out["checks"]["packed_attention"] = packed_attention_check(model, lengths, device, attention)
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -378,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{shape['shape']} {key}: {run['vs_floor_step']:.2f}× the cross-entropy step "
                       f"({run['vs_floor_compute']:.2f}× in forward + backward + optimizer); aim ≤ {FLOOR_AIM}×: "
                       f"{'met' if run['floor_aim_met'] else 'not met'}")
+        if "loss_inputs" in shape:
+            li = shape["loss_inputs"]
+            print(f"{shape['shape']} the loss alone (auto, K={li['top_k']}, {li['rows']} positions, bf16 autocast): "
+                  f"float32 inputs (as the one-process trainer passes them) {li['float32_ms']:.1f} ms, bf16 inputs "
+                  f"{li['bfloat16_ms']:.1f} ms")
         for name, check in shape["checks"].items():
             print(f"{shape['shape']} {name}: {check['status']} {check.get('detail', '')}".rstrip())
     print(f"guard: {'ok' if result['guard']['ok'] else 'FAILED'} {result['guard'].get('detail', '')}".rstrip())

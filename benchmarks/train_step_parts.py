@@ -296,3 +296,40 @@ def packed_attention_check(model: nn.Module, lengths: list[int], device: torch.d
             "lengths": lengths, "scale": scale, "max_abs_error_alone_bf16": alone_error,
             "max_abs_error_packed_bf16": packed_error, "max_abs_diff_packed_vs_alone": float(
                 (packed - alone).abs().max()), "tolerance": tolerance}
+
+
+# ------------------------------------------------------------------------------------------------ the loss's inputs
+def loss_input_dtypes(head_weight: torch.Tensor, rows: int, top_k: int, device: torch.device, backend: str = "auto",
+                      repeats: int = 3) -> dict[str, Any]:
+    """The loss alone (forward + backward, median ms of ``repeats`` after a warm-up) on ``rows`` trained positions
+    against ``head_weight``, under bf16 autocast as the one-process trainer runs it, with float32 hidden states and
+    the float32 head (what that trainer passes: the backbone's last norm returns float32, the master weights are
+    float32) and with both in bf16: how much the loss's input dtype costs."""
+    from fastdistill.loss import sparse_jsd_loss
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, dim = head_weight.shape
+    ids = torch.randint(0, vocab, (rows, top_k + 1), generator=generator).to(device)
+    lps = torch.log_softmax(torch.randn(rows, top_k + 1, generator=generator), -1).to(device)
+    mask = torch.ones(rows, top_k + 1, dtype=torch.bool, device=device)
+    base = (0.5 * torch.randn(rows, dim, generator=generator)).to(device)
+    out: dict[str, Any] = {"rows": rows, "top_k": top_k, "backend": backend}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        weight = head_weight.detach().to(dtype).requires_grad_(True)
+        hidden = base.to(dtype).requires_grad_(True)
+        times = []
+        for index in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = sparse_jsd_loss(hidden, weight, ids, lps, mask, beta=0.5, backend=backend).loss
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if index:
+                times.append(time.perf_counter() - began)
+            hidden.grad = weight.grad = None
+        out[f"{name}_ms"] = 1e3 * sorted(times)[len(times) // 2]
+        del weight
+    return out

@@ -176,6 +176,8 @@ def test_the_tiny_run_end_to_end(bench, tmp_path):
     assert shape["checks"]["packed_attention"]["status"] == "ok"
     assert shape["checks"]["packed_flash_attention_2"] == {"status": "skipped", "detail": "no CUDA device"}
     assert shape["floor"]["steps_measured"] == bench.MEASURED_STEPS
+    assert shape["loss_inputs"]["rows"] == int(shape["runs"]["K=8 auto"]["trained_tokens_per_step"])
+    assert shape["loss_inputs"]["float32_ms"] > 0 and shape["loss_inputs"]["bfloat16_ms"] > 0
     assert "| tiny | 8 | auto |" in result["table"] and "| tiny | – | CE floor |" in result["table"]
 
 
