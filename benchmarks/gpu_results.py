@@ -262,10 +262,9 @@ def markdown_section(results: dict, commit: str | None = None) -> str:
         *step_lines(results),
         "",
         f"Compiled-kernel tests: {compiled.get('passed', 0)} of {compiled.get('tests', 0)} passed "
-        f"({kt.get('status', 'not run')}). Benchmark ceilings and inputs:",
+        f"({kt.get('status', 'not run')}).",
         "",
-        *inputs_lines(results),
-        "",
+        *([*inputs, ""] if (inputs := inputs_lines(results)) else []),
         bench_table(results),
         "",
         *([f"Predicted at three lm_heads (`benchmarks/roofline.py`) with {predicted['rates']}:", "",

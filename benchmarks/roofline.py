@@ -154,6 +154,13 @@ def chunked_17cb676(s: Shape, dense_teacher: bool = False) -> Cost:
 FP32_CHUNK_BYTES = 960 * 2**20  # logits_chunk.DEFAULT_CHUNK_BYTES now: the fp32 raw-logits buffer(s) of a chunk
 
 
+def fp32_chunk_rows(s: Shape, dense_teacher: bool = False) -> int:
+    """Rows per chunk of the chunked design now: ≤ 4096, ≤ N, its fp32 logits (both sides' for a dense teacher)
+    within :data:`FP32_CHUNK_BYTES` (as ``logits_chunk.chunk_rows_for`` / ``dense_chunk.dense_chunk_rows_for``)."""
+    row_bytes = 4 * (s.V + (s.teacher[1] if dense_teacher else 0))
+    return max(1, min(CHUNK_ROWS_MAX, s.N, FP32_CHUNK_BYTES // row_bytes))
+
+
 def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
     """The chunked-logits design as the kernels hold it now (``logits_chunk.py`` / ``dense_chunk.py``): per chunk of
     C rows a cuBLAS GEMM writes fp32 raw logits (C·V·4 bytes ≤ 960 MiB, both sides' buffers together for a dense
@@ -162,9 +169,8 @@ def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
     dtype (fp32 sums inside the GEMM: its read + write of dW for every chunk after the first). No fp32 (V, D)
     buffer; the backward hands the gradients over (an upstream gradient of 1 costs no pass)."""
     W, _, H, _ = _sizes(s)
-    _, v_t = s.teacher
-    row_bytes = 4 * (s.V + (v_t if dense_teacher else 0))
-    C = max(1, min(CHUNK_ROWS_MAX, s.N, FP32_CHUNK_BYTES // row_bytes))
+    row_bytes = 4 * (s.V + (s.teacher[1] if dense_teacher else 0))
+    C = fp32_chunk_rows(s, dense_teacher)
     chunks = math.ceil(s.N / C)
     passes = 2 * s.N * row_bytes + s.N * s.V * s.elem_bytes  # two fp32 reads of the chunk(s), dL/dx written
     dw_bytes = (chunks - 1) * 2 * W
@@ -178,9 +184,10 @@ def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
 # --------------------------------------------------------------------------------------------- no-logits designs
 BLOCK_ROWS, BLOCK_VOCAB, WORKSPACE_BYTES = 128, 128, 2**27  # config.TileConfig (GPU, half precision)
 WORKSPACE_BYTES_17CB676 = 2**28
+DENSE_BLOCK_VOCAB = 64  # config.DENSE_TILES on sm_90, half precision (the dense-teacher fused kernels)
 
 
-def deterministic_blocks(s: Shape) -> tuple[int, int]:
+def deterministic_blocks(s: Shape, block_vocab: int = BLOCK_VOCAB) -> tuple[int, int]:
     """``(rows per row block, vocabulary columns per chunk)`` of the deterministic backward (as
     ``backward.deterministic_blocks``): a row block's fp32 dh accumulator takes at most half of the workspace
     budget, its (rows, chunk) dL/dx workspace the rest."""
@@ -188,9 +195,9 @@ def deterministic_blocks(s: Shape) -> tuple[int, int]:
     most = max(BLOCK_ROWS, (WORKSPACE_BYTES // 2) // per_row // BLOCK_ROWS * BLOCK_ROWS)
     n_blocks = math.ceil(s.N / most)
     rows = min(s.N, math.ceil(math.ceil(s.N / n_blocks) / BLOCK_ROWS) * BLOCK_ROWS)
-    tiles = math.ceil(s.V / BLOCK_VOCAB)
-    chunk_tiles = max(1, min(tiles, (WORKSPACE_BYTES - rows * per_row) // (rows * BLOCK_VOCAB * s.elem_bytes)))
-    return rows, chunk_tiles * BLOCK_VOCAB
+    tiles = math.ceil(s.V / block_vocab)
+    chunk_tiles = max(1, min(tiles, (WORKSPACE_BYTES - rows * per_row) // (rows * block_vocab * s.elem_bytes)))
+    return rows, chunk_tiles * block_vocab
 
 
 def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False) -> Cost:
@@ -204,7 +211,7 @@ def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False
     d_t, v_t = s.teacher
     flops = 8.0 * s.N * s.D * s.V + (4.0 * s.N * d_t * v_t if dense_teacher else 0.0)
     if mode == "deterministic":
-        rows, cols = deterministic_blocks(s)
+        rows, cols = deterministic_blocks(s, DENSE_BLOCK_VOCAB if dense_teacher else BLOCK_VOCAB)
         n_blocks, vchunks = math.ceil(s.N / rows), math.ceil(s.V / cols)
         one_chunk = vchunks == 1
         dh_bytes = 0 if one_chunk else H32 + vchunks * 2 * H32 + (H32 + H)  # zero, read + write per chunk, round
