@@ -92,6 +92,41 @@ def test_a_store_that_stops_answering_names_the_store_s_host():
                                    "host): no answer within rank_heartbeat_timeout_s=5 s (Socket Timeout)")
 
 
+def test_a_store_operation_that_never_returns_is_bounded_by_the_heartbeat_timeout():
+    """A TCPStore read towards a host whose link is cut blocks until TCP gives up (minutes): a second thread
+    declares the store lost once the watching thread's round has not come back for the timeout."""
+    import threading
+
+    release, lost_event, lost = threading.Event(), threading.Event(), []
+
+    class BlockingStore:
+        def __init__(self):
+            self.calls = 0
+
+        def set(self, *args):
+            self.calls += 1
+            if self.calls > 1:  # the first beat (start) answers; the next one never does
+                release.wait()
+
+        def check(self, keys):
+            return False
+
+    def on_lost(error):
+        lost.append(error)
+        lost_event.set()
+
+    watch = peers.PeerWatch(BlockingStore(), 1, 2, timeout_s=0.3, interval_s=0.05, store_host="10.0.0.1:29500",
+                            on_lost=on_lost).start()
+    try:
+        assert lost_event.wait(timeout=60), "the blocked store was never declared lost"
+    finally:
+        release.set()
+        watch.stop()
+    assert str(lost[0]).startswith("rank 1 of 2 lost the rendezvous store at 10.0.0.1:29500 (trainer rank 0's "
+                                   "host): no answer for")
+    assert len(lost) == 1
+
+
 def test_a_gather_stall_in_a_weight_push_names_the_silent_trainer_rank_not_the_student():
     from fastdistill.sync.threads import TaskFailed
     from fastdistill.sync.weights import VLLMWeightSync
@@ -285,3 +320,14 @@ def test_a_weight_push_whose_trainer_peer_stalls_names_the_peer_not_the_student(
         assert ranks[0].returncode == peers.LOST_PEER_EXIT_CODE
     else:
         assert "during a weight push: the trainer ranks' own all-gather of" in output, output[-3000:]
+
+
+def test_the_heartbeat_must_be_below_ddp_timeout_or_off():
+    from fastdistill.errors import ConfigError
+    from fastdistill.train.config import AsyncDistillationConfig
+
+    with pytest.raises(ConfigError, match=r"rank_heartbeat_timeout_s must be below ddp_timeout \(20\) or 0"):
+        AsyncDistillationConfig(model_name_or_path="m", ddp_timeout=20, rank_heartbeat_timeout_s=20)
+    with pytest.raises(ConfigError, match="ddp_timeout must be a finite number > 0"):
+        AsyncDistillationConfig(model_name_or_path="m", ddp_timeout=0)
+    assert AsyncDistillationConfig(model_name_or_path="m", ddp_timeout=20, rank_heartbeat_timeout_s=0).ddp_timeout == 20

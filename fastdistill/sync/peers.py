@@ -69,6 +69,8 @@ class PeerWatch:
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value read, when it last changed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_round = clock()  # when the watching thread last finished a round of store operations
+        self._lost_lock = threading.Lock()
         self.lost: LostRankError | None = None
 
     def key(self, rank: int) -> str:
@@ -124,15 +126,29 @@ class PeerWatch:
     # ------------------------------------------------------------------------------------------------ thread
 
     def start(self) -> PeerWatch:
-        """Write the first heartbeat and start the watching thread."""
+        """Write the first heartbeat and start the watching thread, and the one that bounds its store operations (a
+        TCPStore read towards a host whose link is cut blocks until TCP gives up, minutes later)."""
         self.beat()
-        started = self.clock()
+        started = self._last_round = self.clock()
         for rank in range(self.world_size):  # a rank that never writes is silent from now on
             if rank != self.rank:
                 self._seen.setdefault(rank, (b"", started))
         self._thread = threading.Thread(target=self._run, name="fastdistill-peer-watch", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._bound_store, name="fastdistill-peer-store-bound", daemon=True).start()
         return self
+
+    def _store_lost(self, why: str) -> LostRankError:
+        return LostRankError(
+            f"rank {self.rank} of {self.world_size} lost the rendezvous store at {self.store_host or '?'} (trainer "
+            f"rank 0's host): {why}. Resume every node with resume_from_checkpoint=latest once it is back")
+
+    def _lose(self, error: LostRankError) -> None:
+        with self._lost_lock:
+            if self.lost is not None or self._stop.is_set():
+                return
+            self.lost = error
+        self.on_lost(error)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -140,16 +156,23 @@ class PeerWatch:
                 self.beat()
                 error = self.check()
             except _store_error_types() as store_error:
-                if self._stop.is_set():
-                    return
-                error = LostRankError(
-                    f"rank {self.rank} of {self.world_size} lost the rendezvous store at {self.store_host or '?'} "
-                    f"(trainer rank 0's host): no answer within rank_heartbeat_timeout_s={self.timeout_s:g} s "
-                    f"({str(store_error).splitlines()[0][:200]}). Resume every node with "
-                    "resume_from_checkpoint=latest once it is back")
-            if error is not None and not self._stop.is_set():
-                self.lost = error
-                self.on_lost(error)
+                error = self._store_lost(f"no answer within rank_heartbeat_timeout_s={self.timeout_s:g} s "
+                                         f"({str(store_error).splitlines()[0][:200]})")
+            self._last_round = self.clock()
+            if error is not None:
+                self._lose(error)
+                return
+
+    def _bound_store(self) -> None:
+        """Declare the store lost when the watching thread's round has not come back for ``timeout_s`` (plus one
+        interval: its own wait)."""
+        while not self._stop.wait(self.interval_s):
+            if self.lost is not None:
+                return
+            stalled_s = self.clock() - self._last_round
+            if stalled_s > self.timeout_s + self.interval_s:
+                self._lose(self._store_lost(f"no answer for {stalled_s:.0f} s "
+                                            f"(rank_heartbeat_timeout_s={self.timeout_s:g})"))
                 return
 
     def stop(self, error: BaseException | None = None) -> None:
@@ -166,10 +189,12 @@ class PeerWatch:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval_s + self.timeout_s)
 
-    def peer_failure(self, rank: int) -> str | None:
-        """Rank ``rank``'s error when it marked itself failed, else None (one store read)."""
+    def peer_failure(self, rank: int, store: Any = None) -> str | None:
+        """Rank ``rank``'s error when it marked itself failed, else None (one read of ``store``, default the
+        watch's: another connection to the same keys keeps the main thread off the heartbeat's)."""
+        store = store if store is not None else self.store
         key = self.key(rank)
-        value = self.store.get(key) if self.store.check([key]) else b""
+        value = store.get(key) if store.check([key]) else b""
         return value[len(_FAILED):].decode(errors="replace") if value.startswith(_FAILED) else None
 
 
@@ -202,8 +227,8 @@ def prefixed(store: Any, sub: str = "") -> Any:
 
 
 class MainRelease:
-    """The count of rank 0's releases in ``store`` (the watch's store, or the process group's without a watch),
-    and the watch that reports rank 0's failure."""
+    """The count of rank 0's releases in ``store`` (the main thread's connection to the watch's keys, or the process
+    group's store without a watch), and the watch whose keys tell rank 0's failure."""
 
     def __init__(self, store: Any, rank: int, watch: PeerWatch | None):
         self.store, self.rank, self.watch = store, rank, watch
@@ -223,7 +248,7 @@ class MainRelease:
             poll_s = min(poll_s * 2, _MAX_POLL_S)
             if self.watch is not None and time.monotonic() >= status_at:
                 status_at = time.monotonic() + _STATUS_EVERY_S
-                failure = self.watch.peer_failure(0)
+                failure = self.watch.peer_failure(0, self.store)
                 if failure is not None:
                     raise LostRankError(f"rank {self.rank}: trainer rank 0 (at {self.watch.where(0)}) failed while "
                                         f"this rank waited for it: {failure}")

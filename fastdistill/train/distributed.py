@@ -179,20 +179,21 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
         dist.all_gather_object(gathered, _address_towards_master())
         addresses = tuple(gathered)
         main_store = dist.distributed_c10d._get_default_store()
+        release_store = peers.prefixed(main_store)
         if heartbeat_timeout_s > 0:
-            store, host = _heartbeat_store(main_store, heartbeat_timeout_s)
+            store, release_store, host = _heartbeat_stores(main_store, heartbeat_timeout_s)
             watch = peers.PeerWatch(store, rank, world_size, timeout_s=heartbeat_timeout_s, addresses=addresses,
                                     store_host=host).start()
-        peers.activate(peers.MainRelease(watch.store if watch is not None else peers.prefixed(main_store), rank,
-                                         watch))
+        peers.activate(peers.MainRelease(release_store, rank, watch))
     return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses, timeout_s=timeout_s,
                        watch=watch)
 
 
-def _heartbeat_store(store: Any, timeout_s: float) -> tuple[Any, str]:
-    """A store for the heartbeat thread, whose operations time out after ``timeout_s``, and the host it lives on:
-    a client of its own to the group's TCPStore (torchrun's, on node 0), or the group's store itself (a file
-    store: local, it does not hang)."""
+def _heartbeat_stores(store: Any, timeout_s: float) -> tuple[Any, Any, str]:
+    """The heartbeat thread's store, whose operations time out after ``timeout_s``, the main thread's view of the
+    same keys (its release counter and rank 0's failure, on another connection: a blocked read on one does not
+    hold up the other), and the host the store lives on. With the group's store a TCPStore (torchrun's, on node
+    0) the heartbeat gets a client of its own; a file store (local, it does not hang) serves both."""
     base = store
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
@@ -200,8 +201,8 @@ def _heartbeat_store(store: Any, timeout_s: float) -> tuple[Any, str]:
         client = dist.TCPStore(base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                                wait_for_workers=False)
         run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        return peers.prefixed(client, run), f"{base.host}:{base.port}"
-    return peers.prefixed(store), ""
+        return peers.prefixed(client, run), peers.prefixed(base, run), f"{base.host}:{base.port}"
+    return peers.prefixed(store), peers.prefixed(store), ""
 
 
 def _address_towards_master() -> str:
