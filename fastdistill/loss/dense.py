@@ -36,12 +36,13 @@ from .api import (
     save_gradients,
     saved_gradients,
 )
-from .chunked import default_chunk_rows, scratch_rows
+from .chunked import default_chunk_rows
 from .gemm import gemm_into, split_gemm_into, split_operands, split_tile
 from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
 from .routing import route
 from .support import _check_beta
+from .tile_rows import log_mixture, row_logsumexp, rowdot, rowdot_exp_diff
 
 
 @dataclass(frozen=True)
@@ -238,10 +239,10 @@ def student_top_k_support(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias
         rows, c = slice(start, end), end - start
         ids[rows] = student.logits(s_hidden[rows].to(cdt), ws, bs, out=S[:c]).topk(k, dim=1).indices
         t = teacher.logits(t_hidden[rows].to(cdt), wt, bt, out=T[:c])
-        lse_t = _row_logsumexp(t)
+        lse_t = row_logsumexp(t)
         lps[rows] = t.gather(1, ids[rows]) - lse_t.unsqueeze(1)
         if pad is not None:
-            lse_pad = _row_logsumexp(teacher.logits(t_hidden[rows].to(cdt), wt_pad, bt_pad, out=pad[:c]))
+            lse_pad = row_logsumexp(teacher.logits(t_hidden[rows].to(cdt), wt_pad, bt_pad, out=pad[:c]))
             dropped[rows] = torch.exp(lse_pad - torch.logaddexp(lse_t, lse_pad))
     return ids, lps, dropped
 
@@ -297,33 +298,33 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
         s, t, a, b = S[:c], T[:c], A[:c], B[:c]
         student.logits(h, ws, bs, out=s)
         teacher.logits(ht, wt, bt, out=t)
-        lse_s = _row_logsumexp(s)
-        lse_t = _row_logsumexp(t)
+        lse_s = row_logsumexp(s)
+        lse_t = row_logsumexp(t)
         if pad is not None:
-            lse_pad = _row_logsumexp(teacher.logits(ht, wt_pad, bt_pad, out=pad[:c]))
+            lse_pad = row_logsumexp(teacher.logits(ht, wt_pad, bt_pad, out=pad[:c]))
             dropped[rows] = torch.exp(lse_pad - torch.logaddexp(lse_t, lse_pad))
         s.sub_(lse_s.unsqueeze(1))
         t.sub_(lse_t.unsqueeze(1))
         p = torch.exp(s, out=a)
-        ent[rows] = -_rowdot(p, s)
+        ent[rows] = -rowdot(p, s)
         q = torch.exp(t, out=b)
-        tent[rows] = -_rowdot(q, t)
+        tent[rows] = -rowdot(q, t)
         # Each divergence is a row sum of per-element differences (Σ q·(t − s), not Σ q·t − Σ q·s): the two sums
         # are of the size of |log p| and would cancel to a fraction of their fp32 rounding.
         if beta == 0.0:
-            div[rows] = _rowdot(q, t.sub_(s))  # tile T now holds t − s
+            div[rows] = rowdot(q, t.sub_(s))  # tile T now holds t − s
             grad = p.sub_(q) if need_grad else None  # dD/dz = p − q, in tile A
         elif beta == 1.0:
             s_minus_t = torch.sub(s, t, out=b)  # overwrites q (tile B)
-            d = _rowdot(p, s_minus_t)
+            d = rowdot(p, s_minus_t)
             div[rows] = d
             grad = s_minus_t.sub_(d.unsqueeze(1)).mul_(p) if need_grad else None  # dD/dz = p (s − t − D)
         else:
-            log_m = _log_mixture(s, t, beta, out=b)  # overwrites q (tile B)
+            log_m = log_mixture(s, t, beta, out=b)  # overwrites q (tile B)
             # Σ q·(t − log m) needs q again: exp(t) recomputed in row blocks rather than kept in a fifth tile
-            q_term = _rowdot_exp_diff(t, log_m)
+            q_term = rowdot_exp_diff(t, log_m)
             s_minus_log_m = log_m.neg_().add_(s)
-            div[rows] = beta * q_term + (1.0 - beta) * _rowdot(p, s_minus_log_m)
+            div[rows] = beta * q_term + (1.0 - beta) * rowdot(p, s_minus_log_m)
             grad = None
             if need_grad:  # g = (1−β) p (s − log m), dD/dz = g − p Σ g, in tile B
                 g = s_minus_log_m.mul_(p).mul_(1.0 - beta)
@@ -354,60 +355,6 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
         if need_dw:
             dw.addmm_(grad.t(), h)
     return div, ent, tent, dropped, dh, dw, db
-
-
-def _block(x: torch.Tensor) -> int:
-    """Rows per block of the per-row reductions over a ``(c, V)`` tile: 16 on the CPU, 128 MiB worth on a GPU
-    (:func:`fastdistill.loss.chunked.scratch_rows`)."""
-    return scratch_rows(x.shape[1] or 1, x.dtype, x.device.type == "cuda")
-
-
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row dot product of two ``(c, V)`` tiles, in row blocks (:func:`_block`; a block-sized temporary).
-    Products summed by ``torch.sum``, whose cascade summation keeps the fp32 error near eps whatever V; a batched
-    matmul's running sum drifts with V (~1e-5 relative at V = 32768)."""
-    out = torch.empty(a.shape[0], dtype=a.dtype, device=a.device)
-    step = _block(a)
-    for i in range(0, a.shape[0], step):
-        out[i : i + step] = (a[i : i + step] * b[i : i + step]).sum(dim=1)
-    return out
-
-
-def _row_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """Per-row log-sum-exp of a ``(c, V)`` tile in row blocks (``torch.logsumexp`` would allocate ``(c, V)``
-    temporaries inside its kernel)."""
-    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    step = _block(x)
-    for i in range(0, x.shape[0], step):
-        xb = x[i : i + step]
-        m = xb.amax(dim=1)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        out[i : i + step] = m + torch.log(torch.exp(xb - m.unsqueeze(1)).sum(dim=1))
-    return out
-
-
-def _rowdot_exp_diff(log_a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row Σ exp(log_a)·(log_a − b), in row blocks so the temporaries stay small."""
-    out = torch.empty(log_a.shape[0], dtype=log_a.dtype, device=log_a.device)
-    step = _block(log_a)
-    for i in range(0, log_a.shape[0], step):
-        block = log_a[i : i + step]
-        out[i : i + step] = (torch.exp(block) * (block - b[i : i + step])).sum(dim=1)
-    return out
-
-
-def _log_mixture(s: torch.Tensor, t: torch.Tensor, beta: float, *, out: torch.Tensor) -> torch.Tensor:
-    """``log((1−β)·e^s + β·e^t)`` into ``out`` by log-sum-exp mixing, finite for finite s and t (no log of an
-    underflowed mixture): with a = s + log(1−β), b = t + log β, ``log m = b + relu(a − b) + log1p(exp(−|a − b|))``.
-    The log1p term goes through a row-block scratch, so no second ``(c, V)`` tile is needed."""
-    a_off, b_off = math.log1p(-beta), math.log(beta)
-    torch.sub(s, t, out=out).add_(a_off - b_off)
-    step = _block(out)
-    for i in range(0, out.shape[0], step):
-        d = out[i : i + step]
-        soft = d.abs().neg_().exp_().log1p_()
-        d.clamp_(min=0.0).add_(soft)
-    return out.add_(t).add_(b_off)
 
 
 class _DenseJSD(torch.autograd.Function):
