@@ -184,3 +184,21 @@ def test_dense_teacher_split_path_matches_its_fp32_path(monkeypatch, beta):
     for name, a, r in zip(("dh", "dW"), rows(True)[4:6], upcast[4:6], strict=True):
         with pytest.raises(AssertionError, match="max error"):
             rel_close(a, r, 40 * SPLIT_REL, f"{name} from hi alone")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output bf16 GEMMs are CUDA's")
+@pytest.mark.parametrize("beta,softcap,scale", CASES)
+def test_on_cuda_bf16_inputs_take_the_split_gemms_at_fp32_accuracy(beta, softcap, scale):
+    """On a GPU, unforced: torch has the fp32-output GEMM, the torch path splits, and every bf16 gradient entry is
+    the float64 one rounded once within the bound of the CPU test above."""
+    assert gemm.mixed_mm_supported(torch.device("cuda"), torch.bfloat16)
+    case, (h, w, b, ids, lps, mask), kw, ref, ref_grads = _reference(beta, softcap, scale)
+    leaves = [x.detach().cuda().requires_grad_(True) for x in (h, w, b)]
+    assert gemm.split_operands(leaves[0], leaves[1])
+    out = sparse_jsd_loss(*leaves[:2], ids.cuda(), lps.cuda(), mask.cuda(), bias=leaves[2], **kw, backend="torch")
+    grads = torch.autograd.grad(out.loss, leaves)
+    rel_close(out.loss.cpu(), ref.loss, 1e-5, "loss")
+    bounds = _split_bounds(case, h, w, b, ids, lps, mask, ref_grads, scale, SPLIT_REL)
+    for name, g, r, bound in zip(("dh", "dW", "db"), grads, ref_grads, bounds, strict=True):
+        assert g.dtype == torch.bfloat16
+        assert_elementwise(g.cpu(), r, bound, name)

@@ -1,10 +1,11 @@
 """GEMMs of the torch paths on a GPU: half-precision operands, fp32 results, and an fp32 tile split into two bf16 terms.
 
 On CUDA, bf16 inputs keep their dtype as GEMM operands (tensor cores; no fp32 copy of the weight) and the products
-land in fp32 (``torch.mm(..., out_dtype=torch.float32)``: exact products, fp32 sums, as an fp32 GEMM of the upcast
-operands). A GEMM whose operand is an fp32 tile (``dL/dz`` of a chunk) takes it as ``hi + lo``, two bf16 tiles
-(``hi = bf16(z)``, ``lo = bf16(z − hi)``): about 16 significant bits, so the gradients keep the accuracy of an fp32
-``dL/dz`` (a single bf16 rounding would put 2⁻⁹ relative error on every element) for twice the gradient GEMMs.
+land in fp32 (``torch.addmm(..., out_dtype=torch.float32)``, the overload the kernels' deterministic backward ran
+on an H200: exact products, fp32 sums, as an fp32 GEMM of the upcast operands). A GEMM whose operand is an fp32
+tile (``dL/dz`` of a chunk) takes it as ``hi + lo``, two bf16 tiles (``hi = bf16(z)``, ``lo = bf16(z − hi)``):
+about 16 significant bits, so the gradients keep the accuracy of an fp32 ``dL/dz`` (a single bf16 rounding would
+put 2⁻⁹ relative error on every element) for twice the gradient GEMMs.
 
 This module needs only torch (the torch path runs without triton); the kernels package has its own helpers.
 """
@@ -21,14 +22,15 @@ UPCAST_BLOCK_ELEMS = 2**24  # elements of one upcast block where torch has no fp
 
 @functools.cache
 def mixed_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.mm`` / ``torch.addmm`` take ``dtype`` operands with ``out_dtype=torch.float32`` (and ``out=``)
-    on ``device`` (CUDA in torch ≥ 2.8; not on CPU). Tried once per (device, dtype) on 2×2 tensors, result checked."""
+    """Whether ``torch.addmm(out, a, b, beta=0 or 1, out_dtype=torch.float32, out=out)`` takes ``dtype`` operands and
+    an fp32 ``out`` on ``device`` (CUDA in torch ≥ 2.8; not on CPU). Tried once per (device, dtype) on 2×2 tensors,
+    a transposed operand and a NaN-filled ``out`` under ``beta=0`` included, and the result checked."""
     try:
         a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
-        out = torch.empty(2, 2, device=device)
-        torch.mm(a.to(dtype), a.to(dtype), out_dtype=torch.float32, out=out)
-        torch.addmm(out, a.to(dtype), a.to(dtype), out_dtype=torch.float32, out=out)
-        return out.dtype == torch.float32 and torch.equal(out.cpu(), 2 * (a.cpu() @ a.cpu()))
+        out = torch.full((2, 2), float("nan"), device=device)
+        torch.addmm(out, a.to(dtype).t(), a.to(dtype), beta=0, out_dtype=torch.float32, out=out)
+        torch.addmm(out, a.to(dtype).t(), a.to(dtype), out_dtype=torch.float32, out=out)
+        return out.dtype == torch.float32 and torch.equal(out.cpu(), 2 * (a.cpu().t() @ a.cpu()))
     except (TypeError, RuntimeError):  # unknown keyword (old torch), or no kernel for this backend / dtype
         return False
 
@@ -49,11 +51,8 @@ def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate
             out.addmm_(a, b)
         else:
             torch.mm(a, b, out=out)
-    elif mixed_mm_supported(a.device, a.dtype):
-        if accumulate:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        else:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif mixed_mm_supported(a.device, a.dtype):  # beta=0: out's old contents (NaN included) are not read
+        torch.addmm(out, a, b, beta=1 if accumulate else 0, out_dtype=torch.float32, out=out)
     else:
         b_up = b.to(out.dtype)
         rows = max(1, UPCAST_BLOCK_ELEMS // max(1, a.shape[1]))
