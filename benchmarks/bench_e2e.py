@@ -93,8 +93,28 @@ def build_models(workdir: Path, pairs: list[tuple[str, str]], teacher_steps: int
     losses = train_on_answers(teacher, tokenizer, pairs, steps=teacher_steps, batch=32, lr=3e-3,
                               rng=random.Random(seed))
     print(f"[bench_e2e] teacher trained: final loss {losses[-1]:.3f}", flush=True)
-    return (save_pretrained_dir(student, tokenizer, workdir / "student"),
+    dirs = (save_pretrained_dir(student, tokenizer, workdir / "student"),
             save_pretrained_dir(teacher.eval(), tokenizer, workdir / "teacher"))
+    (workdir / MODELS_MARKER).write_text(json.dumps({"teacher_steps": teacher_steps, "seed": seed,
+                                                     "teacher_final_loss": losses[-1]}))
+    return dirs
+
+
+MODELS_MARKER = "models.json"
+
+
+def reuse_models(workdir: Path, teacher_steps: int, seed: int) -> tuple[Path, Path]:
+    """The student and teacher that ``build_models`` saved in an earlier run's ``workdir``, refused unless they were
+    built with the same ``teacher_steps`` and ``seed``."""
+    marker = workdir / MODELS_MARKER
+    if not marker.is_file():
+        raise SystemExit(f"--models-from {workdir}: no {MODELS_MARKER} (not a bench_e2e workdir with built models)")
+    built = json.loads(marker.read_text())
+    if (built["teacher_steps"], built["seed"]) != (teacher_steps, seed):
+        raise SystemExit(f"--models-from {workdir}: built with teacher_steps={built['teacher_steps']}, "
+                         f"seed={built['seed']}; this run asks for {teacher_steps}, {seed}")
+    print(f"[bench_e2e] models from {workdir} (teacher final loss {built['teacher_final_loss']:.3f})", flush=True)
+    return workdir / "student", workdir / "teacher"
 
 
 def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str, str], prompts: list, args,
@@ -438,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
                              "the model's OpenMP thread pinned) instead of fastdistill's defaults (one engine process, "
                              "every server process pinned)")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--models-from", type=Path, default=None,
+                        help="reuse the student and teacher an earlier run built in this workdir (same --seed and "
+                             "--teacher-steps) instead of training the teacher again")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     variants = {f"async:{name}": fields for name, fields in args.async_variant}
@@ -454,7 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fastdistill-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
     train_pairs, held_pairs = anchor_task(args.seed)
-    student_dir, teacher_dir = build_models(workdir, train_pairs, args.teacher_steps, args.seed)
+    if args.models_from:
+        student_dir, teacher_dir = reuse_models(args.models_from, args.teacher_steps, args.seed)
+    else:
+        student_dir, teacher_dir = build_models(workdir, train_pairs, args.teacher_steps, args.seed)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
@@ -512,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "anchor_servers": args.anchor_servers, "batch_size": args.batch_size, "repeats": args.repeats,
         "statistic": "median over repeats; ratios: median of the per-repeat paired ratios",
         "ours": yaml.safe_load(args.ours) or {}, "async_variants": variants,
+        "models_from": str(args.models_from) if args.models_from else None,
         "clocks": {"steady": f"tokens of steps {args.warmup_steps + 1}..N / (end of step N - end of step "
                              f"{args.warmup_steps})", "whole": "all trained tokens / (process end - process start)"},
     }
