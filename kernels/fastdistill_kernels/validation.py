@@ -50,7 +50,7 @@ def source_hash(text: str) -> str:
 
 def read_package_module(module: str) -> str:
     """The source of ``fastdistill_kernels.<module>`` as installed beside this file."""
-    return (PACKAGE_DIR / f"{module}.py").read_text()
+    return (PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8")
 
 
 def _is_jit(node: ast.AST) -> bool:
@@ -182,7 +182,7 @@ def load_record(path: Path | None = None) -> dict:
     path = RECORD_FILE if path is None else path
     if not path.exists():
         return {"schema": RECORD_SCHEMA, "designs": {}}
-    record = json.loads(path.read_text())
+    record = json.loads(path.read_text(encoding="utf-8"))
     if record.get("schema") != RECORD_SCHEMA:
         raise ValueError(f"{path}: validation record schema {record.get('schema')!r}, expected {RECORD_SCHEMA}")
     return record
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", type=Path, help="print the hashes of the kernel modules in this folder")
     args = p.parse_args(argv)
     if args.sources:
-        print(json.dumps(design_hashes(lambda m: (args.sources / f"{m}.py").read_text()), indent=2))
+        print(json.dumps(design_hashes(lambda m: (args.sources / f"{m}.py").read_text(encoding="utf-8")), indent=2))
         return 0
     record = load_record()
     for loss, backend in DESIGNS:
