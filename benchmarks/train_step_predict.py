@@ -1,15 +1,14 @@
 """The predicted cost split of one training step on an H200, per phase, at the benchmark's shapes and workload:
-FLOPs / the bf16 matmul rate measured on an H200 + bytes / its bandwidth (datasheet), and the loss from its own
-H200 measurements. A prediction for the first GPU run of ``bench_train_step.py`` to be read against.
+FLOPs / the matmul rate + bytes / the bandwidth, with the rates of ``roofline.H200_RECORDED`` (bf16 ``torch.mm``
+measured on an H200; the copy bandwidth and the float32 rate from the datasheet) and the loss from ``roofline.py``,
+the one home of the loss designs' costs. A prediction for the first GPU run of ``bench_train_step.py``.
 
-Rates: bf16 matmul 750 TFLOP/s (``torch.mm`` measured on an H200: 737-775); float32 matmul 67 TFLOP/s (datasheet,
-TF32 off as torch leaves it); HBM 4.8 TB/s (datasheet). Neither datasheet rate was measured.
 The loss, three ways. ``auto`` picks ``triton-chunked`` on a validated GPU; the one-process trainer runs under bf16
 autocast with float32 master weights, and the backbone's last norm returns float32, so the loss gets float32 hidden
-states and a float32 lm_head: its chunked logits GEMM (``torch.mm(..., out=)``, which autocast leaves alone) and its
-two backward GEMMs then run in float32 (6·N·D·V at the float32 rate), unless the hidden states and the head are cast
-to bf16 first (then 1.27-1.30× three bare bf16 GEMMs, as measured on an H200). ``torch``: 2,725-2,895 ms at
-N = 16,384 trained positions, V = 152,064 on an H200 (bf16 inputs), ≈ 1.1 ns per position and vocabulary entry.
+states and a float32 lm_head: the chunked design's GEMMs (``torch.mm(..., out=)``, which autocast leaves alone, and
+the backward's) then run in float32 (``roofline.chunked`` with 4-byte operands, its GEMMs at the float32 rate),
+against ``roofline.chunked`` with bf16 operands. ``torch``: ``roofline.torch_path`` (bf16 operands; the float32
+inputs the trainer passes are not modelled there).
 Bytes per phase (≈, bf16 activations, float32 master weights under autocast): forward reads each float32 weight and
 writes and reads its bf16 copy (8 B/param) plus ≈ (16·D + 6·I)·2 B of activations per token and layer; backward
 twice the activations plus the weight gradient (bf16 product, float32 accumulation: 10 B/param); AdamW (float32,
@@ -20,19 +19,27 @@ plus its (N, V) logits' traffic (16 B per logit).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import roofline
 from train_step_parts import SHAPES, WORKLOADS
 
-MATMUL_RATE = 750e12
-FP32_MATMUL_RATE = 67e12
-BANDWIDTH = 4.8e12
-TORCH_LOSS_S_PER_LOGIT = 2.81 / (16384 * 152064)
-CHUNKED_OVER_GEMMS = 1.285
+RATES = roofline.H200_RECORDED
 CE_LOGIT_BYTES = 16  # the floor's logits: bf16 written, float32 copy written and read by softmax, its gradient
 TOP_K_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+TOP_K = 8
 LOSS_FP32 = "loss: auto → triton-chunked, float32 inputs (the one-process trainer today)"
 LOSS_BF16 = "loss: triton-chunked, bf16 inputs"
-LOSS_TORCH = "loss: torch"
+LOSS_TORCH = "loss: torch (bf16 inputs)"
+
+
+def loss_costs(n: int, d: int, vocab: int) -> dict[str, roofline.Cost]:
+    """The loss's three predicted costs at ``n`` trained positions (``roofline`` designs, K = :data:`TOP_K`)."""
+    fp32 = roofline.chunked(roofline.Shape(N=n, D=d, V=vocab, K=TOP_K, elem_bytes=4))
+    return {LOSS_FP32: dataclasses.replace(fp32, gemm_fp32_flops=fp32.gemm_flops),
+            LOSS_BF16: roofline.chunked(roofline.Shape(N=n, D=d, V=vocab, K=TOP_K)),
+            LOSS_TORCH: roofline.torch_path(roofline.Shape(N=n, D=d, V=vocab, K=TOP_K))}
 
 
 def typical_row(seed: int = 0, rows: int = 400) -> dict[str, float]:
@@ -64,26 +71,17 @@ def predict(shape: str, row: dict[str, float]) -> dict[str, dict[str, float]]:
     t, n, pairs = row["forwarded"], row["trained"], row["pairs"]
     attention = 4 * heads * head_dim * layers * pairs
     activations = t * layers * (16 * d + 6 * inter) * 2
-    gemms = 6 * n * d * vocab
     phases = {
         "backbone_fwd": (2 * linear_params * t + attention, 8 * params + activations),
-        LOSS_FP32: (gemms, 0.0),
-        LOSS_BF16: (gemms, 0.0),
-        LOSS_TORCH: (gemms, 0.0),
         "backbone_bwd": (4 * linear_params * t + 2 * attention, 10 * params + 2 * activations),
         "optimizer": (0.0, 28 * params),
         "rest (grad clip)": (0.0, 12 * params),
     }
-    out = {}
-    for name, (flops, nbytes) in phases.items():
-        ms = 1e3 * (flops / MATMUL_RATE + nbytes / BANDWIDTH)
-        if name == LOSS_TORCH:
-            ms = 1e3 * TORCH_LOSS_S_PER_LOGIT * n * vocab
-        elif name == LOSS_BF16:
-            ms = 1e3 * CHUNKED_OVER_GEMMS * gemms / MATMUL_RATE
-        elif name == LOSS_FP32:
-            ms = 1e3 * gemms / FP32_MATMUL_RATE
-        out[name] = {"tflop": flops / 1e12, "gb": nbytes / 1e9, "ms": ms}
+    out = {name: {"tflop": flops / 1e12, "gb": nbytes / 1e9,
+                  "ms": 1e3 * (flops / RATES.matmul_flops + nbytes / RATES.copy_bytes)}
+           for name, (flops, nbytes) in phases.items()}
+    for name, cost in loss_costs(int(n), d, vocab).items():
+        out[name] = {"tflop": cost.gemm_flops / 1e12, "gb": cost.bytes / 1e9, "ms": 1e3 * cost.predicted_s(RATES)}
     return out
 
 
@@ -99,8 +97,8 @@ def prediction_table() -> str:
             lines.append(f"| {shape} | {name} | {p['tflop']:.2f} | {p['gb']:.1f} | {p['ms']:.1f} |")
         common = sum(p["ms"] for name, p in phases.items() if not name.startswith("loss"))
         logits = row["trained"] * SHAPES[shape]["vocab_size"]
-        ce_loss_ms = 1e3 * (6 * logits * SHAPES[shape]["hidden_size"] / MATMUL_RATE
-                            + CE_LOGIT_BYTES * logits / BANDWIDTH)
+        ce_loss_ms = 1e3 * (6 * logits * SHAPES[shape]["hidden_size"] / RATES.matmul_flops
+                            + CE_LOGIT_BYTES * logits / RATES.copy_bytes)
         lines.append(f"| {shape} | CE floor's loss (3 GEMMs + logits traffic) | | | {ce_loss_ms:.1f} |")
         for loss in (LOSS_FP32, LOSS_BF16, LOSS_TORCH):
             step = common + phases[loss]["ms"]
