@@ -173,13 +173,12 @@ def floor_run(run: dict, device: torch.device, model: Any, steps: int) -> dict[s
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def matmul_rate(device: torch.device) -> float | None:
-    """A bf16 matmul rate measured now (FLOP/s), the denominator beside the datasheet's; None on a CPU."""
-    if device.type != "cuda":
-        return None
-    from bench_kernels import matmul_peak_tflops
+def matmul_rate(device: torch.device) -> float:
+    """A matmul rate measured now (FLOP/s; bf16 on a GPU, float32 on a CPU: the dtype the step's GEMMs run in), the
+    denominator beside the datasheet's (``bench_kernels.matmul_rate``)."""
+    from bench_kernels import matmul_rate as measure
 
-    return matmul_peak_tflops(device) * 1e12
+    return measure(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: Path, deadline: float,

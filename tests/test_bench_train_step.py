@@ -168,7 +168,9 @@ def test_the_tiny_run_end_to_end(bench, tmp_path):
     (shape,) = result["shapes"]
     assert shape["attention"] == "sdpa" and set(shape["runs"]) == {"K=8 auto", "K=8 torch"}
     for run in shape["runs"].values():
-        assert run["status"] == "ok" and run["mfu_datasheet_pct"] is None  # a CPU: no rate to divide by
+        assert run["status"] == "ok" and run["mfu_datasheet_pct"] is None  # a CPU has no datasheet rate here
+        rate = result["machine"]["rates_tflops"]["measured"] * 1e12  # float32 torch.mm measured in the same run
+        assert run["mfu_measured_pct"] == pytest.approx(100 * run["step_tflop"] * 1e12 / run["step_s"] / rate)
         assert set(run["split_s"]) == {"backbone_fwd", "loss", "backbone_bwd", "optimizer", "rest"}
         assert run["step_tflop"] * 1e12 == pytest.approx(sum(run["tflop_split"].values()) * 1e12)
     losses = shape["checks"]["loss_decreases"]
