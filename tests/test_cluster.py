@@ -13,6 +13,9 @@ One cluster and one set of servers serve every case (module scope). Each case st
   the partitioned replica's errors and the failovers, and after the heal the same run sends it requests again;
 - a trainer node killed: the other ends by itself, naming the lost rank and its address; a resume on both nodes
   trains every remaining prompt exactly once;
+- a trainer node cut off (link down, processes alive): within the heartbeat bound each node names the peer it lost,
+  both end by themselves, the launcher's supervision reports the failure, nothing is left running, and a resume
+  trains every prompt exactly once;
 - the student host partitioned just before a weight sync: the run stops with an error naming the student's address
   and the phase, its last checkpoint intact; after the heal a resume trains every remaining prompt exactly once.
 
@@ -63,6 +66,10 @@ NO_CHECKPOINTS = 'save_strategy="no"'  # the runs that resume nothing skip the p
 # The student partition's run: the weight sync cut off by the partition fails after this bound (a tiny model's sync
 # takes well under a second, the cold sync's group formation a few on a loaded machine).
 STUDENT_PARTITION_SYNC_TIMEOUT_S = 15.0
+# The trainer-node cut: a silent node is named within the heartbeat bound; the collective timeout is set far above the
+# run's hang guard, so a run that only ended by it fails the test.
+NODE_CUT_HEARTBEAT_S = 10.0
+NODE_CUT_DDP_TIMEOUT_S = 1200.0
 
 
 def load_launcher():
@@ -366,6 +373,56 @@ def test_a_lost_trainer_node_ends_the_other_and_both_resume_exactly_once(topolog
     assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 1)
     summary = json.loads((output_dir / "train_summary.json").read_text())
     assert summary["steps"] == NUM_ROWS // SAMPLES_PER_STEP
+
+
+def test_a_cut_trainer_node_is_named_on_the_other_within_the_heartbeat_and_both_resume_exactly_once(topology):
+    """trainer1's link goes down after the second checkpoint, its processes alive (a cut cable): within the
+    heartbeat bound trainer0 names rank 1 and its address and trainer1 names the store it lost (trainer0's host);
+    both nodes end by themselves (the collective timeout, ddp_timeout, is far beyond the hang guard), the
+    launcher's supervision reports a failure naming the lost peer, nothing is left running on either host, and
+    after the heal a resume on both nodes trains every prompt exactly once."""
+    import time
+
+    output_dir = topology.output_dir("node-cut")
+    host, master = topology.cluster["trainer1"], topology.cluster["trainer0"]
+    timeouts = [f"rank_heartbeat_timeout_s={NODE_CUT_HEARTBEAT_S}", f"ddp_timeout={NODE_CUT_DDP_TIMEOUT_S}"]
+    trainers = topology.start("node-cut", timeouts)
+    named: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    try:
+        wait_for(lambda: (output_dir / "checkpoint-2").is_dir() and logged_steps(output_dir) >= 2,
+                 timeout_s=RUN_BOUND_S, what="the second checkpoint")
+        host.partition()
+        cut = time.monotonic()
+
+        def progress() -> bool:
+            now = time.monotonic() - cut
+            for name, trainer in trainers.items():
+                if name not in named and "LostRankError" in trainer.log.read_text(errors="replace"):
+                    named[name] = now
+                if name not in ended and trainer.process.poll() is not None:
+                    ended[name] = now
+            return len(ended) == len(trainers)
+
+        wait_for(progress, timeout_s=RUN_BOUND_S, poll_s=0.2, what="both nodes' end after the cut")
+        outcome = launcher.supervise(trainers, topology.servers, timeout_s=RUN_BOUND_S)
+        wait_for(lambda: not host.pids() and not master.pids(), timeout_s=60, what="no process left on either node")
+    finally:
+        host.heal()
+    print(f"cut -> LostRankError in the log: {', '.join(f'{n} {s:.1f} s' for n, s in sorted(named.items()))}; "
+          f"-> node exit: {', '.join(f'{n} {s:.1f} s' for n, s in sorted(ended.items()))} "
+          f"(rank_heartbeat_timeout_s {NODE_CUT_HEARTBEAT_S:g}); launcher: {outcome.failed} "
+          f"exit {outcome.exit_code}: {outcome.failed_error}")
+    logs = {name: trainer.log.read_text(errors="replace") for name, trainer in trainers.items()}
+    assert f"LostRankError: rank 0 lost trainer rank(s) 1 of 2 (at {host.address}): no heartbeat" in \
+        logs["trainer-0"], logs["trainer-0"][-3000:]
+    assert f"LostRankError: rank 1 of 2 lost the rendezvous store at {master.address}:{MASTER_PORT}" in \
+        logs["trainer-1"], logs["trainer-1"][-3000:]
+    assert all(status != 0 for status in outcome.statuses.values()), outcome
+    assert outcome.exit_code != 0 and "LostRankError" in outcome.failed_error, outcome
+    resumed = topology.start("node-cut", [*timeouts, "resume_from_checkpoint=latest"], tag="-resumed")
+    assert topology.finish(resumed) == {"trainer-0": 0, "trainer-1": 0}, topology.logs(resumed)
+    assert trained_counts(output_dir) == dict.fromkeys(range(NUM_ROWS), 1)
 
 
 def test_a_partitioned_student_stops_the_run_naming_it_and_a_resume_completes(topology):
