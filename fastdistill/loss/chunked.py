@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
-from .gemm import gemm_into, split_gemm_into, split_operands, split_tile
+from .gemm import gemm_into, split_gemm_into, split_operands, split_tile, split_weight_grad
 
 DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile on the CPU
 MAX_CHUNK_ROWS = 256  # beyond this the CPU's GEMMs gain little, and smaller vocabularies keep a smaller tile
@@ -71,8 +71,9 @@ class Workspace:
     of :func:`scratch_rows` rows, ``(rows, D)`` buffers for the chunk's hidden states in the compute dtype (only
     when they are upcast) and scaled by ``logit_scale / T`` (only when that folds into the operand), a ``(V,)``
     column-sum buffer (only for the bias gradient) and, for split GEMMs (:mod:`fastdistill.loss.gemm`), the two
-    bf16 ``(rows, V)`` terms of ``dL/dz``. Per chunk only O(rows·S) tensors are allocated, so the allocator does not
-    churn through tile-sized temporaries whatever its thresholds (glibc's defaults included)."""
+    bf16 terms of ``dL/dz`` stacked ``(2·rows, V)`` and the chunk's hidden states twice ``(2·rows, D)``. Per chunk
+    only O(rows·S) tensors are allocated, so the allocator does not churn through tile-sized temporaries whatever
+    its thresholds (glibc's defaults included)."""
 
     def __init__(self, rows: int, vocab: int, hidden: torch.Tensor, dtype: torch.dtype, cfg: LossConfig,
                  need_db: bool, *, split: bool = False, need_grad: bool = True):
@@ -85,8 +86,8 @@ class Workspace:
         self.cast = buf(rows, hidden.shape[1]) if hidden.dtype != dtype and not split else None
         self.scaled = buf(rows, hidden.shape[1]) if cfg.softcap is None and not split else None
         self.colsum = buf(vocab) if need_db else None
-        self.split = (buf(rows, vocab, dt=hidden.dtype), buf(rows, vocab, dt=hidden.dtype)) if split and need_grad \
-            else None
+        self.split = (buf(2 * rows, vocab, dt=hidden.dtype), buf(2 * rows, hidden.shape[1], dt=hidden.dtype)) \
+            if split and need_grad else None
 
     def hidden_chunk(self, h: torch.Tensor) -> torch.Tensor:
         """The chunk's hidden states ``h`` ``(c, D)`` in the compute dtype (a copy into the cast buffer if needed)."""
@@ -264,13 +265,14 @@ def sparse_jsd_rows(
         z.scatter_add_(1, ids_safe[rows], cand_grad)  # candidate entries of z are 0 before this
         if need_db:
             db.add_(torch.sum(z, dim=0, out=ws.colsum))
-        if split:  # dL/dz as hi + lo bf16 terms (z keeps the residual), two fp32-output GEMMs per gradient
-            hi, lo = (t[:c] for t in ws.split)
+        if split:  # dL/dz as hi + lo bf16 terms (z keeps the residual) in fp32-output GEMMs
+            terms = ws.split[0][: 2 * c]
+            hi, lo = terms[:c], terms[c:]
             split_tile(z, hi, lo)
             if need_dh:
                 split_gemm_into(dh[rows], hi, lo, w)
             if need_dw:
-                split_gemm_into(dw, hi.t(), lo.t(), h, accumulate=start > 0)
+                split_weight_grad(dw, terms, h, ws.split[1], accumulate=start > 0)
             continue
         if need_dh:
             torch.mm(z, w, out=dh[rows])

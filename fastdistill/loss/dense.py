@@ -37,7 +37,7 @@ from .api import (
     saved_gradients,
 )
 from .chunked import default_chunk_rows
-from .gemm import gemm_into, split_gemm_into, split_operands, split_tile
+from .gemm import gemm_into, split_gemm_into, split_operands, split_tile, split_weight_grad
 from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
 from .routing import route
@@ -286,9 +286,9 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
     # and two work tiles A, B (probabilities, the mixture, the logit gradient).
     S, T, A, B = (torch.empty(rows_per_chunk, V, dtype=cdt, device=dev) for _ in range(4))
     pad = torch.empty(rows_per_chunk, Vt - V, dtype=cdt, device=dev) if Vt > V else None
-    # the gradient tile as two bf16 terms for the split GEMMs (fastdistill.loss.gemm)
-    HI, LO = ((torch.empty(rows_per_chunk, V, dtype=s_hidden.dtype, device=dev) for _ in range(2))
-              if s_split and need_grad else (None, None))
+    # the gradient tile as two stacked bf16 terms, and the hidden states twice, for the split GEMMs (gemm.py)
+    TERMS, H2 = ((torch.empty(2 * rows_per_chunk, d, dtype=s_hidden.dtype, device=dev) for d in (V, s_hidden.shape[1]))
+                 if s_split and need_grad else (None, None))
 
     for start in range(0, n, rows_per_chunk):
         end = min(start + rows_per_chunk, n)
@@ -342,13 +342,14 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
         grad.mul_(factor.unsqueeze(1))
         if need_db:
             db.add_(grad.sum(dim=0))
-        if HI is not None:  # dL/dz as hi + lo bf16 terms (grad keeps the residual), two fp32-output GEMMs each
-            hi, lo = HI[:c], LO[:c]
+        if TERMS is not None:  # dL/dz as hi + lo bf16 terms (grad keeps the residual) in fp32-output GEMMs
+            terms = TERMS[: 2 * c]
+            hi, lo = terms[:c], terms[c:]
             split_tile(grad, hi, lo)
             if need_dh:
                 split_gemm_into(dh[rows], hi, lo, ws)
             if need_dw:
-                split_gemm_into(dw, hi.t(), lo.t(), h, accumulate=True)
+                split_weight_grad(dw, terms, h, H2, accumulate=True)
             continue
         if need_dh:
             torch.mm(grad, ws, out=dh[rows])

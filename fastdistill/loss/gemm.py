@@ -77,3 +77,15 @@ def split_gemm_into(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, b: to
     """``out (+)= (hi + lo) @ b`` as two fp32-output GEMMs (see :func:`split_tile`)."""
     gemm_into(out, hi, b, accumulate=accumulate)
     gemm_into(out, lo, b, accumulate=True)
+
+
+def split_weight_grad(dw: torch.Tensor, terms: torch.Tensor, h: torch.Tensor, h_twice: torch.Tensor, *,
+                      accumulate: bool) -> None:
+    """``dw (+)= (hi + lo)ᵀ @ h`` as one fp32-output GEMM over the stacked terms: ``terms`` is ``[hi; lo]``
+    ``(2c, V)`` (contiguous), ``h_twice`` a buffer of at least ``2c`` rows that receives ``[h; h]``. One GEMM of
+    depth 2c reads and writes the fp32 ``dw`` once, where two GEMMs would each."""
+    c = h.shape[0]
+    stacked = h_twice[: 2 * c]
+    stacked[:c].copy_(h)
+    stacked[c:].copy_(h)
+    gemm_into(dw, terms.t(), stacked, accumulate=accumulate)
