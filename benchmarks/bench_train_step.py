@@ -114,7 +114,7 @@ def run_trainer(model: Any, tokenizer: Any, config: Any, device: torch.device, c
     phases = [timer.phases(i) for i in range(len(timer.steps))]
     if len(records) != len(phases):
         raise RuntimeError(f"{len(records)} logged steps but {len(phases)} timed ones (logging_steps must be 1)")
-    result = {"records": records, "phases": phases, "peak_gib": peak, "flops_model": trainer.flops_model,
+    result = {"records": records, "phases": phases, "peak_gib": peak, "flops_model": trainer.mfu.flops_model,
               "rows": rows[-capture_rows:] if capture_rows else [], "optimizer": trainer.optimizer,
               "autocast": trainer.train_step.autocast, "max_grad_norm": config.max_grad_norm,
               "wrapped": trainer.model}

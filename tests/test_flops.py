@@ -10,6 +10,7 @@ from fastdistill.train.flops import (
     ATTENTION_PAIRS,
     MFU_FWD_BWD,
     MFU_WALL_CLOCK,
+    StepMfu,
     causal_pairs,
     mfu_record,
     peak_flops,
@@ -85,6 +86,24 @@ def test_mfu_metrics_say_they_divide_by_the_datasheet_rate():
     assert mfu_record(record, model, peak=None, world_size=1) == {}  # CPU: no MFU rather than a made-up one
     assert mfu_record({k: v for k, v in record.items() if k != ATTENTION_PAIRS}, model, 1_000.0, 1) == {}
     assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+
+
+
+def test_the_run_s_mfu_counts_every_rank_s_samples_of_the_window():
+    from types import SimpleNamespace
+
+    sample = lambda n: SimpleNamespace(input_ids=[0] * n)  # noqa: E731
+    # two micro-batches of two ranks: rank 1's row of the second micro-batch is empty (a ghost row)
+    window = SimpleNamespace(microbatches=[[[sample(3)], [sample(5)]], [[sample(2), sample(1)], []]])
+    record = {"batch/forwarded_tokens_per_step": 11.0, "batch/trained_tokens_per_step": 4.0, "perf/fwd_bwd_s": 1.0,
+              "perf/step_s": 2.0}
+    mfu = StepMfu(tiny(), peak=1e6, world_size=2)
+    out = mfu.record(record, window)
+    assert out[ATTENTION_PAIRS] == 6 + 15 + 3 + 1
+    flops = mfu.flops_model.step(11, 4, 25).total
+    assert out[MFU_FWD_BWD] == pytest.approx(100 * flops / 1.0 / 2e6)
+    assert mfu.record(record, None) == {}  # ranks other than 0: no window, no metrics
+    assert StepMfu(tiny(), peak=None, world_size=1).record(record, window) == {ATTENTION_PAIRS: 25.0}  # a CPU
 
 
 @pytest.mark.slow

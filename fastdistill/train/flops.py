@@ -162,3 +162,22 @@ def mfu_record(record: dict[str, float], flops_model: StepFlopsModel, peak: floa
     return {"perf/step_tflop": flops / 1e12,
             MFU_FWD_BWD: 100.0 * flops / max(record["perf/fwd_bwd_s"], 1e-9) / total_peak,
             MFU_WALL_CLOCK: 100.0 * flops / max(record["perf/step_s"], 1e-9) / total_peak}
+
+
+class StepMfu:
+    """A run's MFU bookkeeping: ``model``'s :class:`StepFlopsModel` (read once, after LoRA is applied), the datasheet
+    ``peak`` of each of the ``world_size`` devices (None: no MFU metrics)."""
+
+    def __init__(self, model: nn.Module, peak: float | None, world_size: int):
+        self.flops_model = step_flops_model(model)
+        self.peak, self.world_size = peak, world_size
+
+    def record(self, record: dict[str, float], window: Any = None) -> dict[str, float]:
+        """``batch/attention_pairs_per_step`` of rank 0's step ``window`` (its ``microbatches[m][rank]`` sample lists:
+        every rank's samples; None on the other ranks) and the :func:`mfu_record` metrics of the step's ``record``."""
+        out = {}
+        if window is not None:
+            out[ATTENTION_PAIRS] = float(causal_pairs(len(sample.input_ids) for microbatch in window.microbatches
+                                                      for row in microbatch for sample in row))
+        out.update(mfu_record({**record, **out}, self.flops_model, self.peak, self.world_size))
+        return out

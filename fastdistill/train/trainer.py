@@ -39,7 +39,7 @@ from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.cross_tokenizer import load_cross_teachers
 from fastdistill.train.distributed import check_world_size, init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator, held_out_rows
-from fastdistill.train.flops import ATTENTION_PAIRS, causal_pairs, mfu_record, peak_flops, step_flops_model
+from fastdistill.train.flops import StepMfu, peak_flops
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_run
 from fastdistill.train.metrics import MetricsLogger, rank0_step_metrics
 from fastdistill.train.model import (
@@ -152,8 +152,7 @@ class AsyncDistillationTrainer:
         warmup = config.warmup_steps or math.ceil(config.warmup_ratio * self.max_steps)
         self.scheduler = LRSchedule(self.optimizer, config.lr_scheduler_type, self.max_steps, warmup)
         compute_dtype = torch.bfloat16 if self._use_bf16() else next(self.hf_model.parameters()).dtype
-        self.peak_flops = peak_flops(self.dist.device, compute_dtype)  # None on CPU: no MFU metrics
-        self.flops_model = step_flops_model(self.hf_model)  # useful FLOPs per token, trained position and pair
+        self.mfu = StepMfu(self.hf_model, peak_flops(self.dist.device, compute_dtype), self.dist.world_size)
         # the logged divergence: the sparse JSD, or the sampled reverse-KL estimate of reverse_kl_pg
         self._divergence_name = "jsd" if config.loss_type == "jsd" else "reverse_kl"
         self.worker = None
@@ -238,7 +237,7 @@ class AsyncDistillationTrainer:
                 record["perf/step_s"] = now - last_step_end
                 record["perf/trained_tok_s_wall_clock"] = record.get("batch/trained_tokens_per_step", 0) / max(
                     record["perf/step_s"], 1e-9)
-                record.update(mfu_record(record, self.flops_model, self.peak_flops, self.dist.world_size))
+                record.update(self.mfu.record(record, self._window if self.dist.is_main else None))
                 record.update(clock.step_record(record["perf/step_s"]))
                 last_step_end = now
                 self.metrics.update(record)  # every step: values between two logging steps are reduced together
@@ -452,8 +451,6 @@ class AsyncDistillationTrainer:
             record = step_record(result, self.teacher_ids, self._divergence_name, self.model_version, len(window))
             if self.dist.is_main:
                 record.update(self._rank0_metrics())
-                record[ATTENTION_PAIRS] = float(causal_pairs(  # every rank's samples: packed rows attend per sample
-                    len(s.input_ids) for mb in self._window.microbatches for row in mb for s in row))
         return record
 
     def _mark_trained(self) -> None:
