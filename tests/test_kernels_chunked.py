@@ -176,8 +176,8 @@ def test_chunk_size_does_not_change_the_result(chunk_rows):
 
 def test_chunk_rows_rule():
     """At most 4096 rows, at most N, the (C, V) buffer within the byte budget, at least one row."""
-    assert logits_chunk.chunk_rows_for(10**6, 152064, torch.bfloat16) == 4096  # 1.16 GiB of bf16
-    assert logits_chunk.chunk_rows_for(10**6, 152064, torch.float32) == 2**31 // (152064 * 4)
+    assert logits_chunk.chunk_rows_for(10**6, 32000, torch.float32) == 4096  # 500 MiB of fp32
+    assert logits_chunk.chunk_rows_for(10**6, 152064, torch.float32) == 960 * 2**20 // (152064 * 4) == 1654
     assert logits_chunk.chunk_rows_for(100, 152064, torch.bfloat16) == 100
     assert logits_chunk.chunk_rows_for(100, 10**9, torch.float32) == 1
 
@@ -193,11 +193,15 @@ def test_only_the_weighted_sum_is_differentiable():
     h, w, b = case.leaves()
     h = h[keep].detach().requires_grad_(True)
     out = chunked_logits_sparse_jsd(h, w, ids[keep], lps[keep], valid[keep], bias=b, beta=0.5, chunk_rows=CHUNK)
-    (2.5 * out.loss).backward(retain_graph=True)
+    base = chunked_logits_sparse_jsd(h, w, ids[keep], lps[keep], valid[keep], bias=b, beta=0.5, chunk_rows=CHUNK)
+    base.loss.backward()
     dh = h.grad.clone()
     h.grad = None
-    out.loss.backward(retain_graph=True)
-    torch.testing.assert_close(dh, 2.5 * h.grad)
+    (2.5 * out.loss).backward(retain_graph=True)
+    torch.testing.assert_close(h.grad, 2.5 * dh)
+    # the gradients were scaled in place and handed over: a second backward of the same loss raises
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.loss.backward()
     with pytest.raises(RuntimeError, match="non-scalar upstream gradient"):
         (out.divergence * torch.linspace(0, 1, h.shape[0])).sum().backward()
     assert not out.entropy.requires_grad and not out.teacher_entropy.requires_grad
@@ -330,10 +334,17 @@ for tname in cr.selected_targets():
 
         kw = dict(logit_scale=1.0, softcap=None if features == "plain" else 30.0, temperature=1.0)
         with mock.patch.object(lc, "_chunk_stats_kernel", recorder(lc._chunk_stats_kernel)), \
-                mock.patch.object(lc, "_chunk_grad_kernel", recorder(lc._chunk_grad_kernel)):
+                mock.patch.object(lc, "_chunk_grad_kernel", recorder(lc._chunk_grad_kernel)), \
+                mock.patch.object(lc, "_chunk_grad_out_kernel", recorder(lc._chunk_grad_out_kernel)):
             lc.launch_chunk_stats(x, bias, ids, **kw)
             lc.launch_chunk_grad(x, bias, ids, f32(C, S), f32(C), f32(C), f32(C, S), **kw)
-        jobs += [(f"{tname}/{features}/{launch.kernel}", launch, target) for launch in launches]
+            x32 = f32(C, V)  # the fp32 raw logits, dL/dx in bf16 over them (what chunked_logits_rows launches)
+            lc.launch_chunk_stats(x32, bias, ids, **kw)
+            lc.launch_chunk_grad_out(x32, lc.gradient_view(x32, torch.bfloat16), bias, ids, f32(C, S), f32(C),
+                                     f32(C), f32(C, S), **kw)
+        labels = ("_chunk_stats_kernel", "_chunk_grad_kernel", "fp32:_chunk_stats_kernel", "_chunk_grad_out_kernel")
+        assert len(launches) == len(labels)
+        jobs += [(f"{tname}/{features}/{label}", launch, target) for label, launch in zip(labels, launches)]
 out = {}
 for (key, launch, target), m in zip(jobs, cr.compile_launches([job[1:] for job in jobs]), strict=True):
     row = {k: m.get(k) for k in ("error", "registers", "spill_store_bytes", "spill_load_bytes",
@@ -361,8 +372,8 @@ def compile_targets() -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """Both kernels compiled for each selected target (sm_80, sm_90), bf16, C=4096 rows × V=152064, S=65, plain and
-    bias+softcap."""
+    """The kernels compiled for each selected target (sm_80, sm_90), C=4096 rows × V=152064, S=65, plain and
+    bias+softcap: on bf16 logits (the validated pair) and on fp32 logits with dL/dx in bf16 (today's launches)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default a launch gets; silences triton 3.9's notice
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(ROOT)], capture_output=True, text=True,
@@ -376,7 +387,8 @@ def compiled() -> dict:
 @pytest.mark.compile
 @pytest.mark.parametrize("target", compile_targets())
 @pytest.mark.parametrize("features", ["plain", "bias+softcap"])
-@pytest.mark.parametrize("kernel", ["_chunk_stats_kernel", "_chunk_grad_kernel"])
+@pytest.mark.parametrize("kernel", ["_chunk_stats_kernel", "_chunk_grad_kernel", "fp32:_chunk_stats_kernel",
+                                    "_chunk_grad_out_kernel"])
 def test_kernels_compile_for_gpu_targets(compiled, target, features, kernel):
     """Compiles; dynamic + static shared memory within the target's opt-in limit; no spills; one program per row."""
     m = compiled[f"{target}/{features}/{kernel}"]

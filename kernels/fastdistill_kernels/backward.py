@@ -28,6 +28,7 @@ are dense whatever it holds: the filter adds its bounded error there and saves n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -149,15 +150,17 @@ def backward_grads(hidden, weight, bias, cands: SortedCandidates, m_nc, coef_nc,
     ``(N, S)`` (slot order) are fp32 and already carry the per-row upstream gradient (``row_scale`` = its absolute
     value, used by the filter only).
 
-    Returns ``(dh, dw, db)``: fp32 tensors, None where not needed.
+    Returns ``(dh, dw, db)`` as :func:`tiled_backward` (fp32 in the fused mode; dh, dw in hidden's dtype in the
+    deterministic mode), None where not needed.
     """
-    n, d = hidden.shape
+    d = hidden.shape[1]
     cand_grad_sorted = cands.to_sorted(cand_grad)
 
-    def launch(grid, first_tile, ws, ws_stride, dh, dw, db):
+    def launch(grid, rows, first_tile, ws, ws_stride, dh, dw, db):
         _backward_kernel[grid](
-            hidden, weight, bias, cands.ids, cand_grad_sorted, m_nc, coef_nc, row_scale, dh, dw, db, ws,
-            n, weight.shape[0], d, cands.ids.shape[1], cands.search_steps, first_tile, ws_stride,
+            hidden[rows], weight, bias, cands.ids[rows], cand_grad_sorted[rows], m_nc[rows], coef_nc[rows],
+            row_scale[rows], dh, dw, db, ws,
+            rows.stop - rows.start, weight.shape[0], d, cands.ids.shape[1], cands.search_steps, first_tile, ws_stride,
             float(logit_scale), 1.0 if softcap is None else float(softcap), 1.0 / float(temperature),
             0.0 if filter_eps is None else float(filter_eps),
             BLOCK_ROWS=cfg.block_rows, BLOCK_VOCAB=cfg.block_vocab, BLOCK_D=cfg.block_d,
@@ -170,44 +173,96 @@ def backward_grads(hidden, weight, bias, cands: SortedCandidates, m_nc, coef_nc,
                           cfg=cfg)
 
 
+def deterministic_blocks(cfg: TileConfig, n_rows: int, d: int, n_vocab_tiles: int, itemsize: int) -> tuple[int, int]:
+    """``(rows per row block, vocabulary tiles per chunk)`` of the deterministic backward within
+    ``cfg.workspace_bytes``: a row block's fp32 dh accumulator (rows·D·4 bytes) takes at most half of it (all rows
+    when that fits, else equal blocks rounded up to ``block_rows``), its ``(rows, chunk)`` workspace of
+    ``itemsize``-byte elements the rest (at least one tile)."""
+    per_row = 4 * max(1, d)
+    most = max(cfg.block_rows, (cfg.workspace_bytes // 2) // per_row // cfg.block_rows * cfg.block_rows)
+    n_blocks = triton.cdiv(max(1, n_rows), most)
+    rows = min(max(1, n_rows), triton.cdiv(triton.cdiv(max(1, n_rows), n_blocks), cfg.block_rows) * cfg.block_rows)
+    left = dataclasses.replace(cfg, workspace_bytes=cfg.workspace_bytes - rows * per_row)
+    return rows, vocab_chunk_tiles(left, rows, n_vocab_tiles, itemsize)
+
+
 def tiled_backward(hidden, weight, launch, *, mode: str, need_dh: bool, need_dw: bool, need_db: bool,
                    cfg: TileConfig):
     """Drive a backward kernel of grid ``(row block, vocabulary tile)`` that ends in :func:`accumulate_tile`, for
-    ``hidden`` ``(N, D)`` and ``weight`` ``(V, D)``: allocate the fp32 gradients and, per vocabulary chunk (the whole
-    vocabulary in the fused mode), call ``launch(grid, first_tile, workspace, workspace_row_stride, dh, dw, db)``;
-    in the deterministic mode follow each chunk with the torch GEMMs that fold its workspace into dh, dW and db.
+    ``hidden`` ``(N, D)`` and ``weight`` ``(V, D)``: call ``launch(grid, rows, first_tile, workspace,
+    workspace_row_stride, dh, dw, db)`` for the row range ``rows`` (a slice) and the vocabulary chunk from
+    ``first_tile``.
 
-    Returns ``(dh, dw, db)``: fp32 ``(N, D)``, ``(V, D)``, ``(V,)``, None where not needed.
+    Fused mode: one launch over all rows and the whole vocabulary into fp32 ``dh``, ``dw``, ``db`` (the atomics'
+    accumulators). Deterministic mode (no (V, D) fp32 buffer): per row block and vocabulary chunk
+    (:func:`deterministic_blocks`) the kernel writes the ``(rows, chunk)`` workspace (``dh``, ``dw``, ``db`` passed
+    as None), then torch GEMMs with fp32 sums fold it in: ``dh[rows]`` accumulates over the chunks in an fp32 row
+    block (none when one chunk covers the vocabulary) and is rounded once; ``dW[chunk]`` lands in the GEMM dtype,
+    written by the first row block and added to by the others (one rounding per row block).
+
+    Returns ``(dh, dw, db)``: fused mode fp32; deterministic mode dh ``(N, D)`` and dw ``(V, D)`` in hidden's dtype,
+    db ``(V,)`` fp32; None where not needed.
     """
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    fused = mode == "fused"
     n_vocab_tiles = triton.cdiv(v, cfg.block_vocab)
-    dh = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
-    dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
+    if mode == "fused":
+        dh = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
+        dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
+        db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
+        launch((triton.cdiv(n, cfg.block_rows), n_vocab_tiles), slice(0, n), 0, None, 0, dh, dw, db)
+        return dh, dw, db
+    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+    dw = torch.empty(v, d, dtype=hidden.dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    if fused:
-        chunk_tiles, workspace = n_vocab_tiles, None
-    else:
-        chunk_tiles = vocab_chunk_tiles(cfg, n, n_vocab_tiles, hidden.element_size())
-        # row stride chunk_tiles · BLOCK_VOCAB for every chunk (the last one uses the left part of each row)
-        workspace = torch.empty(n, chunk_tiles * cfg.block_vocab, dtype=hidden.dtype, device=dev)
-    for first_tile in range(0, n_vocab_tiles, chunk_tiles):
-        c0 = first_tile * cfg.block_vocab
-        c1 = min(c0 + chunk_tiles * cfg.block_vocab, v)
-        ws = None if fused else workspace[:, : c1 - c0]
-        grid = (triton.cdiv(n, cfg.block_rows), min(chunk_tiles, n_vocab_tiles - first_tile))
-        launch(grid, first_tile, ws, 0 if fused else workspace.stride(0), dh, dw, db)
-        if fused:
-            continue
-        if need_dh:
-            addmm_fp32(dh, ws, weight[c0:c1])
-        if need_dw:  # rows c0:c1 of dW are written by this chunk only (onto zeros)
-            addmm_fp32(dw[c0:c1], ws.t(), hidden)
-        if need_db:
-            db[c0:c1] = ws.sum(dim=0, dtype=torch.float32)
+    block_rows, chunk_tiles = deterministic_blocks(cfg, n, d, n_vocab_tiles, hidden.element_size())
+    one_chunk = chunk_tiles >= n_vocab_tiles
+    # row stride chunk_tiles · BLOCK_VOCAB for every chunk (the last one uses the left part of each row)
+    workspace = torch.empty(min(n, block_rows), chunk_tiles * cfg.block_vocab, dtype=hidden.dtype, device=dev)
+    dh_acc = None
+    for r0 in range(0, n, block_rows):
+        rows = slice(r0, min(r0 + block_rows, n))
+        h = hidden[rows]
+        if need_dh and not one_chunk:
+            dh_acc = torch.zeros(h.shape[0], d, dtype=torch.float32, device=dev)
+        for first_tile in range(0, n_vocab_tiles, chunk_tiles):
+            c0 = first_tile * cfg.block_vocab
+            c1 = min(c0 + chunk_tiles * cfg.block_vocab, v)
+            ws = workspace[: h.shape[0], : c1 - c0]
+            grid = (triton.cdiv(h.shape[0], cfg.block_rows), min(chunk_tiles, n_vocab_tiles - first_tile))
+            launch(grid, rows, first_tile, ws, workspace.stride(0), None, None, None)
+            if need_dh:
+                if one_chunk:
+                    gemm_into(dh[rows], ws, weight, accumulate=False)
+                else:
+                    addmm_fp32(dh_acc, ws, weight[c0:c1])
+            if need_dw:
+                gemm_into(dw[c0:c1], ws.t(), h, accumulate=r0 > 0)
+            if need_db:
+                db[c0:c1] += ws.sum(dim=0, dtype=torch.float32)
+        if dh_acc is not None:
+            dh[rows] = dh_acc
     return dh, dw, db
+
+
+def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
+    """``out = a @ b`` (``accumulate``: ``out += a @ b``) with fp32 sums and one rounding to ``out``'s dtype per
+    call: a half-precision ``out`` takes the GEMM in its own dtype (cuBLAS accumulates in fp32 and adds ``out`` in
+    fp32), emulated on CPU by fp32 GEMMs of upcast blocks; an fp32 ``out`` goes through :func:`addmm_fp32`."""
+    if out.dtype == torch.float32:
+        if not accumulate:
+            out.zero_()
+        addmm_fp32(out, a, b)
+    elif out.device.type != "cpu":
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    else:
+        if not accumulate:
+            out.zero_()
+        addmm_upcast(out, a, b, UPCAST_BLOCK_ELEMS)
 
 
 # fp32 elements of one upcast block of the GEMM fallback (64 MiB): bounds its extra memory whatever the shapes.
@@ -226,19 +281,42 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def addmm_upcast(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block_elems: int = UPCAST_BLOCK_ELEMS) -> None:
-    """``acc += a @ b`` as fp32 GEMMs of upcast operands, ``a`` ``(m, k)`` taken in row blocks of at most
-    ``block_elems`` elements. Half-precision products are exact in fp32 and the sums are fp32 either way, so this
-    matches the mixed-precision GEMM's numerics; only an fp32 copy of ``b`` and of one block is extra memory."""
-    b32 = b.float()
-    rows = max(1, block_elems // max(1, a.shape[1]))
-    for r0 in range(0, a.shape[0], rows):
-        acc[r0:r0 + rows].addmm_(a[r0:r0 + rows].float(), b32)
+    """``acc += a @ b`` as fp32 GEMMs of upcast operands, ``a`` ``(m, k)`` taken in blocks of rows and columns so
+    that each upcast block of ``a`` and ``b`` and each fp32 partial sum holds at most ``block_elems`` elements (at
+    least one row / column). Half-precision products are exact in fp32 and the sums are fp32 either way, so this
+    matches the mixed-precision GEMM's numerics; a half-precision ``acc`` is summed in an fp32 block and rounded
+    once per row block, as cuBLAS rounds once per GEMM. Extra memory: three blocks, never an fp32 copy of an
+    operand or of ``acc``."""
+    m, k = a.shape
+    n = b.shape[1]
+    cols = max(1, min(k, block_elems // max(1, n)))  # a (cols, n) block of b
+    rows = max(1, block_elems // max(1, cols, n))  # (rows, cols) of a, (rows, n) of the sum
+    for r0 in range(0, m, rows):
+        out = acc[r0:r0 + rows]
+        total = out if out.dtype == torch.float32 else out.float()
+        for c0 in range(0, k, cols):
+            total.addmm_(a[r0:r0 + rows, c0:c0 + cols].float(), b[c0:c0 + cols].float())
+        if total is not out:
+            out.copy_(total)
 
 
 def accumulate_dw_upcast(dw: torch.Tensor, dx: torch.Tensor, h: torch.Tensor,
                          block_elems: int = UPCAST_BLOCK_ELEMS) -> None:
     """``dw += dxᵀ @ h`` (``dx`` ``(c, V)``) through :func:`addmm_upcast`: column blocks of ``dx``."""
     addmm_upcast(dw, dx.t(), h, block_elems)
+
+
+@functools.cache
+def mixed_mm_supported(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32, out=out)`` works for ``dtype`` operands on ``device`` (the
+    ``mm.dtype_out`` overload: CUDA in torch >= 2.8, absent on CPU). Tried once per (device, dtype), result checked."""
+    try:
+        a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
+        out = torch.empty(2, 2, device=device)
+        torch.mm(a.to(dtype), a.to(dtype), out_dtype=torch.float32, out=out)
+        return out.dtype == torch.float32 and torch.equal(out.cpu(), a.cpu() @ a.cpu())
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 @functools.cache

@@ -42,8 +42,9 @@ class TileConfig:
         block_d: hidden-dimension step of the tile matmul and of the fused dh/dW accumulation (BD).
         vocab_splits: forward programs per row block, each owning a contiguous run of vocabulary tiles;
             None picks enough to fill the device.
-        workspace_bytes: bound on the deterministic backward's ``(N, vocabulary chunk)`` workspace of ``dL/dx``
-            (in the GEMM dtype): the chunk is as many vocabulary tiles as fit, at least one.
+        workspace_bytes: bound on the deterministic backward's scratch memory: a row block's fp32 dh accumulator
+            (at most half of it) plus its ``(rows, vocabulary chunk)`` workspace of ``dL/dx`` in the GEMM dtype
+            (as many vocabulary tiles as fit, at least one); see docs/kernels-memory.md.
         num_warps, num_stages: Triton launch settings (ignored by the interpreter).
     """
 
@@ -51,7 +52,7 @@ class TileConfig:
     block_vocab: int = 128
     block_d: int = 64
     vocab_splits: int | None = None
-    workspace_bytes: int = 2**28
+    workspace_bytes: int = 2**27  # 128 MiB: within 15 % of the 7B head's gradients (docs/kernels-memory.md)
     num_warps: int = 8
     num_stages: int = 3
 

@@ -3,20 +3,23 @@
 Per chunk of ``C`` rows:
 
 1. ``xs = h_s @ W_sᵀ`` ``(C, V_s)`` and ``xt = h_t @ W_tᵀ`` ``(C, V_t)`` with ``torch.mm`` (cuBLAS on a GPU) into
-   reused buffers, each in its side's compute dtype (fp32 accumulation, the raw logits rounded once).
+   reused fp32 buffers (fp32 sums and output: never rounded to half precision).
 2. :func:`_dense_stats_kernel`, one program per row: both sides' final logits
    ``z = softcap(scale·(x + b)) / T`` in fp32 and their online log-sum-exp and entropy over the student's
    vocabulary ``[0, V_s)``; the teacher's columns ``[V_s, V_t)`` of a padded vocabulary only give their
    log-sum-exp (the dropped mass ``exp(lse_pad − logaddexp(lse_t, lse_pad))``).
-3. :func:`_dense_grad_kernel`, one program per row covering the whole row in tiles (no atomics): the per-element
+3. :func:`_dense_grad_out_kernel`, one program per row covering the whole row in tiles (no atomics): the per-element
    log-probs ``s = z_s − lse_s``, ``t = z_t − lse_t``, the divergence terms summed over the row (each term formed
    as a difference before the sum: ``q·(t − s)``, not ``Σq·t − Σq·s``) and, when a gradient is needed, the
-   student's ``dL/dx`` written over ``xs`` in place (a second sweep of the row where the gradient needs a row sum
+   student's ``dL/dx`` written over ``xs`` in the compute dtype (the first half of each fp32 row, see
+   :func:`~fastdistill_kernels.logits_chunk.gradient_view`; a second sweep of the row where the gradient needs a row sum
    first: β = 1 needs ``D``, 0 < β < 1 needs ``Σ g``). With ``g_v = ∂D/∂s_v``, ``dD/dz = g − p Σ g``:
    β = 0: ``p − q``; β = 1: ``p (s − t − D)``; else ``g = (1−β) p (s − log m)`` with
    ``log m = logaddexp(s + log(1−β), t + log β)``. Chain rule to the raw logits: times the row weight,
    ``scale / T`` and the softcap derivative ``1 − u²`` (``u = z·T / c``).
-4. ``dh = dx @ W_s``, ``dW += dxᵀ @ h_s`` (fp32 accumulator) and ``db += Σ_rows dx`` with torch.
+4. ``dh = dx @ W_s``, ``dW += dxᵀ @ h_s`` (in the compute dtype, fp32 sums inside each GEMM; or an fp32 accumulator
+   with ``fp32_accumulator=True``) and ``db += Σ_rows dx`` with torch. :func:`_dense_grad_kernel` (in place, in the
+   buffer's dtype) stays beside the new kernel until a GPU has run it.
 
 Gradients are computed in the forward with the token weights as the per-row upstream gradient; backward only
 scales them by the scalar upstream gradient of the loss. Teacher inputs are constants.
@@ -31,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import addmm_fp32
+from .backward import gemm_into
 from .config import device_guard
 from .logits_chunk import (
     DEFAULT_CHUNK_BYTES,
@@ -41,6 +44,7 @@ from .logits_chunk import (
     MAX_CHUNK_ROWS,
     _final_logits,
     _raw_logits,
+    gradient_view,
     online_update,
     save_forward_grads,
     scaled_forward_grads,
@@ -181,6 +185,75 @@ def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
             tl.store(xs_row + cols, dz, mask=inside)
 
 
+@triton.jit
+def _dense_grad_out_kernel(XS, XT, DX, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT, dx_stride,
+                           s_scale, s_softcap, t_scale, t_softcap, inv_temp, beta, log_1mb, log_b,
+                           BLOCK_V: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr,
+                           HAS_ROW_W: tl.constexpr, S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr,
+                           T_BIAS: tl.constexpr, T_SOFTCAP: tl.constexpr):
+    """:func:`_dense_grad_kernel` with the gradient written into ``DX`` (row stride ``dx_stride``, the GEMM dtype)
+    rather than over fp32 ``XS``; ``DX`` may alias ``XS`` (each row's gradients in the first half of its fp32
+    storage, or in place): every store follows a barrier after the loads of its block, and lands on that block or
+    earlier ones."""
+    row = tl.program_id(0).to(tl.int64)
+    xs_row = XS + row * V
+    xt_row = XT + row * VT
+    dx_row = DX + row * dx_stride
+    lse_s = tl.load(LSE_S + row)
+    lse_t = tl.load(LSE_T + row)
+    offs = tl.arange(0, BLOCK_V)
+    w = 1.0
+    if HAS_ROW_W:
+        w = tl.load(ROW_W + row).to(tl.float32)
+    chain = w * s_scale * inv_temp
+    div = tl.zeros((), tl.float32)
+    sum_g = tl.zeros((), tl.float32)
+    # sweep 1: the divergence (β = 0 also writes its gradient p − q here: it needs no row sum)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        zs, s, t = _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale,
+                                 t_softcap, inv_temp, S_BIAS, S_SOFTCAP, T_BIAS, T_SOFTCAP)
+        p = tl.exp(s)
+        q = tl.exp(t)
+        if MODE == 0:
+            div += tl.sum(tl.where(inside, q * (t - s), 0.0), axis=0)
+            if NEED_GRAD:
+                dz = (p - q) * chain
+                if S_SOFTCAP:
+                    u = zs * (1.0 / (s_softcap * inv_temp))
+                    dz = dz * (1.0 - u * u)
+                tl.debug_barrier()
+                tl.store(dx_row + cols, dz, mask=inside)
+        elif MODE == 1:
+            div += tl.sum(tl.where(inside, p * (s - t), 0.0), axis=0)
+        else:
+            log_m = log_mixture(s, t, log_1mb, log_b)
+            term = beta * q * (t - log_m) + (1.0 - beta) * p * (s - log_m)
+            div += tl.sum(tl.where(inside, term, 0.0), axis=0)
+            sum_g += tl.sum(tl.where(inside, (1.0 - beta) * p * (s - log_m), 0.0), axis=0)
+    tl.store(DIV + row, div)
+    if NEED_GRAD and MODE != 0:
+        tl.debug_barrier()  # every element is read before the gradient overwrites it
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            inside = cols < V
+            zs, s, t = _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale,
+                                     t_softcap, inv_temp, S_BIAS, S_SOFTCAP, T_BIAS, T_SOFTCAP)
+            p = tl.exp(s)
+            if MODE == 1:
+                dz = p * (s - t - div)
+            else:
+                g = (1.0 - beta) * p * (s - log_mixture(s, t, log_1mb, log_b))
+                dz = g - p * sum_g
+            dz = dz * chain
+            if S_SOFTCAP:
+                u = zs * (1.0 / (s_softcap * inv_temp))
+                dz = dz * (1.0 - u * u)
+            tl.debug_barrier()
+            tl.store(dx_row + cols, dz, mask=inside)
+
+
 # --------------------------------------------------------------------------------------------------- launches
 
 
@@ -265,6 +338,24 @@ def launch_dense_grad(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor |
     return div
 
 
+def launch_dense_grad_out(xs: torch.Tensor, xt: torch.Tensor, dx: torch.Tensor | None, s_bias: torch.Tensor | None,
+                          t_bias: torch.Tensor | None, lse_s: torch.Tensor, lse_t: torch.Tensor,
+                          row_weights: torch.Tensor | None, heads: DenseHeads, beta: float) -> torch.Tensor:
+    """Run :func:`_dense_grad_out_kernel`: the per-row divergence ``(C,)`` fp32 and, unless ``dx`` is None,
+    ``dL/dx = w · dD/dx`` into ``dx`` ``(C, V_s)`` (unit column stride; may alias the fp32 ``xs``, see
+    :func:`~fastdistill_kernels.logits_chunk.gradient_view`). Other arguments as :func:`launch_dense_grad`."""
+    c, v = xs.shape
+    vt = xt.shape[1]
+    div = torch.empty(c, dtype=torch.float32, device=xs.device)
+    _dense_grad_out_kernel[(c,)](
+        xs, xt, xs if dx is None else dx, s_bias, t_bias, lse_s, lse_t, row_weights, div, v, vt,
+        v if dx is None else dx.stride(0), *head_scalars(heads), *mixing_constants(beta),
+        MODE=beta_mode(beta), NEED_GRAD=dx is not None, HAS_ROW_W=row_weights is not None,
+        **_flags(heads, s_bias, t_bias), **_launch_options(xs.device),
+    )
+    return div
+
+
 # --------------------------------------------------------------------------------------------------- host side
 
 
@@ -278,11 +369,14 @@ def dense_chunk_rows_for(n_rows: int, student_vocab: int, teacher_vocab: int, st
 
 
 def dense_chunked_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads: DenseHeads, beta: float,
-                       row_weights, *, need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int):
-    """Per-row divergence, entropies, dropped teacher mass and the gradients of ``Σ w·div`` over row chunks.
+                       row_weights, *, need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int,
+                       fp32_accumulator: bool = False):
+    """Per-row divergence, entropies, dropped teacher mass and the gradients of ``Σ w·div`` over row chunks (both
+    sides' raw logits in fp32 buffers; ``fp32_accumulator`` as :func:`~fastdistill_kernels.logits_chunk.
+    chunked_logits_rows`).
 
-    Returns ``(div, entropy, teacher_entropy, dropped, dh, dw, db)``: ``(N,)`` fp32; dh ``(N, D_s)`` in the student's
-    compute dtype, dw ``(V_s, D_s)`` and db ``(V_s,)`` fp32; None where not needed.
+    Returns ``(div, entropy, teacher_entropy, dropped, dh, dw, db)``: ``(N,)`` fp32; dh ``(N, D_s)`` and dw
+    ``(V_s, D_s)`` in the student's compute dtype, db ``(V_s,)`` fp32; None where not needed.
     """
     n, d = s_hidden.shape
     v, vt = s_weight.shape[0], t_weight.shape[0]
@@ -290,11 +384,12 @@ def dense_chunked_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, h
     need_grad = need_dh or need_dw or need_db
     div, ent, tent, dropped = (torch.zeros(n, dtype=torch.float32, device=dev) for _ in range(4))
     dh = torch.empty(n, d, dtype=s_hidden.dtype, device=dev) if need_dh else None
-    dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
+    dw_dtype = torch.float32 if fp32_accumulator else s_hidden.dtype
+    dw = torch.empty(v, d, dtype=dw_dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
     c0 = min(chunk_rows, n)
-    xs_buf = torch.empty(c0, v, dtype=s_hidden.dtype, device=dev) if n else None
-    xt_buf = torch.empty(c0, vt, dtype=t_hidden.dtype, device=dev) if n else None
+    xs_buf = torch.empty(c0, v, dtype=torch.float32, device=dev) if n else None
+    xt_buf = torch.empty(c0, vt, dtype=torch.float32, device=dev) if n else None
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
         c = rows.stop - start
@@ -304,16 +399,21 @@ def dense_chunked_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, h
         rw = None if row_weights is None else row_weights[rows]
         with device_guard(dev):  # Triton launches on the current device, not the tensors'
             st = launch_dense_stats(xs, xt, s_bias, t_bias, heads)
-            div[rows] = launch_dense_grad(xs, xt, s_bias, t_bias, st.lse_s, st.lse_t, rw, heads, beta, need_grad)
+            dx = gradient_view(xs, s_hidden.dtype) if need_grad else None
+            div[rows] = launch_dense_grad_out(xs, xt, dx, s_bias, t_bias, st.lse_s, st.lse_t, rw, heads, beta)
         ent[rows], tent[rows] = st.ent_s, st.ent_t
         if st.lse_pad is not None:
             dropped[rows] = torch.exp(st.lse_pad - torch.logaddexp(st.lse_t, st.lse_pad))
         if need_dh:
-            torch.mm(xs, s_weight, out=dh[rows])
-        if need_dw:
-            addmm_fp32(dw, xs.t(), h)  # dW += dxᵀ @ h_chunk
+            gemm_into(dh[rows], dx, s_weight, accumulate=False)
+        if need_dw:  # dW (=|+=) dxᵀ @ h_chunk: the first chunk writes it
+            gemm_into(dw, dx.t(), h, accumulate=start > 0)
         if need_db:
-            db += xs.sum(dim=0, dtype=torch.float32)
+            db += dx.sum(dim=0, dtype=torch.float32)
+    if dw is not None:
+        if n == 0:  # no chunk wrote it
+            dw.zero_()
+        dw = dw.to(s_hidden.dtype)
     return div, ent, tent, dropped, dh, dw, db
 
 
@@ -322,12 +422,14 @@ class DenseChunkedJSD(torch.autograd.Function):
     the scalar upstream gradient of the loss; a gradient into the per-row divergences raises."""
 
     @staticmethod
-    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads, beta, row_weights, chunk_rows):
+    def forward(ctx, s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads, beta, row_weights, chunk_rows,
+                fp32_accumulator):
         need_dh, need_dw = ctx.needs_input_grad[:2]
         need_db = s_bias is not None and ctx.needs_input_grad[2]
         div, ent, tent, dropped, dh, dw, db = dense_chunked_rows(
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads, beta, row_weights,
-            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows)
+            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows,
+            fp32_accumulator=fp32_accumulator)
         save_forward_grads(ctx, (dh, dw, db), (s_hidden, s_weight, s_bias))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(ent, tent, dropped)
@@ -340,7 +442,7 @@ class DenseChunkedJSD(torch.autograd.Function):
             raise RuntimeError(
                 "the chunked dense-teacher loss (backend='triton-chunked') computes its gradients in the forward "
                 "pass for the returned weighted sum `loss` only; pass per-row weights as token_weights")
-        return (*scaled_forward_grads(ctx, grad_loss), None, None, None, None, None, None, None)
+        return (*scaled_forward_grads(ctx, grad_loss), None, None, None, None, None, None, None, None)
 
 
 class DenseChunkedLosses(NamedTuple):
@@ -368,6 +470,7 @@ def chunked_dense_teacher_jsd(
     row_weights: torch.Tensor | None = None,
     chunk_rows: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fp32_accumulator: bool = False,
 ) -> DenseChunkedLosses:
     """Generalized JSD between the student's and a dense teacher's distributions over the student's vocabulary,
     both from hidden states and an lm_head, with 6·N·D_s·V_s student matmul FLOPs (+ 2·N·D_t·V_t for the teacher).
@@ -380,7 +483,10 @@ def chunked_dense_teacher_jsd(
         heads: both sides' logit scale and softcap and the shared temperature; None = plain logits (1, off, 1).
         beta: 0 = KL(teacher‖student), 1 = KL(student‖teacher), else the generalized JSD.
         row_weights: ``(N,)`` non-negative constants or None: ``loss = Σ w·div``.
-        chunk_rows: rows per chunk; default :func:`dense_chunk_rows_for` (≤ 4096 rows, buffers ≤ ``chunk_bytes``).
+        chunk_rows: rows per chunk; default :func:`dense_chunk_rows_for` (≤ 4096 rows, the two fp32 buffers
+            ≤ ``chunk_bytes``).
+        fp32_accumulator: accumulate dW over the chunks in an fp32 ``(V_s, D_s)`` buffer, rounded once; default: in
+            the student's compute dtype, fp32 sums inside each chunk's GEMM.
 
     Returns:
         :class:`DenseChunkedLosses`; ``loss.backward()`` gives the student's dh, dW, db.
@@ -393,12 +499,13 @@ def chunked_dense_teacher_jsd(
     sdt = torch.promote_types(student_hidden.dtype, student_weight.dtype)
     tdt = torch.promote_types(teacher_hidden.dtype, teacher_weight.dtype)
     rows = chunk_rows or dense_chunk_rows_for(student_hidden.shape[0], student_weight.shape[0],
-                                              teacher_weight.shape[0], sdt, tdt, chunk_bytes)
+                                              teacher_weight.shape[0], torch.float32, torch.float32, chunk_bytes)
     t_bias = None if teacher_bias is None else teacher_bias.detach().contiguous()
     out = DenseChunkedJSD.apply(
         student_hidden.to(sdt).contiguous(), student_weight.to(sdt).contiguous(),
         None if student_bias is None else student_bias.contiguous(),
         teacher_hidden.detach().to(tdt).contiguous(), teacher_weight.detach().to(tdt).contiguous(), t_bias,
         heads, float(beta), None if row_weights is None else row_weights.detach().contiguous(), max(1, int(rows)),
+        bool(fp32_accumulator),
     )
     return DenseChunkedLosses(*out)

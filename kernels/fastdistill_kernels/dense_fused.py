@@ -317,14 +317,17 @@ def dense_forward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, heads:
 def dense_backward(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, fwd_lse_s, fwd_lse_t, row_c, grad_rows,
                    heads: DenseHeads, beta: float, *, mode: str, need_dh: bool, need_dw: bool, need_db: bool,
                    cfg: TileConfig):
-    """fp32 ``(dh, dW, db)`` of ``Σ grad_rows · D`` for the student (None where not needed)."""
-    n, ds = s_hidden.shape
+    """``(dh, dW, db)`` of ``Σ grad_rows · D`` for the student (None where not needed): fp32 in the fused mode,
+    dh and dW in the student's dtype in the deterministic one (see :func:`~fastdistill_kernels.backward.
+    tiled_backward`)."""
+    ds = s_hidden.shape[1]
     meta = _meta(s_hidden, t_hidden, s_bias, t_bias, heads, cfg)
 
-    def launch(grid, first_tile, ws, ws_stride, dh, dw, db):
+    def launch(grid, rows, first_tile, ws, ws_stride, dh, dw, db):
         _dense_backward_kernel[grid](
-            s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, fwd_lse_s, fwd_lse_t, row_c, grad_rows,
-            dh, dw, db, ws, n, s_weight.shape[0], ds, t_hidden.shape[1], first_tile, ws_stride, *head_scalars(heads),
+            s_hidden[rows], s_weight, s_bias, t_hidden[rows], t_weight, t_bias, fwd_lse_s[rows], fwd_lse_t[rows],
+            row_c[rows], grad_rows[rows], dh, dw, db, ws, rows.stop - rows.start, s_weight.shape[0], ds,
+            t_hidden.shape[1], first_tile, ws_stride, *head_scalars(heads),
             *mixing_constants(beta), MODE=beta_mode(beta), FUSED=mode == "fused", NEED_DH=need_dh, NEED_DW=need_dw,
             NEED_DB=need_db, **meta)
 

@@ -2,25 +2,30 @@
 
 Per chunk of ``C`` rows (``C × V`` raw logits within a memory budget, :func:`chunk_rows_for`):
 
-1. ``x = h_chunk @ Wᵀ`` with ``torch.mm`` (cuBLAS on a GPU) into a reused ``(C, V)`` buffer in the compute dtype
-   (the common dtype of hidden and weight; fp32 accumulation, the raw logits rounded once to that dtype).
+1. ``x = h_chunk @ Wᵀ`` with ``torch.mm`` (cuBLAS on a GPU) into a reused fp32 ``(C, V)`` buffer: half-precision
+   operands, fp32 sums and fp32 output (bf16 logits would move each probability by up to |z|·2⁻⁹ relative).
 2. :func:`_chunk_stats_kernel`, one program per row: ``z = softcap(logit_scale·(x + b)) / T`` in fp32, the
    candidates' logits ``z_cand`` (gathered at the candidate ids, whose buffer entries are then overwritten with a
    −inf sentinel), and the online non-candidate statistics ``m_nc`` (max), ``s_nc = Σ exp(z − m_nc)`` and
    ``t_nc = Σ exp(z − m_nc)·(z − m_nc)``: the quantities of the fused forward kernel. A torch epilogue (O(C·S))
    makes ``lse`` and the entropy, and :func:`~fastdistill_kernels.buckets.bucket_divergence` /
    :func:`~fastdistill_kernels.buckets.logit_gradients` the divergence and ``(coef_nc, cand_grad)``.
-3. :func:`_chunk_grad_kernel` overwrites the buffer in place with ``dL/dx`` for the raw logits:
+3. :func:`_chunk_grad_out_kernel` writes ``dL/dx`` for the raw logits in the compute dtype over the buffer (the
+   first half of each fp32 row, :func:`gradient_view`):
    ``exp(z − m_nc)·coef_nc`` at non-candidates, ``cand_grad`` at candidates, times ``logit_scale / T`` and the
    softcap derivative ``1 − u²`` (``u = z·T / c``); the per-row token weight is already in ``coef_nc`` /
    ``cand_grad``.
-4. ``dh_chunk = dx @ W``, ``dW += dxᵀ @ h_chunk`` (fp32 accumulator) and ``db += Σ_rows dx`` with torch.
+4. ``dh_chunk = dx @ W``, ``dW += dxᵀ @ h_chunk`` and ``db += Σ_rows dx`` with torch: dW in the compute dtype,
+   fp32 sums inside each GEMM and one rounding per chunk (``fp32_accumulator=True``: an fp32 ``(V, D)`` buffer).
 
 Gradients are computed in the forward with the token weights as the per-row upstream gradient; backward only
-scales them by the scalar upstream gradient of the weighted sum (as Liger's fused-linear losses do). So only the
-returned ``loss`` is differentiable: a backward through the per-row divergences (a non-scalar upstream) raises.
+scales them in place by the scalar upstream gradient of the weighted sum and hands them over (as Liger's
+fused-linear losses do): no dW-sized copy, and one backward per forward. Only the returned ``loss`` is
+differentiable: a backward through the per-row divergences (a non-scalar upstream) raises.
 Matmul FLOPs: 2·N·D·V (logits) + 4·N·D·V (dh, dW), against 8·N·D·V for the no-logits kernels (which recompute
-the logits in backward); extra memory: one ``(C, V)`` buffer, the fp32 dW and the saved gradients.
+the logits in backward); memory beyond the gradients: the fp32 ``(C, V)`` buffer (docs/kernels-memory.md). The
+previous in-place kernel :func:`_chunk_grad_kernel` (compute-dtype logits) stays beside the new one until a GPU
+has run it.
 """
 
 from __future__ import annotations
@@ -31,13 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import addmm_fp32
+from . import backward
+from .backward import gemm_into, mixed_mm_supported
 from .buckets import bucket_divergence, logit_gradients
 from .config import device_guard
 from .ops import validate_loss_inputs
 
 MAX_CHUNK_ROWS = 4096  # rows per chunk at most (Liger and the issue's design: 4096-row chunks of logits)
-DEFAULT_CHUNK_BYTES = 2**31  # the (C, V) raw-logits buffer takes at most 2 GiB: bf16 at V = 152064 → C = 4096
+# The fp32 (C, V) raw-logits buffer (dL/dx written over it) takes at most 960 MiB: C = 1655 at V = 152064, so the
+# chunked path stays within its gradients + 1 GiB (docs/kernels-memory.md).
+DEFAULT_CHUNK_BYTES = 960 * 2**20
 GPU_BLOCK_V, GPU_NUM_WARPS = 2048, 8  # vocabulary columns per step of a row program on a GPU
 INTERPRETER_BLOCK_V = 64  # small blocks in the CPU interpreter, so that tiny test vocabularies span several
 
@@ -144,6 +152,45 @@ def _chunk_grad_kernel(X, B, IDS, Z_CAND, M_NC, COEF_NC, CAND_GRAD, V, S, logit_
     tl.store(x_row + tl.where(is_cand, ids, 0).to(tl.int64), dzc * chain, mask=is_cand)
 
 
+@triton.jit
+def _chunk_grad_out_kernel(X, DX, B, IDS, Z_CAND, M_NC, COEF_NC, CAND_GRAD, V, S, dx_stride, logit_scale, softcap,
+                           inv_temp, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           HAS_SOFTCAP: tl.constexpr):
+    """One program per row: ``dL/dx`` from the fp32 raw logits ``X`` (candidates hold the −inf sentinel) into
+    ``DX`` (row stride ``dx_stride``, the GEMM dtype). ``DX`` may alias ``X``: each row's gradients in the first
+    half of its fp32 storage (``dx_stride = 2·V`` half-precision elements), or in place (same dtype)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * V
+    dx_row = DX + row * dx_stride
+    neg_inf = float("-inf")
+    m_nc = tl.load(M_NC + row)
+    coef_nc = tl.load(COEF_NC + row)
+    chain = logit_scale * inv_temp
+    offs = tl.arange(0, BLOCK_V)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        inside = cols < V
+        x = tl.load(x_row + cols, mask=inside, other=neg_inf).to(tl.float32)
+        keep = x != neg_inf
+        z = _final_logits(x, B, cols, inside, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
+        dz = tl.exp(tl.where(keep, z - m_nc, neg_inf)) * coef_nc
+        if HAS_SOFTCAP:
+            u = z * (1.0 / (softcap * inv_temp))
+            dz = dz * (1.0 - u * u)
+        # an aliased store of this block lands on logits of this block or earlier ones: all threads read first
+        tl.debug_barrier()
+        tl.store(dx_row + cols, tl.where(keep, dz * chain, 0.0), mask=inside)  # rounded to DX's dtype
+    tl.debug_barrier()  # the dense pass wrote 0 at the candidates: order the candidate stores after it
+    slots = tl.arange(0, BLOCK_S)
+    ids = tl.load(IDS + row * S + slots, mask=slots < S, other=-1)
+    is_cand = ids >= 0
+    dzc = tl.load(CAND_GRAD + row * S + slots, mask=is_cand, other=0.0)
+    if HAS_SOFTCAP:
+        uc = tl.load(Z_CAND + row * S + slots, mask=is_cand, other=0.0) * (1.0 / (softcap * inv_temp))
+        dzc = dzc * (1.0 - uc * uc)
+    tl.store(dx_row + tl.where(is_cand, ids, 0).to(tl.int64), dzc * chain, mask=is_cand)
+
+
 # --------------------------------------------------------------------------------------------------- launches
 
 
@@ -197,6 +244,21 @@ def launch_chunk_grad(x: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
     )
 
 
+def launch_chunk_grad_out(x: torch.Tensor, dx: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                          z_cand: torch.Tensor, m_nc: torch.Tensor, coef_nc: torch.Tensor, cand_grad: torch.Tensor, *,
+                          logit_scale: float, softcap: float | None, temperature: float) -> None:
+    """Run :func:`_chunk_grad_out_kernel`: ``dx`` ``(C, V)`` (unit column stride; may alias ``x``, see
+    :func:`gradient_view`) gets ``dL/dx`` from the fp32 raw logits ``x`` ``(C, V)`` as
+    :func:`launch_chunk_stats` left them. Other arguments as :func:`launch_chunk_grad`."""
+    c, v = x.shape
+    s = ids.shape[1]
+    _chunk_grad_out_kernel[(c,)](
+        x, dx, bias, ids, z_cand, m_nc, coef_nc, cand_grad, v, s, dx.stride(0),
+        *_scalars(logit_scale, softcap, temperature),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **_block_sizes(s, x.device),
+    )
+
+
 # --------------------------------------------------------------------------------------------------- host side
 
 
@@ -208,12 +270,28 @@ def chunk_rows_for(n_rows: int, vocab_size: int, dtype: torch.dtype, chunk_bytes
 
 
 def _raw_logits(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = h @ weightᵀ`` ``(c, V)`` in the compute dtype (cuBLAS accumulates in fp32). On CPU, half-precision
-    products go through fp32 (torch's CPU bf16/fp16 GEMMs are slow and not what a GPU rounds)."""
-    if h.dtype == torch.float32 or h.is_cuda:
+    """``out = h @ weightᵀ`` ``(c, V)`` fp32, never rounded to half precision (rounding logits of magnitude |z| to
+    bf16 moves each probability by up to |z|·2⁻⁹ relative): a plain GEMM for fp32 operands, cuBLAS's mixed GEMM
+    (half-precision operands, fp32 output) where torch has it, else fp32 GEMMs of upcast weight row blocks (exact
+    products and fp32 sums: the same numerics; the CPU's path)."""
+    if h.dtype == torch.float32:
         torch.mm(h, weight.t(), out=out)
+    elif mixed_mm_supported(h.device, h.dtype):
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
     else:
-        out.copy_(h.float() @ weight.float().t())
+        h32 = h.float()
+        step = max(1, backward.UPCAST_BLOCK_ELEMS // max(1, h.shape[0], weight.shape[1]))
+        for v0 in range(0, weight.shape[0], step):
+            out[:, v0:v0 + step] = h32 @ weight[v0:v0 + step].float().t()
+
+
+def gradient_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``(C, V)`` matrix of ``dtype`` in which :func:`launch_chunk_grad_out` writes ``dL/dx`` over the fp32 raw
+    logits ``x`` ``(C, V)`` (contiguous): ``x`` itself for fp32, else the first half of each row's storage (row
+    stride 2·V elements), so the gradient GEMMs read half-precision operands without a second buffer."""
+    if dtype == torch.float32:
+        return x
+    return x.view(dtype)[:, : x.shape[1]]
 
 
 def _row_metrics(stats: ChunkStats, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,15 +306,18 @@ def _row_metrics(stats: ChunkStats, valid: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_weights, settings: dict, *,
-                        need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int):
+                        need_dh: bool, need_dw: bool, need_db: bool, chunk_rows: int, fp32_accumulator: bool = False):
     """Per-row losses and the gradients of ``Σ w·div`` (``w`` = ``row_weights``, default 1) over chunks.
 
     Args: as :func:`chunked_logits_sparse_jsd` (hidden/weight already in their common dtype, contiguous);
         ``settings`` holds ``logit_scale, softcap, temperature, beta, add_tail_bucket, tail_mode``.
 
+        fp32_accumulator: accumulate dW over the chunks in an fp32 ``(V, D)`` buffer (rounded once at the end)
+            instead of in the compute dtype (one rounding per chunk, fp32 sums inside each GEMM).
+
     Returns:
-        ``(div, entropy, teacher_entropy, dh, dw, db)``: ``(N,)`` fp32 nats; dh ``(N, D)`` in the compute dtype,
-        dw ``(V, D)`` and db ``(V,)`` fp32; None where not needed.
+        ``(div, entropy, teacher_entropy, dh, dw, db)``: ``(N,)`` fp32 nats; dh ``(N, D)`` and dw ``(V, D)`` in the
+        compute dtype, db ``(V,)`` fp32; None where not needed.
     """
     n, d = hidden.shape
     v = weight.shape[0]
@@ -248,9 +329,9 @@ def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_
     covers = valid.sum(dim=1) >= v
     div, ent, tent = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-    dw = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_dw else None
+    dw = torch.empty(v, d, dtype=torch.float32 if fp32_accumulator else hidden.dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    buf = torch.empty(min(chunk_rows, n), v, dtype=hidden.dtype, device=dev) if n else None
+    buf = torch.empty(min(chunk_rows, n), v, dtype=torch.float32, device=dev) if n else None
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
         h, x = hidden[rows], buf[: min(chunk_rows, n - start)]
@@ -266,33 +347,47 @@ def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_
         upstream = torch.ones_like(lse) if row_weights is None else row_weights[rows].float()
         coef_nc, cand_grad = logit_gradients(stats.z_cand, lse, stats.m_nc, stats.s_nc, teacher_logprobs[rows],
                                              valid[rows], covers[rows], upstream, **bucket_kw)
+        dx = gradient_view(x, hidden.dtype)
         with device_guard(dev):
-            launch_chunk_grad(x, bias, ids32[rows], stats.z_cand, stats.m_nc, coef_nc.contiguous(),
-                              cand_grad.contiguous(), **logit_kw)
+            launch_chunk_grad_out(x, dx, bias, ids32[rows], stats.z_cand, stats.m_nc, coef_nc.contiguous(),
+                                  cand_grad.contiguous(), **logit_kw)
         if need_dh:
-            torch.mm(x, weight, out=dh[rows])
-        if need_dw:
-            addmm_fp32(dw, x.t(), h)  # dW += dxᵀ @ h_chunk
+            gemm_into(dh[rows], dx, weight, accumulate=False)
+        if need_dw:  # dW (=|+=) dxᵀ @ h_chunk: the first chunk writes it
+            gemm_into(dw, dx.t(), h, accumulate=start > 0)
         if need_db:
-            db += x.sum(dim=0, dtype=torch.float32)
+            db += dx.sum(dim=0, dtype=torch.float32)
+    if dw is not None:
+        if n == 0:  # no chunk wrote it
+            dw.zero_()
+        dw = dw.to(hidden.dtype)
     return div, ent, tent, dh, dw, db
 
 
 
 def save_forward_grads(ctx, grads: tuple, inputs: tuple) -> None:
-    """Keep the gradients a chunked forward already computed (``grads``, None where not needed) and the dtypes of
-    ``inputs`` (None entries allowed) for :func:`scaled_forward_grads`."""
-    ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
-    ctx.has = tuple(g is not None for g in grads)
-    ctx.grad_dtypes = tuple(None if x is None else x.dtype for x in inputs)
+    """Keep the gradients a chunked forward already computed (``grads``, None where not needed), each in the dtype
+    of its entry of ``inputs`` (None entries allowed), for :func:`scaled_forward_grads`. Kept on ``ctx`` rather
+    than saved for backward: the backward hands these very tensors to autograd."""
+    ctx.forward_grads = [None if g is None or x is None else g.to(x.dtype) for g, x in zip(grads, inputs, strict=True)]
 
 
 def scaled_forward_grads(ctx, grad_loss: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """The gradients :func:`save_forward_grads` kept, times the scalar loss's upstream gradient, each in its input's
-    dtype."""
-    grads = []
-    for saved, has, dtype in zip(ctx.saved_tensors, ctx.has, ctx.grad_dtypes, strict=True):
-        grads.append(None if not has or grad_loss is None else (saved * grad_loss.to(saved.dtype)).to(dtype))
+    """The gradients :func:`save_forward_grads` kept, scaled in place by the scalar loss's upstream gradient (left
+    as they are when it is 1) and handed over without a copy: a second backward through the same loss raises."""
+    grads = ctx.forward_grads
+    if grads is None:
+        raise RuntimeError(
+            "a second backward through the same chunked loss: its forward-computed gradients were handed to autograd "
+            "(scaled in place, without a copy) by the first backward; recompute the loss instead of retain_graph")
+    ctx.forward_grads = None
+    if grad_loss is None:
+        return [None] * len(grads)
+    scale = float(grad_loss)  # a Python float: the half-precision gradients are scaled in fp32, not by a rounded one
+    if scale != 1.0:
+        for g in grads:
+            if g is not None:
+                g.mul_(scale)
     return grads
 
 class ChunkedLogitsSparseJSD(torch.autograd.Function):
@@ -306,7 +401,8 @@ class ChunkedLogitsSparseJSD(torch.autograd.Function):
         need_db = bias is not None and ctx.needs_input_grad[2]
         div, ent, tent, dh, dw, db = chunked_logits_rows(
             hidden, weight, bias, ids, teacher_logprobs, valid, row_weights, settings,
-            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows)
+            need_dh=need_dh, need_dw=need_dw, need_db=need_db, chunk_rows=chunk_rows,
+            fp32_accumulator=settings["fp32_accumulator"])
         save_forward_grads(ctx, (dh, dw, db), (hidden, weight, bias))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(ent, tent)
@@ -357,6 +453,7 @@ def chunked_logits_sparse_jsd(
     row_weights: torch.Tensor | None = None,
     chunk_rows: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fp32_accumulator: bool = False,
 ) -> ChunkedLosses:
     """Sparse generalized JSD of the student ``softcap(logit_scale·(hidden @ weightᵀ + bias)) / T`` against a sparse
     teacher, with 6·N·D·V matmul FLOPs: logits per row chunk (cuBLAS), two Triton passes, gradient GEMMs.
@@ -372,17 +469,20 @@ def chunked_logits_sparse_jsd(
             fused_sparse_jsd`.
         row_weights: ``(N,)`` non-negative constants or None: ``loss = Σ w·div``; folded into the gradient that
             the forward computes (the only per-row upstream gradient this op supports).
-        chunk_rows: rows per chunk; default :func:`chunk_rows_for` (≤ 4096 rows, buffer ≤ ``chunk_bytes``).
+        chunk_rows: rows per chunk; default :func:`chunk_rows_for` (≤ 4096 rows, the fp32 buffer ≤ ``chunk_bytes``).
+        fp32_accumulator: accumulate dW over the chunks in an fp32 ``(V, D)`` buffer, rounded once (+4·V·D bytes
+            at the peak); default: dW accumulates in the compute dtype, fp32 sums inside each chunk's GEMM.
 
     Returns:
-        :class:`ChunkedLosses`. ``loss.backward()`` (any scalar upstream gradient) gives dh, dW, db.
+        :class:`ChunkedLosses`. ``loss.backward()`` (any scalar upstream gradient, once) gives dh, dW, db in
+        their inputs' dtypes.
     """
     _validate(hidden, weight, bias, ids, teacher_logprobs, valid, tail_mode, row_weights, chunk_rows)
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     settings = dict(logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap),
                     temperature=float(temperature), beta=float(beta), add_tail_bucket=bool(add_tail_bucket),
-                    tail_mode=tail_mode)
-    rows = chunk_rows or chunk_rows_for(hidden.shape[0], weight.shape[0], dtype, chunk_bytes)
+                    tail_mode=tail_mode, fp32_accumulator=bool(fp32_accumulator))
+    rows = chunk_rows or chunk_rows_for(hidden.shape[0], weight.shape[0], torch.float32, chunk_bytes)
     out = ChunkedLogitsSparseJSD.apply(
         hidden.to(dtype).contiguous(), weight.to(dtype).contiguous(), None if bias is None else bias.contiguous(),
         ids, teacher_logprobs.float(), valid, None if row_weights is None else row_weights.detach(), settings,
