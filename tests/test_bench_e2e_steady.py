@@ -124,3 +124,12 @@ def test_the_report_gives_paired_ratios_on_both_clocks(capsys):
     assert "steady = tokens of steps 6..40 / (end of step 40 - end of step 5)" in out
     assert "async / trl: steady 4.00x (per repeat 2.00, 4.00, 4.00);  whole 4.00x (per repeat 5.00, 4.00, 3.00)" in out
     assert "async vs sync, per repeat: +10.0%, +0.0%, +5.0% (median +5.0%)" in out
+
+
+def test_a_variant_is_a_name_and_a_mapping_of_config_fields():
+    import argparse
+
+    assert bench_e2e.parse_variant("look1={max_lookahead_steps: 1}") == ("look1", {"max_lookahead_steps": 1})
+    for bad in ("look1", "1x={seed: 1}", "x=3", "x={}"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_e2e.parse_variant(bad)
