@@ -47,10 +47,10 @@ def _store_error_types() -> tuple[type[BaseException], ...]:
 
 class PeerWatch:
     """Rank ``rank`` of ``world_size`` watching the others through ``store`` (a ``torch.distributed.Store`` of its
-    own: its operations time out after ``timeout_s``); ``addresses`` gives each rank's address (for the messages),
-    ``store_host`` where the store lives. ``on_lost(error)`` is what a lost peer triggers (default: print the error
-    and end the process with :data:`LOST_PEER_EXIT_CODE`). ``interval_s`` defaults to a fifth of ``timeout_s``, at
-    most 2 s."""
+    own; a round of operations that has not come back after ``timeout_s`` counts as a lost store); ``addresses``
+    gives each rank's address (for the messages), ``store_host`` where the store lives. ``on_lost(error)`` is what a
+    lost peer triggers (default: print the error and end the process with :data:`LOST_PEER_EXIT_CODE`).
+    ``interval_s`` defaults to a fifth of ``timeout_s``, at most 2 s."""
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout_s: float, addresses: Sequence[str] = (),
                  store_host: str = "", interval_s: float | None = None,
@@ -177,17 +177,24 @@ class PeerWatch:
 
     def stop(self, error: BaseException | None = None) -> None:
         """Stop watching; mark this rank done (or failed with ``error``) so that the others stop watching it (or end
-        naming its error). Calling it again does nothing."""
+        naming its error). Each step is bounded by ``timeout_s``: a store that no longer answers (rank 0's host
+        gone) does not hold up the end. Calling it again does nothing."""
         if self._stop.is_set():
             return
         self._stop.set()
-        mark = _DONE if error is None else _FAILED + f"{type(error).__name__}: {error}".encode()[:500]
-        try:
-            self.store.set(self.key(self.rank), mark)
-        except _store_error_types():
-            pass  # the store is gone (rank 0's host ended first): nobody is left to tell
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval_s + self.timeout_s)
+            self._thread.join(timeout=self.interval_s + self.timeout_s)  # its last beat lands before the mark
+        mark = _DONE if error is None else _FAILED + f"{type(error).__name__}: {error}".encode()[:500]
+
+        def write_mark() -> None:
+            try:
+                self.store.set(self.key(self.rank), mark)
+            except _store_error_types():
+                pass  # the store is gone (rank 0's host ended first): nobody is left to tell
+
+        writer = threading.Thread(target=write_mark, name="fastdistill-peer-mark", daemon=True)
+        writer.start()
+        writer.join(timeout=self.timeout_s)
 
     def peer_failure(self, rank: int, store: Any = None) -> str | None:
         """Rank ``rank``'s error when it marked itself failed, else None (one read of ``store``, default the

@@ -319,9 +319,10 @@ class VLLMWeightSync(WeightSync):
                 student_s = time.monotonic() - started - gathers.seconds()
                 if student_s > self.timeout_s:
                     raise WeightSyncError(
-                        f"weight transfer to {self.base_url} failed: the student did not finish {route} within "
-                        f"weight_sync_timeout={self.timeout_s:g} s (the trainer's own all-gathers, "
-                        f"{gathers.seconds():.1f} s, not counted); still running: {', '.join(sorted(pending))}")
+                        f"weight transfer to {self.base_url} failed: the student's part ({route} and the broadcast "
+                        f"to it) did not finish within weight_sync_timeout={self.timeout_s:g} s (the trainer's own "
+                        f"all-gathers, {gathers.seconds():.1f} s, not counted); still running: "
+                        f"{', '.join(sorted(pending))}")
 
         tasks = {route: tracked(route, call), "broadcast": tracked("broadcast", self._channel.broadcaster(weights,
                                                                                                        manifest)),
