@@ -251,6 +251,7 @@ def finish(ranks: list[subprocess.Popen], stopped: list[subprocess.Popen] = ()) 
     return outputs
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_on_every_surviving_rank_long_before_the_collective_timeout(tmp_path):
     """Rank 2 of 3 stops (SIGSTOP: sockets open, nothing answers) while the others enter an all-reduce with it:
     ranks 0 and 1 end with LOST_PEER_EXIT_CODE and a LostRankError naming rank 2 and its address, within the hang
@@ -264,6 +265,7 @@ def test_a_stopped_rank_is_named_on_every_surviving_rank_long_before_the_collect
         assert "all_reduce returned" not in outputs[rank]
 
 
+@pytest.mark.slow
 def test_rank_0_alone_longer_than_ddp_timeout_ends_with_its_own_error_not_the_collective_timeout(tmp_path):
     """ddp_timeout 3 s: rank 0 waits alone 7.5 s (rollouts) before a scatter, which still arrives; then it waits
     4.5 s more and fails with ServerDownError: rank 1, parked in the store for its broadcast, ends naming rank 0's
@@ -314,6 +316,7 @@ print("pushed", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ddp_timeout, heartbeat", [(600, 4), (12, 30)], ids=["heartbeat", "gather-timeout"])
 def test_a_weight_push_whose_trainer_peer_stalls_names_the_peer_not_the_student(tmp_path, ddp_timeout, heartbeat):
     """Rank 1 stops in the middle of the push's FSDP all-gathers; weight_sync_timeout is 2 s, shorter than either
