@@ -274,12 +274,13 @@ def test_roofline_constants_are_the_codes():
     """The model's sizes are read off the code: a change there must show up here (and in the model)."""
     sys.path.insert(0, str(SCRIPT.parent))
     import roofline
-    from fastdistill_kernels.config import TileConfig
+    from fastdistill_kernels.config import DENSE_TILES, TileConfig
 
     from fastdistill.loss import chunked as torch_path
 
     cfg = TileConfig()
     assert (roofline.BLOCK_ROWS, roofline.BLOCK_VOCAB) == (cfg.block_rows, cfg.block_vocab)
+    assert roofline.DENSE_BLOCK_VOCAB == DENSE_TILES[(True, False)].block_vocab
     assert (roofline.TORCH_TILE_BYTES, roofline.TORCH_MAX_ROWS, roofline.TORCH_SCRATCH_BYTES) == (
         torch_path.GPU_TILE_BYTES, torch_path.GPU_MAX_CHUNK_ROWS, torch_path.GPU_SCRATCH_BYTES)
 
@@ -298,3 +299,22 @@ def test_calibration_predicts_the_17cb676_designs_at_the_records_own_rate():
     assert row["impl"] == "ours-chunked" and row["measured_ms"] == pytest.approx(94.0)
     assert row["predicted_ms"] == pytest.approx(1e3 * (6 * 16384 * 3584 * 152064 / 700e12 + cost.bytes / 4e12))
     assert "| bench-16384 | 16384 | 8 | ours-chunked | 94.0 |" in roofline.calibration_markdown([row])
+
+
+def test_the_models_blocks_and_chunks_are_the_kernels():
+    """The chunk rows and the deterministic backward's blocks of the model are those the kernels compute."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import roofline
+    from fastdistill_kernels.backward import deterministic_blocks
+    from fastdistill_kernels.config import TileConfig
+    from fastdistill_kernels.dense_chunk import dense_chunk_rows_for
+    from fastdistill_kernels.logits_chunk import DEFAULT_CHUNK_BYTES, chunk_rows_for
+
+    assert roofline.FP32_CHUNK_BYTES == DEFAULT_CHUNK_BYTES and roofline.WORKSPACE_BYTES == TileConfig().workspace_bytes
+    shapes = [*roofline.HEADS.values(), roofline.Shape(300, 64, 1000), roofline.Shape(100000, 8192, 256000)]
+    for s in shapes:
+        assert roofline.fp32_chunk_rows(s) == chunk_rows_for(s.N, s.V, torch.float32), s
+        assert roofline.fp32_chunk_rows(s, True) == dense_chunk_rows_for(s.N, s.V, s.V, torch.float32,
+                                                                        torch.float32), s
+        rows, tiles = deterministic_blocks(TileConfig(), s.N, s.D, math.ceil(s.V / 128), 2)
+        assert roofline.deterministic_blocks(s) == (rows, tiles * 128), s
