@@ -92,7 +92,7 @@ def cross_tokenizer_rows(row: Any, teachers: Mapping[int, CrossTeacher]) -> torc
     return cross
 
 
-def cross_tokenizer_loss(hidden: torch.Tensor, head: torch.nn.Module, row: Any,
+def cross_tokenizer_loss(hidden: torch.Tensor, head: Any, row: Any,
                          teachers: Mapping[int, CrossTeacher], *, loss: str, num_teachers: int, beta: float,
                          temperature: float, logit_scale: float, softcap: float | None, backend: str = "auto",
                          sampling_temperature: float | None = None, importance_ratio: bool = False,

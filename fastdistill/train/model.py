@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -46,6 +46,27 @@ WRAPPER_PREFIX = "model."  # state-dict prefix that DistillationModel adds in fr
 
 
 # ----------------------------------------------------------------------------------------------------- model
+
+
+class HeadOperands(NamedTuple):
+    """The lm_head as the losses read it: ``weight`` ``(V, D)`` and ``bias`` ``(V,)`` or None."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def loss_operands(hidden: torch.Tensor, head: nn.Module) -> tuple[torch.Tensor, HeadOperands]:
+    """``hidden`` ``(M, D)`` and the lm_head in the dtype the losses compute in: under autocast (bfloat16 compute on
+    one process) both are cast to the autocast dtype, the operands FSDP2's ``MixedPrecisionPolicy`` gives the loss on
+    several ranks. Autocast does not reach into the losses' own autograd functions, so without the cast they would
+    get the float32 residual stream and the float32 master head and run their GEMMs in float32. The casts are
+    differentiable: the gradients reach the float32 parameters."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return hidden, HeadOperands(head.weight, head.bias)
+    dtype = torch.get_autocast_dtype(device)
+    bias = None if head.bias is None else head.bias.to(dtype)
+    return hidden.to(dtype), HeadOperands(head.weight.to(dtype), bias)
 
 
 class DistillationModel(nn.Module):
@@ -104,7 +125,7 @@ class DistillationModel(nn.Module):
         ``divergence``: the sparse JSD whatever ``loss_type`` is (held-out evaluation)."""
         backbone, head = causal_lm_parts(self.model)
         hidden = backbone(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).last_hidden_state
-        hidden = hidden[0].index_select(0, row.target_positions)
+        hidden, head = loss_operands(hidden[0].index_select(0, row.target_positions), head)
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
@@ -124,7 +145,7 @@ class DistillationModel(nn.Module):
             return out, metrics
         return self._mixed_jsd(hidden, head, row, ids, lps, mask, weights), metrics
 
-    def _with_cross_tokenizer(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow, ids: torch.Tensor,
+    def _with_cross_tokenizer(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow, ids: torch.Tensor,
                               lps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None,
                               metrics: dict[str, float], cross: torch.Tensor,
                               divergence: bool) -> tuple[Any, dict[str, float]]:
@@ -150,7 +171,7 @@ class DistillationModel(nn.Module):
             out = self._mixed_jsd(hidden, head, row, ids, lps, mask, weights, exclude=cross)
         return combined_output([out, cross_out]), metrics
 
-    def _mixed_jsd(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow, ids: torch.Tensor,
+    def _mixed_jsd(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow, ids: torch.Tensor,
                    lps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None,
                    exclude: torch.Tensor | None = None) -> SparseJSDOutput:
         """The JSD of a row with hidden-state teachers: the sparse loss on the top-K teachers' targets plus, per
@@ -200,7 +221,7 @@ class DistillationModel(nn.Module):
             teacher = self.teacher_heads[index] = teacher.to(dtype)
         return teacher
 
-    def _policy_gradient(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+    def _policy_gradient(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
                          weights: torch.Tensor | None, metrics: dict[str, float],
                          cross_pg: Any = None) -> tuple[Any, dict[str, float]]:
         """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
@@ -224,7 +245,7 @@ class DistillationModel(nn.Module):
         metrics = {**metrics, **pg_metrics(stats, int(stats.num_tokens), ratio)}
         return self._as_output(out, row.teacher_index[scored]), metrics
 
-    def _query_estimator(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+    def _query_estimator(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
                          weights: torch.Tensor | None, metrics: dict[str, float]) -> tuple[Any, dict[str, float]]:
         """``reverse_kl_mc`` / ``reverse_kl_student_topk``: :func:`~fastdistill.loss.query_reverse_kl_loss` on the
         row's student queries, at the positions whose every query the teacher scored (a hidden-state teacher's from
@@ -287,7 +308,7 @@ class DistillationModel(nn.Module):
                                teacher_entropy_sum=zero, num_tokens=out.num_tokens, per_teacher=per_teacher)
 
     @torch.no_grad()
-    def _importance_weights(self, hidden: torch.Tensor, head: nn.Module, row: PackedRow,
+    def _importance_weights(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
                             stale: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """(M,) weights: 1 on fresh positions, min(π_θ(y)/μ(y), clip) on stale ones, the ratio of
         :func:`~fastdistill.loss.importance_ratios` (π_θ at the sampling temperature over the full vocabulary)."""
