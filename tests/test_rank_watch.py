@@ -343,3 +343,79 @@ def test_the_heartbeat_must_be_below_ddp_timeout_or_off():
     with pytest.raises(ConfigError, match="ddp_timeout must be a finite number > 0"):
         AsyncDistillationConfig(model_name_or_path="m", ddp_timeout=0)
     assert AsyncDistillationConfig(model_name_or_path="m", ddp_timeout=20, rank_heartbeat_timeout_s=0).ddp_timeout == 20
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+
+SLOW_RANK0_TRAINER = """
+import json, sys, time
+import fastdistill.train.source as source
+from fastdistill.errors import ServerDownError
+from run_trainer import main
+
+spec = json.loads(open(sys.argv[1]).read())
+plain_next = source.ListSource.next
+calls = []
+
+
+def slow_next(self, model_version):  # rank 0's source: its first sample comes after a long wait for rollouts
+    calls.append(model_version)
+    if len(calls) == 1:
+        time.sleep(spec["wait_s"])  # the fault itself: rank 0 alone, longer than ddp_timeout
+        if spec["fail"]:
+            raise ServerDownError("the student answered nothing for 600 s (server_down_deadline_s)")
+    return plain_next(self, model_version)
+
+
+source.ListSource.next = slow_next
+main(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    from trainer_cases import tiny_student_dir
+
+    return tiny_student_dir(tmp_path_factory)
+
+
+def run_trainer_ranks(tmp_path: Path, student_dir: Path, *, fail: bool, ddp_timeout: float,
+                      heartbeat: float) -> subprocess.CompletedProcess:
+    import json
+
+    from trainer_cases import TEACHERS
+
+    values = {"teacher_server_urls": TEACHERS, "weight_sync_backend": "none", "learning_rate": 1e-3,
+              "num_train_epochs": 1, "gradient_checkpointing": False, "disable_tqdm": True, "save_strategy": "no",
+              "token_budget": 0, "per_device_train_batch_size": 2, "export_final_model": False,
+              "ddp_timeout": ddp_timeout, "rank_heartbeat_timeout_s": heartbeat}
+    spec = {"student_dir": str(student_dir), "output_dir": str(tmp_path / "run"), "num_samples": 8, "seed": 3,
+            "config": values, "wait_s": 2 * ddp_timeout, "fail": fail}
+    spec_path, script = tmp_path / "spec.json", tmp_path / "slow_rank0.py"
+    spec_path.write_text(json.dumps(spec))
+    script.write_text(SLOW_RANK0_TRAINER)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'tests'}"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(spec_path)], capture_output=True, text=True, timeout=HANG_GUARD_S,
+                          env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail", [False, True], ids=["the-wait-ends", "the-wait-fails"])
+def test_a_trainer_whose_rank_0_waits_longer_than_ddp_timeout(tmp_path, student_dir, fail):
+    """Two trainer ranks (torchrun, gloo), ddp_timeout 4 s: rank 0's source keeps it waiting 8 s for its first
+    sample while rank 1 waits for the window's scatter. When the samples then come the run trains every prompt
+    once; when rank 0's wait ends with ServerDownError the run ends with it. Neither meets gloo's timeout."""
+    done = run_trainer_ranks(tmp_path, student_dir, fail=fail, ddp_timeout=4, heartbeat=3)
+    output = done.stdout + done.stderr
+    assert "Timed out waiting" not in output and "CollectiveTimeoutError" not in output, output[-4000:]
+    if not fail:
+        assert done.returncode == 0, output[-4000:]
+        from fastdistill.testing.runs import read_jsonl
+
+        trained = [p for line in read_jsonl(tmp_path / "run" / "trained_prompts.jsonl") for p in line["prompt_ids"]]
+        assert sorted(trained) == list(range(8))
+    else:
+        assert done.returncode != 0
+        assert "fastdistill.errors.ServerDownError: the student answered nothing for 600 s" in output, output[-4000:]
