@@ -176,3 +176,19 @@ def test_chunked_error_within_twice_the_fused_kernels():
         f_dh, f_dw = _run(fused, h, w)
         assert rel_l2(c_dh, ref_dh) <= 2 * rel_l2(f_dh, ref_dh), name
         assert rel_l2(c_dw, ref_dw) <= 2 * rel_l2(f_dw, ref_dw), name
+
+
+def test_raw_logits_are_fp32_products_of_the_half_precision_operands(monkeypatch):
+    """Without a mixed-precision GEMM (the CPU; torch < 2.8) the logits come from fp32 GEMMs of upcast weight blocks:
+    the float64 products rounded to fp32 within D·2⁻²⁴ of Σ|h||w| (fp32 sums), whatever the block size."""
+    from fastdistill_kernels import backward
+
+    assert backward.mixed_mm_supported.__wrapped__(torch.device("cpu"), torch.bfloat16) is False  # uncached
+    h, w, *_ = _inputs(seed=3)
+    exact = h.double() @ w.double().t()
+    scale = h.double().abs() @ w.double().abs().t()
+    for block in (256, 64 * 7, 2**24):
+        monkeypatch.setattr(backward, "UPCAST_BLOCK_ELEMS", block)
+        out = torch.full((N, V), float("nan"))
+        logits_chunk._raw_logits(h, w, out)
+        assert ((out.double() - exact).abs() <= D * 2.0**-24 * scale).all(), block

@@ -272,12 +272,14 @@ def chunk_rows_for(n_rows: int, vocab_size: int, dtype: torch.dtype, chunk_bytes
 def _raw_logits(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     """``out = h @ weightᵀ`` ``(c, V)`` fp32, never rounded to half precision (rounding logits of magnitude |z| to
     bf16 moves each probability by up to |z|·2⁻⁹ relative): a plain GEMM for fp32 operands, cuBLAS's mixed GEMM
-    (half-precision operands, fp32 output) where torch has it, else fp32 GEMMs of upcast weight row blocks (exact
-    products and fp32 sums: the same numerics; the CPU's path)."""
+    (half-precision operands, fp32 output: ``mm`` or ``addmm`` with ``out_dtype``) where torch has it, else fp32
+    GEMMs of upcast weight row blocks (exact products and fp32 sums: the same numerics; the CPU's path)."""
     if h.dtype == torch.float32:
         torch.mm(h, weight.t(), out=out)
     elif mixed_mm_supported(h.device, h.dtype):
         torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    elif backward.mixed_addmm_supported(h.device, h.dtype):  # beta = 0: out's old contents are not read
+        torch.addmm(out, h, weight.t(), beta=0, out_dtype=torch.float32, out=out)
     else:
         h32 = h.float()
         step = max(1, backward.UPCAST_BLOCK_ELEMS // max(1, h.shape[0], weight.shape[1]))
