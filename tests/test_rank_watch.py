@@ -64,6 +64,23 @@ def test_a_rank_whose_heartbeat_stops_is_named_once_silent_longer_than_the_timeo
     assert w0.silent(5.0) == [(2, 10.5)]
 
 
+def test_the_ranks_of_a_node_that_go_silent_together_are_named_together():
+    store, clock = dist.HashStore(), FakeClock()
+    addresses = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]  # two nodes of two ranks
+    made = [peers.PeerWatch(peers.prefixed(store), rank, 4, timeout_s=10.0, interval_s=2.0, clock=clock,
+                            addresses=addresses, on_lost=lambda error: None) for rank in range(4)]
+    for watch in made:
+        watch.beat()
+    made[0].check()
+    clock.now = 1.0
+    made[3].beat()  # rank 3's last beat lands a second after rank 2's
+    made[0].check()
+    clock.now = 10.5
+    made[1].beat()
+    assert str(made[0].check()).startswith("rank 0 lost trainer rank(s) 2, 3 of 4 (at 10.0.0.2): no heartbeat for "
+                                           "10 s")
+
+
 def test_a_rank_done_is_no_longer_watched_and_a_failed_one_is_named_after_the_grace():
     (w0, w1, w2), clock, _ = watches(3)
     w1.stop()  # ended normally: marked done

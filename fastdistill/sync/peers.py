@@ -87,13 +87,14 @@ class PeerWatch:
         self.store.set(self.key(self.rank), str(self._beats))
 
     def check(self) -> LostRankError | None:
-        """Read the other ranks' heartbeats once; the error naming the first rank silent for ``timeout_s`` or
-        failed, or None."""
+        """Read the other ranks' heartbeats once; the error naming the ranks silent for ``timeout_s`` (with those
+        silent almost as long: a node's ranks go silent together), or the first that failed; else None."""
         now = self.clock()
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         present = [rank for rank in others if self.store.check([self.key(rank)])]
         values = dict(zip(present, self.store.multi_get([self.key(rank) for rank in present]) if present else [],
                           strict=True))
+        silent: list[tuple[int, float]] = []
         for rank in others:
             value = values.get(rank, b"")
             last = self._seen.get(rank)
@@ -101,19 +102,25 @@ class PeerWatch:
                 self._seen[rank] = (value, now)
             if value == _DONE:
                 continue
-            if value.startswith(_FAILED) and now - self._seen[rank][1] > self.timeout_s:
-                # after a grace of timeout_s: a rank failing with the same error (every rank's non-finite loss) or
-                # parked for rank 0 (await_main raises it) ends by itself, through its own error path
-                return LostRankError(f"rank {self.rank}: trainer rank {rank} of {self.world_size} (at "
-                                     f"{self.where(rank)}) failed: {value[len(_FAILED):].decode(errors='replace')}")
-            silent_s = now - self._seen[rank][1]
-            if not value.startswith(_FAILED) and silent_s > self.timeout_s:
-                return LostRankError(
-                    f"rank {self.rank} lost trainer rank(s) {rank} of {self.world_size} (at {self.where(rank)}): "
-                    f"no heartbeat for {silent_s:.0f} s (rank_heartbeat_timeout_s={self.timeout_s:g}): its host "
-                    "stopped answering or its process is stopped. Resume every node with "
-                    "resume_from_checkpoint=latest once it is back")
-        return None
+            if value.startswith(_FAILED):
+                if now - self._seen[rank][1] > self.timeout_s:
+                    # after a grace of timeout_s: a rank failing with the same error (every rank's non-finite loss)
+                    # or parked for rank 0 (await_main raises it) ends by itself, through its own error path
+                    return LostRankError(
+                        f"rank {self.rank}: trainer rank {rank} of {self.world_size} (at {self.where(rank)}) "
+                        f"failed: {value[len(_FAILED):].decode(errors='replace')}")
+                continue
+            silent.append((rank, now - self._seen[rank][1]))
+        if not any(silent_s > self.timeout_s for _, silent_s in silent):
+            return None
+        lost = [(rank, silent_s) for rank, silent_s in silent if silent_s > self.timeout_s - 2 * self.interval_s]
+        ranks = ", ".join(str(rank) for rank, _ in lost)
+        where = ", ".join(dict.fromkeys(self.where(rank) for rank, _ in lost))
+        return LostRankError(
+            f"rank {self.rank} lost trainer rank(s) {ranks} of {self.world_size} (at {where}): no heartbeat for "
+            f"{max(s for _, s in lost):.0f} s (rank_heartbeat_timeout_s={self.timeout_s:g}): its host stopped "
+            "answering or its process is stopped. Resume every node with resume_from_checkpoint=latest once it is "
+            "back")
 
     def silent(self, at_least_s: float) -> list[tuple[int, float]]:
         """``(rank, seconds)`` of the ranks whose heartbeat has not changed for ``at_least_s`` seconds (as last
