@@ -129,7 +129,7 @@ class AsyncDistillationConfig:
     rollout_processes: int = 1  # ours: rollout worker processes sharing the prompt stream (docs/rollout.md)
     heartbeat_stale_after_s: float = 300.0
     ddp_timeout: float = 1800.0  # HF's: seconds a collective of the trainer ranks may take (torch's default)
-    rank_heartbeat_timeout_s: float = 30.0  # ours: a trainer rank silent this long ends the run naming it; 0: off
+    rank_heartbeat_timeout_s: float = 60.0  # ours: a trainer rank silent this long ends the run naming it; 0: off
     shuffle: bool = True  # ours: TRL never shuffles
     skip_long_prompts: bool = False  # ours: skip prompts that cannot fit a server's max_model_len (else an error)
     # --- loss
