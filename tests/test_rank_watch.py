@@ -177,7 +177,9 @@ def test_a_gather_stall_in_a_weight_push_names_the_silent_trainer_rank_not_the_s
     assert str(error).startswith("rank 0 lost trainer rank(s) 1 of 2 (at 10.0.0.2) during a weight push: the "
                                  "trainer ranks' own all-gather of model.layers.0.mlp.up_proj.weight")
     assert "the student (http://10.0.0.9:8000) was waiting for the weights, not failing" in str(error)
-    gathers.current = "lm_head.weight"  # without a heartbeat: still the trainer's, not the student's
+    gathers.current, gathers.started = "lm_head.weight", clock.now  # a gather that just began: the student's failure
+    assert sync._trainer_stall(gathers, failure) is None
+    clock.now += 11.0  # without a heartbeat, a gather that has not returned for long: the trainer's, not the student's
     error = sync._trainer_stall(gathers, failure)
     assert isinstance(error, WeightSyncError) and "weight push stalled in the trainer ranks' own all-gather" in str(
         error)

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 300.0  # /pause, /start_weight_update, /resume (TRL's value)
 _CLEANUP_S = 30.0  # best-effort calls after a failure
 _DEADLINE_POLL_S = 0.1  # how often the student's deadline is checked during a transfer
+# a gather still running this long when the student's part fails is the stall, not a gather that happened to run
+_GATHER_STALL_S = 10.0
 _GATHER_BACKSTOP_S = 7200.0  # beyond the student's timeout: a transfer whose gathers never return still ends
 
 
@@ -350,14 +352,16 @@ class VLLMWeightSync(WeightSync):
         name = gathers.current or gathers.failed
         if name is None:
             return None
+        watch = peers.active_watch()
+        silent = watch.silent(2 * watch.interval_s) if watch is not None else []
         if gathers.current is not None:
+            if not silent and gathers.running_s() < _GATHER_STALL_S:
+                return None  # the student failed while a gather ran as usual: the student's error stands
             how = f"has not returned for {gathers.running_s():.0f} s"
         else:
             how = f"failed ({str(failure.error).splitlines()[0][:300] if failure.error else failure})"
         what = f"the trainer ranks' own all-gather of {name} (FSDP full_tensor, a collective of every trainer rank)"
         student = f"the student ({self.base_url}) was waiting for the weights, not failing"
-        watch = peers.active_watch()
-        silent = watch.silent(2 * watch.interval_s) if watch is not None else []
         if silent:
             ranks = ", ".join(str(rank) for rank, _ in silent)
             where = ", ".join(watch.where(rank) for rank, _ in silent)
