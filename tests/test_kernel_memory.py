@@ -188,7 +188,7 @@ def test_compiled_peak_memory_at_the_7b_head(name):
     ht = torch.randn(n, d, generator=g, device="cuda").bfloat16()
     ids = torch.randint(0, v, (n, 8), generator=g, device="cuda")
     ids[:, 1:] = (ids[:, :1] + torch.arange(1, 8, device="cuda")) % v  # distinct within a row
-    lps = torch.log_softmax(torch.randn(n, 9, generator=g, device="cuda"), dim=-1)[:, :8]
+    lps = torch.log_softmax(torch.randn(n, 9, generator=g, device="cuda"), dim=-1)[:, :8].contiguous()
     valid = torch.ones(n, 8, dtype=torch.bool, device="cuda")
 
     def run():
