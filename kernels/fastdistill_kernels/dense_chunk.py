@@ -410,6 +410,7 @@ def dense_chunked_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, h
             gemm_into(dw, dx.t(), h, accumulate=start > 0)
         if need_db:
             db += dx.sum(dim=0, dtype=torch.float32)
+    xs_buf = xt_buf = xs = xt = dx = None  # the logits buffer is freed before an fp32 dW's cast
     if dw is not None:
         if n == 0:  # no chunk wrote it
             dw.zero_()

@@ -359,6 +359,7 @@ def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_
             gemm_into(dw, dx.t(), h, accumulate=start > 0)
         if need_db:
             db += dx.sum(dim=0, dtype=torch.float32)
+    buf = x = dx = None  # the logits buffer is freed before an fp32 dW's cast
     if dw is not None:
         if n == 0:  # no chunk wrote it
             dw.zero_()
