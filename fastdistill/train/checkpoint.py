@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fastdistill.sync.peers import await_main
+
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -177,6 +179,7 @@ def export_hf(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer: Any,
     (the wrapper's attribute holding ``hf_model``)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
+        await_main()  # rank 0 writes alone: wait in the store (heartbeat-bounded), not in the barrier
         _barrier()
         return None
     path = Path(path)
@@ -185,6 +188,7 @@ def export_hf(model: torch.nn.Module, hf_model: torch.nn.Module, tokenizer: Any,
     hf_model.save_pretrained(path, state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    await_main()
     _barrier()
     return path
 

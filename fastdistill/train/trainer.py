@@ -42,13 +42,7 @@ from fastdistill.train.evaluate import RunEvaluator, held_out_rows
 from fastdistill.train.flops import StepMfu, peak_flops
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE, RunLedger, data_identity, resume_run
 from fastdistill.train.metrics import MetricsLogger, rank0_step_metrics
-from fastdistill.train.model import (
-    DistillationModel,
-    check_master_weights,
-    load_model,
-    load_tokenizer,
-    prepare_student,
-)
+from fastdistill.train.model import DistillationModel, check_master_weights, load_model, load_tokenizer, prepare_student
 from fastdistill.train.schedule import LRSchedule
 from fastdistill.train.source import SynchronousSource
 from fastdistill.train.step import TrainStep, step_record
@@ -104,8 +98,7 @@ class AsyncDistillationTrainer:
         on_step_end: Callable[[int, dict[str, float]], None] | None = None,
     ):
         self.config = config
-        self.dist = init_distributed(timeout_s=config.ddp_timeout,
-                                     heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
+        self.dist = init_distributed(timeout_s=config.ddp_timeout, heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
         check_world_size(config, self.dist.world_size)  # options that need one process, refused before any work
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
@@ -123,8 +116,7 @@ class AsyncDistillationTrainer:
                                                         device=self.dist.device)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay,
-        )
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay)
         self._samples = samples
         self.cache = (pipeline.open_cache(config, self.tokenizer) if config.teacher_cache is not None
                       and self.dist.is_main else None)
@@ -282,8 +274,7 @@ class AsyncDistillationTrainer:
                 self.metrics.close()
                 self.shutdown_s = time.perf_counter() - stopping
                 clock.stop()
-                # the process group this trainer made; a failure (sys.exc_info: the error propagating) is
-                # marked in the store, so that the other ranks end naming it
+                # the process group this trainer made; the propagating error is marked for the other ranks
                 self.dist.close(sys.exc_info()[1])
         summary = {"steps": self.step, "model_version": self.model_version, "train_seconds": elapsed,
                    "wall_seconds": time.perf_counter() - started, "shutdown_s": self.shutdown_s,
