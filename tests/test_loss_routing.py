@@ -68,6 +68,39 @@ def test_a_smaller_chunk_when_only_that_fits_then_the_fused_design(monkeypatch, 
     assert _sparse_route(monkeypatch) == ("triton", None)
 
 
+def test_the_chunk_buffer_is_fp32_whatever_the_operands_dtype(monkeypatch, gpu):
+    """bf16 operands still get fp32 raw logits (4 bytes per vocabulary entry): a budget of 20 bf16 rows holds 10
+    fp32 rows, and one that holds MIN_CHUNK_ROWS bf16 rows but not as many fp32 rows goes to the fused kernel."""
+    monkeypatch.setattr(routing, "MIN_CHUNK_ROWS", 8)
+    margin = 8 * GiB
+    gpu.free = margin + 20 * V * 2
+    assert _sparse_route(monkeypatch, dtype=torch.bfloat16) == ("triton-chunked", 10)
+    gpu.free = margin + 8 * V * 2
+    assert _sparse_route(monkeypatch, dtype=torch.bfloat16) == ("triton", None)
+    gpu.free = margin + 8 * V * 4
+    assert _sparse_route(monkeypatch, dtype=torch.bfloat16) == ("triton-chunked", 8)
+
+
+def test_the_default_chunk_is_the_kernels_own(monkeypatch, gpu):
+    """Unconstrained, auto leaves the chunk to the kernel (None), and the rows it weighs against the budget are the
+    kernel's default for its fp32 buffer, not a half-precision one."""
+    from fastdistill_kernels.dense_chunk import dense_chunk_rows_for
+    from fastdistill_kernels.logits_chunk import chunk_rows_for
+
+    monkeypatch.setattr(routing, "MIN_CHUNK_ROWS", 8)
+    h = torch.empty(10**5, 8, dtype=torch.bfloat16)
+    w = torch.empty(152064, 8, dtype=torch.bfloat16)
+    fp32_rows = chunk_rows_for(h.shape[0], w.shape[0], torch.float32)
+    assert fp32_rows < chunk_rows_for(h.shape[0], w.shape[0], torch.bfloat16)  # the shape tells them apart
+    assert routing.route("sparse", ((h, w),)) == routing.Route("triton-chunked", None)
+    gpu.free = 8 * GiB + fp32_rows * w.shape[0] * 4 - 1  # one byte short of the kernel's default chunk
+    assert routing.route("sparse", ((h, w),)) == routing.Route("triton-chunked", fp32_rows - 1)
+    wt = torch.empty(152064, 8, dtype=torch.bfloat16)
+    dense_rows = dense_chunk_rows_for(h.shape[0], w.shape[0], wt.shape[0], torch.float32, torch.float32)
+    gpu.free = 8 * GiB + dense_rows * 2 * w.shape[0] * 4 - 1
+    assert routing.route("dense", ((h, w), (h, wt))) == routing.Route("triton-chunked", dense_rows - 1)
+
+
 def test_the_budget_from_the_environment_replaces_the_free_memory_rule(monkeypatch, gpu):
     monkeypatch.setattr(routing, "MIN_CHUNK_ROWS", 8)
     monkeypatch.setenv(routing.BUDGET_ENV, str(10 * V * 4 / 2**20))  # 10 rows, although 40 GiB are free

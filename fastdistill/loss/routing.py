@@ -1,7 +1,8 @@
 """What ``backend="auto"`` runs: the fastest validated Triton design that fits the device's memory, else the torch path.
 
 For CUDA tensors in a kernel dtype, with triton installed, the designs in order of speed are ``"triton-chunked"``
-(cuBLAS logits per row chunk, 6·N·D·V FLOPs, a ``(C, V)`` logits buffer) and ``"triton"`` (the fused kernels, no
+(cuBLAS logits per row chunk, 6·N·D·V FLOPs, an fp32 ``(C, V)`` logits buffer, sized by the kernels' own
+``chunk_row_bytes`` / ``chunk_rows_for``) and ``"triton"`` (the fused kernels, no
 logits in memory, 8·N·D·V FLOPs). ``auto`` takes the first one that
 
 - has run on a real GPU as it is today (:func:`fastdistill_kernels.validation.is_validated`: its device code hashes
@@ -101,13 +102,12 @@ def route(loss: str, pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], chunk
         return Route("torch")
     designs = kernel_designs_allowed(loss)
     if "triton-chunked" in designs:
-        row_bytes = sum(w.shape[0] * torch.promote_types(h.dtype, w.dtype).itemsize for h, w in pairs)
+        row_bytes, default = _chunk_buffer(loss, pairs)
         budget = memory_budget(pairs[0][0].device)
         if chunk_rows is not None:
             if chunk_rows * row_bytes <= budget:
                 return Route("triton-chunked", chunk_rows)
         else:
-            default = _default_chunk_rows(loss, pairs)
             rows = chunk_rows_within(budget, pairs[0][0].shape[0], row_bytes, default)
             if rows is not None:
                 return Route("triton-chunked", None if rows == default else rows)
@@ -116,15 +116,15 @@ def route(loss: str, pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], chunk
     return Route("torch")
 
 
-def _default_chunk_rows(loss: str, pairs) -> int:
-    """The chunked design's own default rows per chunk for these inputs."""
+def _chunk_buffer(loss: str, pairs) -> tuple[int, int]:
+    """``(row_bytes, default_rows)`` of the chunked design for these inputs, from the kernels' own functions: bytes
+    per row of its raw-logits buffer(s) (fp32, whatever the operands' dtype) and its default rows per chunk."""
     (hs, ws), *rest = pairs
-    dtype = torch.promote_types(hs.dtype, ws.dtype)
     if loss == "sparse":
-        from fastdistill_kernels.logits_chunk import chunk_rows_for
+        from fastdistill_kernels.logits_chunk import chunk_row_bytes, chunk_rows_for
 
-        return chunk_rows_for(hs.shape[0], ws.shape[0], dtype)
-    from fastdistill_kernels.dense_chunk import dense_chunk_rows_for
+        return chunk_row_bytes(ws.shape[0]), chunk_rows_for(hs.shape[0], ws.shape[0])
+    from fastdistill_kernels.dense_chunk import dense_chunk_row_bytes, dense_chunk_rows_for
 
-    (ht, wt), = rest
-    return dense_chunk_rows_for(hs.shape[0], ws.shape[0], wt.shape[0], dtype, torch.promote_types(ht.dtype, wt.dtype))
+    (_, wt), = rest
+    return dense_chunk_row_bytes(ws.shape[0], wt.shape[0]), dense_chunk_rows_for(hs.shape[0], ws.shape[0], wt.shape[0])

@@ -37,6 +37,7 @@ import triton.language as tl
 from .backward import gemm_into
 from .config import device_guard
 from .logits_chunk import (
+    BUFFER_DTYPE,
     DEFAULT_CHUNK_BYTES,
     GPU_BLOCK_V,
     GPU_NUM_WARPS,
@@ -44,6 +45,7 @@ from .logits_chunk import (
     MAX_CHUNK_ROWS,
     _final_logits,
     _raw_logits,
+    chunk_row_bytes,
     gradient_view,
     online_update,
     save_forward_grads,
@@ -359,12 +361,18 @@ def launch_dense_grad_out(xs: torch.Tensor, xt: torch.Tensor, dx: torch.Tensor |
 # --------------------------------------------------------------------------------------------------- host side
 
 
-def dense_chunk_rows_for(n_rows: int, student_vocab: int, teacher_vocab: int, student_dtype: torch.dtype,
-                         teacher_dtype: torch.dtype, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+def dense_chunk_row_bytes(student_vocab: int, teacher_vocab: int, student_dtype: torch.dtype = BUFFER_DTYPE,
+                          teacher_dtype: torch.dtype = BUFFER_DTYPE) -> int:
+    """Bytes of one row of both raw-logits buffers together (the chunked path's are :data:`BUFFER_DTYPE`)."""
+    return chunk_row_bytes(student_vocab, student_dtype) + chunk_row_bytes(teacher_vocab, teacher_dtype)
+
+
+def dense_chunk_rows_for(n_rows: int, student_vocab: int, teacher_vocab: int,
+                         student_dtype: torch.dtype = BUFFER_DTYPE, teacher_dtype: torch.dtype = BUFFER_DTYPE,
+                         chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     """Rows per chunk: at most :data:`MAX_CHUNK_ROWS` and ``n_rows``, both raw-logits buffers together within
     ``chunk_bytes`` (at least one row)."""
-    row_bytes = student_vocab * (torch.finfo(student_dtype).bits // 8) + teacher_vocab * (
-        torch.finfo(teacher_dtype).bits // 8)
+    row_bytes = dense_chunk_row_bytes(student_vocab, teacher_vocab, student_dtype, teacher_dtype)
     return max(1, min(MAX_CHUNK_ROWS, n_rows, chunk_bytes // row_bytes))
 
 
@@ -388,8 +396,8 @@ def dense_chunked_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, h
     dw = torch.empty(v, d, dtype=dw_dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
     c0 = min(chunk_rows, n)
-    xs_buf = torch.empty(c0, v, dtype=torch.float32, device=dev) if n else None
-    xt_buf = torch.empty(c0, vt, dtype=torch.float32, device=dev) if n else None
+    xs_buf = torch.empty(c0, v, dtype=BUFFER_DTYPE, device=dev) if n else None
+    xt_buf = torch.empty(c0, vt, dtype=BUFFER_DTYPE, device=dev) if n else None
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
         c = rows.stop - start
@@ -500,7 +508,7 @@ def chunked_dense_teacher_jsd(
     sdt = torch.promote_types(student_hidden.dtype, student_weight.dtype)
     tdt = torch.promote_types(teacher_hidden.dtype, teacher_weight.dtype)
     rows = chunk_rows or dense_chunk_rows_for(student_hidden.shape[0], student_weight.shape[0],
-                                              teacher_weight.shape[0], torch.float32, torch.float32, chunk_bytes)
+                                              teacher_weight.shape[0], BUFFER_DTYPE, BUFFER_DTYPE, chunk_bytes)
     t_bias = None if teacher_bias is None else teacher_bias.detach().contiguous()
     out = DenseChunkedJSD.apply(
         student_hidden.to(sdt).contiguous(), student_weight.to(sdt).contiguous(),

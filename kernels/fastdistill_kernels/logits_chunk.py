@@ -46,6 +46,7 @@ MAX_CHUNK_ROWS = 4096  # rows per chunk at most (Liger and the issue's design: 4
 # The fp32 (C, V) raw-logits buffer (dL/dx written over it) takes at most 960 MiB: C = 1655 at V = 152064, so the
 # chunked path stays within its gradients + 1 GiB (docs/kernels-memory.md).
 DEFAULT_CHUNK_BYTES = 960 * 2**20
+BUFFER_DTYPE = torch.float32  # the raw-logits buffer's dtype, whatever the operands' (dL/dx is written over it)
 GPU_BLOCK_V, GPU_NUM_WARPS = 2048, 8  # vocabulary columns per step of a row program on a GPU
 INTERPRETER_BLOCK_V = 64  # small blocks in the CPU interpreter, so that tiny test vocabularies span several
 
@@ -262,11 +263,17 @@ def launch_chunk_grad_out(x: torch.Tensor, dx: torch.Tensor, bias: torch.Tensor 
 # --------------------------------------------------------------------------------------------------- host side
 
 
-def chunk_rows_for(n_rows: int, vocab_size: int, dtype: torch.dtype, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Rows per chunk: at most :data:`MAX_CHUNK_ROWS` and ``n_rows``, and the ``(C, V)`` buffer in ``dtype`` within
-    ``chunk_bytes`` (at least one row)."""
-    elem = torch.finfo(dtype).bits // 8
-    return max(1, min(MAX_CHUNK_ROWS, n_rows, chunk_bytes // (vocab_size * elem)))
+def chunk_row_bytes(vocab_size: int, dtype: torch.dtype = BUFFER_DTYPE) -> int:
+    """Bytes of one row of the ``(C, V)`` raw-logits buffer in ``dtype`` (the chunked path's: :data:`BUFFER_DTYPE`,
+    whatever the operands' dtype)."""
+    return vocab_size * (torch.finfo(dtype).bits // 8)
+
+
+def chunk_rows_for(n_rows: int, vocab_size: int, dtype: torch.dtype = BUFFER_DTYPE,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows per chunk: at most :data:`MAX_CHUNK_ROWS` and ``n_rows``, and the ``(C, V)`` buffer in ``dtype`` (the
+    chunked path's: :data:`BUFFER_DTYPE`) within ``chunk_bytes`` (at least one row)."""
+    return max(1, min(MAX_CHUNK_ROWS, n_rows, chunk_bytes // chunk_row_bytes(vocab_size, dtype)))
 
 
 def _raw_logits(h: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -333,7 +340,7 @@ def chunked_logits_rows(hidden, weight, bias, ids, teacher_logprobs, valid, row_
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=torch.float32 if fp32_accumulator else hidden.dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    buf = torch.empty(min(chunk_rows, n), v, dtype=torch.float32, device=dev) if n else None
+    buf = torch.empty(min(chunk_rows, n), v, dtype=BUFFER_DTYPE, device=dev) if n else None
     for start in range(0, n, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n))
         h, x = hidden[rows], buf[: min(chunk_rows, n - start)]
@@ -485,7 +492,7 @@ def chunked_logits_sparse_jsd(
     settings = dict(logit_scale=float(logit_scale), softcap=None if softcap is None else float(softcap),
                     temperature=float(temperature), beta=float(beta), add_tail_bucket=bool(add_tail_bucket),
                     tail_mode=tail_mode, fp32_accumulator=bool(fp32_accumulator))
-    rows = chunk_rows or chunk_rows_for(hidden.shape[0], weight.shape[0], torch.float32, chunk_bytes)
+    rows = chunk_rows or chunk_rows_for(hidden.shape[0], weight.shape[0], BUFFER_DTYPE, chunk_bytes)
     out = ChunkedLogitsSparseJSD.apply(
         hidden.to(dtype).contiguous(), weight.to(dtype).contiguous(), None if bias is None else bias.contiguous(),
         ids, teacher_logprobs.float(), valid, None if row_weights is None else row_weights.detach(), settings,
