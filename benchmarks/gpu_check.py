@@ -20,6 +20,9 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       against TRL, Liger and CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside
                       Liger), each behind its correctness gate; the three bare GEMMs and both ceilings of the
                       prediction (matmul rate, copy bandwidth) measured in the same run; 10 repeats after 5 warm-ups.
+  bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the fused-backward variants
+                      (measured at 4096); Liger, CCE and the dense rows measured once per distribution. The
+                      benchmark rewrites its JSON after each configuration: a step cut short keeps its rows.
   train-step          ``bench_train_step.py``: the trainer's own step (``AsyncDistillationTrainer``, one process,
                       bf16 autocast) at the Qwen2.5-0.5B and -1.5B shapes from a teacher cache written in-process,
                       K=8 and 32, loss backends auto and torch: its phase split, MFU, peak memory
@@ -28,9 +31,6 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       peak memory and MFU with the last recorded GPU run. Dry run: the tiny CPU rehearsal.
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed
                       row (position_ids restarting per sample, no attention mask) against each sample alone.
-  bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the fused-backward variants
-                      (measured at 4096); Liger, CCE and the dense rows measured once per distribution. The
-                      benchmark rewrites its JSON after each configuration: a step cut short keeps its rows.
   vllm-sync           optional, only when vllm is importable: a real GPU vLLM student server on the same GPU and a
                       weight push into it, checked through served log-probs. vLLM's ``ipc`` weight-transfer backend
                       (the only one that puts trainer and server on one device: NCCL cannot put two ranks on one
@@ -96,7 +96,7 @@ BENCH_STEPS = {
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds), in the order the steps run (by value); the global budget cuts them further.
 STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150,
-               "train-step": 240, "packed-attention": 45, "bench-16384": 180, "vllm-sync": 120}
+               "bench-16384": 180, "train-step": 180, "packed-attention": 45, "vllm-sync": 120}
 KIT_INSTALL_LIMIT_S = 60  # unpacking ~3 MiB of wheels and an import probe, instead of building a venv
 STEPS = tuple(STEP_LIMITS)
 KERNEL_TEST_WORKERS = 8  # pytest-xdist processes for the compiled tests (compiles in parallel), where it is there
