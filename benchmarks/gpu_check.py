@@ -12,7 +12,7 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       (``--torch-spec``, default ``torch>=2.6``: PyPI's Linux wheels are CUDA builds), triton, trl
                       1.16.0, liger-kernel, cut-cross-entropy, pytest and fastdistill itself (editable); or
                       ``--python`` for a ready interpreter.
-  kernel-tests        ``pytest tests/test_kernels.py tests/test_kernels_chunked.py tests/test_kernels_dense.py`` without
+  kernel-tests        ``pytest`` of :data:`GPU_KERNEL_TEST_FILES` (the kernel tests and the peak-memory tests) without
                       TRITON_INTERPRET: the compiled kernels on the GPU
                       against the torch path and the float64 reference, every backward mode and dtype. Its gate:
                       every ``test_compiled_*`` test ran and passed.
@@ -105,7 +105,9 @@ OFFLINE_ENV = {"PIP_NO_INDEX": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE
 MIN_STEP_S = 15  # a step with less time than this left is skipped
 RESERVE_S = 5  # kept for writing the JSON
 TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
-GPU_KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_chunked.py", "tests/test_kernels_dense.py")
+# the compiled-kernel tests (test_compiled_*, CUDA only); test_kernel_memory: the peak-memory bounds at the 7B head
+GPU_KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_chunked.py", "tests/test_kernels_dense.py",
+                         "tests/test_kernel_memory.py")
 DRY_RUN_KERNEL_TESTS = "auto_backend_keeps or device_guard or mixed_addmm_detection or op_rejects_bad_settings"
 IPC_NOTE = ("fastdistill's weight sync (VLLMWeightSync) supports the 'gloo' and 'nccl' backends, not vLLM's 'ipc' "
             "backend; NCCL cannot put two ranks on one GPU, so the same-GPU check pushes over gloo (CPU staging).")
