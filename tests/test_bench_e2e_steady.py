@@ -1,17 +1,25 @@
-"""The clock and steady-state arithmetic of benchmarks/bench_e2e.py on synthetic records (no servers): one clock for
-fastdistill and TRL (whole run, steady state after the same k steps, start-up, fill and shut-down), the paired ratios
-on both clocks, warm-up steps left out of the phases, the generation/scoring split, the overlap limit and the printed
-efficiency."""
+"""The clock and steady-state arithmetic of benchmarks/bench_e2e.py (in benchmarks/e2e_clock.py) on synthetic records
+(no servers): one clock for fastdistill and TRL (whole run, steady state after the same k steps, start-up, fill and
+shut-down), the paired ratios on both clocks, warm-up steps left out of the phases, the generation/scoring split,
+the overlap limit and the printed efficiency; bench_e2e's variant option."""
 
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
-spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-bench_e2e = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_e2e)
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+e2e_clock = load("e2e_clock")
+bench_e2e = load("bench_e2e")
 
 
 def step(wait, fwd_bwd, rest, tokens, duration=1.0, score=0.25):
@@ -23,23 +31,23 @@ def step(wait, fwd_bwd, rest, tokens, duration=1.0, score=0.25):
 
 def test_steady_state_leaves_out_the_warm_up_and_splits_the_wait():
     steps = [step(9.0, 9.0, 9.0, 1)] * 2 + [step(2.0, 1.0, 0.35, 100)] * 4
-    steady = bench_e2e.steady_state(steps, warmup_steps=2)
+    steady = e2e_clock.steady_state(steps, warmup_steps=2)
     assert steady["steps"] == 4
     assert steady["step_s"] == pytest.approx(3.5)
     assert steady["phases_s"] == pytest.approx({"rollout_wait": 2.0, "fwd_bwd": 1.0, "optimizer": 0.1,
                                                 "weight_sync": 0.05, "rest": 0.35})
     assert (steady["generation_s"], steady["scoring_s"]) == pytest.approx((1.5, 0.5))
     assert steady["rollout_capacity_s"] == pytest.approx(8 * 1.0 / 4.0)  # 4 in flight of 1 s each: 4 samples/s
-    generation, training, limit = bench_e2e.overlap_limit(steady)
+    generation, training, limit = e2e_clock.overlap_limit(steady)
     assert (generation, training, limit) == pytest.approx((2.0, 1.5, 3.5 / 2.0))
     with pytest.raises(ValueError, match="leave none"):
-        bench_e2e.steady_state(steps, warmup_steps=6)
+        e2e_clock.steady_state(steps, warmup_steps=6)
 
 
 def test_the_report_compares_async_over_sync_with_the_limit(capsys):
-    sync = bench_e2e.steady_state([step(2.0, 1.0, 0.85, 100)] * 3, 0)  # 4 s per step, G=2, T=2: limit 2
-    fast = bench_e2e.steady_state([step(0.0, 1.0, 1.6, 100)] * 3, 0)  # 2.75 s per step: 4/2.75 = 1.45x
-    report = bench_e2e.steady_report({"sync": [{"steady": sync, "clock": {"steady_tokens_per_s": 100 / 4.0}}],
+    sync = e2e_clock.steady_state([step(2.0, 1.0, 0.85, 100)] * 3, 0)  # 4 s per step, G=2, T=2: limit 2
+    fast = e2e_clock.steady_state([step(0.0, 1.0, 1.6, 100)] * 3, 0)  # 2.75 s per step: 4/2.75 = 1.45x
+    report = e2e_clock.steady_report({"sync": [{"steady": sync, "clock": {"steady_tokens_per_s": 100 / 4.0}}],
                                       "async": [{"steady": fast, "clock": {"steady_tokens_per_s": 100 / 2.75}}]})
     assert report["overlap_limit"] == pytest.approx(2.0)
     assert report["steady_async_over_sync"] == pytest.approx(4.0 / 2.75)
@@ -62,11 +70,11 @@ EXPECTED = {"whole_s": 60.0, "startup_s": 12.0, "fill_s": 7.0, "steady_s": 10.0,
 
 
 def test_the_clock_splits_a_run_into_start_up_fill_steady_state_and_shut_down():
-    clock = bench_e2e.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=3)
+    clock = e2e_clock.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=3)
     assert clock == pytest.approx(EXPECTED)
     assert clock["startup_s"] + clock["fill_s"] + clock["steady_s"] + clock["shutdown_s"] == pytest.approx(60.0)
     # k = 0: the steady state starts where the first step does
-    clock = bench_e2e.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=0)
+    clock = e2e_clock.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=0)
     assert (clock["fill_s"], clock["steady_s"], clock["steady_tokens_per_s"]) == pytest.approx((0.0, 17.0, 680 / 17))
 
 
@@ -77,23 +85,23 @@ def test_fastdistill_and_trl_records_of_one_timeline_give_one_clock():
     fastdistill = [{"time": end, "perf/step_s": seconds, "batch/trained_tokens_per_step": tokens}
                    for end, seconds, tokens in zip(ENDS, durations, TOKENS, strict=True)]
     trl = {"first_step_start": FIRST, "step_ends": ENDS, "step_tokens": TOKENS}
-    assert bench_e2e.fastdistill_clock((START, END), fastdistill, 3) == pytest.approx(EXPECTED)
-    assert bench_e2e.trl_clock((START, END), trl, 3) == pytest.approx(EXPECTED)
+    assert e2e_clock.fastdistill_clock((START, END), fastdistill, 3) == pytest.approx(EXPECTED)
+    assert e2e_clock.trl_clock((START, END), trl, 3) == pytest.approx(EXPECTED)
 
 
 def test_the_clock_refuses_what_it_cannot_measure():
     with pytest.raises(ValueError, match="leave none after 8 warm-up steps"):
-        bench_e2e.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=8)
+        e2e_clock.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=8)
     with pytest.raises(ValueError, match=">= 0"):
-        bench_e2e.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=-1)
+        e2e_clock.run_clock((START, END), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=-1)
     with pytest.raises(ValueError, match="out of order.*index 1 "):  # the first step starts before the process
-        bench_e2e.run_clock((START, END), START - 1.0, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=3)
+        e2e_clock.run_clock((START, END), START - 1.0, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=3)
     with pytest.raises(ValueError, match="out of order.*index 10 "):  # the process ends before the last step
-        bench_e2e.run_clock((START, 128.0), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=3)
+        e2e_clock.run_clock((START, 128.0), FIRST, list(zip(ENDS, TOKENS, strict=True)), warmup_steps=3)
     with pytest.raises(ValueError, match="took 0.0 s"):
-        bench_e2e.run_clock((START, END), FIRST, [(114.0, 10), (114.0, 10)], warmup_steps=1)
+        e2e_clock.run_clock((START, END), FIRST, [(114.0, 10), (114.0, 10)], warmup_steps=1)
     with pytest.raises(ValueError, match="no step records"):
-        bench_e2e.fastdistill_clock((START, END), [], 0)
+        e2e_clock.fastdistill_clock((START, END), [], 0)
 
 
 def contender(clocks, jsds):
@@ -108,7 +116,7 @@ def test_the_report_gives_paired_ratios_on_both_clocks(capsys):
                "sync": contender([(100, 50), (100, 80), (100, 30)], [2.0, 2.0, 2.0]),
                "trl": contender([(150, 20), (50, 25), (100, 30)], [2.5, 2.6, 2.7]),
                "async:look1": contender([(120, 60), (130, 60), (140, 60)], [1.9, 2.0, 2.1])}
-    report = bench_e2e.clock_report(results, warmup_steps=5)
+    report = e2e_clock.clock_report(results, warmup_steps=5)
     assert report["ratios"]["async_over_sync"]["steady"]["each"] == pytest.approx([3.0, 2.0, 4.0])
     assert report["ratios"]["async_over_sync"]["steady"]["median"] == pytest.approx(3.0)
     assert report["ratios"]["async_over_sync"]["whole"]["each"] == pytest.approx([2.0, 1.25, 3.0])
