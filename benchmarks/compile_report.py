@@ -15,6 +15,7 @@ Needs triton's NVIDIA backend with its bundled ``ptxas`` / ``nvdisasm`` / ``cuob
     python benchmarks/compile_report.py                                   # every variant, Qwen-like + small shape
     python benchmarks/compile_report.py --set test --shapes qwen          # what tests/test_kernel_compile.py compiles
     python benchmarks/compile_report.py --json out.json --results benchmarks/RESULTS.md
+    python benchmarks/compile_report.py --chunked --targets sm90      # the chunked designs' row kernels
 """
 
 from __future__ import annotations
@@ -311,8 +312,10 @@ DENSE_MODES = {"fwd-kl": 0.0, "jsd": 0.5, "rev-kl": 1.0}
 
 
 def record_dense_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE) -> list[Launch]:
-    """The two launches one row chunk of ``chunked_dense_teacher_jsd`` makes per β mode (bias and softcap on both
-    sides, padded teacher vocabulary, gradient and token weights on), on meta tensors as on a CUDA device."""
+    """The launches one row chunk of ``chunked_dense_teacher_jsd`` makes with ``dtype`` operands (the statistics
+    pass, then the gradient pass per β mode), as ``dense_chunked_rows`` makes them: fp32 raw-logits buffers, dL/dx in
+    the operand dtype over the student's (``gradient_view``); bias and softcap on both sides, padded teacher
+    vocabulary, gradient and token weights on; on meta tensors as on a CUDA device."""
     import fastdistill_kernels.dense_chunk as dc
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -321,22 +324,56 @@ def record_dense_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE
     launches: list[Launch] = []
     dt, meta = DTYPES[dtype], torch.device("meta")
     v, vt = shape.v, shape.v + DENSE_PAD
-    c = dc.dense_chunk_rows_for(shape.n, v, vt, dt, dt)
-    xs, xt = torch.empty(c, v, dtype=dt, device=meta), torch.empty(c, vt, dtype=dt, device=meta)
+    c = dc.dense_chunk_rows_for(shape.n, v, vt)
+    xs = torch.empty(c, v, dtype=dc.BUFFER_DTYPE, device=meta)
+    xt = torch.empty(c, vt, dtype=dc.BUFFER_DTYPE, device=meta)
     bs, bt = torch.empty(v, dtype=dt, device=meta), torch.empty(vt, dtype=dt, device=meta)
     rows = torch.empty(c, dtype=torch.float32, device=meta)
     heads = dc.DenseHeads(1.0, 30.0, 1.0, 30.0, 1.0)
     patches = (
         mock.patch.object(dc, "_dense_stats_kernel", _LaunchRecorder(dc._dense_stats_kernel, backend, launches)),
-        mock.patch.object(dc, "_dense_grad_kernel", _LaunchRecorder(dc._dense_grad_kernel, backend, launches)),
+        mock.patch.object(dc, "_dense_grad_out_kernel", _LaunchRecorder(dc._dense_grad_out_kernel, backend,
+                                                                        launches)),
     )
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
         dc.launch_dense_stats(xs, xt, bs, bt, heads)
         for beta in DENSE_MODES.values():
-            dc.launch_dense_grad(xs, xt, bs, bt, rows, rows, rows, heads, beta, need_grad=True)
+            dc.launch_dense_grad_out(xs, xt, dc.gradient_view(xs, dt), bs, bt, rows, rows, rows, heads, beta)
     return launches
+
+
+def record_chunk_launches(dtype: str, target: Target, shape: Shape = SHAPES["qwen"]) -> list[tuple[str, Launch]]:
+    """The launches one row chunk of ``chunked_logits_sparse_jsd`` makes with ``dtype`` operands, as
+    ``chunked_logits_rows`` makes them: ``_chunk_stats_kernel`` over the fp32 raw-logits buffer of the default chunk
+    (``chunk_rows_for``), then ``_chunk_grad_out_kernel`` writing dL/dx in the operand dtype over it
+    (``gradient_view``); ``(features, launch)`` for "plain" and "bias+softcap", on meta tensors as on a CUDA device."""
+    import fastdistill_kernels.logits_chunk as lc
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", target.arch, 32))
+    dt, meta = DTYPES[dtype], torch.device("meta")
+    c, v, s = lc.chunk_rows_for(shape.n, shape.v), shape.v, shape.s
+
+    def f32(*size):
+        return torch.empty(*size, dtype=torch.float32, device=meta)
+
+    out = []
+    for features in ("plain", "bias+softcap"):
+        launches: list[Launch] = []
+        bias = torch.empty(v, dtype=dt, device=meta) if features != "plain" else None
+        ids = torch.empty(c, s, dtype=torch.int32, device=meta)
+        kw = dict(logit_scale=1.0, softcap=None if features == "plain" else 30.0, temperature=1.0)
+        x = torch.empty(c, v, dtype=lc.BUFFER_DTYPE, device=meta)
+        with mock.patch.object(lc, "_chunk_stats_kernel", _LaunchRecorder(lc._chunk_stats_kernel, backend, launches)), \
+                mock.patch.object(lc, "_chunk_grad_out_kernel",
+                                  _LaunchRecorder(lc._chunk_grad_out_kernel, backend, launches)):
+            lc.launch_chunk_stats(x, bias, ids, **kw)
+            lc.launch_chunk_grad_out(x, lc.gradient_view(x, dt), bias, ids, f32(c, s), f32(c), f32(c), f32(c, s), **kw)
+        out += [(features, launch) for launch in launches]
+    return out
 
 
 def record_dense_fused_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE) -> list[tuple[str, Launch]]:
@@ -403,6 +440,45 @@ def dense_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] =
     for entry, metrics in zip(out, compile_launches(jobs), strict=True):
         entry["metrics"] = metrics
     return out
+
+
+def chunked_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] = tuple(TARGETS)) -> list[dict]:
+    """Compile both chunked designs' row kernels as their entry points launch them (fp32 logits, dL/dx in the
+    operand dtype over them): :func:`record_chunk_launches` (design "sparse", mode "plain" / "bias+softcap") and
+    :func:`record_dense_launches` (design "dense", mode "stats" or the β mode). One entry per launch, keys as
+    :func:`dense_report` plus ``design``."""
+    sys.path.insert(0, str(ROOT / "kernels"))
+    out, jobs = [], []
+    for dtype in dtypes:
+        for t in targets:
+            target = TARGETS[t]
+            labelled = [("sparse", mode, launch) for mode, launch in record_chunk_launches(dtype, target)]
+            labelled += [("dense", mode, launch) for mode, launch in
+                         zip(["stats", *DENSE_MODES], record_dense_launches(dtype, target), strict=True)]
+            for design, mode, launch in labelled:
+                out.append(dict(design=design, dtype=dtype, target=t, kernel=launch.kernel, mode=mode,
+                                grid=list(launch.grid), smem_per_block=target.smem_per_block))
+                jobs.append((launch, target))
+    for entry, metrics in zip(out, compile_launches(jobs), strict=True):
+        entry["metrics"] = metrics
+    return out
+
+
+def chunked_markdown(entries: list[dict]) -> str:
+    """Markdown table of :func:`chunked_report`: registers, spills, shared memory, wgmma and TMA instructions."""
+    lines = ["| design | kernel | mode | target | regs | spill st/ld B | smem (dyn + static) B | wgmma (HGMMA) | "
+             "TMA | SASS |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        m = e["metrics"]
+        if "error" in m:
+            lines.append(f"| {e['design']} | `{e['kernel']}` | {e['mode']} | {e['target']} | **failed** |||||")
+            continue
+        sass = m["sass"]
+        lines.append(f"| {e['design']} | `{e['kernel']}` | {e['mode']} | {e['target']} | {m['registers']} | "
+                     f"{m['spill_store_bytes']}/{m['spill_load_bytes']} | {m['shared_bytes']} + "
+                     f"{m['static_shared_bytes']} | {sass.get('wgmma', 0)} | "
+                     f"{sass.get('tma', 0)} | {sass['instructions']} |")
+    return "\n".join(lines)
 
 
 def dense_fused_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...] = tuple(TARGETS)) -> list[dict]:
@@ -547,6 +623,8 @@ SASS_GROUPS = {
     "cache_control": ("CCTL", "ERRBAR"),  # L1 invalidation, error barrier (acquire / release sequences)
     "async_copy": ("LDGSTS", "UTMALDG", "LDGDEPBAR"),
     "barrier": ("BAR",),
+    "wgmma": ("HGMMA",),  # sm_90's warpgroup MMA (also in tensor_core)
+    "tma": ("UTMALDG", "UTMASTG", "UTMAPF", "UBLKCP"),  # tensor-memory-accelerator copies (sm_90)
 }
 _SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 _SASS_SOURCE = re.compile(r'"([^"]+)", line (\d+)')
@@ -912,6 +990,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one specialisation per call and kernel (skip the later row chunks' twins)")
     p.add_argument("--from-json", type=Path, help="render a report written by --json instead of compiling")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--chunked", action="store_true",
+                   help="instead: the chunked designs' row kernels (sparse and dense teacher) as their entry points "
+                        "launch them, a markdown table (--targets, --json)")
     return p.parse_args(argv)
 
 
@@ -936,9 +1017,30 @@ def _compile_report(args: argparse.Namespace, argv: list[str] | None) -> dict:
     return report
 
 
+def chunked_main(args: argparse.Namespace) -> int:
+    """``--chunked``: compile :func:`chunked_report` in bf16 for ``--targets``, print its table; exit 2 if the
+    toolchain is unusable, 1 if a kernel fails to compile, spills or exceeds the shared memory per block."""
+    problem = toolchain_problem()
+    if problem:
+        print(f"cannot compile for NVIDIA targets here: {problem}", file=sys.stderr)
+        return 2
+    entries = chunked_report(("bf16",), tuple(args.targets))
+    print(chunked_markdown(entries))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(entries, indent=1))
+    bad = [e for e in entries if "error" in e["metrics"] or e["metrics"]["spill_store_bytes"]
+           or e["metrics"]["shared_bytes"] + e["metrics"]["static_shared_bytes"] > e["smem_per_block"]]
+    for e in bad:
+        print(f"PROBLEM {e['design']} {e['kernel']} {e['mode']} {e['target']}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: compile, print, write JSON / markdown; exit 2 if the toolchain is unusable, 1 on failures."""
     args = parse_args(argv)
+    if args.chunked:
+        return chunked_main(args)
     if args.from_json:
         report = json.loads(args.from_json.read_text())
     else:

@@ -136,6 +136,7 @@ def test_main_variants_use_tensor_cores(report, dtype, role, target):
         ptx, sass = u["metrics"]["ptx"], u["metrics"]["sass"]
         if target == "sm90":  # warpgroup MMA, not the sm_80 fallback
             assert ptx["wgmma"] > 0 and sass["opcodes"].get("HGMMA.64", 0) > 0, (u["id"], ptx, sass["opcodes"])
+            assert sass["wgmma"] == sum(n for op, n in sass["opcodes"].items() if op.startswith("HGMMA")) > 0
         else:
             assert ptx["mma"] > 0 and sass["tensor_core"] > 0, (u["id"], ptx, sass["opcodes"])
 
@@ -149,6 +150,20 @@ def test_half_precision_does_not_spill(report, dtype, role, target):
         m = u["metrics"]
         assert (m["spill_store_bytes"], m["sass"]["spill_store"]) == (0, 0), (
             u["id"], m["registers"], m["spill_store_bytes"], m["spill_load_bytes"])
+
+
+def test_sass_groups_count_wgmma_and_tma_by_opcode():
+    """``wgmma`` counts HGMMA (sm_90's warpgroup MMA, also a tensor-core instruction), ``tma`` the TMA copies, by
+    their base opcode whatever the modifiers and predicates; ordinary loads count in neither."""
+    listing = "\n".join([
+        "        /*0070*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+        "        /*0080*/              @P0   UTMALDG.2D [UR8], [UR10] ;",
+        "        /*0090*/                   UTMASTG.2D [UR6], [UR12] ;",
+        "        /*00a0*/                   LDG.E.128 R4, desc[UR4][R2.64] ;",
+        "        /*00b0*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;",
+    ])
+    got = cr.sass_stats(listing)
+    assert (got["instructions"], got["wgmma"], got["tma"], got["tensor_core"]) == (5, 1, 2, 2)
 
 
 def test_results_section_is_replaced_in_place(tmp_path):

@@ -293,7 +293,6 @@ def test_compiled_path_matches_the_torch_path(dtype, beta, tail, mode, softcap, 
 COMPILE_SCRIPT = r"""
 import importlib.util, json, sys
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(sys.argv[1])
 sys.path.insert(0, str(ROOT / "kernels"))
@@ -305,46 +304,13 @@ problem = cr.toolchain_problem()
 if problem:
     print(problem, file=sys.stderr)
     sys.exit(2)
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
-import fastdistill_kernels.logits_chunk as lc
-
-C, V, S = 4096, 152064, 65
-meta = torch.device("meta")
 jobs = []  # (key, launch, target), compiled together at the end (cr.compile_launches: one per core)
 for tname in cr.selected_targets():
     target = cr.TARGETS[tname]
-    backend = make_backend(GPUTarget("cuda", target.arch, 32))
-    for features in ("plain", "bias+softcap"):
-        launches = []
-
-        def recorder(fn):
-            class Recorder:
-                def __getitem__(self, grid):
-                    return lambda *a, **k: launches.append(cr.bind_launch(fn, backend, tuple(grid), a, k))
-            return Recorder()
-
-        x = torch.empty(C, V, dtype=torch.bfloat16, device=meta)
-        bias = torch.empty(V, dtype=torch.bfloat16, device=meta) if features != "plain" else None
-        ids = torch.empty(C, S, dtype=torch.int32, device=meta)
-
-        def f32(*shape):
-            return torch.empty(*shape, dtype=torch.float32, device=meta)
-
-        kw = dict(logit_scale=1.0, softcap=None if features == "plain" else 30.0, temperature=1.0)
-        with mock.patch.object(lc, "_chunk_stats_kernel", recorder(lc._chunk_stats_kernel)), \
-                mock.patch.object(lc, "_chunk_grad_kernel", recorder(lc._chunk_grad_kernel)), \
-                mock.patch.object(lc, "_chunk_grad_out_kernel", recorder(lc._chunk_grad_out_kernel)):
-            lc.launch_chunk_stats(x, bias, ids, **kw)
-            lc.launch_chunk_grad(x, bias, ids, f32(C, S), f32(C), f32(C), f32(C, S), **kw)
-            x32 = f32(C, V)  # the fp32 raw logits, dL/dx in bf16 over them (what chunked_logits_rows launches)
-            lc.launch_chunk_stats(x32, bias, ids, **kw)
-            lc.launch_chunk_grad_out(x32, lc.gradient_view(x32, torch.bfloat16), bias, ids, f32(C, S), f32(C),
-                                     f32(C), f32(C, S), **kw)
-        labels = ("_chunk_stats_kernel", "_chunk_grad_kernel", "fp32:_chunk_stats_kernel", "_chunk_grad_out_kernel")
-        assert len(launches) == len(labels)
-        jobs += [(f"{tname}/{features}/{label}", launch, target) for label, launch in zip(labels, launches)]
+    launches = cr.record_chunk_launches("bf16", target)  # as chunked_logits_rows launches them
+    assert [(f, launch.kernel) for f, launch in launches] == [
+        (f, k) for f in ("plain", "bias+softcap") for k in ("_chunk_stats_kernel", "_chunk_grad_out_kernel")]
+    jobs += [(f"{tname}/{features}/{launch.kernel}", launch, target) for features, launch in launches]
 out = {}
 for (key, launch, target), m in zip(jobs, cr.compile_launches([job[1:] for job in jobs]), strict=True):
     row = {k: m.get(k) for k in ("error", "registers", "spill_store_bytes", "spill_load_bytes",
@@ -372,8 +338,9 @@ def compile_targets() -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """The kernels compiled for each selected target (sm_80, sm_90), C=4096 rows × V=152064, S=65, plain and
-    bias+softcap: on bf16 logits (the validated pair) and on fp32 logits with dL/dx in bf16 (today's launches)."""
+    """The kernels compiled for each selected target (sm_80, sm_90) by ``compile_report.record_chunk_launches``: the
+    default chunk at N=16384 × V=152064, S=65, plain and bias+softcap, on fp32 logits with dL/dx in bf16 over them,
+    as the chunked path launches them."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default a launch gets; silences triton 3.9's notice
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(ROOT)], capture_output=True, text=True,
@@ -387,8 +354,7 @@ def compiled() -> dict:
 @pytest.mark.compile
 @pytest.mark.parametrize("target", compile_targets())
 @pytest.mark.parametrize("features", ["plain", "bias+softcap"])
-@pytest.mark.parametrize("kernel", ["_chunk_stats_kernel", "_chunk_grad_kernel", "fp32:_chunk_stats_kernel",
-                                    "_chunk_grad_out_kernel"])
+@pytest.mark.parametrize("kernel", ["_chunk_stats_kernel", "_chunk_grad_out_kernel"])
 def test_kernels_compile_for_gpu_targets(compiled, target, features, kernel):
     """Compiles; dynamic + static shared memory within the target's opt-in limit; no spills; one program per row."""
     m = compiled[f"{target}/{features}/{kernel}"]
@@ -396,4 +362,4 @@ def test_kernels_compile_for_gpu_targets(compiled, target, features, kernel):
     assert m["registers"] > 0 and m["sass_instructions"] > 0
     assert m["shared_bytes"] + m["static_shared_bytes"] <= m["smem_limit"], m
     assert (m["spill_store_bytes"], m["spill_load_bytes"], m["sass_spill_store"]) == (0, 0, 0), m
-    assert m["grid"] == [4096]
+    assert m["grid"] == [logits_chunk.chunk_rows_for(16384, 152064)]

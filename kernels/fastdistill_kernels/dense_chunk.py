@@ -18,8 +18,7 @@ Per chunk of ``C`` rows:
    ``log m = logaddexp(s + log(1−β), t + log β)``. Chain rule to the raw logits: times the row weight,
    ``scale / T`` and the softcap derivative ``1 − u²`` (``u = z·T / c``).
 4. ``dh = dx @ W_s``, ``dW += dxᵀ @ h_s`` (in the compute dtype, fp32 sums inside each GEMM; or an fp32 accumulator
-   with ``fp32_accumulator=True``) and ``db += Σ_rows dx`` with torch. :func:`_dense_grad_kernel` (in place, in the
-   buffer's dtype) stays beside the new kernel until a GPU has run it.
+   with ``fp32_accumulator=True``) and ``db += Σ_rows dx`` with torch.
 
 Gradients are computed in the forward with the token weights as the per-row upstream gradient; backward only
 scales them by the scalar upstream gradient of the loss. Teacher inputs are constants.
@@ -125,78 +124,15 @@ def _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s
 
 
 @triton.jit
-def _dense_grad_kernel(XS, XT, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT,
-                       s_scale, s_softcap, t_scale, t_softcap, inv_temp, beta, log_1mb, log_b,
-                       BLOCK_V: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr, HAS_ROW_W: tl.constexpr,
-                       S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr, T_BIAS: tl.constexpr,
-                       T_SOFTCAP: tl.constexpr):
-    """One program per row: the row's divergence into ``DIV`` and, when ``NEED_GRAD``, ``dL/dx`` over ``XS``."""
-    row = tl.program_id(0).to(tl.int64)
-    xs_row = XS + row * V
-    xt_row = XT + row * VT
-    lse_s = tl.load(LSE_S + row)
-    lse_t = tl.load(LSE_T + row)
-    offs = tl.arange(0, BLOCK_V)
-    w = 1.0
-    if HAS_ROW_W:
-        w = tl.load(ROW_W + row).to(tl.float32)
-    chain = w * s_scale * inv_temp
-    div = tl.zeros((), tl.float32)
-    sum_g = tl.zeros((), tl.float32)
-    # sweep 1: the divergence (β = 0 also writes its gradient p − q here: it needs no row sum)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        zs, s, t = _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale,
-                                 t_softcap, inv_temp, S_BIAS, S_SOFTCAP, T_BIAS, T_SOFTCAP)
-        p = tl.exp(s)
-        q = tl.exp(t)
-        if MODE == 0:
-            div += tl.sum(tl.where(inside, q * (t - s), 0.0), axis=0)
-            if NEED_GRAD:
-                dz = (p - q) * chain
-                if S_SOFTCAP:
-                    u = zs * (1.0 / (s_softcap * inv_temp))
-                    dz = dz * (1.0 - u * u)
-                tl.store(xs_row + cols, dz, mask=inside)
-        elif MODE == 1:
-            div += tl.sum(tl.where(inside, p * (s - t), 0.0), axis=0)
-        else:
-            log_m = log_mixture(s, t, log_1mb, log_b)
-            term = beta * q * (t - log_m) + (1.0 - beta) * p * (s - log_m)
-            div += tl.sum(tl.where(inside, term, 0.0), axis=0)
-            sum_g += tl.sum(tl.where(inside, (1.0 - beta) * p * (s - log_m), 0.0), axis=0)
-    tl.store(DIV + row, div)
-    if NEED_GRAD and MODE != 0:
-        tl.debug_barrier()  # every element is read before the gradient overwrites it
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            inside = cols < V
-            zs, s, t = _row_logprobs(xs_row, xt_row, BS, BT, cols, inside, lse_s, lse_t, s_scale, s_softcap, t_scale,
-                                     t_softcap, inv_temp, S_BIAS, S_SOFTCAP, T_BIAS, T_SOFTCAP)
-            p = tl.exp(s)
-            if MODE == 1:
-                dz = p * (s - t - div)
-            else:
-                g = (1.0 - beta) * p * (s - log_mixture(s, t, log_1mb, log_b))
-                dz = g - p * sum_g
-            dz = dz * chain
-            if S_SOFTCAP:
-                u = zs * (1.0 / (s_softcap * inv_temp))
-                dz = dz * (1.0 - u * u)
-            tl.store(xs_row + cols, dz, mask=inside)
-
-
-@triton.jit
 def _dense_grad_out_kernel(XS, XT, DX, BS, BT, LSE_S, LSE_T, ROW_W, DIV, V, VT, dx_stride,
                            s_scale, s_softcap, t_scale, t_softcap, inv_temp, beta, log_1mb, log_b,
                            BLOCK_V: tl.constexpr, MODE: tl.constexpr, NEED_GRAD: tl.constexpr,
                            HAS_ROW_W: tl.constexpr, S_BIAS: tl.constexpr, S_SOFTCAP: tl.constexpr,
                            T_BIAS: tl.constexpr, T_SOFTCAP: tl.constexpr):
-    """:func:`_dense_grad_kernel` with the gradient written into ``DX`` (row stride ``dx_stride``, the GEMM dtype)
-    rather than over fp32 ``XS``; ``DX`` may alias ``XS`` (each row's gradients in the first half of its fp32
-    storage, or in place): every store follows a barrier after the loads of its block, and lands on that block or
-    earlier ones."""
+    """One program per row: the row's divergence into ``DIV`` and, when ``NEED_GRAD``, ``dL/dx`` into ``DX`` (row
+    stride ``dx_stride``, the GEMM dtype) from the fp32 raw logits ``XS``, ``XT``. ``DX`` may alias ``XS`` (each
+    row's gradients in the first half of its fp32 storage, or in place): every store follows a barrier after the
+    loads of its block, and lands on that block or earlier ones."""
     row = tl.program_id(0).to(tl.int64)
     xs_row = XS + row * V
     xt_row = XT + row * VT
@@ -324,28 +260,14 @@ def mixing_constants(beta: float) -> tuple[float, float, float]:
     return float(beta), math.log1p(-beta) if mixed else 0.0, math.log(beta) if mixed else 0.0
 
 
-def launch_dense_grad(xs: torch.Tensor, xt: torch.Tensor, s_bias: torch.Tensor | None, t_bias: torch.Tensor | None,
-                      lse_s: torch.Tensor, lse_t: torch.Tensor, row_weights: torch.Tensor | None, heads: DenseHeads,
-                      beta: float, need_grad: bool) -> torch.Tensor:
-    """Run :func:`_dense_grad_kernel`: returns the per-row divergence ``(C,)`` fp32 (nats) and, if ``need_grad``,
-    overwrites ``xs`` with ``dL/dx = w · dD/dx`` for the raw student logits (``w`` = ``row_weights`` or 1)."""
-    c, v = xs.shape
-    vt = xt.shape[1]
-    div = torch.empty(c, dtype=torch.float32, device=xs.device)
-    _dense_grad_kernel[(c,)](
-        xs, xt, s_bias, t_bias, lse_s, lse_t, row_weights, div, v, vt, *head_scalars(heads), *mixing_constants(beta),
-        MODE=beta_mode(beta), NEED_GRAD=need_grad, HAS_ROW_W=row_weights is not None, **_flags(heads, s_bias, t_bias),
-        **_launch_options(xs.device),
-    )
-    return div
-
-
 def launch_dense_grad_out(xs: torch.Tensor, xt: torch.Tensor, dx: torch.Tensor | None, s_bias: torch.Tensor | None,
                           t_bias: torch.Tensor | None, lse_s: torch.Tensor, lse_t: torch.Tensor,
                           row_weights: torch.Tensor | None, heads: DenseHeads, beta: float) -> torch.Tensor:
     """Run :func:`_dense_grad_out_kernel`: the per-row divergence ``(C,)`` fp32 and, unless ``dx`` is None,
     ``dL/dx = w · dD/dx`` into ``dx`` ``(C, V_s)`` (unit column stride; may alias the fp32 ``xs``, see
-    :func:`~fastdistill_kernels.logits_chunk.gradient_view`). Other arguments as :func:`launch_dense_grad`."""
+    :func:`~fastdistill_kernels.logits_chunk.gradient_view`). ``xs`` ``(C, V_s)`` and ``xt`` ``(C, V_t)`` the fp32
+    raw logits, ``lse_s``, ``lse_t`` ``(C,)`` fp32 from :func:`launch_dense_stats`, ``row_weights`` ``(C,)`` or
+    None (``w`` = 1)."""
     c, v = xs.shape
     vt = xt.shape[1]
     div = torch.empty(c, dtype=torch.float32, device=xs.device)

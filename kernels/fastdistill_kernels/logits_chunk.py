@@ -23,9 +23,7 @@ scales them in place by the scalar upstream gradient of the weighted sum and han
 fused-linear losses do): no dW-sized copy, and one backward per forward. Only the returned ``loss`` is
 differentiable: a backward through the per-row divergences (a non-scalar upstream) raises.
 Matmul FLOPs: 2·N·D·V (logits) + 4·N·D·V (dh, dW), against 8·N·D·V for the no-logits kernels (which recompute
-the logits in backward); memory beyond the gradients: the fp32 ``(C, V)`` buffer (docs/kernels-memory.md). The
-previous in-place kernel :func:`_chunk_grad_kernel` (compute-dtype logits) stays beside the new one until a GPU
-has run it.
+the logits in backward); memory beyond the gradients: the fp32 ``(C, V)`` buffer (docs/kernels-memory.md).
 """
 
 from __future__ import annotations
@@ -120,40 +118,6 @@ def _chunk_stats_kernel(X, B, IDS, Z_CAND, M_NC, S_NC, T_NC, V, S, logit_scale, 
 
 
 @triton.jit
-def _chunk_grad_kernel(X, B, IDS, Z_CAND, M_NC, COEF_NC, CAND_GRAD, V, S, logit_scale, softcap, inv_temp,
-                       BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       HAS_SOFTCAP: tl.constexpr):
-    """One program per row: overwrite the raw logits ``X`` (candidates hold the −inf sentinel) with ``dL/dx``."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * V
-    neg_inf = float("-inf")
-    m_nc = tl.load(M_NC + row)
-    coef_nc = tl.load(COEF_NC + row)
-    chain = logit_scale * inv_temp
-    offs = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
-        cols = v0 + offs
-        inside = cols < V
-        x = tl.load(x_row + cols, mask=inside, other=neg_inf).to(tl.float32)
-        keep = x != neg_inf
-        z = _final_logits(x, B, cols, inside, logit_scale, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP)
-        dz = tl.exp(tl.where(keep, z - m_nc, neg_inf)) * coef_nc
-        if HAS_SOFTCAP:
-            u = z * (1.0 / (softcap * inv_temp))
-            dz = dz * (1.0 - u * u)
-        tl.store(x_row + cols, tl.where(keep, dz * chain, 0.0), mask=inside)
-    tl.debug_barrier()  # the dense pass wrote 0 at the candidates: order the candidate stores after it
-    slots = tl.arange(0, BLOCK_S)
-    ids = tl.load(IDS + row * S + slots, mask=slots < S, other=-1)
-    is_cand = ids >= 0
-    dzc = tl.load(CAND_GRAD + row * S + slots, mask=is_cand, other=0.0)
-    if HAS_SOFTCAP:
-        uc = tl.load(Z_CAND + row * S + slots, mask=is_cand, other=0.0) * (1.0 / (softcap * inv_temp))
-        dzc = dzc * (1.0 - uc * uc)
-    tl.store(x_row + tl.where(is_cand, ids, 0).to(tl.int64), dzc * chain, mask=is_cand)
-
-
-@triton.jit
 def _chunk_grad_out_kernel(X, DX, B, IDS, Z_CAND, M_NC, COEF_NC, CAND_GRAD, V, S, dx_stride, logit_scale, softcap,
                            inv_temp, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, HAS_BIAS: tl.constexpr,
                            HAS_SOFTCAP: tl.constexpr):
@@ -232,25 +196,13 @@ def launch_chunk_stats(x: torch.Tensor, bias: torch.Tensor | None, ids: torch.Te
     return stats
 
 
-def launch_chunk_grad(x: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, z_cand: torch.Tensor,
-                      m_nc: torch.Tensor, coef_nc: torch.Tensor, cand_grad: torch.Tensor, *, logit_scale: float,
-                      softcap: float | None, temperature: float) -> None:
-    """Run :func:`_chunk_grad_kernel`: overwrite ``x`` ``(C, V)`` (as :func:`launch_chunk_stats` left it) with
-    ``dL/dx`` for the raw logits. ``z_cand``, ``cand_grad`` ``(C, S)`` and ``m_nc``, ``coef_nc`` ``(C,)`` fp32."""
-    c, v = x.shape
-    s = ids.shape[1]
-    _chunk_grad_kernel[(c,)](
-        x, bias, ids, z_cand, m_nc, coef_nc, cand_grad, v, s, *_scalars(logit_scale, softcap, temperature),
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, **_block_sizes(s, x.device),
-    )
-
-
 def launch_chunk_grad_out(x: torch.Tensor, dx: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
                           z_cand: torch.Tensor, m_nc: torch.Tensor, coef_nc: torch.Tensor, cand_grad: torch.Tensor, *,
                           logit_scale: float, softcap: float | None, temperature: float) -> None:
     """Run :func:`_chunk_grad_out_kernel`: ``dx`` ``(C, V)`` (unit column stride; may alias ``x``, see
     :func:`gradient_view`) gets ``dL/dx`` from the fp32 raw logits ``x`` ``(C, V)`` as
-    :func:`launch_chunk_stats` left them. Other arguments as :func:`launch_chunk_grad`."""
+    :func:`launch_chunk_stats` left them. ``z_cand``, ``cand_grad`` ``(C, S)`` and ``m_nc``, ``coef_nc`` ``(C,)``
+    fp32; ``ids`` and ``bias`` as :func:`launch_chunk_stats`."""
     c, v = x.shape
     s = ids.shape[1]
     _chunk_grad_out_kernel[(c,)](
