@@ -198,8 +198,9 @@ def bearer_headers(api_key: str | None) -> dict[str, str]:
 
 
 def mask_secrets(values: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``values`` (e.g. a config's ``to_dict()``, for its ``to_masked_dict()``) with every key in :data:`SECRET_FIELDS` masked: a string
-    becomes ``"***"``, a mapping keeps its keys (teacher ids) with masked values; None stays None."""
+    """A copy of ``values`` (e.g. a config's ``to_dict()``, for its ``to_masked_dict()``) with every key in
+    :data:`SECRET_FIELDS` masked: a string becomes ``"***"``, a mapping keeps its keys (teacher ids) with masked
+    values; None stays None."""
     masked = dict(values)
     for name in SECRET_FIELDS & masked.keys():
         value = masked[name]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from fastdistill import narrow_support
+from fastdistill.loss.support import canonical_mask
 
 
 @dataclass
@@ -117,6 +118,20 @@ def fp32_divergence_slack(term_scale: torch.Tensor) -> float:
     (:func:`divergence_term_scale`): 8·eps32 per unit, a handful of roundings per term (exp, mixture, log,
     difference, product, weighted sum) on each side."""
     return 8 * torch.finfo(torch.float32).eps * float(term_scale.mean()) if term_scale.numel() else 0.0
+
+
+def row_log_scale(h, w, b, ids, lps, mask, chain: float = 1.0):
+    """float64 ``(logp, q, scale)`` of the scored rows: the student's log-probs ``(N, V)`` at logits
+    ``(h·Wᵀ + b)·chain``, the teacher's probabilities ``q`` ``(N, V)`` on its valid candidates, and each row's
+    ``scale`` = 1 + its largest |logit|, |log-prob| (capped at 1e3), |log tail| and |teacher log-prob|: every
+    dL/dz_v is at most (p_v + q_v)·scale·chain."""
+    logits = (h.detach().double() @ w.detach().double().t() + b.detach().double()) * chain
+    logp = logits.log_softmax(-1)
+    valid = canonical_mask(ids, lps, mask)
+    q = torch.zeros_like(logp).scatter_add_(1, ids.clamp_min(0), torch.where(valid, lps.double().exp(), 0.0))
+    tail = (1 - q.sum(1)).clamp_min(1e-300)
+    scale = 1 + logits.abs().amax(1) + logp.abs().amax(1).clamp_max(1e3) + tail.log().abs()
+    return logp, q, scale + torch.where(valid, lps.double().abs(), 0.0).amax(1)
 
 
 def half_gradient_bounds(hidden, weight, student_logprobs, teacher_probs, row_log_scale, chain, grads, dtype):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from loss_cases import assert_elementwise, half_gradient_bounds, make_case, rel_close
+from loss_cases import assert_elementwise, half_gradient_bounds, make_case, rel_close, row_log_scale
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -173,13 +173,7 @@ def test_exact_tail_is_accurate_in_fp32_where_subtraction_is_not():
 
 def _sparse_half_bounds(case, h, w, b, ids, lps, mask, grads, dtype):
     """:func:`half_gradient_bounds` for the sparse loss at scale 1, T = 1 (float64 quantities of the scored rows)."""
-    logits = h.detach().double() @ w.detach().double().t() + b.detach().double()
-    logp = logits.log_softmax(-1)
-    valid = canonical_mask(ids, lps, mask)
-    q = torch.zeros_like(logp).scatter_add_(1, ids.clamp_min(0), torch.where(valid, lps.double().exp(), 0.0))
-    tail = (1 - q.sum(1)).clamp_min(1e-300)
-    scale = 1 + logits.abs().amax(1) + logp.abs().amax(1).clamp_max(1e3) + tail.log().abs()
-    scale = scale + torch.where(valid, lps.double().abs(), 0.0).amax(1)
+    logp, q, scale = row_log_scale(h, w, b, ids, lps, mask)
     return half_gradient_bounds(h, w, logp, q, scale, 1.0, grads, dtype)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loss_cases import assert_elementwise, make_case, rel_close
+from loss_cases import assert_elementwise, make_case, rel_close, row_log_scale
 
 import fastdistill.loss.api as api
 import fastdistill.loss.chunked as chunked
@@ -70,13 +70,7 @@ def _split_bounds(case, h, w, b, ids, lps, mask, ref_grads, chain, extra_rel, ro
     """Element-wise bounds of the gradients: rounded once to bf16 (2⁻⁸·|exact|, when ``rounded``) plus the fp32
     evaluation's error and ``extra_rel`` relative error on every dL/dz entry, carried through |W|, |h| and the row
     sum. Every dL/dz_v is at most (p_v + q_v)·L_n·chain (L_n: 1 + the row's largest |logit|, |log-prob|)."""
-    logits = (h.detach().double() @ w.detach().double().t() + b.detach().double()) * chain
-    logp = logits.log_softmax(-1)
-    valid = canonical_mask(ids, lps, mask)
-    q = torch.zeros_like(logp).scatter_add_(1, ids.clamp_min(0), torch.where(valid, lps.double().exp(), 0.0))
-    tail = (1 - q.sum(1)).clamp_min(1e-300)
-    scale = 1 + logits.abs().amax(1) + logp.abs().amax(1).clamp_max(1e3) + tail.log().abs()
-    scale = scale + torch.where(valid, lps.double().abs(), 0.0).amax(1)
+    logp, q, scale = row_log_scale(h, w, b, ids, lps, mask, chain)
     unit = (16 * EPS32 + 2 * extra_rel) * chain * scale[:, None] * (logp.exp() + q)
     ha, wa = h.detach().double().abs(), w.detach().double().abs()
     u = 2.0**-8 if rounded else 0.0
