@@ -3,12 +3,14 @@ loop needs beyond FSDP2's."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
 import math
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +173,8 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
         with _gloo_interface_towards_master(enabled=not cuda and init_method is None):
             dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
                                     rank=int(os.environ["RANK"]), **timeout)
+        if not cuda:
+            atexit.register(_gloo_exit_grace)
     rank = dist.get_rank() if dist.is_initialized() else 0
     addresses: tuple[str, ...] = ()
     watch = None
@@ -187,6 +191,18 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
         peers.activate(peers.MainRelease(release_store, rank, watch))
     return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses, timeout_s=timeout_s,
                        watch=watch)
+
+
+GLOO_EXIT_GRACE_S = 0.5
+
+
+def _gloo_exit_grace() -> None:
+    """At interpreter exit, before finalisation: release the GIL for a moment. A gloo worker thread frees a finished
+    collective's tensors after the waiting thread has moved on, and that needs the GIL; one still doing so when the
+    interpreter finalises is killed inside C++ and aborts the process ("terminate called without an active
+    exception", seen on a loaded machine right after a run's last scatter). The process group's own threads are
+    joined only when its last reference goes, and FSDP keeps one until the model is freed."""
+    time.sleep(GLOO_EXIT_GRACE_S)
 
 
 def _heartbeat_stores(store: Any, timeout_s: float) -> tuple[Any, Any, str]:
