@@ -11,6 +11,7 @@ torchrun's agent does). Bounds are hang guards far above the configured heartbea
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from fastdistill.errors import LostRankError, WeightSyncError
+from fastdistill.supervise import death_signal_setter
 from fastdistill.sync import peers
 from fastdistill.sync.naming import GatherClock
 
@@ -255,7 +257,8 @@ def start_ranks(tmp_path: Path, scenario: str, world_size: int, ddp_timeout: flo
                PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     return [subprocess.Popen([sys.executable, str(path), scenario, str(ddp_timeout), str(heartbeat)],
                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True) for rank in range(world_size)]
+                             stderr=subprocess.STDOUT, text=True, preexec_fn=death_signal_setter(signal.SIGKILL))
+            for rank in range(world_size)]  # a stopped rank too dies with a killed test
 
 
 def finish(ranks: list[subprocess.Popen], stopped: list[subprocess.Popen] = ()) -> list[str]:
@@ -417,7 +420,7 @@ def run_trainer_ranks(tmp_path: Path, student_dir: Path, *, fail: bool, ddp_time
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'tests'}"
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), str(spec_path)], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env=env)
+                          env=env, preexec_fn=death_signal_setter(signal.SIGTERM))  # torchrun ends its ranks
 
 
 @pytest.mark.slow

@@ -174,6 +174,7 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
             dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, world_size=world_size,
                                     rank=int(os.environ["RANK"]), **timeout)
         if not cuda:
+            atexit.unregister(_gloo_exit_grace)  # once per process, however many groups it makes in turn
             atexit.register(_gloo_exit_grace)
     rank = dist.get_rank() if dist.is_initialized() else 0
     addresses: tuple[str, ...] = ()
