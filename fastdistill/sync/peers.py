@@ -35,7 +35,7 @@ _PREFIX = "fastdistill/peers/"
 _DONE = b"done"
 _FAILED = b"failed:"
 _MAX_INTERVAL_S = 2.0  # the longest time between two heartbeats (a stall's age is known to within two of them)
-_MAX_POLL_S = 0.05  # await_main's longest sleep between two reads of the release counter
+_MAX_POLL_S = 0.005  # await_main's longest sleep between two reads of the release counter: the latency it adds per step
 _STATUS_EVERY_S = 0.5  # how often a parked rank reads rank 0's status (a failure of rank 0 releases it)
 
 
