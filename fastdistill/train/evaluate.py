@@ -293,7 +293,7 @@ class RunEvaluator:
                  vocab_size: int, bf16: bool):
         self.config, self.dist, self.rows, self.tokenizer = config, dist, rows, tokenizer
         self.vocab_size = vocab_size
-        self.bf16 = bf16 and dist.world_size == 1
+        self.bf16 = bf16 and not dist.sharded
         self.enabled = dist.broadcast(bool(rows))
         self.too_long = 0  # rows left out for not fitting a server (skip_long_prompts)
         self.last_step: int | None = None
@@ -398,12 +398,9 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
     metrics of :func:`eval_record`, ``served_logprob_gap`` (max |served − local| log-prob on two prompts: a large
     value means the server does not serve ``model_dir``, and a warning is logged), and with ``show_completions`` one
     entry per row (dataset index, teacher, decoded completion, answer)."""
-    import logging
-
     from fastdistill.sync import served_logprob_gap
     from fastdistill.train.model import DistillationModel, load_model, load_tokenizer
 
-    logger = logging.getLogger(__name__)
     if model_dir is not None:
         import dataclasses
 
