@@ -27,8 +27,10 @@ passes. The exit status is 1 when a correctness check or a guard fails.
     python benchmarks/bench_train_step.py --tiny               # the CPU rehearsal: a tiny Qwen2, same code path
     python benchmarks/bench_train_step.py --predict            # the predicted cost split on an H200 (no GPU needed)
 
-At world size 1 the trainer runs as one process (autocast bf16, no process group, no FSDP2: ``prepare_student``
-shards with several ranks only).
+The trainer runs as it does on several GPUs: one rank in a process group this script creates (NCCL on a GPU, gloo in
+the CPU rehearsal), the student FSDP2-sharded over it (bf16 parameters in compute, fp32 reductions), and the floor's
+model sharded the same way. ``--no-group`` runs one plain process instead (autocast bf16, no FSDP2). Every
+configuration and the floor start from the same random weights (a model built anew for each).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from train_step_parts import (  # noqa: E402
     WORKLOADS,
     PhaseTimer,
     build_model,
+    CrossEntropyModel,
     cross_entropy_step,
     loss_input_dtypes,
     packed_attention_check,
@@ -115,9 +118,8 @@ def run_trainer(model: Any, tokenizer: Any, config: Any, device: torch.device, c
     if len(records) != len(phases):
         raise RuntimeError(f"{len(records)} logged steps but {len(phases)} timed ones (logging_steps must be 1)")
     result = {"records": records, "phases": phases, "peak_gib": peak, "flops_model": trainer.mfu.flops_model,
-              "rows": rows[-capture_rows:] if capture_rows else [], "optimizer": trainer.optimizer,
-              "autocast": trainer.train_step.autocast, "max_grad_norm": config.max_grad_norm,
-              "wrapped": trainer.model}
+              "rows": rows[-capture_rows:] if capture_rows else [], "autocast": trainer.train_step.autocast,
+              "bf16": trainer.train_step.bf16}
     del trainer
     return result
 
@@ -148,18 +150,29 @@ def summarise(run: dict, first: int, rates: dict[str, float | None]) -> dict[str
     return out
 
 
-def floor_run(run: dict, device: torch.device, model: Any, steps: int) -> dict[str, Any]:
-    """The cross-entropy floor on the packed rows ``run`` captured (one row per step), same model and optimizer."""
-    from fastdistill.logit_head import causal_lm_parts
+def floor_run(rows: list[Any], config: Any, device: torch.device, shape: str, attention: str, steps: int, *,
+              autocast: bool, bf16: bool) -> dict[str, Any]:
+    """The cross-entropy floor on the packed ``rows`` a distillation run captured (one row per step): a model built
+    like the trainer's (sharded the same way when a process group exists), an AdamW set up like the trainer's."""
+    import torch.distributed as dist
 
+    from fastdistill.logit_head import causal_lm_parts
+    from fastdistill.train.model import shard_student
+
+    hf_model = build_model(shape, device, attention)
+    model = CrossEntropyModel(hf_model)
+    if dist.is_initialized():
+        shard_student(model, hf_model, bf16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(config.adam_beta1,
+                                  config.adam_beta2), eps=config.adam_epsilon, weight_decay=config.weight_decay)
     timer = PhaseTimer(device)
-    backbone, _ = causal_lm_parts(model)
-    timer.attach(None, backbone, model.get_input_embeddings(), run["optimizer"])
+    backbone, _ = causal_lm_parts(hf_model)
+    timer.attach(model, backbone, hf_model.get_input_embeddings(), optimizer)
     walls = []
     try:
-        for index, row in enumerate(run["rows"][:steps + 1]):
-            wall, _ = cross_entropy_step(model, run["optimizer"], [row], timer, autocast=run["autocast"],
-                                         max_grad_norm=run["max_grad_norm"], device=device)
+        for index, row in enumerate(rows[:steps + 1]):
+            wall, _ = cross_entropy_step(model, optimizer, [row], autocast=autocast,
+                                         max_grad_norm=config.max_grad_norm, device=device)
             if index:  # the first is a warm-up
                 walls.append(wall)
     finally:
@@ -168,6 +181,7 @@ def floor_run(run: dict, device: torch.device, model: Any, steps: int) -> dict[s
     split = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
     step_s = statistics.median(walls)
     split["rest"] = statistics.median(wall - sum(p.values()) for wall, p in zip(walls, phases, strict=True))
+    del model, hf_model, optimizer
     return {"steps_measured": len(walls), "step_s": step_s, "split_s": split,
             "compute_s": sum(v for k, v in split.items() if k != "rest")}
 
@@ -189,7 +203,6 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
 
     workload = WORKLOADS["tiny" if args.tiny else "gpu"]
     attention = default_attention(device)
-    model = build_model(shape, device, attention)
     tokenizer = build_tokenizer()
     vocab = SHAPES[shape]["vocab_size"]
     mean_length = (sum(workload.prompt) + sum(workload.completion)) / 2
@@ -207,7 +220,9 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
                 continue
             steps = args.loss_steps if first else WARMUP_STEPS + MEASURED_STEPS
             config = trainer_config(shape, caches[k], work / f"out-{shape}-{k}-{backend}", backend, steps, workload)
+            model = build_model(shape, device, attention)  # the same weights for every run; FSDP2 shards in place
             run = run_trainer(model, tokenizer, config, device, capture_rows=MEASURED_STEPS + 1 if first else 0)
+            del model
             summary = summarise(run, max(WARMUP_STEPS, steps - MEASURED_STEPS), rates)
             out["runs"][key] = {"status": "ok", **summary}
             if first:
@@ -216,16 +231,22 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
                 out["checks"]["loss_decreases"] = {"status": "ok" if tail < losses[0] else "failed",
                                                    "steps": len(losses), "first": losses[0], "last3_mean": tail,
                                                    "losses": losses}
-                floor = floor_run(run, device, model, MEASURED_STEPS)
+                rows, autocast, bf16 = run["rows"], run["autocast"], run["bf16"]
+                del run
+                gc.collect()
+                floor = floor_run(rows, config, device, shape, attention, MEASURED_STEPS, autocast=autocast, bf16=bf16)
                 out["floor"] = {"status": "ok", **floor, "of": key}
                 first = False
-            del run
+            run = None
             gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     for value in out["runs"].values():
         if value.get("status") == "ok" and "floor" in out:
             value["vs_floor_step"] = value["step_s"] / out["floor"]["step_s"]
             value["vs_floor_compute"] = value["compute_s"] / out["floor"]["compute_s"]
             value["floor_aim_met"] = value["vs_floor_step"] <= FLOOR_AIM
+    model = build_model(shape, device, attention)  # unsharded: the checks below read plain tensors
     trained = next((r["trained_tokens_per_step"] for r in out["runs"].values() if r.get("status") == "ok"), None)
     if trained:
         out["loss_inputs"] = loss_input_dtypes(model.get_output_embeddings().weight, int(trained), args.top_ks[0],
@@ -342,6 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline", type=Path, default=BASELINE, help="the recorded GPU runs the guards compare with")
     p.add_argument("--record", action="store_true", help="record this GPU run as its device's baseline")
     p.add_argument("--predict", action="store_true", help="print the predicted cost split on an H200 and exit")
+    p.add_argument("--no-group", action="store_true", help="one plain process (autocast, no FSDP2) instead of one "
+                   "rank in a process group with the student FSDP2-sharded")
     args = p.parse_args(argv)
     if args.loss_steps < WARMUP_STEPS + MEASURED_STEPS + 1:
         p.error(f"--loss-steps must be at least {WARMUP_STEPS + MEASURED_STEPS + 1}")
@@ -366,9 +389,19 @@ def main(argv: list[str] | None = None) -> int:
     rates = {"measured": matmul_rate(device), "datasheet": peak_flops(device, torch.bfloat16)}
     result: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "tiny": args.tiny,
                               "machine": machine(device, rates), "shapes": []}
+    result["machine"]["process_group"] = None if args.no_group else ("nccl" if device.type == "cuda" else "gloo")
     with tempfile.TemporaryDirectory(prefix="bench_train_step_") as folder:
-        for shape in args.shapes:
-            result["shapes"].append(run_shape(shape, args, device, Path(folder), started + args.budget_s, rates))
+        if not args.no_group:
+            import torch.distributed as dist
+
+            dist.init_process_group(result["machine"]["process_group"], init_method=f"file://{folder}/rendezvous",
+                                    rank=0, world_size=1)
+        try:
+            for shape in args.shapes:
+                result["shapes"].append(run_shape(shape, args, device, Path(folder), started + args.budget_s, rates))
+        finally:
+            if not args.no_group:
+                dist.destroy_process_group()
     checks = [c for s in result["shapes"] for c in s["checks"].values()]
     result["correct"] = all(c["status"] in ("ok", "skipped") for c in checks)
     result["guard"] = guard(result, args.baseline)

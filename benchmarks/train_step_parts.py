@@ -215,31 +215,44 @@ class PhaseTimer:
 
 
 # ------------------------------------------------------------------------------------------------ the floor
-def cross_entropy_step(model: nn.Module, optimizer: Any, rows: list[Any], timer: PhaseTimer, *, autocast: bool,
+class CrossEntropyModel(nn.Module):
+    """A plain causal-LM cross-entropy on a packed row: the forward the floor step runs, the root module FSDP2 shards
+    like the trainer's (its decoder layers on their own, this module for the rest)."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf_model = hf_model
+
+    def forward(self, row: Any, tokens: int) -> torch.Tensor:
+        """The summed cross-entropy of ``row``'s trained positions against its realised tokens, over ``tokens``."""
+        from fastdistill.logit_head import causal_lm_parts
+
+        backbone, head = causal_lm_parts(self.hf_model)
+        hidden = backbone(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False)
+        hidden = hidden.last_hidden_state[0].index_select(0, row.target_positions)
+        logits = nn.functional.linear(hidden, head.weight, head.bias)
+        return nn.functional.cross_entropy(logits.float(), row.actual_ids, reduction="sum") / tokens
+
+
+def cross_entropy_step(model: CrossEntropyModel, optimizer: Any, rows: list[Any], *, autocast: bool,
                        max_grad_norm: float, device: torch.device) -> tuple[float, float]:
     """One plain causal-LM cross-entropy step on the packed ``rows`` (each row's trained positions against its
-    realised tokens, a token mean over the step), the trainer's optimizer and clipping: the floor a distillation
-    step is measured against. Returns (wall seconds, loss)."""
-    from fastdistill.logit_head import causal_lm_parts
-
-    backbone, head = causal_lm_parts(model)
+    realised tokens, a token mean over the step), with the trainer's optimizer settings and clipping: the floor a
+    distillation step is measured against. Returns (wall seconds, loss)."""
     tokens = sum(int(row.target_positions.numel()) for row in rows)
     if device.type == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
     total = 0.0
     for row in rows:
-        timer.mark("start")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            hidden = backbone(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False)
-            hidden = hidden.last_hidden_state[0].index_select(0, row.target_positions)
-            logits = nn.functional.linear(hidden, head.weight, head.bias)
-        loss = nn.functional.cross_entropy(logits.float(), row.actual_ids, reduction="sum") / tokens
-        timer.mark("loss")
+            loss = model(row, tokens)
         loss.backward()
         total += float(loss.detach())
     if max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        if hasattr(norm, "full_tensor"):
+            norm.full_tensor()  # a sharded norm is reduced lazily: the trainer reads it, so the floor does too
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":

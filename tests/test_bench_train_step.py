@@ -1,5 +1,6 @@
 """benchmarks/bench_train_step.py on the CPU with tiny shapes: its teacher cache, its floor, its packed-attention
-check, its guards, the trainer's attention-pair count it reads, and the whole run end to end (gloo-free: one process).
+check, its guards, the trainer's attention-pair count it reads, and the whole run end to end (one rank in a gloo
+group, the student FSDP2-sharded, as the GPU check runs it over NCCL).
 No timing is asserted: times are measured, never checked here."""
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def test_the_floor_is_plain_cross_entropy_on_the_trained_positions(parts, tokeni
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
     timer = parts.PhaseTimer(torch.device("cpu"))
-    timer.attach(None, model.model, model.get_input_embeddings(), optimizer)
-    _, loss = parts.cross_entropy_step(model, optimizer, [row], timer, autocast=False, max_grad_norm=1.0,
+    floor = parts.CrossEntropyModel(model)
+    timer.attach(floor, model.model, model.get_input_embeddings(), optimizer)
+    _, loss = parts.cross_entropy_step(floor, optimizer, [row], autocast=False, max_grad_norm=1.0,
                                        device=torch.device("cpu"))
     timer.detach()
     assert loss == pytest.approx(sum(terms) / len(terms), rel=1e-5)  # float32 against float64
@@ -100,6 +102,41 @@ def test_the_floor_is_plain_cross_entropy_on_the_trained_positions(parts, tokeni
     (step,) = timer.steps
     assert {name: len(marks) for name, marks in step.items()} == {
         "start": 1, "backbone": 1, "loss": 1, "dh": 1, "embed": 1, "opt0": 1, "opt1": 1}
+
+
+def test_the_floor_sharded_over_one_rank_steps_like_the_plain_floor(parts, tokenizer, tmp_path):
+    """The floor's model FSDP2-sharded over a gloo group of one rank (as the trainer's is in the check) gives the
+    plain model's loss and weights after two steps, to float32 rounding (the same arithmetic, one rank)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from fastdistill.cache import TeacherCache
+    from fastdistill.data.packing import pack_row
+    from fastdistill.train.model import shard_student
+
+    folder = parts.write_teacher_cache(tmp_path / "cache", tokenizer, 1024, 8, rows=4, workload=parts.WORKLOADS["tiny"])
+    rows = [pack_row(pair, ["default"], vocab_size=1024) for pair in np.array_split(list(TeacherCache(folder)), 2)]
+
+    def two_steps(shard: bool) -> tuple[list[float], list[torch.Tensor]]:
+        hf_model = parts.build_model("tiny", torch.device("cpu"), "sdpa")
+        model = parts.CrossEntropyModel(hf_model)
+        if shard:
+            shard_student(model, hf_model, bf16=False)
+            assert all(isinstance(p, DTensor) for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = [parts.cross_entropy_step(model, optimizer, [row], autocast=False, max_grad_norm=1.0,
+                                           device=torch.device("cpu"))[1] for row in rows]
+        return losses, [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+
+    plain_losses, plain_weights = two_steps(shard=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded_losses, sharded_weights = two_steps(shard=True)
+    finally:
+        dist.destroy_process_group()
+    assert sharded_losses == pytest.approx(plain_losses, rel=1e-5)
+    for got, expected in zip(sharded_weights, plain_weights, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_the_packed_attention_check_catches_samples_that_see_each_other(parts):
@@ -165,6 +202,7 @@ def test_the_tiny_run_end_to_end(bench, tmp_path):
                      str(out), "--baseline", str(tmp_path / "none.json")])
     result = json.loads(out.read_text())
     assert rc == 0 and result["correct"] and result["guard"]["ok"], result["table"]
+    assert result["machine"]["process_group"] == "gloo"  # one rank, the student FSDP2-sharded: the GPU check's path
     (shape,) = result["shapes"]
     assert shape["attention"] == "sdpa" and set(shape["runs"]) == {"K=8 auto", "K=8 torch"}
     for run in shape["runs"].values():

@@ -34,15 +34,18 @@ SINGLE_PROCESS_OPTIONS = {
 }
 
 
-def check_world_size(config: Any, world_size: int) -> None:
+def check_world_size(config: Any, world_size: int, sharded: bool = False) -> None:
     """Raise :class:`ConfigError` at start-up when ``config`` turns on an option of :data:`SINGLE_PROCESS_OPTIONS`
-    and ``world_size`` trainer processes run (rather than after the first weight sync)."""
-    if world_size == 1:
+    and ``world_size`` trainer processes run, or the one process's student is ``sharded`` with FSDP2 over a process
+    group (rather than after the first weight sync)."""
+    if world_size == 1 and not sharded:
         return
+    running = (f"{world_size} run" if world_size > 1 else
+               "its student is FSDP2-sharded over a process group of one rank")
     for name, why in SINGLE_PROCESS_OPTIONS.items():
         if getattr(config, name, False):
-            raise ConfigError(f"{name}=True needs a single trainer process, but {world_size} run ({why}): set "
-                              f"{name}=False or run one process")
+            raise ConfigError(f"{name}=True needs a single trainer process, but {running} ({why}): set "
+                              f"{name}=False or run one process without a process group")
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Distributed:
     addresses: tuple[str, ...] = ()  # per rank, its address towards MASTER_ADDR (what gloo's errors name)
     timeout_s: float | None = None  # the collectives' timeout (ddp_timeout); None: torch's default
     watch: peers.PeerWatch | None = None  # the heartbeat of the ranks (rank_heartbeat_timeout_s > 0)
+    sharded: bool = False  # a process group exists: the student is FSDP2-sharded over it (also with one rank)
 
     @property
     def is_main(self) -> bool:
@@ -154,14 +158,15 @@ def _gloo_interface_towards_master(*, enabled: bool) -> Iterator[None]:
 def init_distributed(init_method: str | None = None, *, timeout_s: float | None = None,
                      heartbeat_timeout_s: float = 0.0) -> Distributed:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``; gloo on CPU, NCCL on
-    GPU), or run as one process. ``init_method`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT``) is where the
+    GPU), or run as one process: unsharded, or sharded with FSDP2 over a group of one rank its caller created (the
+    multi-GPU code path on one device). ``init_method`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT``) is where the
     ranks meet; ``timeout_s`` (the config's ``ddp_timeout``) bounds every collective of the group (None: torch's
     default). A group that already exists is used as it is, and left to its creator to destroy.
 
     With several ranks and ``heartbeat_timeout_s > 0`` every rank starts a :class:`~fastdistill.sync.peers.
     PeerWatch` (a rank silent that long ends the others, naming it) and the rank-0-only waits park the other ranks in
     the store (:func:`~fastdistill.sync.peers.await_main`)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -191,7 +196,7 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
                                     store_host=host).start()
         peers.activate(peers.MainRelease(release_store, rank, watch))
     return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses, timeout_s=timeout_s,
-                       watch=watch)
+                       watch=watch, sharded=dist.is_initialized())
 
 
 GLOO_EXIT_GRACE_S = 0.5

@@ -400,10 +400,11 @@ def check_master_weights(model: nn.Module, config: AsyncDistillationConfig) -> t
     return next(d for d in dtypes if d in LOW_PRECISION)
 
 
-def prepare_student(hf_model: nn.Module, config: AsyncDistillationConfig, device: torch.device, world_size: int,
+def prepare_student(hf_model: nn.Module, config: AsyncDistillationConfig, device: torch.device, shard: bool,
                     bf16: bool) -> tuple[DistillationModel, nn.Module]:
-    """LoRA adapters (``lora_r > 0``), gradient checkpointing, train mode and, with several ranks, FSDP2
-    ``fully_shard`` per decoder layer and on the root (bf16 parameters in compute, fp32 reductions when ``bf16``).
+    """LoRA adapters (``lora_r > 0``), gradient checkpointing, train mode and, with ``shard`` (a process group
+    exists), FSDP2 ``fully_shard`` per decoder layer and on the root (bf16 parameters in compute, fp32 reductions
+    when ``bf16``).
     Returns the wrapped model and the (possibly peft-wrapped) Hugging Face model."""
     hf_model.config.use_cache = False
     if config.lora_r > 0:
@@ -420,12 +421,19 @@ def prepare_student(hf_model: nn.Module, config: AsyncDistillationConfig, device
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_model.train()
     wrapped = DistillationModel(hf_model, config).to(device)
-    if world_size > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-                  else MixedPrecisionPolicy())
-        for layer in decoder_layers(hf_model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(wrapped, mp_policy=policy)
+    if shard:
+        shard_student(wrapped, hf_model, bf16)
     return wrapped, hf_model
+
+
+def shard_student(root: nn.Module, hf_model: nn.Module, bf16: bool) -> None:
+    """FSDP2 ``fully_shard`` over the default process group: each decoder layer of ``hf_model`` on its own, then
+    ``root`` (the module whose forward runs the step, holding ``hf_model``) for the rest (embeddings, final norm,
+    lm_head). With ``bf16``: bf16 parameters in compute, fp32 gradient reductions."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
+    for layer in decoder_layers(hf_model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(root, mp_policy=policy)

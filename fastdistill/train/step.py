@@ -105,7 +105,8 @@ class TrainStep:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.config, self.dist, self.teacher_ids = config, dist, teacher_ids
         self.vocab_size = vocab_size
-        self.autocast = bf16 and dist.world_size == 1
+        self.bf16 = bf16  # compute in bf16 (float32 master weights)
+        self.autocast = bf16 and not dist.sharded  # sharded: FSDP2 casts to bf16 itself
         self.clock = clock
         self._warned_out_of_vocab: set[str] = set()
 

@@ -99,7 +99,7 @@ class AsyncDistillationTrainer:
     ):
         self.config = config
         self.dist = init_distributed(timeout_s=config.ddp_timeout, heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
-        check_world_size(config, self.dist.world_size)  # options that need one process, refused before any work
+        check_world_size(config, self.dist.world_size, self.dist.sharded)  # options that need one process, refused before any work
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
         self.teacher_ids = config.teacher_ids
@@ -109,7 +109,7 @@ class AsyncDistillationTrainer:
         # teacher candidates at or beyond the student's lm_head rows are folded into the teacher's tail
         self.student_vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.master_weights_warning = check_master_weights(hf_model, config)
-        self.model, self.hf_model = prepare_student(hf_model, config, self.dist.device, self.dist.world_size,
+        self.model, self.hf_model = prepare_student(hf_model, config, self.dist.device, self.dist.sharded,
                                                     self._use_bf16())
         # cross-tokenizer teachers: each one's vocabulary map against the student's lm_head rows, loaded once
         self.model.cross_teachers = load_cross_teachers(config, self.tokenizer, vocab_size=self.student_vocab_size,
@@ -332,7 +332,7 @@ class AsyncDistillationTrainer:
                 self.evaluator.check_rows(served)
         self.model.teacher_heads = pipeline.load_teacher_heads(
             config, self.dist, served, widths, vocab_size=self.student_vocab_size,
-            dtype=torch.bfloat16 if self._use_bf16() and self.dist.world_size > 1 else
+            dtype=torch.bfloat16 if self._use_bf16() and self.dist.sharded else
             self.hf_model.get_output_embeddings().weight.dtype)  # bf16 weights under FSDP; one process autocasts
         if self.weight_sync is None and not self._offline:
             from fastdistill.sync import weight_sync_from_config
