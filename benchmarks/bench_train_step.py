@@ -56,9 +56,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step_parts import (  # noqa: E402
     SHAPES,
     WORKLOADS,
+    CrossEntropyModel,
     PhaseTimer,
     build_model,
-    CrossEntropyModel,
     cross_entropy_step,
     loss_input_dtypes,
     packed_attention_check,

@@ -159,9 +159,9 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
                      heartbeat_timeout_s: float = 0.0) -> Distributed:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``; gloo on CPU, NCCL on
     GPU), or run as one process: unsharded, or sharded with FSDP2 over a group of one rank its caller created (the
-    multi-GPU code path on one device). ``init_method`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT``) is where the
-    ranks meet; ``timeout_s`` (the config's ``ddp_timeout``) bounds every collective of the group (None: torch's
-    default). A group that already exists is used as it is, and left to its creator to destroy.
+    multi-GPU code path on one device). ``init_method`` (default: torchrun's ``MASTER_ADDR``/``MASTER_PORT``) is
+    where the ranks meet; ``timeout_s`` (the config's ``ddp_timeout``) bounds every collective of the group (None:
+    torch's default). A group that already exists is used as it is, and left to its creator to destroy.
 
     With several ranks and ``heartbeat_timeout_s > 0`` every rank starts a :class:`~fastdistill.sync.peers.
     PeerWatch` (a rank silent that long ends the others, naming it) and the rank-0-only waits park the other ranks in

@@ -99,7 +99,8 @@ class AsyncDistillationTrainer:
     ):
         self.config = config
         self.dist = init_distributed(timeout_s=config.ddp_timeout, heartbeat_timeout_s=config.rank_heartbeat_timeout_s)
-        check_world_size(config, self.dist.world_size, self.dist.sharded)  # options that need one process, refused before any work
+        # options that need one unsharded process, refused before any work
+        check_world_size(config, self.dist.world_size, self.dist.sharded)
         _seed_everything(config.seed)
         self.output_dir = Path(config.output_dir)
         self.teacher_ids = config.teacher_ids
