@@ -73,7 +73,7 @@ DEFAULT_PLOT = HERE / "plots" / "bench_estimators_reverse_kl.png"
 
 def wire_topk(teacher_lps: torch.Tensor, token: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's top-``k`` plus the realised token when outside it (-1 / -inf otherwise): the K+1 layout of
-    ``fastdistill.testing.synthetic.score_completion`` and the rollout worker."""
+    ``fastdistill_testing.synthetic.score_completion`` and the rollout worker."""
     top_lps, top_ids = teacher_lps.topk(k, dim=-1)
     in_top = (top_ids == token[:, None]).any(dim=-1)
     extra_ids = torch.where(in_top, -1, token)

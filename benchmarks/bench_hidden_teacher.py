@@ -56,6 +56,8 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
+# fastdistill_testing (the test harness: at the repository root, not installed with the wheel)
+sys.path.insert(0, str(HERE.parent))
 DEFAULT_JSON = HERE / "results" / "bench_hidden_teacher.json"
 TASKS = ("zipf", "demo")
 
@@ -287,7 +289,7 @@ def make_samples(teacher: torch.nn.Module, prompts: list[list[int]], completions
     from fastdistill.rollout.client import Generation, TeacherScores
     from fastdistill.rollout.hidden import TeacherHiddenStates
     from fastdistill.rollout.sample import RolloutSample
-    from fastdistill.testing.synthetic import score_completion
+    from fastdistill_testing.synthetic import score_completion
 
     samples = []
     for index, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):

@@ -39,9 +39,12 @@ from fastdistill.sync import (
 )
 from fastdistill.sync.adapter import AdapterWeightSync
 from fastdistill.sync.lora import merged_weights
-from fastdistill.testing.vllm_server import start_together
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.lora import apply_lora
+
+# fastdistill_testing (the test harness: at the repository root, not installed with the wheel)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fastdistill_testing.vllm_server import start_together  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_lora_sync.json"
 PROBES = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 40))]

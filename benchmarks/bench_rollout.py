@@ -1,7 +1,7 @@
 """Rollout throughput: the worker against real vLLM servers, and its own overhead against an instant stub server.
 
 Part 1 (``vllm``): builds a tiny student and a tiny teacher (``fastdistill.tiny``, same tokenizer), starts a real
-vLLM server for each (``fastdistill.testing.VLLMServer``; vLLM from ``$FASTDISTILL_VLLM_PYTHON``), and runs the
+vLLM server for each (``fastdistill.serve.VLLMServer``; vLLM from ``$FASTDISTILL_VLLM_PYTHON``), and runs the
 :class:`RolloutWorker` with 1, 8 and 32 rollouts in flight: samples/s and scored tokens/s (completion tokens that
 came back with teacher candidates) over ``--samples`` samples after a warm-up.
 
@@ -34,6 +34,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+
+# fastdistill_testing (the test harness: at the repository root, not installed with the wheel)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutSample, RolloutWorker, parse_prompt_logprobs
 
@@ -131,7 +134,7 @@ def time_per_call_us(function, repeats: int) -> float:
 
 def bench_stub(samples: int, max_tokens: int, top_k: int, inflight: int) -> dict:
     """The worker's own cost per sample against an instant stub server (see the module docstring)."""
-    from fastdistill.testing.vllm_server import free_port
+    from fastdistill.serve import free_port
 
     student_body, teacher_body = stub_bodies(max_tokens, top_k)
 
@@ -242,7 +245,7 @@ def build_checkpoints(folder: Path) -> tuple[Path, Path, list[list[int]]]:
 def bench_vllm(inflights: list[int], samples: int, max_tokens: int, top_k: int) -> dict:
     """Samples/s and scored tokens/s through the worker against real tiny vLLM servers, per in-flight cap."""
     from fastdistill.serve import VLLMServer, vllm_python
-    from fastdistill.testing.vllm_server import start_together
+    from fastdistill_testing.vllm_server import start_together
 
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         student_dir, teacher_dir, prompts = build_checkpoints(Path(tmp))

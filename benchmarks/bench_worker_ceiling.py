@@ -311,7 +311,7 @@ def bench_workers(processes: list[int], top_k: int, completion_length: int, prom
 
     from fastdistill.data.batching import FixedCountBatcher
     from fastdistill.rollout import RolloutConfig, RolloutWorker
-    from fastdistill.testing.vllm_server import free_port
+    from fastdistill.serve import free_port
     from fastdistill.train.checkpoint import RolloutState
     from fastdistill.train.collector import WindowCollector
     from fastdistill.train.source import WorkerSource

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import yaml
 
-from fastdistill.testing.runs import count_prompts, save_tiny_pair, write_jsonl
-from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
+# fastdistill_testing (the test harness: at the repository root, not installed with the wheel)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fastdistill_testing.runs import count_prompts, save_tiny_pair, write_jsonl  # noqa: E402
+from fastdistill_testing.vllm_server import require_vllm, student_and_teacher  # noqa: E402
 
 SHOWN = ("pg/", "reverse_kl", "sync/served_logprob_gap", "model_version")
 

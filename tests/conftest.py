@@ -59,6 +59,14 @@ TEST_HOME = _hermetic_environment()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+# The test harness, fastdistill_testing, lives at the repository root and is not installed (the wheel leaves it out):
+# pytest's ``pythonpath`` (pyproject.toml) puts the root on this process's path, and PYTHONPATH on the path of
+# everything it starts (scripts, torchrun ranks, namespaced hosts). Appended: a path set first (the Makefile's triton
+# 3.6 lane) keeps its precedence.
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if REPO_ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), REPO_ROOT)))
+
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -182,11 +190,11 @@ def pytest_runtest_teardown(item, nextitem):
 @pytest.fixture(scope="session")
 def tiny_servers(request, tmp_path_factory):
     """One tiny student/teacher pair of real vLLM servers for the whole session
-    (:class:`fastdistill.testing.vllm_server.TinyServers`: a student with gloo weight transfer and ``--max-logprobs
+    (:class:`fastdistill_testing.vllm_server.TinyServers`: a student with gloo weight transfer and ``--max-logprobs
     V``, a peaked teacher prefilling in 32-token chunks), started the first time a test asks for it and stopped after
     the last test that uses it: every server start costs tens of seconds on 2 cores. A test that needs the student
     to serve known weights pushes them (``serve_student_weights``); a trainer's cold sync pushes its own."""
-    from fastdistill.testing import vllm_server
+    from fastdistill_testing import vllm_server
 
     vllm_server.require_vllm()
     with contextlib.ExitStack() as stack:

@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from fastdistill.testing.synthetic import synthetic_samples
 from fastdistill.tiny import build_model, build_tokenizer, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.trainer import AsyncDistillationTrainer
+from fastdistill_testing.synthetic import synthetic_samples
 
 
 def teacher_and_samples(num_samples: int, seed: int, teacher_ids: list[str]):

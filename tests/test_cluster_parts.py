@@ -17,8 +17,9 @@ import pytest
 
 from fastdistill.sync.network import interface_towards, interface_with_address
 from fastdistill.sync.transport import create_store
-from fastdistill.testing import cluster as cluster_module
-from fastdistill.testing.cluster import (
+from fastdistill.train import distributed
+from fastdistill_testing import cluster as cluster_module
+from fastdistill_testing.cluster import (
     PREFIX,
     Listener,
     NetnsCluster,
@@ -28,8 +29,7 @@ from fastdistill.testing.cluster import (
     require_netns,
     wait_for,
 )
-from fastdistill.testing.stubs import interface_ipv4_addresses
-from fastdistill.train import distributed
+from fastdistill_testing.stubs import interface_ipv4_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -249,7 +249,7 @@ def _gather_addresses(rank: int, init_method: str, results) -> None:
 
 
 def test_init_distributed_gathers_every_rank_s_address():
-    from fastdistill.testing.spawned import file_rendezvous, run_ranks
+    from fastdistill_testing.spawned import file_rendezvous, run_ranks
 
     outcomes = run_ranks(_gather_addresses, (file_rendezvous(),))
     assert [o["addresses"] for o in outcomes] == [("127.0.0.1", "127.0.0.1")] * 2  # no MASTER_ADDR: loopback

@@ -49,8 +49,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fastdistill.testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill_testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 
 FACTORS: dict[str, tuple[Any, ...]] = {
     "async_mode": ("async", "sync"),
@@ -314,8 +314,8 @@ def endpoints(tmp_path_factory):
     (NUM_ROWS prompts, row LONG_ROW too long) and a teacher cache of NUM_ROWS conversations scored by the top-K
     teacher with ``fastdistill score``."""
     from fastdistill.serve import VLLMServer
-    from fastdistill.testing.vllm_server import require_vllm, running
     from fastdistill.tiny import build_tokenizer
+    from fastdistill_testing.vllm_server import require_vllm, running
 
     require_vllm()
     root = tmp_path_factory.mktemp("composition")

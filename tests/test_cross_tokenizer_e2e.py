@@ -26,8 +26,8 @@ import yaml
 from fastdistill.errors import ConfigError
 from fastdistill.testing.cross_tokenizer import teacher_tokenizer
 from fastdistill.testing.cross_tokenizer_models import ascii_student_tokenizer, save_tiny_model
-from fastdistill.testing.runs import count_prompts, train_through_cli, write_jsonl
-from fastdistill.testing.vllm_server import VLLMServer, require_vllm, running
+from fastdistill_testing.runs import count_prompts, train_through_cli, write_jsonl
+from fastdistill_testing.vllm_server import VLLMServer, require_vllm, running
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32

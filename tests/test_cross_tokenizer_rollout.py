@@ -29,7 +29,7 @@ from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
 from fastdistill.testing.cross_tokenizer import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
 from fastdistill.testing.cross_tokenizer_models import save_tiny_model
-from fastdistill.testing.vllm_server import VLLMServer, require_vllm
+from fastdistill_testing.vllm_server import VLLMServer, require_vllm
 
 TOP_K = 5
 TEACHER_ROWS = 384  # the teacher's lm_head has 4 rows more than its tokenizer's 380 ids (a padded head)

@@ -12,13 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from fastdistill.loss.cross_tokenizer import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
+from fastdistill.rollout.alignment import TokenizerBytes
+from fastdistill.rollout.cross_targets import TokenizerPair
+from fastdistill.train.cross_tokenizer import load_cross_teachers
 
 from fastdistill.data.packing import pack_row
 from fastdistill.errors import ConfigError
 from fastdistill.loss import narrow_support, sparse_jsd_loss
-from fastdistill.loss.cross_tokenizer import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
-from fastdistill.rollout.alignment import TokenizerBytes
-from fastdistill.rollout.cross_targets import TokenizerPair
 from fastdistill.testing.cross_tokenizer import (
     TEXTS,
     cross_tokenizer_samples,
@@ -27,12 +28,11 @@ from fastdistill.testing.cross_tokenizer import (
     teacher_tokenizer,
     tiny_teacher_model,
 )
-from fastdistill.testing.synthetic import synthetic_samples
 from fastdistill.tiny import build_model, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig
-from fastdistill.train.cross_tokenizer import load_cross_teachers
 from fastdistill.train.model import DistillationModel
 from fastdistill.train.trainer import AsyncDistillationTrainer
+from fastdistill_testing.synthetic import synthetic_samples
 
 URLS = {"same": "http://127.0.0.1:9", "cross": "http://127.0.0.1:10"}
 TARGET_FIELDS = ("group_index", "group_start", "shared_ids", "shared_logprobs", "unshared_logprobs",

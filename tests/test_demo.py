@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastdistill.testing.vllm_server import require_vllm
+from fastdistill_testing.vllm_server import require_vllm
 
 
 @pytest.mark.vllm

@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from fastdistill.errors import ConfigError
-from fastdistill.testing.spawned import file_rendezvous, run_ranks
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.distributed import check_world_size, init_distributed
+from fastdistill_testing.spawned import file_rendezvous, run_ranks
 
 
 def _rank(rank: int, init_method: str, results) -> None:
@@ -59,7 +59,7 @@ def test_single_process_options_are_refused_at_start_up_with_several_ranks():
 
 
 def test_a_file_rendezvous_folder_is_removed_when_the_process_ends():
-    code = "from fastdistill.testing.spawned import file_rendezvous; print(file_rendezvous())"
+    code = "from fastdistill_testing.spawned import file_rendezvous; print(file_rendezvous())"
     printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     folder = Path(printed.strip().removeprefix("file://")).parent
     exists = folder.exists()

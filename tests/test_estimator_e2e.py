@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastdistill.testing.runs import chat_prompts, count_prompts, train_through_cli, write_jsonl
 from fastdistill.tiny import build_tokenizer
+from fastdistill_testing.runs import chat_prompts, count_prompts, train_through_cli, write_jsonl
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32

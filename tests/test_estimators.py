@@ -613,8 +613,8 @@ def test_a_training_step_logs_the_estimate_of_the_current_student(loss_type, kin
     from trainer_cases import offline_config
     from transformers import AutoModelForCausalLM
 
-    from fastdistill.testing.synthetic import synthetic_samples
     from fastdistill.train.trainer import AsyncDistillationTrainer
+    from fastdistill_testing.synthetic import synthetic_samples
 
     tokenizer, student_dir, teacher, _ = tiny_models
     student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
@@ -646,11 +646,11 @@ def test_a_hidden_state_teacher_gets_its_query_logprobs_from_its_head(loss_type,
 
     from fastdistill.data.packing import pack_row
     from fastdistill.loss import narrow_support
-    from fastdistill.testing.synthetic import synthetic_samples
     from fastdistill.train.config import AsyncDistillationConfig
     from fastdistill.train.model import DistillationModel
     from fastdistill.train.step import TrainStep
     from fastdistill.train.teacher_head import load_teacher_head
+    from fastdistill_testing.synthetic import synthetic_samples
 
     tokenizer, student_dir, teacher, teacher_dir = tiny_models
     student = AutoModelForCausalLM.from_pretrained(student_dir).float()
@@ -694,9 +694,9 @@ def test_a_row_without_queries_is_refused_by_a_query_loss_type(tiny_models):
 
     from fastdistill.data.packing import pack_row
     from fastdistill.loss import narrow_support
-    from fastdistill.testing.synthetic import synthetic_samples
     from fastdistill.train.config import AsyncDistillationConfig
     from fastdistill.train.model import DistillationModel
+    from fastdistill_testing.synthetic import synthetic_samples
 
     tokenizer, student_dir, teacher, _ = tiny_models
     cfg = AsyncDistillationConfig(model_name_or_path=str(student_dir), weight_sync_backend="none",

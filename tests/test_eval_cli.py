@@ -254,7 +254,7 @@ def test_eval_scores_mixed_top_k_and_hidden_teachers(tmp_path, monkeypatch, caps
 
     import fastdistill.sync
     import fastdistill.train.evaluate as evaluate
-    from fastdistill.testing.synthetic import synthetic_samples
+    from fastdistill_testing.synthetic import synthetic_samples
 
     tokenizer = build_tokenizer()
     student_dir = save_pretrained_dir(build_model(tiny_config(len(tokenizer), pad_token_id=0, eos_token_id=2),

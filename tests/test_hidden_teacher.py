@@ -23,10 +23,10 @@ from fastdistill.errors import ConfigError
 from fastdistill.rollout import RetryPolicy, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
 from fastdistill.rollout.hidden import HiddenTeacherClient, decode_hidden
 from fastdistill.serve import HIDDEN_POOLER_CONFIG, VLLMServer
-from fastdistill.testing.stubs import serve_and_call
-from fastdistill.testing.vllm_server import require_vllm, running
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.teacher_head import TeacherHeadError, load_hidden_teacher_head, load_teacher_head
+from fastdistill_testing.stubs import serve_and_call
+from fastdistill_testing.vllm_server import require_vllm, running
 
 SERVER_KEY = "hidden-teacher-key"
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, request_timeout_s=5.0)

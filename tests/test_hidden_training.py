@@ -20,11 +20,11 @@ from fastdistill.rollout.client import Generation
 from fastdistill.rollout.hidden import TeacherHiddenStates
 from fastdistill.rollout.sample import RolloutSample, hidden_array, hidden_tensor
 from fastdistill.rollout.worker import RolloutConfig
-from fastdistill.testing.synthetic import synthetic_samples
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError
 from fastdistill.train.teacher_head import load_teacher_head
 from fastdistill.train.trainer import AsyncDistillationTrainer
+from fastdistill_testing.synthetic import synthetic_samples
 
 TEACHERS = {"topk": "http://127.0.0.1:9", "dense": "http://127.0.0.1:10"}
 SIGNALS = {"dense": "hidden"}  # "topk" keeps the default
@@ -342,7 +342,7 @@ def test_training_against_a_served_hidden_teacher(tmp_path, tokenizer):
     equals the float64 dense reference on the samples that step trained (the served bfloat16 rows); held-out
     evaluation scores with the hidden teacher too."""
     from fastdistill.serve import VLLMServer
-    from fastdistill.testing.vllm_server import require_vllm, running
+    from fastdistill_testing.vllm_server import require_vllm, running
 
     require_vllm()
     special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}

@@ -26,7 +26,7 @@ from fastdistill.rollout import RetryPolicy, StudentClient  # noqa: E402
 from fastdistill.serve import free_port, wait_until_healthy  # noqa: E402
 from fastdistill.sync.http import request as sync_request  # noqa: E402
 from fastdistill.sync.verify import served_logprob_gap  # noqa: E402
-from fastdistill.testing.stubs import interface_ipv4_addresses, serve_and_call, serving  # noqa: E402
+from fastdistill_testing.stubs import interface_ipv4_addresses, serve_and_call, serving  # noqa: E402
 
 PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 MODELS = {"data": [{"id": "student", "max_model_len": 64, "parent": None}]}

@@ -13,8 +13,8 @@ from loss_cases import divergence_term_scale, fp32_divergence_slack
 from transformers import AutoModelForCausalLM
 
 from fastdistill.integrations.trl import fastdistill_loss_in_trl, patch_trl, trl_chunked_jsd_loss, unpatch_trl
-from fastdistill.testing.synthetic import synthetic_samples
 from fastdistill.tiny import build_model, build_tokenizer, tiny_config
+from fastdistill_testing.synthetic import synthetic_samples
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl_module = pytest.importorskip("trl.experimental.async_distillation.async_distillation_trainer")

@@ -287,7 +287,7 @@ def test_compile_workers_die_with_a_killed_parent(tmp_path):
     import signal
 
     from fastdistill.supervise import group_is_empty
-    from fastdistill.testing.cluster import wait_for
+    from fastdistill_testing.cluster import wait_for
 
     pids = tmp_path / "pids"
     pids.mkdir()

@@ -249,7 +249,7 @@ def test_weight_sync_check_compares_the_server_with_the_loss_path(monkeypatch):
 
     import fastdistill.logit_head as logit_head_module
     from fastdistill.sync import served_logprob_gap
-    from fastdistill.testing.stubs import serve_and_call
+    from fastdistill_testing.stubs import serve_and_call
 
     model = _model(_config("granite"))
     with torch.no_grad():

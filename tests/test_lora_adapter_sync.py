@@ -32,12 +32,12 @@ from fastdistill.sync import (  # noqa: E402
 )
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
 from fastdistill.sync.lora import adapter_weights, save_adapter  # noqa: E402
-from fastdistill.testing.spawned import file_rendezvous, run_ranks  # noqa: E402
-from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import require_vllm, running  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
 from fastdistill.train.lora import apply_lora  # noqa: E402
+from fastdistill_testing.spawned import file_rendezvous, run_ranks  # noqa: E402
+from fastdistill_testing.stubs import serve_and_call  # noqa: E402
+from fastdistill_testing.vllm_server import require_vllm, running  # noqa: E402
 
 TOLERANCE = 1e-4  # fp32 CPU kernels against the trainer's fp32 forward (observed ~5e-7)
 PROBES = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 60)), [1, 200, 201, 202, 17, 17, 17, 300]]

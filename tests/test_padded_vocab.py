@@ -20,10 +20,10 @@ import torch
 from fastdistill import fold_out_of_vocab, narrow_support, sparse_jsd_loss
 from fastdistill.data import pack_row
 from fastdistill.rollout import RolloutSample
-from fastdistill.testing.synthetic import synthetic_samples
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.trainer import AsyncDistillationTrainer
+from fastdistill_testing.synthetic import synthetic_samples
 
 STUDENT_V = 300  # the student's lm_head rows
 TEACHER_V = 364  # the padded teacher's
@@ -279,7 +279,7 @@ def test_trainer_counts_folded_candidates_and_warns_once_per_teacher(tmp_path, c
 def padded_servers(tmp_path_factory):
     """(student folder, student server with gloo weight transfer, padded teacher server): one tokenizer, a student
     with 512 vocabulary rows and a teacher with 640 whose padding lm_head rows reach its top-K."""
-    from fastdistill.testing.vllm_server import require_vllm, student_and_teacher
+    from fastdistill_testing.vllm_server import require_vllm, student_and_teacher
 
     require_vllm()
     tokenizer = build_tokenizer()

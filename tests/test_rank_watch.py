@@ -434,7 +434,7 @@ def test_a_trainer_whose_rank_0_waits_longer_than_ddp_timeout(tmp_path, student_
     assert "Timed out waiting" not in output and "CollectiveTimeoutError" not in output, output[-4000:]
     if not fail:
         assert done.returncode == 0, output[-4000:]
-        from fastdistill.testing.runs import read_jsonl
+        from fastdistill_testing.runs import read_jsonl
 
         trained = [p for line in read_jsonl(tmp_path / "run" / "trained_prompts.jsonl") for p in line["prompt_ids"]]
         assert sorted(trained) == list(range(8))

@@ -148,8 +148,8 @@ def test_a_real_vllm_server_stops_with_the_serve_cli_killed_by_sigkill(tmp_path)
     """vLLM's own process tree (API server, engine core) ends with a CLI that had no chance to forward anything: the
     parent-death supervision, not the signal handlers. The handled signals are forwarded the same way to any server,
     which the stand-in cases above check for each of them."""
-    from fastdistill.testing.vllm_server import require_vllm, vllm_python
     from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+    from fastdistill_testing.vllm_server import require_vllm, vllm_python
 
     require_vllm()
     tokenizer = build_tokenizer()
@@ -200,7 +200,7 @@ def test_servers_a_killed_library_user_started_stop_with_it(tmp_path, stand_in):
     script.write_text(
         "import sys, time\n"
         "from fastdistill.serve import VLLMServer\n"
-        "from fastdistill.testing.vllm_server import start_together\n"
+        "from fastdistill_testing.vllm_server import start_together\n"
         "if __name__ == '__main__':\n"
         "    servers = [VLLMServer('some/model', role='teacher'), VLLMServer('other/model', role='teacher')]\n"
         "    servers[0].start()\n"

@@ -16,7 +16,7 @@ import yaml
 from fastdistill.demo import core_layout
 from fastdistill.pretrained import derive_student
 from fastdistill.serve import VLLMServer
-from fastdistill.testing.vllm_server import require_vllm, start_together
+from fastdistill_testing.vllm_server import require_vllm, start_together
 
 pytestmark = pytest.mark.vllm
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "cpu-smollm2"

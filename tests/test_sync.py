@@ -47,10 +47,10 @@ from fastdistill.sync.transport import (
     receive_tensors,
     send_tensors,
 )
-from fastdistill.testing.spawned import file_rendezvous, run_ranks
-from fastdistill.testing.stubs import interface_ipv4_addresses
-from fastdistill.testing.vllm_server import require_vllm, running
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill_testing.spawned import file_rendezvous, run_ranks
+from fastdistill_testing.stubs import interface_ipv4_addresses
+from fastdistill_testing.vllm_server import require_vllm, running
 
 TOLERANCE = 1e-4
 SPAWN = mp.get_context("spawn")

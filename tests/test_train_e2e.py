@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fastdistill.testing.runs import count_prompts, read_jsonl, train_command, write_jsonl
 from fastdistill.tiny import build_tokenizer
+from fastdistill_testing.runs import count_prompts, read_jsonl, train_command, write_jsonl
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32
@@ -257,7 +257,7 @@ class RejectingProxy:
         import asyncio
         import threading
 
-        from fastdistill.testing.vllm_server import free_port
+        from fastdistill_testing.vllm_server import free_port
 
         self.target = target
         self.rejected = rejected

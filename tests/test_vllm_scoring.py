@@ -37,8 +37,8 @@ from fastdistill.scoring_wire import (  # noqa: E402
     request_xargs,
     row_width,
 )
-from fastdistill.testing.stubs import serve_and_call  # noqa: E402
-from fastdistill.testing.vllm_server import SCORING_CHUNK_TOKENS as CHUNK_TOKENS  # noqa: E402
+from fastdistill_testing.stubs import serve_and_call  # noqa: E402
+from fastdistill_testing.vllm_server import SCORING_CHUNK_TOKENS as CHUNK_TOKENS  # noqa: E402
 
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=60.0)
 
@@ -312,8 +312,8 @@ def test_query_ids_of_the_wrong_shape_are_refused_before_any_request():
 def test_a_run_whose_loss_reads_query_logprobs_refuses_a_teacher_without_the_plugin_at_start_up():
     from types import SimpleNamespace
 
-    from fastdistill.testing.stubs import serving
     from fastdistill.train.pipeline import check_servers
+    from fastdistill_testing.stubs import serving
 
     async def handler(request: web.Request) -> web.Response:
         if request.path == "/health":
