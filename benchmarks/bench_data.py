@@ -3,7 +3,7 @@
 Two paths, each in a fresh process so that peak memory is its own:
 - ``new``: ``fastdistill.data.sources.prepare_prompts(path, tokenizer)``: ``datasets.load_dataset("json")`` (JSON to
   an Arrow file in the cache), ``Dataset.map`` (batched chat template + tokenisation, ``num_proc`` processes from
-  100k rows on, result cached), then the ids as a :class:`~fastdistill.rollout.PromptTable` (flat int32 + offsets).
+  100k rows on, result cached), then the ids as a :class:`~fastdistill.data.PromptTable` (flat int32 + offsets).
   Run twice on the same cache folder: ``cold`` (nothing cached) and ``warm`` (load and map come from the cache).
 - ``old``: what the trainer did before: every JSON line parsed into a Python dict, ``tokenize_prompts`` row by row,
   a list of ``{"prompt_ids": list[int], "prompt": messages}`` dicts.

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from fastdistill.data import PromptTable
 from fastdistill.errors import AlignmentError, ConfigError, VocabularyMismatchError
-from fastdistill.rollout import PromptTable, RolloutConfig, StudentClient, TeacherClient, check_shared_vocabulary
+from fastdistill.rollout import RolloutConfig, StudentClient, TeacherClient, check_shared_vocabulary
 from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.alignment import render_teacher_sequence
 from fastdistill.rollout.client import Generation

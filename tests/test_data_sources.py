@@ -15,7 +15,7 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from fastdistill.data import PromptTable, tokenize_prompts  # noqa: E402
+from fastdistill.data import PromptTable, routed_table, tokenize_prompts  # noqa: E402
 from fastdistill.data.sources import load_prompt_source, prepare_prompts, prompt_messages, tokenize_dataset  # noqa: E402
 from fastdistill.tiny import build_tokenizer  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
@@ -73,23 +73,27 @@ def test_prompt_table_round_trips_rows_and_pickles_compactly():
         PromptTable(np.zeros((2, 2)), np.array([0, 4]))
 
 
-def test_routing_matches_route_rows():
-    from fastdistill.rollout import route_rows
-
+def test_routing_of_rows_and_of_a_table():
+    """``routed_table`` takes rows or a table alike: with several teachers each row keeps its own, with one every
+    row goes to it; every refusal names the row."""
     rows = [{"prompt_ids": [1, 2], "teacher_id": "math"}, {"prompt_ids": [3], "teacher_id": "code"}]
-    table = PromptTable.from_rows(rows)
-    routed = table.routed(["code", "math"])
-    assert [row["teacher_id"] for row in routed] == route_rows(rows, ["code", "math"]) == ["math", "code"]
-    assert [row["teacher_id"] for row in table.routed(["solo"])] == ["solo", "solo"]
+    for dataset in (rows, PromptTable.from_rows(rows)):
+        routed = routed_table(dataset, ["code", "math"])
+        assert isinstance(routed, PromptTable)
+        assert [row["teacher_id"] for row in routed] == ["math", "code"]
+        assert [row["prompt_ids"] for row in routed] == [[1, 2], [3]]
+        assert [row["teacher_id"] for row in routed_table(dataset, ["solo"])] == ["solo", "solo"]
     for bad_rows, message in [
         ([{"prompt_ids": [1], "teacher_id": "bio"}], r"row 0 has teacher_id='bio'.*\['code', 'math'\]"),
         ([{"prompt_ids": [1], "teacher_id": "math"}, {"prompt_ids": [2]}], r"row 1 has teacher_id=None"),
         ([{"prompt_ids": [1], "teacher_id": "math"}, {"prompt_ids": []}], r"row 1: prompt_ids must be a non-empty"),
+        ([{"prompt_ids": [1], "teacher_id": "math"}, {"teacher_id": "math"}], r"row 1: prompt_ids .* got None"),
+        ([{"prompt_ids": "abc", "teacher_id": "math"}], r"row 0: prompt_ids .* got 'abc'"),
     ]:
         with pytest.raises(ValueError, match=message):
-            route_rows(bad_rows, ["code", "math"])
-        with pytest.raises(ValueError, match=message):
-            PromptTable.from_rows(bad_rows).routed(["code", "math"])
+            routed_table(bad_rows, ["code", "math"])
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        routed_table([], ["a"])
     with pytest.raises(ValueError, match="the dataset is empty"):
         PromptTable(np.zeros(0), np.zeros(1)).routed(["a"])
 

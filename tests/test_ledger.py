@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from fastdistill.data import PromptTable
 from fastdistill.errors import ConfigError
-from fastdistill.rollout import PromptTable
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.train import ledger as ledger_module
 from fastdistill.train.ledger import (

@@ -341,8 +341,8 @@ def test_a_prompt_table_stays_compact_and_its_dataset_prompts_reach_the_samples(
     """A PromptTable from a datasets.Dataset (prompts read lazily from its Arrow column) goes to the child as is:
     the samples carry the rows' ids, teachers and prompts."""
     datasets = pytest.importorskip("datasets")
+    from fastdistill.data import PromptTable
     from fastdistill.data.sources import tokenize_dataset
-    from fastdistill.rollout import PromptTable
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
     student, teachers = servers

@@ -7,8 +7,9 @@ import contextlib
 import pytest
 import torch
 
+from fastdistill.data import PromptTable
 from fastdistill.errors import ConfigError
-from fastdistill.rollout import OnPolicyShare, PromptTable, ServedModel
+from fastdistill.rollout import OnPolicyShare, ServedModel
 from fastdistill.train.checkpoint import RolloutState
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.evaluate import fitting_eval_rows

@@ -36,6 +36,7 @@ from fastdistill.cache.format import (
     tokenizer_fingerprint,
 )
 from fastdistill.cache.sampled import log_weights
+from fastdistill.data.prompt_table import PromptTable
 from fastdistill.errors import ConfigError
 from fastdistill.rollout.sample import RolloutSample
 
@@ -168,11 +169,9 @@ class TeacherCache:
         row = index - int(self._row_starts[shard_number])
         return shard, row, slice(int(shard.completion_offsets[row]), int(shard.completion_offsets[row + 1]))
 
-    def prompt_table(self) -> Any:
-        """Every row's prompt as a :class:`~fastdistill.rollout.PromptTable` (a mixed run generates from them), read
+    def prompt_table(self) -> PromptTable:
+        """Every row's prompt as a :class:`~fastdistill.data.PromptTable` (a mixed run generates from them), read
         from the shards' token arrays: only the prompt tokens are touched, not the candidates."""
-        from fastdistill.rollout.table import PromptTable
-
         pieces, lengths = [], []
         for shard in self._shards:
             prompt_lengths = np.asarray(shard.arrays["prompt_lengths"], dtype=np.int64)

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from fastdistill.data.prompt_table import DatasetPrompts, PromptTable, before_last_assistant_turn
 from fastdistill.data.prompts import _RESERVED_TEMPLATE_KWARGS, tokenize_prompts
 from fastdistill.errors import ConfigError
-from fastdistill.rollout.table import DatasetPrompts, PromptTable, before_last_assistant_turn
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 PROMPT_COLUMNS = ("prompt_ids", "prompt", "messages")  # in order of precedence

@@ -25,11 +25,10 @@ from fastdistill.rollout.http import (
     VLLMResponseError,
     VLLMUnavailableError,
 )
-from fastdistill.rollout.order import OnPolicyShare, epoch_order, is_on_policy, prompt_cursor, route_rows, row_of_prompt
+from fastdistill.rollout.order import OnPolicyShare, epoch_order, is_on_policy, prompt_cursor, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.sequence import Rollouts, open_clients, teacher_client
-from fastdistill.rollout.table import PromptTable
 from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
 from fastdistill.rollout.worker import RolloutWorker, ServerDownError, WorkerExhausted
 
@@ -47,7 +46,6 @@ __all__ = [
     "OnPolicyShare",
     "Generation",
     "HiddenTeacherClient",
-    "PromptTable",
     "ReplicaPool",
     "RequestStats",
     "RetryPolicy",
@@ -73,7 +71,6 @@ __all__ = [
     "is_on_policy",
     "open_clients",
     "prompt_cursor",
-    "route_rows",
     "row_of_prompt",
     "teacher_client",
 ]

@@ -1,4 +1,4 @@
-"""The order prompts are visited in: a seeded shuffle per epoch, a cursor that resumes mid-epoch, and teacher routing.
+"""The order prompts are visited in: a seeded shuffle per epoch and a cursor that resumes mid-epoch.
 
 A ``prompt_id`` counts across epochs: prompt ``epoch · num_rows + position`` is the row at ``position`` of that
 epoch's order, so a cursor can resume at any prompt and a checkpoint only stores ids. An epoch's order depends on
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -37,41 +36,6 @@ def row_of_prompt(prompt_id: int, num_rows: int, seed: int, shuffle: bool = True
     """The dataset row that ``prompt_id`` visits (the inverse view of :func:`prompt_cursor`)."""
     epoch, position = divmod(prompt_id, num_rows)
     return int(epoch_order(num_rows, seed, epoch, shuffle)[position])
-
-
-def route_rows(dataset: Sequence[Mapping[str, Any]], teacher_ids: Sequence[str]) -> list[str]:
-    """The teacher id of every row; raise ValueError naming the known ids for a missing or unknown one.
-
-    With a single teacher every row goes to it, whatever its ``teacher_id`` says. Also checks ``prompt_ids``.
-    """
-    if not dataset:
-        raise ValueError("the dataset is empty")
-    routes = []
-    for index, row in enumerate(dataset):
-        prompt_ids = row.get("prompt_ids")
-        if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or len(prompt_ids) == 0:
-            raise ValueError(f"row {index}: prompt_ids must be a non-empty list of token ids, got {prompt_ids!r:.100}")
-        if len(teacher_ids) == 1:
-            routes.append(teacher_ids[0])
-            continue
-        teacher_id = row.get("teacher_id")
-        if teacher_id not in teacher_ids:
-            raise ValueError(
-                f"row {index} has teacher_id={teacher_id!r}, which is not a configured teacher; "
-                f"expected one of {sorted(teacher_ids)}"
-            )
-        routes.append(teacher_id)
-    return routes
-
-
-def routed_table(dataset: Any, teacher_ids: Sequence[str]) -> Any:
-    """``dataset`` (a :class:`~fastdistill.rollout.PromptTable`, or rows ``{"prompt_ids", "teacher_id"?, "prompt"?}``)
-    as a :class:`~fastdistill.rollout.PromptTable` whose every row names its teacher (:func:`route_rows`' rules)."""
-    from fastdistill.rollout.table import PromptTable
-
-    if isinstance(dataset, PromptTable):
-        return dataset.routed(teacher_ids)
-    return PromptTable.from_rows(dataset, teacher_ids=route_rows(dataset, teacher_ids))
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,7 @@ class RolloutFailures:
 
 
 class Rollouts:
-    """Rollouts of the rows of a :class:`~fastdistill.rollout.PromptTable` (or rows ``{"prompt_ids", "teacher_id",
+    """Rollouts of the rows of a :class:`~fastdistill.data.PromptTable` (or rows ``{"prompt_ids", "teacher_id",
     "prompt"?}``, already routed) through ``student`` and ``teachers`` (:func:`open_clients`).
 
     ``current_version()`` is the policy version a generation is stamped with (read just before its request; with an

@@ -36,11 +36,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from fastdistill.data.prompt_table import routed_table
 from fastdistill.errors import ServerDownError
 from fastdistill.rollout.child import WorkerExhausted, child_main
 from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.dispatch import owner_of
-from fastdistill.rollout.order import routed_table
 from fastdistill.rollout.processes import SharedCounts
 
 __all__ = ["RolloutConfig", "RolloutWorker", "ServerDownError", "WorkerExhausted"]
@@ -82,7 +82,7 @@ class _Channels:
 class RolloutWorker:
     """Parent-side controller of the rollout child process.
 
-    ``dataset``: a :class:`~fastdistill.rollout.PromptTable`, or rows ``{"prompt_ids": list[int], "teacher_id": str
+    ``dataset``: a :class:`~fastdistill.data.PromptTable`, or rows ``{"prompt_ids": list[int], "teacher_id": str
     (needed with several teachers), "prompt": any (optional, copied to the sample)}``; either way the worker keeps
     (and sends the child) a routed ``PromptTable``. Consume ``samples`` (``RolloutSample``) and ``metrics_queue``
     (dicts).

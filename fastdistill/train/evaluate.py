@@ -72,7 +72,7 @@ def collect_scored_samples(
     from fastdistill.auth import student_api_key_from_env, teacher_api_keys_with_env
     from fastdistill.rollout import RetryPolicy
     from fastdistill.rollout.dropped import DroppedPrompt
-    from fastdistill.rollout.order import routed_table
+    from fastdistill.data.prompt_table import routed_table
     from fastdistill.rollout.sequence import run_wave
 
     if not rows:

@@ -215,7 +215,7 @@ class DataIdentity:
 
     ``source``: ``"dataset"`` (the tokenised prompt table), ``"teacher_cache"`` or ``"samples"``;
     ``data_fingerprint``: sha256 (hex) of the tokenised prompts and their teachers
-    (:meth:`~fastdistill.rollout.PromptTable.fingerprint`), of the cache's settings and shard checksums
+    (:meth:`~fastdistill.data.PromptTable.fingerprint`), of the cache's settings and shard checksums
     (:func:`cache_fingerprint`) or of the samples (:func:`samples_fingerprint`)."""
 
     source: str
@@ -278,7 +278,7 @@ def data_identity(config: Any, *, samples: Sequence[Any] | None = None, cache: A
                   rows: Any = None) -> DataIdentity:
     """The :class:`DataIdentity` of a run of ``config`` (its ``seed``, ``shuffle``, ``num_train_epochs``) on the
     given ``samples``, else the teacher ``cache`` (also for a mixed run, whose prompts are the cache's), else the
-    tokenised ``rows`` (a :class:`~fastdistill.rollout.PromptTable`)."""
+    tokenised ``rows`` (a :class:`~fastdistill.data.PromptTable`)."""
     if samples is not None:
         source, count, fingerprint = "samples", len(samples), samples_fingerprint(samples)
     elif cache is not None:

@@ -41,7 +41,7 @@ def open_cache(config: Any, tokenizer: Any) -> Any:
 
 
 def training_rows(config: Any, rows: Any, tokenizer: Any) -> Any:
-    """The tokenised training prompts (a :class:`~fastdistill.rollout.PromptTable`) of ``rows`` (anything
+    """The tokenised training prompts (a :class:`~fastdistill.data.PromptTable`) of ``rows`` (anything
     ``train_dataset`` accepts), else of ``config.train_dataset``."""
     from fastdistill.data.sources import prepare_prompts
 

@@ -10,6 +10,8 @@ its prompt is sent back to be generated again, so that every prompt is still tra
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -17,8 +19,12 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
+
+from fastdistill.data.prompt_table import routed_table
 from fastdistill.errors import SourceExhausted
-from fastdistill.rollout import OnPolicyShare, RolloutSample, WorkerExhausted
+from fastdistill.rollout import OnPolicyShare, Rollouts, RolloutSample, WorkerExhausted, open_clients, prompt_cursor
+from fastdistill.rollout.dispatch import PromptDispatcher
 from fastdistill.rollout.dropped import DroppedPrompt
 
 __all__ = ["CacheSource", "ListSource", "MixedSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
@@ -53,10 +59,6 @@ class CacheSource(ListSource):
 
     def __init__(self, cache: Any, *, seed: int, shuffle: bool, start_index: int, end_index: int | None,
                  skip_prompt_ids: frozenset[int], teacher_id: str, on_policy: OnPolicyShare | None = None):
-        import dataclasses
-
-        from fastdistill.rollout import prompt_cursor
-
         if len(cache) == 0:
             raise ValueError("the teacher cache holds no rows")
         cursor: Iterator[tuple[int, int]] = prompt_cursor(len(cache), seed, start_index, shuffle)
@@ -74,10 +76,6 @@ class CacheSource(ListSource):
 def pad_candidates(sample: RolloutSample, width: int) -> RolloutSample:
     """``sample`` with its candidate arrays padded to ``width`` slots per position with empty slots (id -1, log-prob
     -inf, which every loss ignores); unchanged when already that wide. Raises ValueError when it is wider."""
-    import dataclasses
-
-    import numpy as np
-
     have = sample.teacher_topk_ids.shape[1]
     if have == width:
         return sample
@@ -253,11 +251,6 @@ class SynchronousSource:
     """
 
     def __init__(self, rows: Any, rollout_config: Any, wave_size: int):
-        import asyncio
-
-        from fastdistill.rollout.dispatch import PromptDispatcher
-        from fastdistill.rollout.order import routed_table
-
         self.rows = routed_table(rows, list(rollout_config.teacher_urls))
         self.config = rollout_config
         self.wave_size = wave_size
@@ -309,8 +302,6 @@ class SynchronousSource:
         self._loop.close()
 
     async def _generate(self, batch: list[tuple[int, int]]) -> list[RolloutSample | DroppedPrompt]:
-        from fastdistill.rollout import Rollouts, open_clients
-
         if self._rollouts is None:
             student, teachers = open_clients(self.config)
             self._rollouts = Rollouts(self.config, self.rows, student, teachers,

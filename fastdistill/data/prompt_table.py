@@ -1,9 +1,10 @@
-"""Tokenised prompts in compact form: one flat int32 array of token ids plus row offsets (and teacher id codes).
+"""Tokenised prompts in compact form: one flat int32 array of token ids plus row offsets (and teacher id codes),
+the routing of every row to its teacher, and the lazy view of a Hugging Face dataset's prompt column.
 
-A million short prompts as Python lists of ints cost about 1 GB (a 28-byte int object and an 8-byte list slot per
-token, plus a dict per row); as a :class:`PromptTable` they cost 4 bytes per token plus 8 per row, and pickling one
-(to the spawned rollout worker) copies a few numpy buffers instead of millions of objects. Indexing a row gives the
-dict the rest of the code expects, built on access.
+Short prompts as Python lists of ints cost a 28-byte int object and an 8-byte list slot per token, plus a dict per
+row; as a :class:`PromptTable` they cost 4 bytes per token plus 8 per row, and pickling one (to the spawned rollout
+worker) copies a few numpy buffers instead of millions of objects. Indexing a row gives the dict the rest of the code
+expects, built on access. Imports no torch: the rollout worker's child unpickles these.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ class PromptTable(Sequence):
                   ) -> PromptTable:
         """The table of rows ``{"prompt_ids", "teacher_id"?, "prompt"?}`` (as :func:`tokenize_prompts` returns);
         ``teacher_ids`` (one per row) replaces the rows' own ``teacher_id``. Keeps the rows' prompts as a list
-        (the objects themselves, not copies) unless every one is None."""
+        (the objects themselves, not copies) unless every one is None. Raises ValueError naming the row whose
+        ``prompt_ids`` is missing or not a list of token ids."""
+        for index, row in enumerate(rows):
+            prompt_ids = row.get("prompt_ids")
+            if not isinstance(prompt_ids, (list, tuple, np.ndarray)):
+                raise ValueError(f"row {index}: prompt_ids must be a non-empty list of token ids, "
+                                 f"got {prompt_ids!r:.100}")
         lengths = np.fromiter((len(row["prompt_ids"]) for row in rows), np.int64, count=len(rows))
         offsets = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -113,7 +120,7 @@ class PromptTable(Sequence):
     def fingerprint(self) -> str:
         """sha256 (hex) of the rows' token ids, offsets and teacher ids (not the prompts: the tokens are what
         trains). Equal tables give equal fingerprints; any edited, added, removed or reordered row, or another
-        teacher for a row, changes it. Reads each array once (a few seconds per GB of tokens)."""
+        teacher for a row, changes it. Reads each array once."""
         digest = hashlib.sha256()
         header = {"rows": len(self), "tokens": int(self.token_ids.shape[0]), "teachers": list(self.teacher_names)}
         digest.update(json.dumps(header).encode("utf-8"))
@@ -124,8 +131,8 @@ class PromptTable(Sequence):
     def routed(self, teacher_ids: Sequence[str]) -> PromptTable:
         """The same rows with every row's teacher resolved among the configured ``teacher_ids``: with a single
         teacher every row goes to it, whatever its own ``teacher_id``; with several, each row's ``teacher_id`` must
-        be one of them. Raises ValueError (the messages of :func:`~fastdistill.rollout.route_rows`) for an empty
-        table, an empty prompt, or a missing or unknown teacher id."""
+        be one of them. Raises ValueError for an empty table, an empty prompt, or a missing or unknown teacher
+        id (naming the row and the configured ids)."""
         if len(self) == 0:
             raise ValueError("the dataset is empty")
         empty = np.flatnonzero(self.lengths == 0)
@@ -147,6 +154,14 @@ class PromptTable(Sequence):
                 raise ValueError(f"row {index} has teacher_id={teacher_id!r}, which is not a configured teacher; "
                                  f"expected one of {sorted(teacher_ids)}")
         return PromptTable(self.token_ids, self.offsets, codes, teacher_ids, self.prompts)
+
+
+def routed_table(dataset: PromptTable | Sequence[Mapping[str, Any]], teacher_ids: Sequence[str]) -> PromptTable:
+    """``dataset`` (a :class:`PromptTable`, or rows ``{"prompt_ids", "teacher_id"?, "prompt"?}``) as a
+    :class:`PromptTable` whose every row names its teacher among ``teacher_ids`` (:meth:`PromptTable.routed`'s
+    rules and errors)."""
+    table = dataset if isinstance(dataset, PromptTable) else PromptTable.from_rows(dataset)
+    return table.routed(teacher_ids)
 
 
 def before_last_assistant_turn(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
