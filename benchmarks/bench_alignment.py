@@ -31,15 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-from fastdistill.rollout.alignment import (
+from fastdistill.cross_tokenizer import (
     TokenizerBytes,
+    VocabularyMap,
     align_byte_spans,
+    build_targets,
     render_teacher_sequence,
     student_completion_spans,
     teacher_completion_ids,
     teacher_prompt_ids,
 )
-from fastdistill.rollout.cross_targets import VocabularyMap, build_targets
 from fastdistill.tiny import build_tokenizer
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_alignment.json"

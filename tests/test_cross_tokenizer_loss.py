@@ -11,9 +11,16 @@ import pytest
 import torch
 from cross_tokenizer_cases import student_tokenizer, teacher_tokenizer
 
-from fastdistill.loss.cross_tokenizer import group_reverse_kl_pg_loss, hybrid_loss, sorted_student_logprobs, uld_loss
-from fastdistill.rollout.alignment import TokenizerBytes, render_teacher_sequence, student_completion_spans
-from fastdistill.rollout.cross_targets import VocabularyMap, build_targets, realised_logprobs
+from fastdistill.cross_tokenizer import (
+    TokenizerBytes,
+    VocabularyMap,
+    build_targets,
+    realised_logprobs,
+    render_teacher_sequence,
+    student_completion_spans,
+    teacher_completion_ids,
+)
+from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, sorted_student_logprobs, uld_loss
 
 TEXT = "Hello! café 🙂 — the answer is 12345, said the teacher model."
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -79,8 +86,6 @@ def gold_uld(case, hybrid: bool, beta: float = 0.5):
     loss_fn = ULDLoss(config, vocab_of(case.student), vocab_of(case.teacher)) if hybrid else ULDLoss(config)
     s_spans = student_completion_spans(case.student, case.ids.tolist()).spans
     t_ids = torch.from_numpy(case.seq.completion_ids.astype(np.int64))
-    from fastdistill.rollout.alignment import teacher_completion_ids
-
     _, t_spans, _ = teacher_completion_ids(case.teacher, case.seq.text)
     logits = case.hidden @ case.weight.T + case.bias
     loss = loss_fn(student_logits=logits[None], teacher_logits=case.teacher_logprobs[None],

@@ -18,13 +18,19 @@ import pytest
 import torch
 
 from fastdistill.data import PromptTable
+from fastdistill.cross_tokenizer import (
+    TokenizerBytes,
+    TokenizerPair,
+    VocabularyMap,
+    build_targets,
+    load_tokenizer_pair,
+    model_vocab_size,
+    render_teacher_sequence,
+)
 from fastdistill.errors import AlignmentError, ConfigError, VocabularyMismatchError
 from fastdistill.rollout import RolloutConfig, StudentClient, TeacherClient, check_shared_vocabulary
 from fastdistill.rollout import dropped as drop_reasons
-from fastdistill.rollout.alignment import render_teacher_sequence
 from fastdistill.rollout.client import Generation
-from fastdistill.rollout.cross_targets import TokenizerPair, build_targets, model_vocab_size
-from fastdistill.rollout.cross_tokenizer import load_tokenizer_pair
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
@@ -315,9 +321,6 @@ def test_tokenizer_pair_load_and_model_vocab_size(tmp_path):
     """model_vocab_size: config.json's vocab_size (or text_config's) when it exceeds the tokenizer, never less;
     TokenizerPair.load: both tokenizers' bytes and the map sized by the two models' vocabularies, equal to the map
     built from the tokenizers directly."""
-    from fastdistill.rollout.alignment import TokenizerBytes
-    from fastdistill.rollout.cross_targets import VocabularyMap
-
     teacher = teacher_tokenizer()
     folder = tmp_path / "teacher"
     teacher.save_pretrained(folder)

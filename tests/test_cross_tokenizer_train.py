@@ -12,14 +12,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from fastdistill.loss.cross_tokenizer import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
-from fastdistill.rollout.alignment import TokenizerBytes
-from fastdistill.rollout.cross_targets import TokenizerPair
-from fastdistill.train.cross_tokenizer import load_cross_teachers
 
+from fastdistill.cross_tokenizer import TokenizerBytes, TokenizerPair
 from fastdistill.data.packing import pack_row
 from fastdistill.errors import ConfigError
 from fastdistill.loss import narrow_support, sparse_jsd_loss
+from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
 from fastdistill.testing.cross_tokenizer import (
     TEXTS,
     cross_tokenizer_samples,
@@ -30,6 +28,7 @@ from fastdistill.testing.cross_tokenizer import (
 )
 from fastdistill.tiny import build_model, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.cross_teachers import load_cross_teachers
 from fastdistill.train.model import DistillationModel
 from fastdistill.train.trainer import AsyncDistillationTrainer
 from fastdistill_testing.synthetic import synthetic_samples

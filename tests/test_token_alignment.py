@@ -13,24 +13,23 @@ from cross_tokenizer_cases import (
     teacher_tokenizer,
 )
 
-from fastdistill.errors import AlignmentError
-from fastdistill.rollout.alignment import (
+from fastdistill.cross_tokenizer import (
     Alignment,
     TokenizerBytes,
+    VocabularyMap,
     align_byte_spans,
+    build_targets,
     byte_offsets_from_char_offsets,
+    concatenate_targets,
+    realised_logprobs,
     render_teacher_sequence,
     spans_from_token_bytes,
     student_completion_spans,
     teacher_completion_ids,
     teacher_prompt_ids,
 )
-from fastdistill.rollout.cross_targets import (
-    VocabularyMap,
-    build_targets,
-    concatenate_targets,
-    realised_logprobs,
-)
+from fastdistill.cross_tokenizer.targets import _merge_same_ids
+from fastdistill.errors import AlignmentError
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -273,8 +272,6 @@ def test_concatenate_targets_renumbers_groups():
 
 
 def test_merging_slots_with_the_same_student_id_against_a_loop():
-    from fastdistill.rollout.cross_targets import _merge_same_ids
-
     rng = np.random.default_rng(0)
     ids = rng.integers(-1, 6, size=(50, 7)).astype(np.int32)
     lps = np.where(ids >= 0, np.log(rng.random((50, 7))), -np.inf)

@@ -24,7 +24,7 @@ when no sample of the row has them.
 A cross-tokenizer teacher's samples (``RolloutSample.cross_targets``: a teacher with another tokenizer) carry no
 candidates either (their candidate rows are empty too) but per completion position the targets of the
 cross-tokenizer losses; ``PackedRow.cross_*`` holds them row by row with the targets, joined by
-:func:`~fastdistill.rollout.cross_targets.concatenate_targets` (group ids unique within the row). A row may mix
+:func:`~fastdistill.cross_tokenizer.concatenate_targets` (group ids unique within the row). A row may mix
 them with other teachers' samples (several teachers): those targets get group -1 and empty target rows. An aligned
 group with a position that is not trained (``completion_mask`` 0) is left out as a whole (group -1 on its
 positions): the losses compare whole groups. ``cross_*`` are None when no sample of the row has cross targets.
@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cross_tokenizer import CrossTokenizerTargets, concatenate_targets
 from ..loss.support import fold_out_of_vocab
-from ..rollout.cross_targets import CrossTokenizerTargets, concatenate_targets
 from ..rollout.sample import RolloutSample, hidden_tensor
 
 

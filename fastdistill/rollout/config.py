@@ -10,6 +10,7 @@ import numpy as np
 
 from fastdistill.adapter_names import adapter_name
 from fastdistill.auth import check_api_keys
+from fastdistill.cross_tokenizer import check_teacher_tokenizers
 from fastdistill.rollout.behaviour import samples_route_problem
 from fastdistill.rollout.http import RetryPolicy
 from fastdistill.rollout.order import OnPolicyShare
@@ -56,7 +57,7 @@ class RolloutConfig:
     usually the teacher model's): a **cross-tokenizer teacher**. It scores the student's completion text rendered its
     own way (its chat template for the row's ``prompt`` with ``chat_template_kwargs``, its tokenization of the text),
     and the sample carries per-student-position targets (``RolloutSample.cross_targets``, see
-    :mod:`fastdistill.rollout.cross_tokenizer`) instead of candidate ids. ``student_tokenizer`` is the student's
+    :mod:`fastdistill.rollout.cross_scoring`) instead of candidate ids. ``student_tokenizer`` is the student's
     tokenizer folder (required with any cross-tokenizer teacher). Teachers it does not name share the student's
     tokenizer.
 
@@ -189,27 +190,16 @@ class RolloutConfig:
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
 
     def _check_teacher_tokenizers(self) -> None:
-        cross = dict(self.teacher_tokenizers or {})
+        ids = list(self.teacher_urls)
+        cross = check_teacher_tokenizers(
+            self.teacher_tokenizers, ids, hidden_ids=[i for i in ids if self.teacher_signal(i) == "hidden"],
+            student_queries=self.student_queries, signal_option=("teacher_signals", self.teacher_signals),
+            queries_option=("student_queries", self.student_queries))
         if not cross:
             return
-        unknown = sorted(set(cross) - set(self.teacher_urls))
-        if unknown:
-            raise ValueError(f"teacher_tokenizers names {unknown}, which are not teachers: the teachers are "
-                             f"{sorted(self.teacher_urls)}")
-        for teacher_id, folder in cross.items():
-            if not isinstance(folder, str) or not folder:
-                raise ValueError(f"teacher_tokenizers[{teacher_id!r}] must be a tokenizer folder (a non-empty "
-                                 f"string), got {folder!r}")
-            if self.teacher_signal(teacher_id) != "topk":
-                raise ValueError(f"teacher {teacher_id!r} is a hidden-state teacher and has its own tokenizer "
-                                 "(teacher_tokenizers): its hidden states feed a head over its own vocabulary, not "
-                                 "the student's; serve it with top-K log-probs")
         if not self.student_tokenizer:
-            raise ValueError(f"teacher_tokenizers gives teachers {sorted(cross)} their own tokenizers: "
+            raise ValueError(f"teacher_tokenizers gives teachers {cross} their own tokenizers: "
                              "student_tokenizer (the student's tokenizer folder) is needed to align the completions")
-        if self.student_queries != "none":
-            raise ValueError(f"student_queries={self.student_queries!r} asks the teacher for log-probs at student "
-                             f"token ids, which teachers {sorted(cross)} (teacher_tokenizers) do not have")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a mapping or None, got {self.chat_template_kwargs!r}")
 

@@ -17,8 +17,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from fastdistill.cross_tokenizer import CrossTokenizerTargets
     from fastdistill.rollout.client import Generation, TeacherScores
-    from fastdistill.rollout.cross_targets import CrossTokenizerTargets
     from fastdistill.rollout.hidden import TeacherHiddenStates
 
 
@@ -49,7 +49,7 @@ class RolloutSample:
       A hidden-state teacher gives no log-probs at the query ids: its samples keep ``query_teacher_logprobs`` None
       and the trainer computes log π_T at the query ids from the teacher head on ``teacher_hidden``.
     - ``cross_targets``: None, or for a teacher with its own tokenizer the
-      :class:`~fastdistill.rollout.cross_targets.CrossTokenizerTargets` of the completion (L rows, per student
+      :class:`~fastdistill.cross_tokenizer.CrossTokenizerTargets` of the completion (L rows, per student
       position); such a sample's ``teacher_topk_ids`` / ``teacher_topk_logprobs`` are (L, 0), like a hidden-state
       teacher's, and it carries no ``teacher_hidden`` and no queries.
     """

@@ -10,7 +10,7 @@ rollouts through :class:`Rollouts`; the teacher clients of every signal are buil
   ``rejected``; ``max_consecutive_failures`` such drops in a row (a misconfiguration, not one bad prompt) raise
   :class:`~fastdistill.errors.RolloutsFailingError` with the server's last error;
 - a server with no successful answer for ``server_down_deadline_s``: :class:`~fastdistill.errors.ServerDownError`;
-- a completion a teacher with its own tokenizer cannot score (:class:`~fastdistill.rollout.cross_tokenizer.
+- a completion a teacher with its own tokenizer cannot score (:class:`~fastdistill.rollout.cross_scoring.
   UnscorableRollout`: not valid UTF-8, not round-tripped by the teacher's tokenizer, too long for the teacher):
   dropped as ``unaligned`` / ``too_long`` at once. That is a property of the completion, not of a server, so it
   neither counts towards ``max_consecutive_failures`` nor resets the count.
@@ -33,7 +33,7 @@ from fastdistill.rollout import dropped as drop_reasons
 from fastdistill.rollout.adapters import generate_with_adapter
 from fastdistill.rollout.client import Generation, StudentClient, TeacherClient
 from fastdistill.rollout.config import RolloutConfig
-from fastdistill.rollout.cross_tokenizer import UnscorableRollout, cross_tokenizer_scorers
+from fastdistill.rollout.cross_scoring import UnscorableRollout, cross_tokenizer_scorers
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy
 from fastdistill.rollout.replicas import ReplicaPool

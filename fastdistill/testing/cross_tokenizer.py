@@ -5,7 +5,7 @@ Two byte-level BPEs with different corpora, vocabularies, merges, special tokens
 template), a lossy one and a SentencePiece-style one. :func:`cross_tokenizer_sample` builds the
 :class:`~fastdistill.rollout.RolloutSample` a cross-tokenizer teacher's rollout produces: the student's prompt (its
 chat template) and completion ids, ``teacher_topk_*`` of shape (L, 0), and ``cross_targets`` from
-:func:`~fastdistill.rollout.cross_targets.build_targets` of a tiny Hugging Face teacher's float64 log-probs over the
+:func:`~fastdistill.cross_tokenizer.build_targets` of a tiny Hugging Face teacher's float64 log-probs over the
 teacher's own tokenization (its chat template's prompt, the completion text), in the wire layout (top-K by rank,
 then the realised token when it is outside the top-K).
 """
@@ -22,8 +22,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from fastdistill.rollout.alignment import TokenizerBytes, render_teacher_sequence
-from fastdistill.rollout.cross_targets import CrossTokenizerTargets, VocabularyMap, build_targets
+from fastdistill.cross_tokenizer import (
+    CrossTokenizerTargets,
+    TokenizerBytes,
+    VocabularyMap,
+    build_targets,
+    render_teacher_sequence,
+)
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
 
@@ -129,7 +134,7 @@ def tiny_teacher_model(tokenizer: PreTrainedTokenizerFast | None = None, *, seed
 def save_teacher_folder(path: str | Path, model: torch.nn.Module | None = None,
                         tokenizer: PreTrainedTokenizerFast | None = None) -> Path:
     """A teacher folder (config with ``vocab_size``, weights, tokenizer) that
-    :meth:`~fastdistill.rollout.cross_targets.TokenizerPair.load` reads; returns its path."""
+    :meth:`~fastdistill.cross_tokenizer.TokenizerPair.load` reads; returns its path."""
     tokenizer = tokenizer if tokenizer is not None else teacher_tokenizer()
     model = model if model is not None else tiny_teacher_model(tokenizer)
     return save_pretrained_dir(model, tokenizer, path)
@@ -165,7 +170,7 @@ def cross_tokenizer_sample(text: str, *, teacher_model: torch.nn.Module, vocab: 
     student tokenizes it, plus its eos when ``append_eos``: a special token, excluded from the groups).
 
     ``vocab``: the pair's map (build it with the models' vocabulary sizes, as
-    :meth:`~fastdistill.rollout.cross_targets.TokenizerPair.load` does). ``student`` / ``teacher``: the tokenizers'
+    :meth:`~fastdistill.cross_tokenizer.TokenizerPair.load` does). ``student`` / ``teacher``: the tokenizers'
     bytes (default :func:`student_tokenizer` / :func:`teacher_tokenizer`). The targets are float32 as the wire's
     log-probs are (``float64=True`` keeps them float64, for tight oracles). ``rollout_logprobs``: (L,) float32,
     default -1.0 everywhere. Raises :class:`~fastdistill.errors.AlignmentError` for a text the two cannot align."""

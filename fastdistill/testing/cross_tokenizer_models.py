@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from fastdistill.cross_tokenizer.alignment import byte_level_decoder
 from fastdistill.tiny import (
     CHAT_TEMPLATE,
     DEFAULT_CORPUS,
@@ -44,10 +45,8 @@ def ascii_student_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 def _byte_level_ascii() -> set[str]:
     """The byte-level characters of printable ASCII, tab and newline."""
-    from fastdistill.rollout.alignment import _byte_level_decoder
-
     wanted = {ord(c) for c in string.printable}
-    return {char for char, byte in _byte_level_decoder().items() if byte in wanted}
+    return {char for char, byte in byte_level_decoder().items() if byte in wanted}
 
 
 def save_tiny_model(tokenizer: Any, path: str | Path, *, seed: int, vocab_size: int | None = None,

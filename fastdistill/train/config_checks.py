@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fastdistill.cross_tokenizer import check_teacher_tokenizers
 from fastdistill.errors import ConfigError
 from fastdistill.loss.policy_gradient import PG_STABILIZERS
 from fastdistill.rollout.behaviour import samples_route_problem
@@ -68,23 +69,13 @@ def validate_cross_tokenizer(config: Any) -> None:
         check(weights is None, "cross_tokenizer_weights", weights,
               "None without teacher_tokenizers (they weigh the loss of cross-tokenizer teachers' samples)")
         return
-    ids = config.teacher_ids
-    check(isinstance(named, Mapping) and all(isinstance(v, str) and v != "" for v in named.values()),
-          "teacher_tokenizers", named, "None or a mapping of teacher id to the teacher's tokenizer folder")
-    unknown = [key for key in named if key not in ids]
-    check(not unknown, "teacher_tokenizers", named, f"a mapping whose keys are teacher ids {ids} (unknown: "
-          f"{unknown})")
-    cross = [teacher_id for teacher_id in ids if teacher_id in named]
+    cross = check_teacher_tokenizers(named, config.teacher_ids, hidden_ids=config.hidden_teacher_ids,
+                                     student_queries=config.student_queries,
+                                     signal_option=("teacher_signal", config.teacher_signal),
+                                     queries_option=("loss_type", config.loss_type))
     what = f"with teacher_tokenizers (cross-tokenizer teachers {cross})"
-    hidden = [teacher_id for teacher_id in cross if config.teacher_signal_of(teacher_id) == "hidden"]
-    check(not hidden, "teacher_signal", config.teacher_signal,
-          f"'topk' for the teachers of teacher_tokenizers ({hidden} are 'hidden': a hidden-state teacher's head "
-          "gives logits over the teacher's vocabulary, and the two-head loss assumes one vocabulary)")
     check(config.teacher_cache is None, "teacher_cache", config.teacher_cache,
           f"None {what}: a teacher cache stores candidate ids in the student's vocabulary")
-    check(config.loss_type in ("jsd", "reverse_kl_pg"), "loss_type", config.loss_type,
-          f"'jsd' or 'reverse_kl_pg' {what}: the student-side estimators need the teacher's log-prob of student "
-          "tokens, which a teacher with another vocabulary does not score")
     check(config.pg_stabilizer == "none", "pg_stabilizer", config.pg_stabilizer,
           f"'none' {what}: the group policy gradient has no stabilizer (pg_importance_ratio and pg_ratio_clip apply)")
     check(config.stale_policy == "drop", "stale_policy", config.stale_policy,

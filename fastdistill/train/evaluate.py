@@ -22,7 +22,7 @@ from fastdistill.data.packing import pack_row
 from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RolloutConfig, RolloutSample
-from fastdistill.train.cross_tokenizer import load_cross_teachers
+from fastdistill.train.cross_teachers import load_cross_teachers
 from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
 
 logger = logging.getLogger(__name__)

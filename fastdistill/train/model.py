@@ -31,7 +31,7 @@ from fastdistill.loss import (
 )
 from fastdistill.loss.dense import dense_teacher_jsd_loss
 from fastdistill.train.config import QUERY_LOSS_TYPES, AsyncDistillationConfig
-from fastdistill.train.cross_tokenizer import (
+from fastdistill.train.cross_teachers import (
     CrossTeacher,
     combined_output,
     combined_pg_stats,
@@ -150,9 +150,9 @@ class DistillationModel(nn.Module):
                               metrics: dict[str, float], cross: torch.Tensor,
                               divergence: bool) -> tuple[Any, dict[str, float]]:
         """A row with cross-tokenizer targets (``cross`` (M,) bool): their loss
-        (:func:`~fastdistill.train.cross_tokenizer.cross_tokenizer_loss`: the group policy gradient with
+        (:func:`~fastdistill.train.cross_teachers.cross_tokenizer_loss`: the group policy gradient with
         ``reverse_kl_pg``, else ``cross_tokenizer_loss``) plus the other teachers' targets' own loss; the fields
-        add (a :class:`~fastdistill.train.cross_tokenizer.CrossTokenizerOutput`)."""
+        add (a :class:`~fastdistill.train.cross_teachers.CrossTokenizerOutput`)."""
         pg = self.loss_type == "reverse_kl_pg" and not divergence
         kw = self.loss_kwargs
         cross_out, cross_pg = cross_tokenizer_loss(

@@ -36,7 +36,7 @@ from fastdistill.train import pipeline
 from fastdistill.train.checkpoint import RolloutState, export_final_model, save_checkpoint
 from fastdistill.train.collector import WindowCollector
 from fastdistill.train.config import AsyncDistillationConfig
-from fastdistill.train.cross_tokenizer import load_cross_teachers
+from fastdistill.train.cross_teachers import load_cross_teachers
 from fastdistill.train.distributed import check_world_size, init_distributed, scatter_samples
 from fastdistill.train.evaluate import RunEvaluator, held_out_rows
 from fastdistill.train.flops import StepMfu, peak_flops

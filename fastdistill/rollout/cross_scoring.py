@@ -2,13 +2,13 @@
 
 The student generated token ids in its vocabulary; the teacher cannot score those ids. So, per rollout:
 
-1. :func:`~fastdistill.rollout.alignment.render_teacher_sequence`: the row's conversation through the teacher's chat
+1. :func:`~fastdistill.cross_tokenizer.render_teacher_sequence`: the row's conversation through the teacher's chat
    template (a string prompt: tokenized as it is), the completion's text (the student's tokens without its special
    tokens) tokenized by the teacher, and the byte-offset alignment of the two tokenizations into groups;
 2. the teacher's own length limit: teacher prompt + completion + the one token a scoring request asks for must fit
    the teacher server's ``max_model_len`` (known from ``GET /v1/models``, asked once per client);
 3. :meth:`~fastdistill.rollout.TeacherClient.score` of the teacher's ids, top-K per teacher position;
-4. :func:`~fastdistill.rollout.cross_targets.build_targets`: what the loss needs per student position.
+4. :func:`~fastdistill.cross_tokenizer.build_targets`: what the loss needs per student position.
 
 A rollout that fails 1 or 2 raises :class:`UnscorableRollout` with its drop reason (``unaligned`` / ``too_long``):
 a property of that completion (a completion cut inside a multi-byte character, text the teacher's normaliser
@@ -20,15 +20,19 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from fastdistill.cross_tokenizer import (
+    CrossTokenizerTargets,
+    TokenizerPair,
+    build_targets,
+    load_tokenizer_pair,
+    render_teacher_sequence,
+)
 from fastdistill.errors import AlignmentError
 from fastdistill.rollout import dropped as drop_reasons
-from fastdistill.rollout.alignment import render_teacher_sequence
-from fastdistill.rollout.cross_targets import CrossTokenizerTargets, TokenizerPair, build_targets, model_vocab_size
 
 
 class UnscorableRollout(Exception):
@@ -39,17 +43,6 @@ class UnscorableRollout(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
-
-
-@lru_cache(maxsize=8)
-def load_tokenizer_pair(student_tokenizer: str, teacher_tokenizer: str) -> TokenizerPair:
-    """The :class:`TokenizerPair` of two tokenizer folders, read once per process (evaluation waves reuse it). The
-    student's vocabulary size is its folder's model vocabulary (:func:`model_vocab_size`), as the teacher's."""
-    from transformers import AutoTokenizer
-
-    student = AutoTokenizer.from_pretrained(student_tokenizer)
-    return TokenizerPair.load(student, teacher_tokenizer,
-                              student_vocab_size=model_vocab_size(student_tokenizer, student))
 
 
 @dataclass(frozen=True)
@@ -110,4 +103,4 @@ def cross_tokenizer_scorers(config: Any) -> dict[str, CrossTokenizerScorer]:
             for teacher_id, folder in (config.teacher_tokenizers or {}).items()}
 
 
-__all__ = ["CrossTokenizerScorer", "UnscorableRollout", "cross_tokenizer_scorers", "load_tokenizer_pair"]
+__all__ = ["CrossTokenizerScorer", "UnscorableRollout", "cross_tokenizer_scorers"]

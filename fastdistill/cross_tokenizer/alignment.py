@@ -35,7 +35,7 @@ from fastdistill.errors import AlignmentError
 
 
 @lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
+def byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte ↔ printable-character table, inverted: the character a byte-level piece uses → the byte."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     chars = printable[:]
@@ -102,7 +102,7 @@ class TokenizerBytes:
         metaspace = not byte_level and _uses_metaspace(tokenizer)
         pieces: list[bytes | None] = []
         tokens = tokenizer.convert_ids_to_tokens(list(range(size)))
-        decoder = _byte_level_decoder()
+        decoder = byte_level_decoder()
         added = {int(i): t for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
         for token_id, token in enumerate(tokens):
             if token_id in special or token is None:

@@ -1,7 +1,7 @@
-"""Losses against a teacher with another tokenizer, over aligned groups (see :mod:`fastdistill.rollout.alignment`).
+"""Losses against a teacher with another tokenizer, over aligned groups (see :mod:`fastdistill.cross_tokenizer`).
 
-Inputs are per student position, as :func:`fastdistill.rollout.cross_targets.build_targets` ships them
-(group ids made unique across a batch by :func:`~fastdistill.rollout.cross_targets.concatenate_targets`).
+Inputs are per student position, as :func:`fastdistill.cross_tokenizer.build_targets` ships them
+(group ids made unique across a batch by :func:`~fastdistill.cross_tokenizer.concatenate_targets`).
 For an aligned group g let s_g / t_g be its first student / teacher token, p = the student's next-token distribution
 at s_g (full vocabulary, the loss temperature), q = the teacher's at t_g (its top-K + realised token, the rest
 unknown), and the "observed" merge scales (GOLD's default strategy) c_s = Π p(y) over the student's realised tokens
@@ -20,7 +20,7 @@ of g after the first, c_t the same for the teacher.
   unshared tokens, P_rest the student's unshared mass beyond them and Q_rest = 1 − Σ shared candidates − Σ q_(r):
   the teacher's mass it did not report, all counted as unshared (exact when the candidates cover the vocabulary).
 - Weights: GOLD's adaptive ``(n_shared / V_t, 1 − n_shared / V_t)`` from
-  :meth:`~fastdistill.rollout.cross_targets.VocabularyMap.gold_weights`, or fixed ones.
+  :meth:`~fastdistill.cross_tokenizer.VocabularyMap.gold_weights`, or fixed ones.
 
 **ULD loss** (:func:`uld_loss`): ULD_g over every token (no vocabulary map: the student's whole vocabulary, all the
 teacher's ranked candidates, Q_rest = 1 − Σ ranked).

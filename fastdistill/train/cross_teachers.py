@@ -2,14 +2,14 @@
 targets in a packed row.
 
 A cross-tokenizer teacher (``teacher_tokenizers`` names it) sends per student completion position the targets of
-:mod:`fastdistill.rollout.cross_targets` (``PackedRow.cross_*``). Their loss, per ``loss_type``:
+:mod:`fastdistill.cross_tokenizer.targets` (``PackedRow.cross_*``). Their loss, per ``loss_type``:
 
-- ``jsd``: :func:`~fastdistill.loss.cross_tokenizer.hybrid_loss` (``cross_tokenizer_loss: hybrid``, GOLD's: the
+- ``jsd``: :func:`~fastdistill.loss.cross_losses.hybrid_loss` (``cross_tokenizer_loss: hybrid``, GOLD's: the
   generalized JSD at ``beta`` over the shared candidates with an exact tail per side, plus the sorted-probability ULD
   on the unshared tokens; weights ``cross_tokenizer_weights`` or GOLD's adaptive ones of that teacher's pair) or
-  :func:`~fastdistill.loss.cross_tokenizer.uld_loss` (``uld``: ULD over every token, the teacher's ranked top-K
+  :func:`~fastdistill.loss.cross_losses.uld_loss` (``uld``: ULD over every token, the teacher's ranked top-K
   whatever the map shares);
-- ``reverse_kl_pg``: :func:`~fastdistill.loss.cross_tokenizer.group_reverse_kl_pg_loss` (the aligned group as the
+- ``reverse_kl_pg``: :func:`~fastdistill.loss.cross_losses.group_reverse_kl_pg_loss` (the aligned group as the
   action, advantage = the teacher's log-prob of the group's text minus the student's; ``pg_importance_ratio`` /
   ``pg_ratio_clip`` as for the same-tokenizer policy gradient).
 
@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from fastdistill.cross_tokenizer import TokenizerPair
 from fastdistill.errors import ConfigError
 from fastdistill.loss import SparseJSDOutput
-from fastdistill.loss.cross_tokenizer import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
+from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
 
 
 @dataclass
@@ -56,11 +57,9 @@ class CrossTokenizerOutput(SparseJSDOutput):
 def load_cross_teachers(config: Any, tokenizer: Any, *, vocab_size: int,
                         device: torch.device | str = "cpu") -> dict[int, CrossTeacher]:
     """Teacher index -> :class:`CrossTeacher` of every teacher ``config.teacher_tokenizers`` names: its
-    :class:`~fastdistill.rollout.cross_targets.TokenizerPair` loaded once against the student's ``tokenizer`` with
+    :class:`~fastdistill.cross_tokenizer.TokenizerPair` loaded once against the student's ``tokenizer`` with
     the student's ``vocab_size`` (lm_head rows), its weights ``config.cross_tokenizer_weights`` or GOLD's adaptive
     ones. ConfigError naming the teacher for a folder that does not load."""
-    from fastdistill.rollout.cross_targets import TokenizerPair
-
     teachers = {}
     for teacher_id in config.cross_tokenizer_teacher_ids:
         folder = config.teacher_tokenizers[teacher_id]
