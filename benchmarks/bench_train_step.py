@@ -10,8 +10,8 @@ step's wall clock minus those: cache reading, packing, gradient clipping, bookke
 trained tokens/s, the step's useful FLOPs (``fastdistill.train.flops``) as MFU against the datasheet's dense bf16 peak
 and against a bf16 matmul rate measured in the same run, peak memory, the loss's share of the step, and the floor: a
 plain causal-LM cross-entropy step on the same packed rows with the same model and optimizer (the ratio; the aim is
-≤ 1.10×). Beside them, the loss alone at the step's trained positions with float32 inputs (what the one-process trainer
-passes under autocast: float32 hidden states from the last norm, the float32 master lm_head) and with bf16 inputs.
+≤ 1.10×). Beside them, the loss alone at the step's trained positions with float32 inputs (float32 hidden states from
+the last norm and the float32 master lm_head, which the trainer casts to bf16 before the loss) and with bf16 inputs.
 
 Correctness, in the same run: the first configuration trains ``--loss-steps`` (20) steps and must lower the loss
 (the mean of its last three steps below its first); a packed row's hidden states with the attention the trainer picks
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         if "loss_inputs" in shape:
             li = shape["loss_inputs"]
             print(f"{shape['shape']} the loss alone (auto, K={li['top_k']}, {li['rows']} positions, bf16 autocast): "
-                  f"float32 inputs (as the one-process trainer passes them) {li['float32_ms']:.1f} ms, bf16 inputs "
+                  f"float32 inputs (uncast) {li['float32_ms']:.1f} ms, bf16 inputs (the trainer's) "
                   f"{li['bfloat16_ms']:.1f} ms")
         for name, check in shape["checks"].items():
             print(f"{shape['shape']} {name}: {check['status']} {check.get('detail', '')}".rstrip())

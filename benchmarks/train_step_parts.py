@@ -315,9 +315,9 @@ def packed_attention_check(model: nn.Module, lengths: list[int], device: torch.d
 def loss_input_dtypes(head_weight: torch.Tensor, rows: int, top_k: int, device: torch.device, backend: str = "auto",
                       repeats: int = 3) -> dict[str, Any]:
     """The loss alone (forward + backward, median ms of ``repeats`` after a warm-up) on ``rows`` trained positions
-    against ``head_weight``, under bf16 autocast as the one-process trainer runs it, with float32 hidden states and
-    the float32 head (what that trainer passes: the backbone's last norm returns float32, the master weights are
-    float32) and with both in bf16: how much the loss's input dtype costs."""
+    against ``head_weight``, under bf16 autocast, with float32 hidden states and the float32 head (uncast: the
+    backbone's last norm returns float32, the master weights are float32) and with both in bf16 (what the trainer
+    passes): how much the loss's input dtype costs."""
     from fastdistill.loss import sparse_jsd_loss
 
     generator = torch.Generator().manual_seed(0)

@@ -3,23 +3,22 @@ FLOPs / the matmul rate + bytes / the bandwidth, with the rates of ``roofline.H2
 measured on an H200; the copy bandwidth and the float32 rate from the datasheet) and the loss from ``roofline.py``,
 the one home of the loss designs' costs. A prediction for the first GPU run of ``bench_train_step.py``.
 
-The loss, three ways. ``auto`` picks ``triton-chunked`` on a validated GPU; the one-process trainer runs under bf16
-autocast with float32 master weights, and the backbone's last norm returns float32, so the loss gets float32 hidden
-states and a float32 lm_head: the chunked design's GEMMs (``torch.mm(..., out=)``, which autocast leaves alone, and
-the backward's) then run in float32 (``roofline.chunked`` with 4-byte operands, its GEMMs at the float32 rate),
-against ``roofline.chunked`` with bf16 operands. ``torch``: ``roofline.torch_path`` (bf16 operands; the float32
-inputs the trainer passes are not modelled there).
-Bytes per phase (≈, bf16 activations, float32 master weights under autocast): forward reads each float32 weight and
-writes and reads its bf16 copy (8 B/param) plus ≈ (16·D + 6·I)·2 B of activations per token and layer; backward
-twice the activations plus the weight gradient (bf16 product, float32 accumulation: 10 B/param); AdamW (float32,
-foreach) reads weight, gradient and both moments and writes three (28 B/param); gradient clipping reads and scales
-the gradients (12 B/param, in "the rest"). The cross-entropy floor's loss (autocast: bf16 logits): the three GEMMs
-plus its (N, V) logits' traffic (16 B per logit).
+The loss, three ways, all with bf16 operands: the check's trainer is one rank FSDP2-sharded with bf16 mixed
+precision, so the loss gets bf16 hidden states and a bf16 lm_head (an unsharded process under autocast casts them to
+bf16 itself: ``train.model.loss_operands``). ``auto`` picks the fastest design whose kernels a GPU check has
+validated as they are today: the fused kernels (``triton``, ``roofline.no_logits``, 8·N·D·V) until the next GPU check
+records the current chunked kernels; then ``triton-chunked`` (``roofline.chunked``, 6·N·D·V); ``torch``:
+``roofline.torch_path``.
+Bytes per phase (≈, bf16 activations, float32 master weights, FSDP2 on one rank: its all-gather and reduce-scatter
+are copies): forward casts each float32 weight to its bf16 copy and reads it (8 B/param) plus ≈ (16·D + 6·I)·2 B of
+activations per token and layer; backward gathers the bf16 copy again (8 B/param), twice the activations, and the
+weight gradient (bf16 written, cast to the float32 reduce dtype and copied by the reduce-scatter: 2 + 6 + 8 B/param);
+AdamW (float32, foreach) reads weight, gradient and both moments and writes three (28 B/param); gradient clipping
+reads and scales the gradients (12 B/param, in "the rest"). The cross-entropy floor's loss (bf16 logits): the three
+GEMMs plus its (N, V) logits' traffic (16 B per logit).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 import roofline
@@ -29,17 +28,16 @@ RATES = roofline.H200_RECORDED
 CE_LOGIT_BYTES = 16  # the floor's logits: bf16 written, float32 copy written and read by softmax, its gradient
 TOP_K_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 TOP_K = 8
-LOSS_FP32 = "loss: auto → triton-chunked, float32 inputs (the one-process trainer today)"
-LOSS_BF16 = "loss: triton-chunked, bf16 inputs"
-LOSS_TORCH = "loss: torch (bf16 inputs)"
+LOSS_AUTO = "loss: auto → triton (fused, validated)"
+LOSS_CHUNKED = "loss: triton-chunked (auto's once validated)"
+LOSS_TORCH = "loss: torch"
 
 
 def loss_costs(n: int, d: int, vocab: int) -> dict[str, roofline.Cost]:
-    """The loss's three predicted costs at ``n`` trained positions (``roofline`` designs, K = :data:`TOP_K`)."""
-    fp32 = roofline.chunked(roofline.Shape(N=n, D=d, V=vocab, K=TOP_K, elem_bytes=4))
-    return {LOSS_FP32: dataclasses.replace(fp32, gemm_fp32_flops=fp32.gemm_flops),
-            LOSS_BF16: roofline.chunked(roofline.Shape(N=n, D=d, V=vocab, K=TOP_K)),
-            LOSS_TORCH: roofline.torch_path(roofline.Shape(N=n, D=d, V=vocab, K=TOP_K))}
+    """The loss's three predicted costs at ``n`` trained positions (``roofline`` designs, K = :data:`TOP_K`, bf16)."""
+    shape = roofline.Shape(N=n, D=d, V=vocab, K=TOP_K)
+    return {LOSS_AUTO: roofline.no_logits(shape), LOSS_CHUNKED: roofline.chunked(shape),
+            LOSS_TORCH: roofline.torch_path(shape)}
 
 
 def typical_row(seed: int = 0, rows: int = 400) -> dict[str, float]:
@@ -73,7 +71,7 @@ def predict(shape: str, row: dict[str, float]) -> dict[str, dict[str, float]]:
     activations = t * layers * (16 * d + 6 * inter) * 2
     phases = {
         "backbone_fwd": (2 * linear_params * t + attention, 8 * params + activations),
-        "backbone_bwd": (4 * linear_params * t + 2 * attention, 10 * params + 2 * activations),
+        "backbone_bwd": (4 * linear_params * t + 2 * attention, 24 * params + 2 * activations),
         "optimizer": (0.0, 28 * params),
         "rest (grad clip)": (0.0, 12 * params),
     }
@@ -100,7 +98,7 @@ def prediction_table() -> str:
         ce_loss_ms = 1e3 * (6 * logits * SHAPES[shape]["hidden_size"] / RATES.matmul_flops
                             + CE_LOGIT_BYTES * logits / RATES.copy_bytes)
         lines.append(f"| {shape} | CE floor's loss (3 GEMMs + logits traffic) | | | {ce_loss_ms:.1f} |")
-        for loss in (LOSS_FP32, LOSS_BF16, LOSS_TORCH):
+        for loss in (LOSS_AUTO, LOSS_CHUNKED, LOSS_TORCH):
             step = common + phases[loss]["ms"]
             floor = common + ce_loss_ms
             share = 100 * phases[loss]["ms"] / step

@@ -229,7 +229,7 @@ def test_the_prediction_covers_both_shapes_and_every_phase(bench):
         phases = predict.predict(shape, row)
         assert {"backbone_fwd", "backbone_bwd", "optimizer"} <= set(phases)
         assert phases["backbone_bwd"]["tflop"] == pytest.approx(2 * phases["backbone_fwd"]["tflop"])
-    assert "qwen2.5-1.5b | step with loss: triton-chunked, bf16 inputs |" in predict.prediction_table()
+    assert "qwen2.5-1.5b | step with loss: auto → triton (fused, validated) |" in predict.prediction_table()
 
 
 def parts_budget() -> int:
