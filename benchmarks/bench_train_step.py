@@ -305,8 +305,8 @@ def record_baseline(result: dict, baseline_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ output
-def fmt(value: Any, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
+def fmt(value: Any, spec: str, unit: str = "") -> str:
+    return "–" if value is None else format(value, spec) + unit
 
 
 def table(result: dict) -> str:
@@ -325,8 +325,8 @@ def table(result: dict) -> str:
             split = " | ".join(f"{1e3 * run['split_s'][name]:.1f}" for name in phases)
             lines.append(
                 f"{head} {1e3 * run['step_s']:.1f} | {split} | {100 * run['loss_share']:.0f} % | "
-                f"{run['trained_tok_s']:.0f} | {run['step_tflop']:.3g} | {fmt(run['mfu_measured_pct'], '.1f')} % | "
-                f"{fmt(run['mfu_datasheet_pct'], '.1f')} % | {fmt(run['peak_gib'], '.2f')} | "
+                f"{run['trained_tok_s']:.0f} | {run['step_tflop']:.3g} | {fmt(run['mfu_measured_pct'], '.1f', ' %')} | "
+                f"{fmt(run['mfu_datasheet_pct'], '.1f', ' %')} | {fmt(run['peak_gib'], '.2f')} | "
                 f"{fmt(run.get('vs_floor_step'), '.2f')}× |")
         if "floor" in shape:
             floor = shape["floor"]
