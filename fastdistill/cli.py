@@ -8,7 +8,9 @@
 - ``fastdistill score --dataset SRC --teacher-url URL --output DIR --top-k K``: score a dataset's own completions with a
   teacher once into a teacher cache (resumable; ``--shard i/n`` splits the work between machines; ``--candidates
   sampled --num-samples S`` stores S draws from the teacher's full distribution instead of its top-K);
-- ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo.
+- ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo;
+- ``fastdistill launch cluster.yaml [field=value ...]``: a multi-host run from one config (servers, then ``torchrun``
+  on every trainer host through ssh, srun, ...; :mod:`fastdistill.launch`).
 
 Messages go through the ``fastdistill`` logger, to stderr, prefixed ``fastdistill:``.
 """
@@ -205,6 +207,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(argv)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from fastdistill.launch import run
+
+    return run(args.cluster, args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdistill", description="Asynchronous on-policy distillation.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -313,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true")
     demo.set_defaults(handler=_demo)
+
+    launch = commands.add_parser("launch", help="start a multi-host run from one config: the student and teacher "
+                                 "servers, then torchrun on every trainer host (ssh, srun, ...), until the nodes exit")
+    launch.add_argument("cluster", type=Path, help="the cluster YAML: hosts, addresses, ports, models, key files, the "
+                        "trainer config (examples/multinode/cluster.yaml)")
+    launch.add_argument("overrides", nargs="*", help="field=value for fastdistill train, e.g. max_steps=100")
+    launch.set_defaults(handler=_launch)
     return parser
 
 

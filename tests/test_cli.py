@@ -59,6 +59,17 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "serve-teacher" in result.stdout and "demo" in result.stdout
 
 
+def test_launch_help_and_the_launcher_start_without_torch():
+    """``fastdistill launch --help`` from the console script; the launcher (what it imports to run a cluster config)
+    leaves torch out: it only starts processes on other hosts."""
+    script = Path(sys.executable).parent / "fastdistill"
+    result = subprocess.run([str(script), "launch", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "cluster" in result.stdout and "field=value" in result.stdout
+    code = "import sys, fastdistill.cli, fastdistill.launch; print(sorted(m for m in sys.modules if m == 'torch'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_serve_passes_enforce_eager_only_on_cpu(capsys, monkeypatch):
     import torch
 

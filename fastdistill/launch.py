@@ -2,14 +2,15 @@
 nodes (``torchrun``, one per trainer host), each on its own host through an "exec" prefix (``ssh HOST``, ``srun -w
 HOST``, or ``ip netns exec NS`` in the tests).
 
-``python examples/multinode/launch.py cluster.yaml [field=value ...]``: starts every server, then every trainer node
+``fastdistill launch cluster.yaml [field=value ...]``: starts every server, then every trainer node
 (the trainer waits for the servers' ``/health`` itself), waits for the trainer nodes to exit, stops the servers and
 exits 0 when all succeed. Any process that exits early stops everything: a server at once, a failed trainer node
 after ``failure_grace_s`` (the other nodes end by themselves within it, naming the lost rank in their logs); the
 launcher then exits with the first failure's status and prints its name and error line. Extra ``field=value``
 arguments go to ``fastdistill train`` as config overrides.
 
-The config (YAML; see ``cluster.yaml`` beside this file):
+The config (YAML; ``examples/multinode/cluster.yaml`` is one), refused with a :class:`ConfigError` naming what is
+missing or unknown:
 
 - ``exec``: the prefix that runs a command on a host, ``{host}`` replaced by the host's ``host`` field (default
   ``["ssh", "{host}"]``); ``exec_shell``: whether the prefix takes the command as one shell string (ssh: true, the
@@ -46,10 +47,14 @@ from typing import Any
 import yaml
 
 from fastdistill.auth import key_from_file_or_new
+from fastdistill.errors import ConfigError
 from fastdistill.supervise import death_signal_setter, signal_group  # the servers' own supervision
 
 STUDENT_KEY_FILE_ENV = "FASTDISTILL_STUDENT_API_KEY_FILE"
 TEACHER_KEY_FILE_ENV = "FASTDISTILL_TEACHER_API_KEY_FILE"
+REQUIRED_FIELDS = ("student", "teacher_model", "teachers", "trainers", "key_files", "train_config")
+OPTIONAL_FIELDS = ("exec", "exec_shell", "teacher_args", "master_port", "logs", "env", "fastdistill", "torchrun",
+                   "failure_grace_s")
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,19 @@ class Cluster:
     def from_yaml(cls, path: str | Path) -> Cluster:
         """Read and check a launcher config; relative paths are taken from the config's folder."""
         path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such launcher config")
         raw = yaml.safe_load(path.read_text())
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: a launcher config is a mapping of fields, not {type(raw).__name__}")
+        missing = [name for name in REQUIRED_FIELDS if name not in raw]
+        unknown = sorted(set(raw) - {*REQUIRED_FIELDS, *OPTIONAL_FIELDS})
+        if missing or unknown:
+            raise ConfigError(f"{path}: " + "; ".join(
+                ([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])))
+        roles = sorted(raw["key_files"] or ())
+        if roles != ["student", "teacher"]:
+            raise ConfigError(f"{path}: key_files names a 'student' and a 'teacher' file, not {roles}")
         here = path.resolve().parent
 
         def local(value: str) -> Path:
@@ -107,17 +124,23 @@ class Cluster:
         def endpoint(entry: dict[str, Any], what: str) -> Endpoint:
             missing = {"host", "address", "port"} - set(entry)
             if missing:
-                raise ValueError(f"{what} needs {sorted(missing)}")
+                raise ConfigError(f"{what} needs {sorted(missing)}")
             return Endpoint(str(entry["host"]), str(entry["address"]), int(entry["port"]))
 
         exec_prefix = list(raw.get("exec", ["ssh", "{host}"]))
         student = raw["student"]
+        if "model" not in student:
+            raise ConfigError("student needs ['model']")
         teachers = {str(tid): [endpoint(e, f"teacher {tid!r}") for e in (entries if isinstance(entries, list)
                                                                           else [entries])]
                     for tid, entries in raw["teachers"].items()}
-        trainers = [TrainerNode(str(t["host"]), str(t["address"]), int(t.get("nproc", 1))) for t in raw["trainers"]]
+        for index, node in enumerate(raw["trainers"] or ()):
+            if {"host", "address"} - set(node):
+                raise ConfigError(f"trainer {index} needs {sorted({'host', 'address'} - set(node))}")
+        trainers = [TrainerNode(str(t["host"]), str(t["address"]), int(t.get("nproc", 1)))
+                    for t in raw["trainers"] or ()]
         if not trainers:
-            raise ValueError("trainers: at least one trainer node")
+            raise ConfigError("trainers: at least one trainer node")
         return cls(
             student=endpoint(student, "student"), student_model=str(student["model"]), teachers=teachers,
             teacher_model=str(raw["teacher_model"]), trainers=trainers, master_port=int(raw.get("master_port", 29500)),
@@ -332,17 +355,15 @@ def stop_all(*groups: dict[str, Launched]) -> None:
             launched.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        print(__doc__, file=sys.stderr)
-        return 2
-    cluster = Cluster.from_yaml(argv[0])
+def run(config: str | Path, overrides: Sequence[str] = ()) -> int:
+    """Start the run ``config`` describes (``overrides``: ``fastdistill train`` field=value arguments), supervise it
+    to the end, stop everything and return the exit status (0: every trainer node succeeded)."""
+    cluster = Cluster.from_yaml(config)
     servers: dict[str, Launched] = {}
     trainers: dict[str, Launched] = {}
     try:
         servers = start_servers(cluster)
-        trainers = start_trainers(cluster, argv[1:])
+        trainers = start_trainers(cluster, overrides)
         outcome = supervise(trainers, servers, grace_s=cluster.failure_grace_s)
     finally:
         stop_all(trainers, servers)
@@ -352,7 +373,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: failed: {outcome.failed} (exit {outcome.failed_status}): {outcome.failed_error}",
               file=sys.stderr)
     return outcome.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
