@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from cross_tokenizer_cases import student_tokenizer, teacher_tokenizer
 
 from fastdistill.cross_tokenizer import (
     TokenizerBytes,
@@ -21,6 +20,7 @@ from fastdistill.cross_tokenizer import (
     teacher_completion_ids,
 )
 from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, sorted_student_logprobs, uld_loss
+from fastdistill_testing.cross_tokenizer import student_tokenizer, teacher_tokenizer
 
 TEXT = "Hello! café 🙂 — the answer is 12345, said the teacher model."
 MESSAGES = [{"role": "user", "content": "Say something."}]

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from fastdistill.data import PromptTable
 from fastdistill.cross_tokenizer import (
     TokenizerBytes,
     TokenizerPair,
@@ -27,6 +26,7 @@ from fastdistill.cross_tokenizer import (
     model_vocab_size,
     render_teacher_sequence,
 )
+from fastdistill.data import PromptTable
 from fastdistill.errors import AlignmentError, ConfigError, VocabularyMismatchError
 from fastdistill.rollout import RolloutConfig, StudentClient, TeacherClient, check_shared_vocabulary
 from fastdistill.rollout import dropped as drop_reasons
@@ -34,8 +34,8 @@ from fastdistill.rollout.client import Generation
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
-from fastdistill.testing.cross_tokenizer import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
-from fastdistill.testing.cross_tokenizer_models import save_tiny_model
+from fastdistill_testing.cross_tokenizer import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
+from fastdistill_testing.cross_tokenizer_models import save_tiny_model
 from fastdistill_testing.vllm_server import VLLMServer, require_vllm
 
 TOP_K = 5

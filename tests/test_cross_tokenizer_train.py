@@ -18,7 +18,12 @@ from fastdistill.data.packing import pack_row
 from fastdistill.errors import ConfigError
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
-from fastdistill.testing.cross_tokenizer import (
+from fastdistill.tiny import build_model, save_pretrained_dir, tiny_config
+from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.cross_teachers import load_cross_teachers
+from fastdistill.train.model import DistillationModel
+from fastdistill.train.trainer import AsyncDistillationTrainer
+from fastdistill_testing.cross_tokenizer import (
     TEXTS,
     cross_tokenizer_samples,
     save_teacher_folder,
@@ -26,11 +31,6 @@ from fastdistill.testing.cross_tokenizer import (
     teacher_tokenizer,
     tiny_teacher_model,
 )
-from fastdistill.tiny import build_model, save_pretrained_dir, tiny_config
-from fastdistill.train.config import AsyncDistillationConfig
-from fastdistill.train.cross_teachers import load_cross_teachers
-from fastdistill.train.model import DistillationModel
-from fastdistill.train.trainer import AsyncDistillationTrainer
 from fastdistill_testing.synthetic import synthetic_samples
 
 URLS = {"same": "http://127.0.0.1:9", "cross": "http://127.0.0.1:10"}

@@ -5,13 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cross_tokenizer_cases import (
-    TEXTS,
-    lossy_tokenizer,
-    sentencepiece_tokenizer,
-    student_tokenizer,
-    teacher_tokenizer,
-)
 
 from fastdistill.cross_tokenizer import (
     Alignment,
@@ -30,6 +23,13 @@ from fastdistill.cross_tokenizer import (
 )
 from fastdistill.cross_tokenizer.targets import _merge_same_ids
 from fastdistill.errors import AlignmentError
+from fastdistill_testing.cross_tokenizer import (
+    TEXTS,
+    lossy_tokenizer,
+    sentencepiece_tokenizer,
+    student_tokenizer,
+    teacher_tokenizer,
+)
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

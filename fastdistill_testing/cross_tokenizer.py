@@ -12,6 +12,7 @@ then the realised token when it is outside the top-K).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -95,8 +96,6 @@ def lossy_tokenizer() -> PreTrainedTokenizerFast:
 def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
     """A SentencePiece-style BPE as Hugging Face converts Llama 2's: ``▁`` for spaces (one put before the text),
     ``<0xNN>`` byte-fallback pieces for what its vocabulary lacks, and the matching decoder."""
-    import json
-
     marker = "\u2581"
     trainer_tokenizer = Tokenizer(models.BPE())
     trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=marker, prepend_scheme="first")
