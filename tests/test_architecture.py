@@ -19,6 +19,8 @@ FORBIDDEN = {
     "fastdistill.loss": ("fastdistill.train", "fastdistill.rollout", "fastdistill.sync", "fastdistill.cache"),
     "fastdistill.logit_head": ("fastdistill.train", "fastdistill.rollout", "fastdistill.sync", "fastdistill.cache"),
     "fastdistill.errors": ("fastdistill",),
+    "fastdistill.cross_tokenizer": ("fastdistill.rollout", "fastdistill.data", "fastdistill.loss", "fastdistill.train",
+                                    "fastdistill.sync", "fastdistill.cache"),
     "fastdistill.rollout": ("fastdistill.train", "fastdistill.sync", "fastdistill.loss"),
     "fastdistill.data": ("fastdistill.train", "fastdistill.sync"),
     "fastdistill.cache": ("fastdistill.train", "fastdistill.sync"),
@@ -131,3 +133,31 @@ def test_no_library_module_outgrows_its_size(name):
 def test_the_trainer_only_orchestrates():
     lines = len(MODULES["fastdistill.train.trainer"].read_text().splitlines())
     assert lines <= 460, f"trainer.py has {lines} lines: its parts belong in their own modules"
+
+
+def outside_imports(path: Path) -> set[str]:
+    """The top-level names of the packages outside the project that a file imports anywhere (lazy imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.partition(".")[0])
+    return found - {"fastdistill", "fastdistill_kernels"}
+
+
+def test_the_cross_tokenizer_package_stays_below_its_users():
+    """fastdistill.cross_tokenizer (alignment, vocabulary map, targets) is what the rollout, the packer and the trainer
+    share: it imports none of their layers (FORBIDDEN above), no torch and no HTTP client, and they import it; no
+    other module takes its name."""
+    package = {name: path for name, path in MODULES.items() if within(name, "fastdistill.cross_tokenizer")}
+    assert "fastdistill.cross_tokenizer.alignment" in package and "fastdistill.cross_tokenizer.targets" in package
+    heavy = sorted(f"{name} imports {top}" for name, path in package.items() for top in outside_imports(path)
+                   if top in ("torch", "aiohttp", "triton", "vllm"))
+    assert not heavy, "\n".join(heavy)
+    users = {layer for name, targets in GRAPH.items() for layer in ("fastdistill.rollout", "fastdistill.data",
+                                                                     "fastdistill.train")
+             if within(name, layer) and any(within(t, "fastdistill.cross_tokenizer") for t in targets)}
+    assert users == {"fastdistill.rollout", "fastdistill.data", "fastdistill.train"}
+    namesakes = sorted(str(p) for n, p in MODULES.items() if p.name == "cross_tokenizer.py" and n not in package)
+    assert not namesakes, namesakes

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from fastdistill.cross_tokenizer import TokenizerBytes, TokenizerPair
+from fastdistill.cross_tokenizer import TokenizerBytes, TokenizerPair, check_teacher_tokenizers
 from fastdistill.data.packing import pack_row
 from fastdistill.errors import ConfigError
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, uld_loss
+from fastdistill.rollout import RolloutConfig
 from fastdistill.tiny import build_model, save_pretrained_dir, tiny_config
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.cross_teachers import load_cross_teachers
@@ -361,6 +362,37 @@ def test_config_refusals_name_the_options(case, tmp_path, overrides, field):
         make_config(case, tmp_path, **overrides)
     if overrides.get("teacher_tokenizers", {}) is not None and field != "teacher_tokenizers":
         assert "teacher_tokenizers" in str(error.value) or "cross_tokenizer" in str(error.value)
+
+
+def test_both_configs_refuse_a_hidden_cross_teacher_by_the_one_rule(case, tmp_path):
+    """The rollout's and the trainer's configs check teacher_tokenizers with one function: a hidden-state teacher with
+    its own tokenizer is refused with the same reason, each naming its own signal option."""
+    with pytest.raises(ConfigError, match="teacher_signal must") as trainer_error:
+        make_config(case, tmp_path, teacher_signal={"cross": "hidden"})
+    with pytest.raises(ConfigError, match="teacher_signals must") as rollout_error:
+        RolloutConfig(student_url="http://s", teacher_urls=URLS, teacher_tokenizers={"cross": "/t"},
+                      student_tokenizer="/s", teacher_signals={"cross": "hidden"})
+    reason = "teacher 'cross' is a hidden-state teacher and has its own tokenizer"
+    trainer_why, rollout_why = (str(e.value).partition(reason)[1:] for e in (trainer_error, rollout_error))
+    assert trainer_why[0] == reason and trainer_why == rollout_why
+
+
+def test_the_teacher_tokenizers_rule_directly():
+    """check_teacher_tokenizers: the cross teachers in configuration order; refusals name the option."""
+    rule = dict(hidden_ids=[], student_queries="none", signal_option=("teacher_signal", "topk"),
+                queries_option=("loss_type", "jsd"))
+    assert check_teacher_tokenizers({"b": "/b", "a": "/a"}, ["a", "c", "b"], **rule) == ["a", "b"]
+    assert check_teacher_tokenizers(None, ["a"], **rule) == check_teacher_tokenizers({}, ["a"], **rule) == []
+    with pytest.raises(ConfigError, match="teacher_tokenizers must be None or a mapping"):
+        check_teacher_tokenizers(["/a"], ["a"], **rule)
+    with pytest.raises(ConfigError, match=r"teacher_tokenizers\['a'\] must be a tokenizer folder"):
+        check_teacher_tokenizers({"a": 3}, ["a"], **rule)
+    with pytest.raises(ConfigError, match=r"teachers \['a', 'b'\] are hidden-state teachers"):
+        check_teacher_tokenizers({"a": "/a", "b": "/b"}, ["a", "b"], **{**rule, "hidden_ids": ["b", "a"]})
+    assert check_teacher_tokenizers({"a": "/a"}, ["a", "b"], **{**rule, "hidden_ids": ["b"]}) == ["a"]
+    with pytest.raises(ConfigError, match=r"loss_type='reverse_kl_mc' asks the teacher .* teachers \['a'\]"):
+        check_teacher_tokenizers({"a": "/a"}, ["a"], **{**rule, "student_queries": "samples",
+                                                        "queries_option": ("loss_type", "reverse_kl_mc")})
 
 
 def test_teacher_cache_with_teacher_tokenizers_is_refused(case, tmp_path):
