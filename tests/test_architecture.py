@@ -161,3 +161,12 @@ def test_the_cross_tokenizer_package_stays_below_its_users():
     assert users == {"fastdistill.rollout", "fastdistill.data", "fastdistill.train"}
     namesakes = sorted(str(p) for n, p in MODULES.items() if p.name == "cross_tokenizer.py" and n not in package)
     assert not namesakes, namesakes
+
+
+def test_the_library_imports_nothing_the_wheel_leaves_out():
+    """The installed packages run without the checkout: no module imports the test harness (fastdistill_testing, at
+    the repository root, not in the wheel), the tests, the benchmarks or the examples, lazily or not."""
+    checkout = {"fastdistill_testing", "tests", "conftest", "benchmarks", "examples"}
+    wrong = sorted(f"{name} imports {top}" for name, path in MODULES.items() for top in outside_imports(path)
+                   if top in checkout)
+    assert not wrong, "\n".join(wrong)
