@@ -20,7 +20,7 @@ from fastdistill.cross_tokenizer import (
     teacher_completion_ids,
 )
 from fastdistill.loss.cross_losses import group_reverse_kl_pg_loss, hybrid_loss, sorted_student_logprobs, uld_loss
-from fastdistill_testing.cross_tokenizer import student_tokenizer, teacher_tokenizer
+from fastdistill_testing.cross_tokenizer_samples import student_tokenizer, teacher_tokenizer
 
 TEXT = "Hello! café 🙂 — the answer is 12345, said the teacher model."
 MESSAGES = [{"role": "user", "content": "Say something."}]

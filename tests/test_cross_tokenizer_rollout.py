@@ -34,8 +34,8 @@ from fastdistill.rollout.client import Generation
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
-from fastdistill_testing.cross_tokenizer import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
 from fastdistill_testing.cross_tokenizer_models import save_tiny_model
+from fastdistill_testing.cross_tokenizer_samples import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
 from fastdistill_testing.vllm_server import VLLMServer, require_vllm
 
 TOP_K = 5

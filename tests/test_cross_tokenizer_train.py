@@ -24,7 +24,7 @@ from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.cross_teachers import load_cross_teachers
 from fastdistill.train.model import DistillationModel
 from fastdistill.train.trainer import AsyncDistillationTrainer
-from fastdistill_testing.cross_tokenizer import (
+from fastdistill_testing.cross_tokenizer_samples import (
     TEXTS,
     cross_tokenizer_samples,
     save_teacher_folder,

@@ -23,7 +23,7 @@ from fastdistill.cross_tokenizer import (
 )
 from fastdistill.cross_tokenizer.targets import _merge_same_ids
 from fastdistill.errors import AlignmentError
-from fastdistill_testing.cross_tokenizer import (
+from fastdistill_testing.cross_tokenizer_samples import (
     TEXTS,
     lossy_tokenizer,
     sentencepiece_tokenizer,
