@@ -128,7 +128,7 @@ bench-e2e: $(STAMP) $(VLLM_STAMP)
 
 lint:
 	$(MAKE) EXTRAS=dev install
-	$(VENV)/bin/ruff check fastdistill kernels tests benchmarks examples
+	$(VENV)/bin/ruff check fastdistill fastdistill_testing kernels tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .hypothesis

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import pytest
+
 T = TypeVar("T")
 PREFIX = "fdc-"  # every namespace a cluster makes: fdc-<pid>-<token>-<host index or "sw">
 DEFAULT_SUBNET = "10.77.0.0/24"
@@ -62,8 +64,6 @@ def netns_problem() -> str | None:
 def require_netns() -> None:
     """In a pytest test or fixture: skip when :func:`netns_problem` finds one, or fail under
     ``FASTDISTILL_REQUIRE_NETNS=1`` (what ``make test`` sets, so CI runs these tests instead of skipping them)."""
-    import pytest
-
     problem = netns_problem()
     if problem is None:
         return

@@ -10,12 +10,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+
 
 def save_tiny_pair(root: Path, seeds: tuple[int, int] = (1, 2)) -> tuple[Path, Path]:
     """The tiny Qwen3 student (``seeds[0]``) and teacher (``seeds[1]``) saved with the tiny tokenizer under
     ``root/student`` and ``root/teacher``; returns both folders."""
-    from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-
     tokenizer = build_tokenizer()
     config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     return tuple(Path(save_pretrained_dir(build_model(config, seed=seed), tokenizer, root / name))
@@ -52,8 +54,6 @@ def train_through_cli(config: dict[str, Any], path: Path, overrides: Sequence[st
                       timeout_s: float = 900.0) -> list[dict[str, Any]]:
     """Write ``config`` as YAML to ``path``, run ``fastdistill train`` on it and return the run's ``metrics.jsonl``
     records; a non-zero exit raises AssertionError with the ends of its output."""
-    import yaml
-
     path.write_text(yaml.safe_dump(config))
     result = subprocess.run(train_command(path, *overrides), capture_output=True, text=True, timeout=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

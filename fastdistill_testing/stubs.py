@@ -8,6 +8,8 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from aiohttp import web
+
 from fastdistill.serve import free_port
 from fastdistill.sync.network import interface_addresses
 
@@ -15,8 +17,6 @@ from fastdistill.sync.network import interface_addresses
 def serve_and_call(handler: Callable[[Any], Awaitable[Any]], client_call: Callable[[str], Awaitable[Any]]) -> Any:
     """Serve every path and method with the aiohttp ``handler`` on 127.0.0.1:<free port>, run ``client_call(url)``
     against it, stop the server. Returns what the call returned, or the exception it raised."""
-    from aiohttp import web
-
     async def main() -> Any:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handler)
@@ -38,8 +38,6 @@ def serve_and_call(handler: Callable[[Any], Awaitable[Any]], client_call: Callab
 def serving(handler: Callable[[Any], Awaitable[Any]], host: str = "127.0.0.1") -> Iterator[str]:
     """Serve every path and method with the aiohttp ``handler`` on ``host``:<free port> from a background thread's
     event loop (so blocking clients can call it from this thread); yields the base URL, stops the server on exit."""
-    from aiohttp import web
-
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
