@@ -53,8 +53,9 @@ def validate_loss_options(config: Any) -> None:
 
 
 def validate_cross_tokenizer(config: Any) -> None:
-    """``teacher_tokenizers``, ``cross_tokenizer_loss`` and ``cross_tokenizer_weights``, and the options a
-    cross-tokenizer teacher does not compose with (docs/train.md, "What composes"); a ConfigError naming both."""
+    """``teacher_tokenizers`` (by :func:`~fastdistill.cross_tokenizer.check_teacher_tokenizers`, the rules the
+    rollout's config checks too), ``cross_tokenizer_loss`` and ``cross_tokenizer_weights``, and the trainer's options
+    a cross-tokenizer teacher does not compose with (docs/train.md, "What composes"); a ConfigError naming both."""
     named = config.teacher_tokenizers
     choice(config, "cross_tokenizer_loss", CROSS_TOKENIZER_LOSSES)
     weights = config.cross_tokenizer_weights
