@@ -37,7 +37,7 @@ import numpy as np
 from fastdistill.cache.format import CacheSettings, id_dtype_for, write_safetensors
 from fastdistill.cache.sampled import SampledScores
 from fastdistill.cache.score import CompletionRow, encode_shard
-from fastdistill.rollout.client import TeacherScores
+from fastdistill.rollout.decode import TeacherScores
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_cache.json"
 TOP_KS = (8, 32, 128)

@@ -286,7 +286,8 @@ def teacher_completions(teacher: torch.nn.Module, prompts: list[list[int]], max_
 def make_samples(teacher: torch.nn.Module, prompts: list[list[int]], completions: list[list[int]], signal: str,
                  top_k: int = 8) -> list[Any]:
     """One :class:`RolloutSample` per prompt and its completion, scored top-K or as (bfloat16) hidden rows."""
-    from fastdistill.rollout.client import Generation, TeacherScores
+    from fastdistill.rollout.client import Generation
+    from fastdistill.rollout.decode import TeacherScores
     from fastdistill.rollout.hidden import TeacherHiddenStates
     from fastdistill.rollout.sample import RolloutSample
     from fastdistill_testing.synthetic import score_completion

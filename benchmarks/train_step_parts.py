@@ -95,7 +95,7 @@ class SyntheticTeacher:
     def scores(self, prompt: list, completion: list) -> Any:
         """The cache's (L, K+1) candidates: the top-K and, when the realised token is not among them, it in the
         extra slot with its tail log-prob (else -1 / -inf), as ``fastdistill score`` stores them."""
-        from fastdistill.rollout.client import TeacherScores
+        from fastdistill.rollout.decode import TeacherScores
 
         previous = np.asarray(prompt[-1:] + completion[:-1], dtype=np.int64)
         top = self.candidates(previous)

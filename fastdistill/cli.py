@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastdistill.errors import ConfigError
+from fastdistill.options import CANDIDATE_MODES, LOGPROB_DTYPES, SYNC_BACKENDS, TEACHER_SIGNALS
 
 if TYPE_CHECKING:
     from fastdistill.serve import VLLMServer
@@ -247,12 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "generating one (loopback only for a student): every local user can then use the "
                                 "server" + (" and replace its weights" if role == "student" else ""))
         if role == "teacher":
-            serve.add_argument("--signal", choices=("topk", "hidden"), default="topk",
+            serve.add_argument("--signal", choices=TEACHER_SIGNALS, default="topk",
                                help="what the teacher serves: topk (default) prompt log-probs on /v1/completions, or "
                                     "hidden: every token's final hidden state on /pooling (vLLM's pooling runner), "
                                     "for full-vocabulary distillation with the teacher's head in the trainer")
         if role == "student":
-            serve.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "none"), default="auto",
+            serve.add_argument("--weight-transfer", choices=SYNC_BACKENDS, default="auto",
                                help="weight-transfer engine (auto: nccl with CUDA, gloo without)")
             serve.add_argument("--enable-lora", action="store_true",
                                help="load LoRA adapters at run time (what lora_sync='adapter' needs)")
@@ -298,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the teacher server's URL (repeat for replicas of the same model); its key: "
                        "$FASTDISTILL_TEACHER_API_KEY")
     score.add_argument("--output", required=True, type=Path, help="the cache folder (created; re-running resumes)")
-    score.add_argument("--candidates", choices=("topk", "sampled"), default="topk",
+    score.add_argument("--candidates", choices=CANDIDATE_MODES, default="topk",
                        help="topk (default): the teacher's top-K per position; sampled: S tokens drawn per position "
                        "from the teacher's full distribution (an unbiased forward-KL estimate; the server must run "
                        "with --max-logprobs -1)")
@@ -312,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--tokenizer", default=None, help="the teacher's model folder (default: the folder the "
                        "teacher server serves)")
     score.add_argument("--concurrency", type=int, default=16, help="scoring requests in flight (default 16)")
-    score.add_argument("--logprob-dtype", choices=("float16", "bfloat16"), default="float16",
+    score.add_argument("--logprob-dtype", choices=LOGPROB_DTYPES, default="float16",
                        help="stored log-prob precision (default float16)")
     score.set_defaults(handler=_score)
 

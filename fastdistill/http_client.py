@@ -98,13 +98,18 @@ async def send(
         return response.status, await response.read()
 
 
+async def decode_off_loop(size: int, decode: Callable[..., _T], *args: Any) -> _T:
+    """``decode(*args)`` for an answer of ``size`` bytes: in a worker thread above :data:`DECODE_IN_THREAD_BYTES`
+    (the event loop keeps serving the other requests in flight), else at once."""
+    if size > DECODE_IN_THREAD_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, decode, *args)
+    return decode(*args)
+
+
 async def decode_json(url: str, body: bytes) -> Any:
-    """``body`` decoded as JSON (in a worker thread when it is large); ``ValueError`` naming ``url`` when it is not
-    JSON."""
+    """``body`` decoded as JSON (:func:`decode_off_loop`); ``ValueError`` naming ``url`` when it is not JSON."""
     try:
-        if len(body) > DECODE_IN_THREAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
-        return json.loads(body)
+        return await decode_off_loop(len(body), json.loads, body)
     except ValueError as error:
         raise ValueError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
 

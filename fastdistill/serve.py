@@ -24,12 +24,11 @@ import torch
 from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
 from fastdistill.errors import VLLMServerError
 from fastdistill.http_client import poll_until_healthy, run_blocking
+from fastdistill.options import TEACHER_SIGNALS
 from fastdistill.supervise import DEFAULT_GRACE_S, children, death_signal_setter, signal_group, supervise
 from fastdistill.sync.network import is_loopback_host
 
 Role = Literal["teacher", "student"]
-Signal = Literal["topk", "hidden"]
-SIGNALS: tuple[Signal, ...] = ("topk", "hidden")
 
 # Teachers return many prompt log-probs per position, after temperature. Students expose vLLM's RL routes
 # (pause/resume, weight transfer) that only exist in dev mode, and report the sampled distribution's log-probs.
@@ -140,13 +139,13 @@ class VLLMServer:
         api_key: str | None = None,
         max_lora_rank: int | None = None,
         max_loras: int = 4,
-        signal: Signal = "topk",
+        signal: str = "topk",
         stop_grace_s: float = DEFAULT_GRACE_S,
     ):
         if role not in _ROLE_ARGS:
             raise ValueError(f"role must be one of {sorted(_ROLE_ARGS)}, got {role!r}")
-        if signal not in SIGNALS:
-            raise ValueError(f"signal must be one of {list(SIGNALS)}, got {signal!r}")
+        if signal not in TEACHER_SIGNALS:
+            raise ValueError(f"signal must be one of {list(TEACHER_SIGNALS)}, got {signal!r}")
         if signal == "hidden" and role != "teacher":
             raise ValueError("signal='hidden' is for teachers: a student must generate, which a pooling server "
                              "cannot")

@@ -32,6 +32,7 @@ from fastdistill.auth import (  # noqa: E402
     teacher_key_env,
     write_new_key_file,
 )
+from fastdistill.errors import ConfigError  # noqa: E402
 from fastdistill.http_client import HTTPFailure, request_json_blocking  # noqa: E402
 from fastdistill.rollout import (  # noqa: E402
     RetryPolicy,
@@ -44,7 +45,7 @@ from fastdistill.rollout import (  # noqa: E402
 from fastdistill.serve import VLLMServer  # noqa: E402
 from fastdistill.sync import VLLMWeightSync, WeightSyncError, served_logprob_gap, weight_sync_from_config  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
+from fastdistill.train.config import AsyncDistillationConfig  # noqa: E402
 from fastdistill_testing.stubs import interface_ipv4_addresses, serve_and_call  # noqa: E402
 from fastdistill_testing.vllm_server import require_vllm  # noqa: E402
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fastdistill.cache import TeacherCache, score_dataset
+from fastdistill.errors import ConfigError
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.trainer import AsyncDistillationTrainer
 
 HERE = Path(__file__).parent

@@ -49,7 +49,8 @@ from typing import Any
 import pytest
 import yaml
 
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.errors import ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill_testing.runs import count_prompts, read_jsonl, save_tiny_pair, write_jsonl
 
 FACTORS: dict[str, tuple[Any, ...]] = {

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.errors import ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 
 
 @pytest.mark.parametrize("value", [["http://a:8000", "http://b:8000"], ["http://a:8000"], None, 8000, "localhost:8000"],

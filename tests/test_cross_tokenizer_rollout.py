@@ -271,7 +271,8 @@ def test_check_servers_probes_a_cross_teacher_with_its_own_tokenizer(teacher_ser
         return SimpleNamespace(vllm_server_base_url=teacher_server.url, vllm_server_api_key=None,
                                vllm_server_timeout=60.0, teacher_api_keys=None,
                                teacher_server_urls={"t": teacher_server.url}, teacher_signal_of=lambda _: "topk",
-                               student_queries="none", teacher_tokenizers={"t": str(folder)})
+                               student_queries="none", teacher_tokenizers={"t": str(folder)},
+                               teacher_hidden_dtype="bfloat16", request_timeout=600.0)
 
     served, _ = check_servers(config(folders[1]))
     assert served["t"].max_model_len == TEACHER_MAX_LEN

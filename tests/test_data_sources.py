@@ -17,8 +17,9 @@ datasets = pytest.importorskip("datasets")
 
 from fastdistill.data import PromptTable, routed_table, tokenize_prompts  # noqa: E402
 from fastdistill.data.sources import load_prompt_source, prepare_prompts, prompt_messages, tokenize_dataset  # noqa: E402
+from fastdistill.errors import ConfigError  # noqa: E402
 from fastdistill.tiny import build_tokenizer  # noqa: E402
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
+from fastdistill.train.config import AsyncDistillationConfig  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -258,7 +259,7 @@ def test_an_unreachable_hub_name_is_a_clear_error_offline(tmp_path):
     """In a fresh process with the Hub switched off (the variables are read when datasets is imported), so nothing
     is fetched."""
     code = ("from fastdistill.data.sources import load_prompt_source\n"
-            "from fastdistill.train.config import ConfigError\n"
+            "from fastdistill.errors import ConfigError\n"
             "try:\n    load_prompt_source('fastdistill-tests/no-such-dataset', split='train', dataset_config='main')\n"
             "except ConfigError as error:\n    print(error)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}

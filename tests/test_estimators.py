@@ -490,7 +490,8 @@ def test_bad_inputs_are_value_errors_naming_the_problem(kwargs, match):
 
 
 def test_config_maps_the_loss_types_to_student_queries_and_refuses_what_cannot_work():
-    from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+    from fastdistill.errors import ConfigError
+    from fastdistill.train.config import AsyncDistillationConfig
 
     base = dict(model_name_or_path="m", weight_sync_backend="none")
     mc = AsyncDistillationConfig(**base, loss_type="reverse_kl_mc", num_student_queries=4, top_k=8)

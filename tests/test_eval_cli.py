@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fastdistill.cli import _teacher_urls, main
+from fastdistill.errors import ConfigError
 from fastdistill.rollout import RolloutSample
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-from fastdistill.train.config import ConfigError
 from fastdistill.train.evaluate import eval_record, prepare_eval_rows
 
 
@@ -252,7 +252,6 @@ def test_eval_scores_mixed_top_k_and_hidden_teachers(tmp_path, monkeypatch, caps
     may name the ids given with --teacher-url."""
     from test_hidden_training import TEACHERS, as_hidden_sample, reference_step
 
-    import fastdistill.sync
     import fastdistill.train.evaluate as evaluate
     from fastdistill_testing.synthetic import synthetic_samples
 
@@ -272,7 +271,7 @@ def test_eval_scores_mixed_top_k_and_hidden_teachers(tmp_path, monkeypatch, caps
         return samples
 
     monkeypatch.setattr(evaluate, "collect_scored_samples", collect)
-    monkeypatch.setattr(fastdistill.sync, "served_logprob_gap", lambda *args, **kwargs: 0.0)
+    monkeypatch.setattr(evaluate, "served_logprob_gap", lambda *args, **kwargs: 0.0)
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": "x", "teacher_id": s.teacher_id}) + "\n" for s in samples))
     with FakeServer("student") as student, FakeServer("org/teacher", width=96) as teacher:

@@ -200,7 +200,7 @@ def test_head_folder_of_a_hub_id_is_its_local_cache_snapshot(tmp_path, monkeypat
     vLLM server on the same machine put it; nothing is downloaded, and an id not in the cache is refused."""
     import huggingface_hub.constants
 
-    from fastdistill.train.config import ConfigError
+    from fastdistill.errors import ConfigError
     from fastdistill.train.teacher_head import teacher_head_folder
 
     cache = tmp_path / "hub"
@@ -469,7 +469,8 @@ def test_served_width_is_checked_against_the_head(hidden_servers, tmp_path):
     """The real server's width probe says 64; `fastdistill eval` with a head of width 96 (teacher_model_paths naming
     another checkpoint than the served one) stops with a ConfigError naming both widths before it asks the student
     server anything (none runs at that address)."""
-    from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+    from fastdistill.errors import ConfigError
+    from fastdistill.train.config import AsyncDistillationConfig
     from fastdistill.train.evaluate import evaluate_saved_model
 
     server, _ = hidden_servers[False]

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from fastdistill.data.packing import pack_row
+from fastdistill.errors import ConfigError
 from fastdistill.loss import sparse_jsd_loss
 from fastdistill.loss.dense import dense_teacher_jsd_loss
 from fastdistill.rollout.client import Generation
+from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.hidden import TeacherHiddenStates
 from fastdistill.rollout.sample import RolloutSample, hidden_array, hidden_tensor
-from fastdistill.rollout.worker import RolloutConfig
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.teacher_head import load_teacher_head
 from fastdistill.train.trainer import AsyncDistillationTrainer
 from fastdistill_testing.synthetic import synthetic_samples

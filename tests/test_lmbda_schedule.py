@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from fastdistill.errors import ConfigError
 from fastdistill.rollout import OnPolicyShare, RolloutConfig, RolloutSample, is_on_policy
 from fastdistill.train.collector import SourceExhausted
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.source import ListSource, MixedSource
 
 

@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("peft")
 
 from fastdistill.cli import build_parser, build_server  # noqa: E402
+from fastdistill.errors import ConfigError  # noqa: E402
 from fastdistill.http_client import request_json_blocking  # noqa: E402
 from fastdistill.rollout import StudentClient, VLLMRequestError  # noqa: E402
 from fastdistill.rollout.adapters import adapter_name, generate_with_adapter  # noqa: E402
@@ -33,7 +34,7 @@ from fastdistill.sync import (  # noqa: E402
 from fastdistill.sync.adapter import AdapterWeightSync  # noqa: E402
 from fastdistill.sync.lora import adapter_weights, save_adapter  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError  # noqa: E402
+from fastdistill.train.config import AsyncDistillationConfig  # noqa: E402
 from fastdistill.train.lora import apply_lora  # noqa: E402
 from fastdistill_testing.spawned import file_rendezvous, run_ranks  # noqa: E402
 from fastdistill_testing.stubs import serve_and_call  # noqa: E402

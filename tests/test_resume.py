@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from trainer_cases import TEACHERS, offline_config, synthetic_run_samples, tiny_student_dir
 
+from fastdistill.errors import ConfigError
 from fastdistill.tiny import build_tokenizer
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.trainer import AsyncDistillationTrainer
 
 HERE = Path(__file__).parent

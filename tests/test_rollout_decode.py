@@ -10,8 +10,7 @@ import pytest
 
 from fastdistill.errors import VLLMResponseError
 from fastdistill.rollout import parse_prompt_logprobs
-from fastdistill.rollout.client import _first_choice
-from fastdistill.rollout.decode import scores_from_body, scores_from_prompt_logprobs
+from fastdistill.rollout.decode import first_choice, scores_from_body, scores_from_prompt_logprobs
 
 URL = "http://teacher:8000/v1/completions"
 
@@ -21,7 +20,7 @@ def reference_from_body(body: bytes, prompt_length: int, completion_length: int,
         decoded = json.loads(body)
     except ValueError as error:
         raise VLLMResponseError(f"{URL} answered with a body that is not JSON: {body[:200]!r}") from error
-    per_position = _first_choice(URL, decoded).get("prompt_logprobs")
+    per_position = first_choice(URL, decoded).get("prompt_logprobs")
     return parse_prompt_logprobs(URL, per_position, prompt_length, completion_length, top_k)
 
 
@@ -47,7 +46,7 @@ def assert_agree(body: bytes, prompt_length: int, completion_length: int, top_k:
     expected = outcome(reference_from_body, body, prompt_length, completion_length, top_k)
     assert outcome(scores_from_body, URL, body, prompt_length, completion_length, top_k) == expected
     try:
-        per_position = _first_choice(URL, json.loads(body)).get("prompt_logprobs")
+        per_position = first_choice(URL, json.loads(body)).get("prompt_logprobs")
     except (ValueError, VLLMResponseError):
         return expected
     args = (URL, per_position, prompt_length, completion_length, top_k)

@@ -19,11 +19,12 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from fastdistill.rollout.child import RolloutLoop  # noqa: E402
+from fastdistill.rollout.config import RolloutConfig  # noqa: E402
 from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
 from fastdistill.rollout.http import RetryPolicy  # noqa: E402
 from fastdistill.rollout.order import epoch_order, prompt_cursor, row_of_prompt  # noqa: E402
 from fastdistill.rollout.sequence import is_clipped  # noqa: E402
-from fastdistill.rollout.worker import RolloutConfig, RolloutWorker  # noqa: E402
+from fastdistill.rollout.worker import RolloutWorker  # noqa: E402
 from fastdistill_testing.vllm_server import free_port  # noqa: E402
 
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=30.0)

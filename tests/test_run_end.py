@@ -91,7 +91,7 @@ def served():
 def test_eval_rows_are_checked_like_training_rows(tmp_path, student_dir, samples):
     """A held-out row that cannot fit a server is a ConfigError naming it, or with skip_long_prompts left out of every
     evaluation and counted (it once failed the evaluation, and the run with it, at its first step)."""
-    from fastdistill.train.config import ConfigError
+    from fastdistill.errors import ConfigError
 
     rows = [{"prompt_ids": [5] * length, "teacher_id": teacher}
             for length, teacher in [(10, "a"), (30, "a"), (25, "b")]]

@@ -24,9 +24,9 @@ from fastdistill.cache.format import CacheSettings, from_bfloat16_bits, id_dtype
 from fastdistill.cache.sampled import draw_candidates, parse_full_prompt_logprobs, row_seed
 from fastdistill.cache.score import CompletionRow, _write_shard, write_manifest_if_complete
 from fastdistill.cli import main as cli_main
+from fastdistill.errors import ConfigError
 from fastdistill.loss import sample_teacher_candidates, sparse_jsd_loss
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-from fastdistill.train.config import ConfigError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -29,10 +29,11 @@ from fastdistill.cache import CacheError, TeacherCache, completion_row, score_da
 from fastdistill.cache.format import from_bfloat16_bits, to_bfloat16_bits  # noqa: E402
 from fastdistill.cache.score import parse_shard, shard_block  # noqa: E402
 from fastdistill.cli import main as cli_main  # noqa: E402
-from fastdistill.rollout.client import TeacherClient, parse_prompt_logprobs  # noqa: E402
+from fastdistill.errors import ConfigError  # noqa: E402
+from fastdistill.rollout.client import TeacherClient  # noqa: E402
+from fastdistill.rollout.decode import parse_prompt_logprobs  # noqa: E402
 from fastdistill.rollout.http import RetryPolicy  # noqa: E402
 from fastdistill.tiny import build_tokenizer  # noqa: E402
-from fastdistill.train.config import ConfigError  # noqa: E402
 from fastdistill_testing.vllm_server import free_port  # noqa: E402
 
 DEADLINE_S = 120.0  # only keeps a broken test from hanging; nothing is asserted about time

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import load_file
 from trainer_cases import TEACHERS, offline_config, synthetic_run_samples, tiny_student_dir
 
+from fastdistill.errors import ConfigError
 from fastdistill.tiny import build_model, build_tokenizer, tiny_config
-from fastdistill.train.config import AsyncDistillationConfig, ConfigError
+from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.metrics import MetricsLogger, reduce_values
 from fastdistill.train.trainer import AsyncDistillationTrainer
 from fastdistill_testing.synthetic import synthetic_samples

@@ -125,6 +125,37 @@ def test_the_rollout_settings_follow_the_config_and_the_resume_point():
     assert settings.student_model_for_version(3) == "fastdistill-student-v3" and settings.skip_rows == {3}
 
 
+def test_the_start_up_checks_ask_the_servers_with_the_runs_request_timeout(monkeypatch):
+    """check_servers builds its clients from the one client factory with the run's request_timeout (they used the
+    default 600 s policy, whatever the run set), and asks every server through them."""
+    from aiohttp import web
+
+    import fastdistill.rollout.http as rollout_http
+    from fastdistill.train.pipeline import check_servers
+    from fastdistill_testing.stubs import serving
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/health":
+            return web.Response(text="")
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+        return web.json_response({"tokens": [len((await request.json())["prompt"])]})  # /tokenize
+
+    timeouts = []
+    real_send = rollout_http.send
+
+    async def recording_send(*args, timeout_s, **kwargs):
+        timeouts.append(timeout_s)
+        return await real_send(*args, timeout_s=timeout_s, **kwargs)
+
+    monkeypatch.setattr(rollout_http, "send", recording_send)
+    with serving(handler) as url:
+        served, widths = check_servers(config(vllm_server_base_url=url, teacher_server_urls={"a": url},
+                                              request_timeout=7.5, vllm_server_api_key=None, teacher_api_keys=None))
+    assert served["student"].max_model_len == 64 and served["a"].name == "m" and widths == {}
+    assert len(timeouts) >= 2 and set(timeouts) == {7.5}  # /v1/models and /tokenize of both servers
+
+
 def test_the_source_follows_the_run():
     state = RolloutState()
     assert isinstance(open_source(config(), world_size=1, samples=[], cache=None, offline=True, rows=None,

@@ -326,7 +326,8 @@ def test_a_run_whose_loss_reads_query_logprobs_refuses_a_teacher_without_the_plu
         def config(student_queries):
             return SimpleNamespace(vllm_server_base_url=url, vllm_server_api_key=None, vllm_server_timeout=5.0,
                                    teacher_api_keys=None, teacher_server_urls={"t": url},
-                                   teacher_signal_of=lambda teacher_id: "topk", student_queries=student_queries)
+                                   teacher_signal_of=lambda teacher_id: "topk", student_queries=student_queries,
+                                   teacher_hidden_dtype="bfloat16", request_timeout=600.0)
 
         served, _ = check_servers(config("none"))  # a loss without query ids never asks
         assert set(served) == {"student", "t"}

@@ -51,14 +51,12 @@ from fastdistill.errors import CacheError
 FORMAT_VERSION = 1  # top-K caches (unchanged since version 1, so older readers still read them)
 SAMPLED_FORMAT_VERSION = 2  # version 2 adds the sampled mode (settings num_samples, proposal_temperature, seed)
 READABLE_VERSIONS = (FORMAT_VERSION, SAMPLED_FORMAT_VERSION)
-CANDIDATE_MODES = ("topk", "sampled")
 MAX_NUM_SAMPLES = 255  # counts are uint8
 MANIFEST_NAME = "manifest.json"
 REJECTED_NAME = "rejected.jsonl"
 UINT16_MAX_VOCAB = 65535  # uint16 ids 0..65534; 65535 is the empty-slot sentinel
 ARRAY_NAMES = ("input_ids", "token_offsets", "prompt_lengths", "candidate_ids", "candidate_logprobs", "dataset_index")
 SAMPLED_ARRAY_NAMES = (*ARRAY_NAMES, "candidate_counts")
-LOGPROB_DTYPES = ("float16", "bfloat16")
 
 _SAFETENSORS_DTYPES = {"uint8": "U8", "uint16": "U16", "int32": "I32", "int64": "I64", "float16": "F16",
                        "bfloat16": "BF16"}

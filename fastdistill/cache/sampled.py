@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 
 from fastdistill.cache.format import MAX_NUM_SAMPLES
-from fastdistill.errors import ConfigError
-from fastdistill.rollout.http import VLLMRequestError, VLLMResponseError
+from fastdistill.errors import ConfigError, VLLMRequestError, VLLMResponseError
 
 FULL_VOCABULARY = -1  # vLLM's prompt_logprobs value for every token of the vocabulary
 MASS_TOLERANCE = 1e-3  # |sum of returned probabilities - 1| above this: not the full distribution
@@ -54,7 +53,7 @@ def draw_candidates(teacher_logprobs: np.ndarray, num_samples: int, seed: int, d
     """Draw ``num_samples`` tokens per position from ``teacher_logprobs`` (L, V) float32 (full-vocabulary log-probs,
     -inf = no mass) with the generator of (``seed``, ``dataset_index``), merged into distinct ids and counts; the
     teacher log-probs returned are the input's values at the drawn ids (not renormalised)."""
-    import torch
+    import torch  # here, not at the top: `fastdistill score` of top-K candidates starts without torch
 
     from fastdistill.loss import sample_teacher_candidates
 

@@ -9,11 +9,11 @@ Rows carry a completion in one of two layouts (the first present decides):
   generation prompt).
 
 Scoring runs shard by shard (``rows_per_shard`` dataset rows each) with at most ``concurrency`` requests in flight,
-through :class:`~fastdistill.rollout.TeacherClient` (replicas, retries and failover). Each shard is written to a
-temporary name and renamed, then its ``shard-NNNNN.json`` record is written the same way; a re-run skips every
-shard whose record and checksum are in place, so a killed run resumes at its first unfinished shard. ``shard=(i,
-n)`` scores the i-th of n contiguous blocks of shards, so n machines can share one dataset. The run that finds
-every shard finished writes ``manifest.json`` and ``rejected.jsonl``.
+through a top-K teacher client (:func:`~fastdistill.rollout.teacher_client`: replicas, retries and failover). Each
+shard is written to a temporary name and renamed, then its ``shard-NNNNN.json`` record is written the same way; a
+re-run skips every shard whose record and checksum are in place, so a killed run resumes at its first unfinished
+shard. ``shard=(i, n)`` scores the i-th of n contiguous blocks of shards, so n machines can share one dataset. The
+run that finds every shard finished writes ``manifest.json`` and ``rejected.jsonl``.
 
 ``candidates="topk"`` stores the teacher's top-K (plus the realised token) per completion position;
 ``candidates="sampled"`` asks for the teacher's full distribution and stores S tokens drawn from it (see
@@ -34,8 +34,6 @@ from typing import Any
 import numpy as np
 
 from fastdistill.cache.format import (
-    CANDIDATE_MODES,
-    LOGPROB_DTYPES,
     MANIFEST_NAME,
     REJECTED_NAME,
     CacheSettings,
@@ -57,9 +55,13 @@ from fastdistill.cache.sampled import (
     draw_candidates,
     score_full,
 )
-from fastdistill.errors import ConfigError
-from fastdistill.rollout.client import TeacherClient, TeacherScores
-from fastdistill.rollout.http import RetryPolicy, VLLMRequestError
+from fastdistill.data.sources import load_prompt_source, prompt_messages
+from fastdistill.errors import ConfigError, VLLMRequestError
+from fastdistill.options import CANDIDATE_MODES, LOGPROB_DTYPES
+from fastdistill.rollout.client import TeacherClient
+from fastdistill.rollout.decode import TeacherScores
+from fastdistill.rollout.http import RetryPolicy
+from fastdistill.rollout.sequence import teacher_client
 from fastdistill.rollout.vocab import PROBE_TEXTS
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,6 @@ def completion_row(row: Mapping[str, Any], index: int, tokenizer: Any, what: str
 
     Raises ConfigError naming the row for a missing column, a value of the wrong type, a conversation without an
     assistant turn or prompt, or an empty prompt or completion."""
-    from fastdistill.data.sources import prompt_messages
-
     if "prompt" in row and "completion" in row:
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -294,8 +294,6 @@ def score_dataset(
     ``tokenizer``: a tokenizer object or model folder; None: the folder the teacher serves (its ``/v1/models`` id).
     Raises ConfigError for bad settings or data, a teacher that tokenizes differently from ``tokenizer``, or an
     ``output`` folder scored with other settings; a row the server refuses (HTTP 4xx) is recorded as rejected."""
-    from fastdistill.data.sources import load_prompt_source
-
     if candidates not in CANDIDATE_MODES:
         raise ConfigError(f"--candidates must be one of {list(CANDIDATE_MODES)}, got {candidates!r}")
     if candidates == "topk":
@@ -330,7 +328,7 @@ def score_dataset(
 async def _score(rows: Any, teacher_urls: str | Sequence[str], folder: Path, *, top_k: int, sampled: dict[str, Any],
                  tokenizer: Any, shard: tuple[int, int], rows_per_shard: int, concurrency: int, logprob_dtype: str,
                  api_key: str | None, retry: RetryPolicy | None) -> ScoreSummary:
-    async with TeacherClient(teacher_urls, api_key=api_key, retry=retry) as client:
+    async with teacher_client("topk", teacher_urls, api_key=api_key, retry=retry) as client:
         teacher_model = (await client.served_model()).name
         tokenizer, vocab_size = _load_tokenizer(tokenizer, teacher_model)
         await _check_teacher_tokenizer(client, tokenizer)

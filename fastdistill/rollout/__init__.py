@@ -7,30 +7,26 @@ client, which decodes with torch, is loaded on first use.
 import importlib
 from typing import Any
 
-from fastdistill.rollout.client import (
-    Generation,
-    ServedModel,
-    StudentClient,
-    TeacherClient,
-    TeacherScores,
-    parse_prompt_logprobs,
-)
-from fastdistill.rollout.config import RolloutConfig
-from fastdistill.rollout.dropped import DroppedPrompt
-from fastdistill.rollout.http import (
-    RequestStats,
-    RetryPolicy,
+from fastdistill.errors import (
+    ServerDownError,
     VLLMError,
     VLLMRequestError,
     VLLMResponseError,
     VLLMUnavailableError,
+    VocabularyMismatchError,
 )
+from fastdistill.rollout.child import WorkerExhausted
+from fastdistill.rollout.client import Generation, ServedModel, StudentClient, TeacherClient
+from fastdistill.rollout.config import RolloutConfig
+from fastdistill.rollout.decode import TeacherScores, parse_prompt_logprobs
+from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.rollout.http import RequestStats, RetryPolicy
 from fastdistill.rollout.order import OnPolicyShare, epoch_order, is_on_policy, prompt_cursor, row_of_prompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sample import RolloutSample
 from fastdistill.rollout.sequence import Rollouts, open_clients, teacher_client
-from fastdistill.rollout.vocab import VocabularyMismatchError, check_shared_vocabulary
-from fastdistill.rollout.worker import RolloutWorker, ServerDownError, WorkerExhausted
+from fastdistill.rollout.vocab import check_shared_vocabulary
+from fastdistill.rollout.worker import RolloutWorker
 
 _LAZY = {"HiddenTeacherClient": "fastdistill.rollout.hidden", "TeacherHiddenStates": "fastdistill.rollout.hidden"}
 

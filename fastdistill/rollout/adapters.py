@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fastdistill.adapter_names import ADAPTER_PREFIX, adapter_name
+from fastdistill.errors import VLLMRequestError
 from fastdistill.rollout.client import Generation, StudentClient
-from fastdistill.rollout.http import VLLMRequestError
 
 __all__ = ["ADAPTER_PREFIX", "MAX_ADAPTER_RETRIES", "adapter_name", "generate_with_adapter", "is_unknown_model"]
 

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from fastdistill.errors import VLLMResponseError
+from fastdistill.options import QUERY_KINDS
 
-QUERY_KINDS = ("none", "samples", "topk")
 # vLLM sends -inf log-probs (ids masked by top-k / top-p / min-p) as this value
 VLLM_MINUS_INF = -9999.0
 # μ's support must hold this much mass of the reported log-probs: float32 log-softmax over the support sums to 1

@@ -20,6 +20,7 @@ import aiohttp
 import numpy as np
 
 from fastdistill.auth import api_key_problem, bearer_headers
+from fastdistill.errors import VLLMResponseError
 from fastdistill.http_client import health_problem, new_session
 from fastdistill.rollout.behaviour import (
     draw_behaviour_samples,
@@ -28,14 +29,8 @@ from fastdistill.rollout.behaviour import (
     student_topk,
     support_width,
 )
-from fastdistill.rollout.decode import (  # TeacherScores and parse_prompt_logprobs: re-exported
-    TeacherScores,
-    _first_choice,
-    parse_prompt_logprobs,  # noqa: F401
-    scores_from_body,
-    scores_from_compact_body,
-)
-from fastdistill.rollout.http import RequestStats, RetryPolicy, VLLMResponseError, request_json_pooled
+from fastdistill.rollout.decode import TeacherScores, first_choice, scores_from_body, scores_from_compact_body
+from fastdistill.rollout.http import RequestStats, RetryPolicy, request_json_pooled
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.scoring_wire import request_xargs
 
@@ -61,10 +56,10 @@ class Generation:
     query_logprobs: np.ndarray | None = None
 
 
-_Endpoint = TypeVar("_Endpoint", bound="_VLLMEndpoint")
+_Endpoint = TypeVar("_Endpoint", bound="VLLMEndpoint")
 
 
-class _VLLMEndpoint:
+class VLLMEndpoint:
     """Shared plumbing: replica URLs, an aiohttp session, retries, health wait and served-model discovery.
 
     ``base_url`` is one URL or several replica URLs of the same model (see :class:`ReplicaPool`: least-in-flight
@@ -198,7 +193,7 @@ def _student_logprobs_hint(status: int, message: str) -> str | None:
     return None
 
 
-class StudentClient(_VLLMEndpoint):
+class StudentClient(VLLMEndpoint):
     """Samples completions from the student's vLLM server.
 
     The returned log-probs are what the server reports for each sampled token: with ``--logprobs-mode
@@ -258,7 +253,7 @@ class StudentClient(_VLLMEndpoint):
             payload["repetition_penalty"] = repetition_penalty
         url = self._where("/v1/completions")
         body = await self._request("POST", "/v1/completions", payload, rejection_hint=_student_logprobs_hint)
-        choice = _first_choice(url, body)
+        choice = first_choice(url, body)
         try:
             token_ids = choice["token_ids"]
             logprobs = choice["logprobs"]["token_logprobs"]
@@ -309,14 +304,14 @@ def _query_array(query_ids: Any, completion_length: int) -> np.ndarray:
     return array.astype(np.int32, copy=False)
 
 
-class TeacherClient(_VLLMEndpoint):
+class TeacherClient(VLLMEndpoint):
     """Scores completions with a teacher's vLLM server through teacher-forced ``prompt_logprobs``.
 
     Start the server with ``--max-logprobs -1`` (needed for K > 20) and ``--logprobs-mode processed_logprobs``.
     Scoring at query ids (``score(query_ids=...)``) needs fastdistill's scoring plugin in the server
     (:meth:`check_query_scoring` says whether it runs). ``compact_scoring=True`` sends plain top-K requests to the
     plugin too: the same scores, decoded from one compact array (completion rows only) instead of per-position JSON.
-    Other arguments: :class:`_VLLMEndpoint`.
+    Other arguments: :class:`VLLMEndpoint`.
     """
 
     def __init__(self, base_url: str | Sequence[str], *, compact_scoring: bool = False, **kwargs: Any):
@@ -395,7 +390,7 @@ class TeacherClient(_VLLMEndpoint):
                    "temperature": 1.0, "prompt_logprobs": int(num_logprobs)}
         where = self._where("/v1/completions")
         body = await self._request("POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint)
-        return where, _first_choice(where, body).get("prompt_logprobs")
+        return where, first_choice(where, body).get("prompt_logprobs")
 
     async def check_query_scoring(self) -> None:
         """Raise :class:`VLLMResponseError` (saying what to install and how to start the teacher) unless every

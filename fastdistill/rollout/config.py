@@ -11,16 +11,20 @@ import numpy as np
 from fastdistill.adapter_names import adapter_name
 from fastdistill.auth import check_api_keys
 from fastdistill.cross_tokenizer import check_teacher_tokenizers
+from fastdistill.options import HIDDEN_DTYPES, QUERY_KINDS, TEACHER_SIGNALS
 from fastdistill.rollout.behaviour import samples_route_problem
 from fastdistill.rollout.http import RetryPolicy
 from fastdistill.rollout.order import OnPolicyShare
 from fastdistill.rollout.replicas import normalize_urls
 
-TEACHER_SIGNALS = ("topk", "hidden")  # what a teacher server returns: its top-K prompt_logprobs, or hidden states
-HIDDEN_DTYPES = ("bfloat16", "float32")  # the wire dtype of a hidden-state teacher's rows
-# which ids per completion position the teacher also scores for the student-side estimators: none, N draws from the
-# rollout policy μ (the realised token first), or the rollout student's top-N ids
-STUDENT_QUERIES = ("none", "samples", "topk")
+
+def processes_problem(rollout_processes: int, max_inflight_tasks: int) -> str | None:
+    """Why ``rollout_processes`` rollout processes cannot share ``max_inflight_tasks`` rollouts in flight (every
+    process needs one), or None when they can."""
+    if rollout_processes > max_inflight_tasks:
+        return (f"rollout_processes={rollout_processes} is more than max_inflight_tasks={max_inflight_tasks}: every "
+                "process needs a rollout in flight")
+    return None
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,11 @@ class RolloutConfig:
     :class:`~fastdistill.rollout.hidden.HiddenTeacherClient`: the sample carries the teacher's final hidden states
     in ``teacher_hidden``, in ``teacher_hidden_dtype``, and no candidates).
 
-    Student queries: ``student_queries`` (one of ``STUDENT_QUERIES``) asks for ``num_student_queries`` ids per
-    completion position besides the teacher's top-K: ``"samples"`` draws them from the distribution the student
-    server sampled from (column 0 is the realised token), ``"topk"`` takes the student's top ids; the sample carries
-    them with their rollout log-probs and the teacher's log-probs at them (``RolloutSample.query_*``).
+    Student queries: ``student_queries`` (one of :data:`~fastdistill.options.QUERY_KINDS`) asks for
+    ``num_student_queries`` ids per completion position besides the teacher's top-K: ``"samples"`` draws them from
+    the distribution the student server sampled from (column 0 is the realised token), ``"topk"`` takes the
+    student's top ids; the sample carries them with their rollout log-probs and the teacher's log-probs at them
+    (``RolloutSample.query_*``).
 
     Teacher tokenizers: ``teacher_tokenizers`` maps a teacher id to that teacher's own tokenizer (a local folder,
     usually the teacher model's): a **cross-tokenizer teacher**. It scores the student's completion text rendered its
@@ -127,8 +132,8 @@ class RolloutConfig:
     chat_template_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.student_queries not in STUDENT_QUERIES:
-            raise ValueError(f"student_queries must be one of {list(STUDENT_QUERIES)}, got {self.student_queries!r}")
+        if self.student_queries not in QUERY_KINDS:
+            raise ValueError(f"student_queries must be one of {list(QUERY_KINDS)}, got {self.student_queries!r}")
         if (self.student_queries == "none") != (self.num_student_queries == 0) or self.num_student_queries < 0:
             raise ValueError(f"num_student_queries must be >= 1 with student_queries={self.student_queries!r} and 0 "
                              f"without, got {self.num_student_queries}")
@@ -162,9 +167,8 @@ class RolloutConfig:
         if isinstance(self.rollout_processes, bool) or not isinstance(self.rollout_processes, (int, np.integer)) \
                 or self.rollout_processes < 1:
             raise ValueError(f"rollout_processes must be an int >= 1, got {self.rollout_processes!r}")
-        if self.rollout_processes > self.max_inflight_tasks:
-            raise ValueError(f"rollout_processes={self.rollout_processes} is more than max_inflight_tasks="
-                             f"{self.max_inflight_tasks}: every process needs a rollout in flight")
+        if problem := processes_problem(self.rollout_processes, self.max_inflight_tasks):
+            raise ValueError(problem)
         if self.start_index < 0:
             raise ValueError(f"start_index must be >= 0, got {self.start_index}")
         if self.end_index is not None and self.end_index < self.start_index:

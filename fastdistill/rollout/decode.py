@@ -55,7 +55,7 @@ class TeacherScores:
     query_logprobs: np.ndarray | None = None
 
 
-def _first_choice(url: str, body: Any) -> dict[str, Any]:
+def first_choice(url: str, body: Any) -> dict[str, Any]:
     try:
         choice = body["choices"][0]
     except (KeyError, IndexError, TypeError) as error:
@@ -223,7 +223,7 @@ def scores_from_body(url: str, body: bytes, prompt_length: int, completion_lengt
         decoded = json.loads(body)
     except ValueError as error:
         raise VLLMResponseError(f"{url} answered with a body that is not JSON: {body[:200]!r}") from error
-    per_position = _first_choice(url, decoded).get("prompt_logprobs")
+    per_position = first_choice(url, decoded).get("prompt_logprobs")
     return parse_prompt_logprobs(url, per_position, prompt_length, completion_length, top_k)
 
 

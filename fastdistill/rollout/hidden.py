@@ -14,21 +14,21 @@ and keeps rows P-1 .. P+L-2.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from fastdistill.http_client import DECODE_IN_THREAD_BYTES
-from fastdistill.rollout.client import _VLLMEndpoint
-from fastdistill.rollout.http import VLLMResponseError
+from fastdistill.errors import VLLMResponseError
+from fastdistill.http_client import decode_off_loop
+from fastdistill.options import HIDDEN_DTYPES
+from fastdistill.rollout.client import VLLMEndpoint
 
-HiddenDType = Literal["float32", "bfloat16"]
+# by name of HIDDEN_DTYPES
 _TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Little-endian wire words: float32 as is, bfloat16 as its 16 raw bits (numpy has no bfloat16).
 _WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
@@ -64,7 +64,7 @@ class TeacherHiddenStates:
     hidden: torch.Tensor
 
 
-def decode_hidden(url: str, body: Any, rows: int, dtype: HiddenDType, hidden_size: int | None = None) -> torch.Tensor:
+def decode_hidden(url: str, body: Any, rows: int, dtype: str, hidden_size: int | None = None) -> torch.Tensor:
     """Decode a ``/pooling`` answer (``data[0].data``: base64 of ``rows * D`` little-endian ``dtype`` words) into a
     (rows, D) tensor of ``dtype``. ``hidden_size`` (when known) must equal D. ``url`` names the server in the
     :class:`VLLMResponseError` raised on a malformed answer."""
@@ -85,7 +85,7 @@ def decode_hidden(url: str, body: Any, rows: int, dtype: HiddenDType, hidden_siz
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
-class HiddenTeacherClient(_VLLMEndpoint):
+class HiddenTeacherClient(VLLMEndpoint):
     """Scores completions with a hidden-state teacher server (``fastdistill serve-teacher --signal hidden``).
 
     Same replicas, retries, failover, API key and error classes as :class:`~fastdistill.rollout.TeacherClient`: a
@@ -95,10 +95,10 @@ class HiddenTeacherClient(_VLLMEndpoint):
     for a float32 teacher). ``hidden_size`` (optional) is checked against every answer.
     """
 
-    def __init__(self, base_url: str | Sequence[str], *, dtype: HiddenDType = "bfloat16",
+    def __init__(self, base_url: str | Sequence[str], *, dtype: str = "bfloat16",
                  hidden_size: int | None = None, **kwargs: Any):
-        if dtype not in _WIRE_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_WIRE_DTYPES)}, got {dtype!r}")
+        if dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"dtype must be one of {list(HIDDEN_DTYPES)}, got {dtype!r}")
         if hidden_size is not None and hidden_size < 1:
             raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
         super().__init__(base_url, **kwargs)
@@ -133,11 +133,7 @@ class HiddenTeacherClient(_VLLMEndpoint):
         }
         body = await self._request("POST", "/pooling", payload, rejection_hint=_pooling_hint)
         args = (self._where("/pooling"), body, len(sequence), self.dtype, self.hidden_size)
-        if _encoded_length(body) > DECODE_IN_THREAD_BYTES:
-            # a long answer is decoded in a worker thread: the event loop keeps serving the other requests
-            hidden = await asyncio.get_running_loop().run_in_executor(None, decode_hidden, *args)
-        else:
-            hidden = decode_hidden(*args)
+        hidden = await decode_off_loop(_encoded_length(body), decode_hidden, *args)
         start = len(prompt) - 1
         return TeacherHiddenStates(hidden[start : start + len(completion)])
 

@@ -19,19 +19,9 @@ from typing import Any
 
 import aiohttp
 
-from fastdistill.errors import VLLMError, VLLMRequestError, VLLMResponseError, VLLMUnavailableError
-from fastdistill.http_client import (
-    DECODE_IN_THREAD_BYTES,
-    NO_ANSWER_ERRORS,
-    decode_json,
-    new_session,
-    send,
-    server_message,
-)
+from fastdistill.errors import VLLMRequestError, VLLMResponseError, VLLMUnavailableError
+from fastdistill.http_client import NO_ANSWER_ERRORS, decode_json, decode_off_loop, new_session, send, server_message
 from fastdistill.rollout.replicas import Replica, ReplicaPool
-
-__all__ = ["VLLMError", "VLLMRequestError", "VLLMResponseError", "VLLMUnavailableError"]
-
 
 # errno values of a failure on this side of the connection: the server was never reached
 LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
@@ -106,11 +96,10 @@ def _is_transient_status(status: int) -> bool:
 
 
 async def _decode_json(url: str, body: bytes, decode: Callable[[str, bytes], Any] | None = None) -> Any:
-    """The body as JSON, or as ``decode(url, body)`` makes it (in a worker thread when it is large)."""
+    """The body as JSON, or as ``decode(url, body)`` makes it (in a worker thread when it is large:
+    :func:`~fastdistill.http_client.decode_off_loop`)."""
     if decode is not None:
-        if len(body) > DECODE_IN_THREAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(None, decode, url, body)
-        return decode(url, body)
+        return await decode_off_loop(len(body), decode, url, body)
     try:
         return await decode_json(url, body)
     except ValueError as error:

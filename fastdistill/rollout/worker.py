@@ -37,13 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastdistill.data.prompt_table import routed_table
-from fastdistill.errors import ServerDownError
 from fastdistill.rollout.child import WorkerExhausted, child_main
 from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.dispatch import owner_of
 from fastdistill.rollout.processes import SharedCounts
-
-__all__ = ["RolloutConfig", "RolloutWorker", "ServerDownError", "WorkerExhausted"]
 
 # Environment variables of torch.distributed / torchrun that must not leak into the child.
 _DISTRIBUTED_ENV = (

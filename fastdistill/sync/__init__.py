@@ -11,7 +11,7 @@ Modules: ``naming`` (what is sent: names, manifests, ``NamedTensors``), ``http``
 (``AdapterWeightSync``, ``lora_sync="adapter"``).
 """
 
-from fastdistill.sync.errors import WeightSyncError
+from fastdistill.errors import WeightSyncError
 from fastdistill.sync.factory import weight_sync_from_config
 from fastdistill.sync.naming import NamedTensors, hf_name, iter_named_weights, snapshot_weights, weight_manifest
 from fastdistill.sync.verify import served_logprob_gap, served_sampled_logprob_gap

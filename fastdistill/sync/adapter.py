@@ -25,14 +25,13 @@ from typing import Any
 
 from fastdistill.adapter_names import ADAPTER_PREFIX, adapter_name
 from fastdistill.auth import api_key_problem
-from fastdistill.errors import ConfigError
-from fastdistill.http_client import HTTPFailure, request_json_blocking
-from fastdistill.sync.errors import WeightSyncError
-from fastdistill.sync.weights import WeightSync, _ranks_agree
+from fastdistill.errors import ConfigError, WeightSyncError
+from fastdistill.sync.http import CONTROL_TIMEOUT_S, request
+from fastdistill.sync.lora import AdapterWeights, adapter_weights, save_adapter
+from fastdistill.sync.weights import WeightSync, ranks_agree
 
 logger = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT_S = 300.0
 # vLLM's weight version of a server whose weights no weight sync has replaced since it loaded them (``/weight_info``);
 # every full sync stamps its own version.
 UNTOUCHED_WEIGHT_VERSION = "default"
@@ -94,12 +93,8 @@ class AdapterWeightSync(WeightSync):
         return adapter_name(self.loaded[-1], self.prefix) if self.loaded else None
 
     def _call(self, method: str, route: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
-        try:
-            return request_json_blocking(method, self.base_url + route, payload,
-                                         timeout_s=timeout_s or self.timeout_s, api_key=self._api_key)
-        except HTTPFailure as error:
-            status = f" (HTTP {error.status})" if error.status is not None else ""
-            raise WeightSyncError(f"{method} {self.base_url}{route} failed{status}: {error.message}") from None
+        return request(method, self.base_url, route, payload, timeout_s=timeout_s or self.timeout_s, backend=None,
+                       api_key=self._api_key)
 
     # -------------------------------------------------------------------------------------------- init
 
@@ -113,12 +108,12 @@ class AdapterWeightSync(WeightSync):
         if self.is_sender:
             self._check_server()
             self._check_base_weights()
-            models = self._call("GET", "/v1/models", timeout_s=_CONTROL_TIMEOUT_S)["data"]
+            models = self._call("GET", "/v1/models", timeout_s=CONTROL_TIMEOUT_S)["data"]
             self.base_model = next(str(entry["id"]) for entry in models if not entry.get("parent"))
             for entry in models:
                 name = str(entry["id"])
                 if entry.get("parent") and name.startswith(self.prefix + "-v"):
-                    self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=_CONTROL_TIMEOUT_S)
+                    self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name}, timeout_s=CONTROL_TIMEOUT_S)
             if self.adapter_dir.is_dir():
                 for folder in self.adapter_dir.iterdir():
                     if re.fullmatch(r"\.?v\d+(\..*)?", folder.name) and folder.is_dir():
@@ -128,7 +123,7 @@ class AdapterWeightSync(WeightSync):
 
     def _check_server(self) -> None:
         try:
-            info = self._call("GET", "/server_info?config_format=json", timeout_s=_CONTROL_TIMEOUT_S)
+            info = self._call("GET", "/server_info?config_format=json", timeout_s=CONTROL_TIMEOUT_S)
         except WeightSyncError as error:
             raise WeightSyncError(f"{error}\nlora_sync='adapter' reads the student's LoRA settings from its dev-mode "
                                   "/server_info route: start it with VLLM_SERVER_DEV_MODE=1 (`fastdistill "
@@ -146,7 +141,7 @@ class AdapterWeightSync(WeightSync):
         if self.lora_rank is not None and self.lora_rank > max_rank:
             raise ConfigError(f"lora_r={self.lora_rank} is above the student server's --max-lora-rank {max_rank}: "
                                 f"{_START_LORA_SERVER}")
-        routes = self._call("GET", "/openapi.json", timeout_s=_CONTROL_TIMEOUT_S).get("paths", {})
+        routes = self._call("GET", "/openapi.json", timeout_s=CONTROL_TIMEOUT_S).get("paths", {})
         if "/v1/load_lora_adapter" not in routes:
             raise ConfigError(f"the student server at {self.base_url} has LoRA enabled but cannot load adapters at "
                                 f"run time (no /v1/load_lora_adapter route): {_START_LORA_SERVER}")
@@ -154,7 +149,7 @@ class AdapterWeightSync(WeightSync):
     def _check_base_weights(self) -> None:
         """The adapters apply over the weights the server holds, which must be the trainer's base model: refuse a
         server whose weights a full weight sync replaced (its ``weight_version`` is no longer vLLM's initial one)."""
-        version = self._call("GET", "/weight_info", timeout_s=_CONTROL_TIMEOUT_S).get("weight_version")
+        version = self._call("GET", "/weight_info", timeout_s=CONTROL_TIMEOUT_S).get("weight_version")
         if version != UNTOUCHED_WEIGHT_VERSION:
             raise WeightSyncError(
                 f"the student server at {self.base_url} serves weights that a weight sync replaced (weight_version "
@@ -174,15 +169,13 @@ class AdapterWeightSync(WeightSync):
         sync), ``perf/weight_sync_gather_s`` (copying the adapter out of the model), ``perf/weight_sync_write_s``
         (the folder written and renamed), ``perf/weight_sync_load_s`` (``/v1/load_lora_adapter``), in seconds, and
         ``perf/weight_sync_bytes`` (the adapter's tensor bytes); ``{}`` on the other ranks."""
-        from fastdistill.sync.lora import AdapterWeights, adapter_weights, save_adapter
-
         if not self._initialized:
             raise WeightSyncError("push() before init(): call init() once on every rank first")
         start = time.perf_counter()
         weights = model if isinstance(model, AdapterWeights) else adapter_weights(model)
         gather_s = time.perf_counter() - start
         if not self.is_sender:
-            if not _ranks_agree(True):
+            if not ranks_agree(True):
                 raise WeightSyncError("the sending rank could not load the adapter (see its error)")
             return {}
         name = adapter_name(version, self.prefix)
@@ -197,9 +190,9 @@ class AdapterWeightSync(WeightSync):
             self._call("POST", "/v1/load_lora_adapter", payload)
             load_s = time.perf_counter() - load_start
         except BaseException:
-            _ranks_agree(False)
+            ranks_agree(False)
             raise
-        _ranks_agree(True)
+        ranks_agree(True)
         self.loaded = [v for v in self.loaded if v != int(version)] + [int(version)]
         self._unload_old()
         logger.debug("the student serves adapter %s (%d bytes of tensors)", name, weights.num_bytes)
@@ -215,7 +208,7 @@ class AdapterWeightSync(WeightSync):
         while len(self.loaded) > self.keep_versions:
             old = self.loaded[0]
             self._call("POST", "/v1/unload_lora_adapter", {"lora_name": adapter_name(old, self.prefix)},
-                       timeout_s=_CONTROL_TIMEOUT_S)
+                       timeout_s=CONTROL_TIMEOUT_S)
             self.loaded.pop(0)
             shutil.rmtree(self.adapter_dir / f"v{old}", ignore_errors=True)
 

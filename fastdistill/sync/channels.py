@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fastdistill.sync.errors import WeightSyncError
+from fastdistill.errors import WeightSyncError
 from fastdistill.sync.threads import TaskFailed, run_together
 from fastdistill.sync.transport import TensorSpec, create_gloo_group, create_store, send_tensors
 

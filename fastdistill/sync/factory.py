@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fastdistill.sync.adapter import AdapterWeightSync
 from fastdistill.sync.weights import VLLMWeightSync, WeightSync
 
 
@@ -37,8 +38,6 @@ def weight_sync_from_config(config: Any, *, device_type: str, is_sender: bool) -
     if config.weight_sync_backend == "none":
         return None
     if config.lora_r > 0 and config.lora_sync == "adapter":
-        from fastdistill.sync.adapter import AdapterWeightSync
-
         return AdapterWeightSync(
             config.vllm_server_base_url,
             Path(config.output_dir) / "adapters",

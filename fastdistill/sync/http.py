@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
+from fastdistill.errors import WeightSyncError
 from fastdistill.http_client import HTTPFailure, request_json_blocking
-from fastdistill.sync.errors import WeightSyncError
 from fastdistill.sync.transport import dtype_from_name
 
+CONTROL_TIMEOUT_S = 300.0  # the short control calls: /pause, /start_weight_update, /resume, LoRA loads, checks (TRL's)
 
-def _hint(route: str, error: HTTPFailure, backend: str, sent_key: bool) -> str | None:
+
+def _hint(route: str, error: HTTPFailure, backend: str | None, sent_key: bool) -> str | None:
     flag = f'--weight-transfer-config \'{{"backend": "{backend}"}}\''
     if error.status == 401:
         if sent_key:
@@ -21,6 +23,8 @@ def _hint(route: str, error: HTTPFailure, backend: str, sent_key: bool) -> str |
             "the server requires an API key: set the student's key (vllm_server_api_key, or the environment "
             "variable FASTDISTILL_STUDENT_API_KEY or FASTDISTILL_STUDENT_API_KEY_FILE; VLLMWeightSync(api_key=...))"
         )
+    if backend is None:  # not a call of the weight-transfer API
+        return None
     if error.status == 404:
         return (
             f"the server has no {route} route: vLLM serves its weight-transfer routes only in dev mode, "
@@ -40,11 +44,12 @@ def request(
     payload: Any = None,
     *,
     timeout_s: float,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     api_key: str | None = None,
 ) -> Any:
     """:func:`~fastdistill.http_client.request_json_blocking` on ``base_url + route`` whose failures are
-    :class:`WeightSyncError` with the server's message and, where known, the fix. The key never appears in a message."""
+    :class:`WeightSyncError` with the server's message and, where known, the fix (``backend``: the weight-transfer
+    engine the fixes name; None for calls outside the weight-transfer API). The key never appears in a message."""
     try:
         return request_json_blocking(method, base_url + route, payload, timeout_s=timeout_s, api_key=api_key)
     except HTTPFailure as error:

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from fastdistill.errors import LostRankError
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,6 @@ _STATUS_EVERY_S = 0.5  # how often a parked rank reads rank 0's status (a failur
 
 
 def _store_error_types() -> tuple[type[BaseException], ...]:
-    import torch.distributed as dist
-
     return (RuntimeError, OSError, getattr(dist, "DistError", RuntimeError))
 
 
@@ -235,8 +235,6 @@ def exit_naming(error: LostRankError) -> None:
 
 def prefixed(store: Any, sub: str = "") -> Any:
     """``store`` with fastdistill's key prefix (``fastdistill/peers/<sub>``)."""
-    import torch.distributed as dist
-
     return dist.PrefixStore(_PREFIX + sub, store)
 
 

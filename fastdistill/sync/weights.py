@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from fastdistill.auth import api_key_problem
-from fastdistill.errors import LostRankError
+from fastdistill.errors import LostRankError, WeightSyncError
+from fastdistill.options import TRANSFER_BACKENDS
 from fastdistill.sync import peers
 from fastdistill.sync.channels import Channel, GlooChannel, NcclChannel
-from fastdistill.sync.errors import WeightSyncError
-from fastdistill.sync.http import request, served_dtype
+from fastdistill.sync.http import CONTROL_TIMEOUT_S, request, served_dtype
 from fastdistill.sync.naming import GatherClock, WeightSource, iter_named_weights, weight_manifest
 from fastdistill.sync.network import rendezvous_address
 from fastdistill.sync.threads import TaskFailed, run_together
@@ -31,7 +31,6 @@ from fastdistill.sync.transport import DEFAULT_BUCKET_BYTES, TensorSpec, dtype_n
 
 logger = logging.getLogger(__name__)
 
-_CONTROL_TIMEOUT_S = 300.0  # /pause, /start_weight_update, /resume (TRL's value)
 _CLEANUP_S = 30.0  # best-effort calls after a failure
 _DEADLINE_POLL_S = 0.1  # how often the student's deadline is checked during a transfer
 # a gather still running this long when the student's part fails is the stall, not a gather that happened to run
@@ -101,8 +100,8 @@ class VLLMWeightSync(WeightSync):
         one_call: bool = False,
         api_key: str | None = None,
     ):
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"backend must be one of {list(TRANSFER_BACKENDS)}, got {backend!r}")
         if one_call and backend != "gloo":
             raise ValueError("one_call=True needs backend='gloo' (GPU engines overlap steps: use vLLM's /pause)")
         if bucket_bytes <= 0:
@@ -152,10 +151,10 @@ class VLLMWeightSync(WeightSync):
         if self._initialized and (self._channel is not None or not self.is_sender):
             return
         if self.is_sender:
-            answer = self._call("GET", "/get_world_size", timeout_s=_CONTROL_TIMEOUT_S)
+            answer = self._call("GET", "/get_world_size", timeout_s=CONTROL_TIMEOUT_S)
             self.world_size = int(answer["world_size"]) + 1  # the trainer is rank 0, the workers 1..Wv
             if self.requested_dtype == "auto":
-                self.dtype = served_dtype(self.base_url, timeout_s=_CONTROL_TIMEOUT_S, api_key=self._api_key)
+                self.dtype = served_dtype(self.base_url, timeout_s=CONTROL_TIMEOUT_S, api_key=self._api_key)
             if self.one_call:
                 self._check_worker_extension()
             channel = self._new_channel()
@@ -181,7 +180,7 @@ class VLLMWeightSync(WeightSync):
 
     def _check_worker_extension(self) -> None:
         try:
-            answer = self._call("POST", "/collective_rpc", {"method": "fastdistill_ping"}, timeout_s=_CONTROL_TIMEOUT_S)
+            answer = self._call("POST", "/collective_rpc", {"method": "fastdistill_ping"}, timeout_s=CONTROL_TIMEOUT_S)
         except WeightSyncError as error:
             error.add_note(
                 "one_call=True needs fastdistill's worker extension in the student server: start it with "
@@ -207,7 +206,7 @@ class VLLMWeightSync(WeightSync):
         if not self._initialized:
             raise WeightSyncError("push() before init(): call init() once on every rank first")
         if not self.is_sender:
-            if not _ranks_agree(True):  # the sender tells whether the server accepted /pause and /start
+            if not ranks_agree(True):  # the sender tells whether the server accepted /pause and /start
                 raise WeightSyncError("the sending rank could not start the weight update (see its error)")
             for _ in iter_named_weights(model, include_tied=self.include_tied):
                 pass
@@ -220,18 +219,18 @@ class VLLMWeightSync(WeightSync):
         try:
             if self._channel is None:
                 raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
-            self._call("POST", "/pause?mode=keep", timeout_s=_CONTROL_TIMEOUT_S)
+            self._call("POST", "/pause?mode=keep", timeout_s=CONTROL_TIMEOUT_S)
             paused = True
             pause_s = time.perf_counter() - start
             transfer_start = time.perf_counter()
-            self._call("POST", "/start_weight_update", {"is_checkpoint_format": True}, timeout_s=_CONTROL_TIMEOUT_S)
+            self._call("POST", "/start_weight_update", {"is_checkpoint_format": True}, timeout_s=CONTROL_TIMEOUT_S)
             started = True
         except BaseException as error:
-            _ranks_agree(False)
+            ranks_agree(False)
             self._cleanup(error, paused=paused, started=started)
             raise
         barrier_start = time.perf_counter()
-        _ranks_agree(True)
+        ranks_agree(True)
         barrier_s = time.perf_counter() - barrier_start
         update_info = _update_info(manifest)
 
@@ -256,7 +255,7 @@ class VLLMWeightSync(WeightSync):
         try:
             self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
             transfer_s = time.perf_counter() - transfer_start
-            self._call("POST", "/resume", timeout_s=_CONTROL_TIMEOUT_S)
+            self._call("POST", "/resume", timeout_s=CONTROL_TIMEOUT_S)
         except BaseException as error:
             self._cleanup(error, paused=True, started=False)
             raise
@@ -270,9 +269,9 @@ class VLLMWeightSync(WeightSync):
     def _push_in_one_call(self, model: WeightSource, manifest: list[TensorSpec], version: int) -> dict[str, float]:
         start = time.perf_counter()
         if self._channel is None:
-            _ranks_agree(False)
+            ranks_agree(False)
             raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
-        _ranks_agree(True)
+        ranks_agree(True)
         barrier_s = time.perf_counter() - start
         rpc = {"method": "fastdistill_update_weights", "kwargs": {"update_info": json.dumps(_update_info(manifest))},
                "timeout": self.timeout_s}
@@ -410,7 +409,7 @@ def _update_info(manifest: list[TensorSpec]) -> dict[str, list]:
     }
 
 
-def _ranks_agree(ok: bool) -> bool:
+def ranks_agree(ok: bool) -> bool:
     """All ranks of the default group learn whether every rank is ``ok`` (trivially ``ok`` without a group). The
     sender may have spent up to the control calls' timeout on the server first: the others wait in the store
     (:func:`~fastdistill.sync.peers.await_main`), not in the collective. Call with the sender as rank 0."""

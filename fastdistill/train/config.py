@@ -20,10 +20,10 @@ import yaml
 from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
-from fastdistill.rollout.config import HIDDEN_DTYPES, TEACHER_SIGNALS
+from fastdistill.options import HIDDEN_DTYPES, SYNC_BACKENDS, TEACHER_SIGNALS
+from fastdistill.rollout.config import processes_problem
 from fastdistill.train.config_checks import (
     LOSS_TYPES,
-    PG_LOSS_TYPES,
     QUERY_LOSS_TYPES,
     validate_loss_options,
     validate_rank_heartbeat,
@@ -37,11 +37,9 @@ from fastdistill.train.config_checks import positive as _positive
 from fastdistill.train.config_checks import validate_cross_tokenizer as _validate_cross_tokenizer
 from fastdistill.train.config_checks import value_range as _range
 
-__all__ = ["LOSS_TYPES", "PG_LOSS_TYPES", "QUERY_LOSS_TYPES", "AsyncDistillationConfig", "ConfigError"]
 STALE_POLICIES = ("drop", "importance")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-SYNC_BACKENDS = ("auto", "gloo", "nccl", "none")
 LORA_SYNCS = ("merged", "adapter")
 REPORTERS = ("tensorboard", "wandb", "trackio")
 SAVE_STRATEGIES = ("steps", "no")
@@ -262,7 +260,8 @@ class AsyncDistillationConfig:
         _check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1, "max_inflight_tasks",
                self.max_inflight_tasks, "-1 (automatic) or >= 1")
         cap = self.rollout_processes if self.max_inflight_tasks == -1 else self.max_inflight_tasks  # -1: automatic
-        _check(self.rollout_processes == 1 or self.async_mode and self.rollout_processes <= cap, "rollout_processes",
+        fits = processes_problem(self.rollout_processes, cap) is None
+        _check(self.rollout_processes == 1 or self.async_mode and fits, "rollout_processes",
                self.rollout_processes, "1 with async_mode=False (synchronous waves run in the trainer's process), "
                "and at most max_inflight_tasks (each process needs a rollout in flight)")
         lookahead = self.max_lookahead_steps

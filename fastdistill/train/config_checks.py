@@ -45,7 +45,7 @@ def validate_loss_options(config: Any) -> None:
         check(is_int(queries) and queries >= 1, "num_student_queries", queries,
               f"an int >= 1 with loss_type={loss!r} (the ids per position it reads)")
         if loss == "reverse_kl_mc":
-            problem = samples_route_problem(-1 if config.top_k == 0 else config.top_k, queries)
+            problem = samples_route_problem(config.top_k, queries)  # the rollout's own check (0: disabled)
             check(problem is None, "top_k", config.top_k, f"a top-k with loss_type='reverse_kl_mc': {problem}")
     else:
         check(queries == 0, "num_student_queries", queries,

@@ -11,6 +11,7 @@ Greedy decoding (``temperature=0``) makes before/after comparisons deterministic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -18,12 +19,22 @@ from typing import Any
 
 import torch
 
+from fastdistill.auth import student_api_key_from_env, teacher_api_keys_with_env
 from fastdistill.data.packing import pack_row
+from fastdistill.data.prompt_table import routed_table
+from fastdistill.data.sources import load_prompt_source, prepare_prompts
+from fastdistill.errors import ConfigError, RolloutsFailingError, ServerDownError, VLLMError
 from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
 from fastdistill.loss import narrow_support, sparse_jsd_loss
-from fastdistill.rollout import RolloutConfig, RolloutSample
+from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutSample
+from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.rollout.sequence import run_wave
+from fastdistill.sync import served_logprob_gap
 from fastdistill.train.cross_teachers import load_cross_teachers
-from fastdistill.train.teacher_head import TeacherHead, load_hidden_teacher_head, teacher_head_folder
+from fastdistill.train.distributed import Distributed, broadcast_samples
+from fastdistill.train.model import DistillationModel, load_model, load_tokenizer
+from fastdistill.train.pipeline import limits_exceeded, load_teacher_heads, served_hidden_teachers
+from fastdistill.train.teacher_head import TeacherHead
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +80,6 @@ def collect_scored_samples(
     A row whose rollout fails (a server rejects it, or stays unavailable through the retries) is logged and left out:
     the samples (``prompt_id`` = ``dataset_index`` = the row's index) are those of the rows that succeeded, in row
     order, so ``len(rows) - len(result)`` rows failed."""
-    from fastdistill.auth import student_api_key_from_env, teacher_api_keys_with_env
-    from fastdistill.rollout import RetryPolicy
-    from fastdistill.rollout.dropped import DroppedPrompt
-    from fastdistill.data.prompt_table import routed_table
-    from fastdistill.rollout.sequence import run_wave
-
     if not rows:
         return []
     # keys not given come from the environment, else from the key files `fastdistill serve-*` generated
@@ -104,8 +109,6 @@ def collect_held_out(config: Any, rows: Sequence[Mapping[str, Any]], *,
     """:func:`collect_scored_samples` with the servers, keys, signals, top-K, completion length, seed, request
     timeout and in-flight cap (``max_inflight_tasks``; -1, automatic: :data:`EVAL_MAX_INFLIGHT`) of ``config`` (an
     :class:`~fastdistill.train.AsyncDistillationConfig`)."""
-    from fastdistill.rollout import RetryPolicy
-
     inflight = config.max_inflight_tasks if config.max_inflight_tasks != -1 else EVAL_MAX_INFLIGHT
 
     return collect_scored_samples(
@@ -217,9 +220,6 @@ def prepare_eval_rows(source: Any, tokenizer: Any, teacher_ids: Sequence[str], *
     ``source`` is anything ``eval_dataset`` accepts (a ``datasets.Dataset``, a list of row dicts, a file, a dataset
     folder or name; ``split`` and ``dataset_config`` apply to folders and names). Raises ConfigError naming the
     column and row."""
-    from fastdistill.data.sources import load_prompt_source, prepare_prompts
-    from fastdistill.train.config import ConfigError
-
     what = "eval_dataset"
     rows = load_prompt_source(source, split=split, dataset_config=dataset_config, what=what)
     table = prepare_prompts(rows, tokenizer, what=what, split=split, dataset_config=dataset_config,
@@ -256,9 +256,6 @@ def fitting_eval_rows(eval_rows: list[dict[str, Any]], teacher_ids: Sequence[str
     """Held-out rows are checked like training rows: ``(the rows that fit, how many were left out)``. A row whose
     prompt plus ``max_completion_length`` cannot fit a server is a :class:`ConfigError`, or with
     ``skip_long_prompts`` left out of every evaluation (``eval/too_long_total``)."""
-    from fastdistill.errors import ConfigError
-    from fastdistill.train.pipeline import limits_exceeded
-
     completion = config.max_completion_length
     routes = [row.get("teacher_id") or teacher_ids[0] for row in eval_rows]
     limits = limits_exceeded([len(row["prompt_ids"]) for row in eval_rows], routes, served, completion,
@@ -312,9 +309,6 @@ class RunEvaluator:
         ``eval/too_long_total`` (when rows were left out) and ``eval/exact_match`` when the rows carry an ``answer``
         (:func:`eval_record`). ``model`` is the :class:`~fastdistill.train.model.DistillationModel`, ``hf_model``
         the model it wraps; ``student_model`` names what generates (an adapter; None: the served model)."""
-        from fastdistill.errors import RolloutsFailingError, ServerDownError, VLLMError
-        from fastdistill.train.distributed import broadcast_samples
-
         config, dist = self.config, self.dist
         samples = None
         if dist.is_main:
@@ -351,18 +345,6 @@ class RunEvaluator:
 SERVED_MODEL_GAP_WARNING = 0.1
 
 
-async def _served_hidden_teachers(config: Any) -> dict[str, tuple[str, int]]:
-    """Hidden-state teacher id -> (the model id its server reports, the width of the hidden states it sends)."""
-    from fastdistill.rollout.hidden import HiddenTeacherClient
-
-    keys = config.teacher_api_keys or {}
-    found = {}
-    for teacher_id in config.hidden_teacher_ids:
-        async with HiddenTeacherClient(config.teacher_server_urls[teacher_id], api_key=keys.get(teacher_id)) as client:
-            found[teacher_id] = ((await client.served_model()).name, await client.served_width())
-    return found
-
-
 def hidden_teacher_heads(config: Any, *, vocab_size: int, dtype: torch.dtype,
                          device: torch.device) -> dict[int, TeacherHead]:
     """Teacher index -> :class:`~fastdistill.train.teacher_head.TeacherHead` of each hidden-state teacher of
@@ -374,13 +356,9 @@ def hidden_teacher_heads(config: Any, *, vocab_size: int, dtype: torch.dtype,
     teacher otherwise."""
     if not config.hidden_teacher_ids:
         return {}
-    served = asyncio.run(_served_hidden_teachers(config))
-    heads = {}
-    for teacher_id, (name, width) in served.items():
-        folder = teacher_head_folder(teacher_id, config.teacher_model_paths, name)
-        heads[config.teacher_ids.index(teacher_id)] = load_hidden_teacher_head(
-            teacher_id, folder, vocab_size=vocab_size, dtype=dtype, device=device, served_width=width)
-    return heads
+    served, widths = served_hidden_teachers(config)
+    return load_teacher_heads(config, Distributed(rank=0, world_size=1, device=device), served, widths,
+                              vocab_size=vocab_size, dtype=dtype)
 
 
 def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None = None,
@@ -398,17 +376,10 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
     metrics of :func:`eval_record`, ``served_logprob_gap`` (max |served − local| log-prob on two prompts: a large
     value means the server does not serve ``model_dir``, and a warning is logged), and with ``show_completions`` one
     entry per row (dataset index, teacher, decoded completion, answer)."""
-    from fastdistill.sync import served_logprob_gap
-    from fastdistill.train.model import DistillationModel, load_model, load_tokenizer
-
     if model_dir is not None:
-        import dataclasses
-
         config = dataclasses.replace(config, model_name_or_path=str(model_dir))
     if rows is None:
         if config.eval_dataset is None:
-            from fastdistill.train.config import ConfigError
-
             raise ConfigError("no held-out rows: pass --dataset FILE (or set eval_dataset in the config)")
         rows = config.eval_dataset
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -425,8 +396,6 @@ def evaluate_saved_model(config: Any, rows: Any = None, *, model_dir: str | None
                                  chat_template_kwargs=config.chat_template_kwargs)
     samples = collect_held_out(config, prepared)
     if not samples:
-        from fastdistill.errors import RolloutsFailingError
-
         raise RolloutsFailingError(f"the rollout of every one of the {len(prepared)} held-out rows failed (the "
                                    "warnings above name each server's answer)")
     with torch.no_grad():

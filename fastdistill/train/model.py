@@ -30,7 +30,8 @@ from fastdistill.loss import (
     sparse_jsd_loss,
 )
 from fastdistill.loss.dense import dense_teacher_jsd_loss
-from fastdistill.train.config import QUERY_LOSS_TYPES, AsyncDistillationConfig
+from fastdistill.train.config import AsyncDistillationConfig
+from fastdistill.train.config_checks import QUERY_LOSS_TYPES
 from fastdistill.train.cross_teachers import (
     CrossTeacher,
     combined_output,

@@ -14,20 +14,30 @@ from typing import Any
 
 import numpy as np
 
+from fastdistill.adapter_names import ADAPTER_PREFIX
+from fastdistill.cache import CacheError, TeacherCache
+from fastdistill.data.sources import prepare_prompts
 from fastdistill.errors import ConfigError
-from fastdistill.rollout import OnPolicyShare, RolloutConfig
+from fastdistill.rollout import (
+    OnPolicyShare,
+    RetryPolicy,
+    RolloutConfig,
+    RolloutWorker,
+    check_shared_vocabulary,
+    epoch_order,
+    open_clients,
+)
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
 from fastdistill.train.checkpoint import RolloutState
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE
 from fastdistill.train.source import CacheSource, ListSource, MixedSource, SynchronousSource, WorkerSource
+from fastdistill.train.teacher_head import load_hidden_teacher_head, teacher_head_folder
 
 logger = logging.getLogger(__name__)
 
 def open_cache(config: Any, tokenizer: Any) -> Any:
     """The ``teacher_cache`` folder, its shards checked against the manifest's checksums, its tokenizer against the
     student's and its loss settings against the run's (ConfigError otherwise)."""
-    from fastdistill.cache import CacheError, TeacherCache
-
     if len(config.teacher_ids) != 1:
         raise ConfigError(f"teacher_cache holds one teacher's scores; teacher_server_urls names "
                           f"{len(config.teacher_ids)} teachers ({config.teacher_ids})")
@@ -43,8 +53,6 @@ def open_cache(config: Any, tokenizer: Any) -> Any:
 def training_rows(config: Any, rows: Any, tokenizer: Any) -> Any:
     """The tokenised training prompts (a :class:`~fastdistill.data.PromptTable`) of ``rows`` (anything
     ``train_dataset`` accepts), else of ``config.train_dataset``."""
-    from fastdistill.data.sources import prepare_prompts
-
     if rows is None:
         if config.train_dataset is None:
             raise ValueError("no training data: pass train_dataset= (a datasets.Dataset or a list of rows "
@@ -55,38 +63,75 @@ def training_rows(config: Any, rows: Any, tokenizer: Any) -> Any:
                            dataset_config=config.dataset_config, chat_template_kwargs=config.chat_template_kwargs)
 
 
+def server_settings(config: Any) -> dict[str, Any]:
+    """The :class:`~fastdistill.rollout.RolloutConfig` fields that say how to reach ``config``'s servers: URLs, API
+    keys, each teacher's signal and hidden-state dtype, and the retry policy with the run's ``request_timeout``."""
+    return dict(student_url=config.vllm_server_base_url, teacher_urls=config.teacher_server_urls,
+                student_api_key=config.vllm_server_api_key, teacher_api_keys=config.teacher_api_keys,
+                teacher_signals={teacher_id: config.teacher_signal_of(teacher_id)
+                                 for teacher_id in config.teacher_server_urls},
+                teacher_hidden_dtype=config.teacher_hidden_dtype,
+                retry=RetryPolicy(request_timeout_s=config.request_timeout))
+
+
+def server_clients(config: Any) -> tuple[Any, dict[str, Any]]:
+    """The student's client and one client per teacher (by its signal) for ``config``'s servers, from the one client
+    factory (:func:`~fastdistill.rollout.open_clients`); the caller closes them."""
+    return open_clients(RolloutConfig(**server_settings(config)))
+
+
+async def served_teacher(client: Any, signal: str) -> tuple[Any, int | None]:
+    """What a teacher server serves: its :class:`~fastdistill.rollout.ServedModel` and, for a hidden-state teacher
+    (``signal`` ``"hidden"``), the width of the hidden states it sends (one one-token request), else None."""
+    served = await client.served_model()
+    return served, (await client.served_width() if signal == "hidden" else None)
+
+
 def check_servers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
     """Before any rollout: the servers are up, every teacher tokenizes like the student and, when the loss reads
     teacher log-probs at student query ids, each top-K teacher runs the scoring plugin. Returns each server's
     :class:`~fastdistill.rollout.ServedModel` (``"student"`` and the teacher ids) and each hidden-state teacher's
-    served width (one one-token request), which its head is checked against."""
-    from fastdistill.rollout import StudentClient, check_shared_vocabulary, teacher_client
-
-    keys = config.teacher_api_keys or {}
+    served width (:func:`served_teacher`), which its head is checked against."""
 
     async def check() -> tuple[dict[str, Any], dict[str, int]]:
         widths: dict[str, int] = {}
-        async with StudentClient(config.vllm_server_base_url, api_key=config.vllm_server_api_key) as student:
+        student, teachers = server_clients(config)
+        try:
             await student.wait_until_healthy(config.vllm_server_timeout)
             served = {"student": await student.served_model()}
-            teachers = {}
-            try:
-                for teacher_id, urls in config.teacher_server_urls.items():
-                    signal = config.teacher_signal_of(teacher_id)
-                    teachers[teacher_id] = teacher_client(signal, urls, api_key=keys.get(teacher_id))
-                    await teachers[teacher_id].wait_until_healthy(config.vllm_server_timeout)
-                    served[teacher_id] = await teachers[teacher_id].served_model()
-                    if signal == "topk" and getattr(config, "student_queries", "none") != "none":
-                        await teachers[teacher_id].check_query_scoring()  # the loss reads log-probs at query ids
-                    if signal == "hidden":
-                        widths[teacher_id] = await teachers[teacher_id].served_width()
-                await check_shared_vocabulary(student, teachers, teacher_tokenizers=own_tokenizers(config))
-            finally:
-                for teacher in teachers.values():
-                    await teacher.close()
-            return served, widths
+            for teacher_id, teacher in teachers.items():
+                signal = config.teacher_signal_of(teacher_id)
+                await teacher.wait_until_healthy(config.vllm_server_timeout)
+                served[teacher_id], width = await served_teacher(teacher, signal)
+                if signal == "topk" and config.student_queries != "none":
+                    await teacher.check_query_scoring()  # the loss reads log-probs at query ids
+                if width is not None:
+                    widths[teacher_id] = width
+            await check_shared_vocabulary(student, teachers, teacher_tokenizers=own_tokenizers(config))
+        finally:
+            for client in (student, *teachers.values()):
+                await client.close()
+        return served, widths
 
     return asyncio.run(check())
+
+
+def served_hidden_teachers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """Each hidden-state teacher's :class:`~fastdistill.rollout.ServedModel` and served width
+    (:func:`served_teacher`), asked without the other start-up checks (held-out evaluation of a saved model)."""
+
+    async def probe() -> tuple[dict[str, Any], dict[str, int]]:
+        served, widths = {}, {}
+        _, teachers = server_clients(config)
+        try:
+            for teacher_id in config.hidden_teacher_ids:
+                served[teacher_id], widths[teacher_id] = await served_teacher(teachers[teacher_id], "hidden")
+        finally:
+            for client in teachers.values():
+                await client.close()
+        return served, widths
+
+    return asyncio.run(probe())
 
 
 def own_tokenizers(config: Any) -> dict[str, Any]:
@@ -148,8 +193,6 @@ def long_prompt_drops(rows: Any, teacher_ids: Sequence[str], served: Mapping[str
     skip = frozenset(limits)
     drops = []
     if total_prompts is not None:  # their prompts in this run are done, once
-        from fastdistill.rollout import epoch_order
-
         num_rows = len(rows)
         for epoch in range(math.ceil(total_prompts / num_rows)):
             order = epoch_order(num_rows, config.seed, epoch, config.shuffle)
@@ -181,13 +224,9 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
                    adapter_sync: bool) -> RolloutConfig:
     """The rollout settings of a run: servers, keys and signals, sampling, lookahead, the resume cursor and its
     skips, failure handling, and the student queries its ``loss_type`` reads."""
-    from fastdistill.adapter_names import ADAPTER_PREFIX
-    from fastdistill.rollout import RetryPolicy
-
     inflight = config.resolved_max_inflight_tasks(world_size)
     return RolloutConfig(
-        student_url=config.vllm_server_base_url,
-        teacher_urls=config.teacher_server_urls,
+        **server_settings(config),
         teacher_top_k=config.teacher_top_k,
         max_tokens=config.max_completion_length,
         temperature=config.temperature,
@@ -206,12 +245,7 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         skip_rows=skip_rows,
         on_policy=on_policy,
         eos_token_ids=eos_ids,
-        student_api_key=config.vllm_server_api_key,
         student_adapter_prefix=ADAPTER_PREFIX if adapter_sync else None,
-        teacher_api_keys=config.teacher_api_keys,
-        teacher_signals={teacher_id: config.teacher_signal_of(teacher_id) for teacher_id in config.teacher_ids},
-        teacher_hidden_dtype=config.teacher_hidden_dtype,
-        retry=RetryPolicy(request_timeout_s=config.request_timeout),
         student_queries=config.student_queries,  # from loss_type: "samples" (reverse_kl_mc), "topk", or "none"
         num_student_queries=config.num_student_queries,
         rollout_processes=config.rollout_processes,
@@ -242,8 +276,6 @@ def open_source(config: Any, *, world_size: int, samples: Any, cache: Any, offli
         return cache_source(cache, config, rollout_state, total_prompts, on_policy), None
     if not config.async_mode:
         return SynchronousSource(rows, rollouts, config.samples_per_step(world_size)), None
-    from fastdistill.rollout import RolloutWorker
-
     worker = RolloutWorker(rollouts, rows, queue_maxsize=config.resolved_queue_maxsize(world_size))
     worker.model_version = model_version
     worker.start()
@@ -266,8 +298,6 @@ def load_teacher_heads(config: Any, dist: Any, served: Mapping[str, Any] | None,
     hidden_ids = config.hidden_teacher_ids
     if not hidden_ids:
         return {}
-    from fastdistill.train.teacher_head import load_hidden_teacher_head, teacher_head_folder
-
     folders = None
     if dist.is_main:
         folders = {teacher_id: teacher_head_folder(teacher_id, config.teacher_model_paths,

@@ -21,7 +21,7 @@ from fastdistill.data.packing import PackedRow, pack_row
 from fastdistill.errors import NonFiniteLossError
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
 from fastdistill.rollout import RolloutSample
-from fastdistill.train.config import QUERY_LOSS_TYPES
+from fastdistill.train.config_checks import QUERY_LOSS_TYPES
 from fastdistill.train.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
