@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdistill.errors import ConfigError
+from fastdistill.rollout.dropped import TOO_LONG
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class RunLedger:
         step whose window was being collected, so that a resume from an earlier checkpoint forgets them), and log each
         once (prompts too long for a server are summarised in one warning where they are found)."""
         for drop in drops:
-            if drop.reason != "too_long":
+            if drop.reason != TOO_LONG:
                 logger.warning("prompt %s (dataset row %d) will not be trained: %s by %s: %s", drop.prompt_id,
                                drop.dataset_index, drop.reason, drop.server or "the batcher", drop.message)
         append_lines(self.dropped_path, [{"step": step, **drop.to_json()} for drop in drops])
