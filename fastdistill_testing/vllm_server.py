@@ -1,7 +1,7 @@
 """Test helpers around real vLLM servers: skip or fail when vLLM is missing, start several servers at once.
 
-The launcher itself is production code and lives in :mod:`fastdistill.serve`; its names are re-exported here for
-the tests that import them from this module.
+The launcher itself is production code and lives in :mod:`fastdistill.serve` (``VLLMServer``, ``free_port``,
+``vllm_python``): import it from there.
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastdistill.serve import VLLMServer, VLLMServerError, free_port, vllm_python
-
-__all__ = ["TinyServers", "VLLMServer", "VLLMServerError", "free_port", "require_vllm", "running", "start_together",
-           "student_and_teacher", "tiny_servers", "vllm_available", "vllm_python"]
+from fastdistill.serve import VLLMServer, vllm_python
 
 
 def vllm_available(python: str | None = None) -> bool:

@@ -24,10 +24,11 @@ import torch
 import yaml
 
 from fastdistill.errors import ConfigError
+from fastdistill.serve import VLLMServer
 from fastdistill_testing.cross_tokenizer_models import ascii_student_tokenizer, save_tiny_model
 from fastdistill_testing.cross_tokenizer_samples import teacher_tokenizer
 from fastdistill_testing.runs import count_prompts, train_through_cli, write_jsonl
-from fastdistill_testing.vllm_server import VLLMServer, require_vllm, running
+from fastdistill_testing.vllm_server import require_vllm, running
 
 pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 32

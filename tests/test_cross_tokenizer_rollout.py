@@ -34,9 +34,10 @@ from fastdistill.rollout.client import Generation
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.replicas import ReplicaPool
 from fastdistill.rollout.sequence import Rollouts
+from fastdistill.serve import VLLMServer
 from fastdistill_testing.cross_tokenizer_models import save_tiny_model
 from fastdistill_testing.cross_tokenizer_samples import TEXTS, lossy_tokenizer, student_tokenizer, teacher_tokenizer
-from fastdistill_testing.vllm_server import VLLMServer, require_vllm
+from fastdistill_testing.vllm_server import require_vllm
 
 TOP_K = 5
 TEACHER_ROWS = 384  # the teacher's lm_head has 4 rows more than its tokenizer's 380 ids (a padded head)

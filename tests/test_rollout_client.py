@@ -34,10 +34,9 @@ from fastdistill.rollout import (  # noqa: E402
     VocabularyMismatchError,
     check_shared_vocabulary,
 )
-from fastdistill.serve import VLLMServer, VLLMServerError  # noqa: E402
+from fastdistill.serve import VLLMServer, VLLMServerError, free_port  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
 from fastdistill_testing.stubs import serve_and_call  # noqa: E402
-from fastdistill_testing.vllm_server import free_port  # noqa: E402
 
 TOLERANCE = 1e-4
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, request_timeout_s=5.0)

@@ -31,9 +31,9 @@ from test_rollout_worker import (  # noqa: E402
 
 from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutWorker  # noqa: E402
 from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
-from fastdistill.serve import VLLMServer  # noqa: E402
+from fastdistill.serve import VLLMServer, free_port  # noqa: E402
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config  # noqa: E402
-from fastdistill_testing.vllm_server import free_port, require_vllm, start_together  # noqa: E402
+from fastdistill_testing.vllm_server import require_vllm, start_together  # noqa: E402
 
 
 class Drain:

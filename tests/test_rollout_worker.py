@@ -25,7 +25,7 @@ from fastdistill.rollout.http import RetryPolicy  # noqa: E402
 from fastdistill.rollout.order import epoch_order, prompt_cursor, row_of_prompt  # noqa: E402
 from fastdistill.rollout.sequence import is_clipped  # noqa: E402
 from fastdistill.rollout.worker import RolloutWorker  # noqa: E402
-from fastdistill_testing.vllm_server import free_port  # noqa: E402
+from fastdistill.serve import free_port  # noqa: E402
 
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=30.0)
 TOP_K = 2

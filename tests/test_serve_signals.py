@@ -148,8 +148,9 @@ def test_a_real_vllm_server_stops_with_the_serve_cli_killed_by_sigkill(tmp_path)
     """vLLM's own process tree (API server, engine core) ends with a CLI that had no chance to forward anything: the
     parent-death supervision, not the signal handlers. The handled signals are forwarded the same way to any server,
     which the stand-in cases above check for each of them."""
+    from fastdistill.serve import vllm_python
     from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
-    from fastdistill_testing.vllm_server import require_vllm, vllm_python
+    from fastdistill_testing.vllm_server import require_vllm
 
     require_vllm()
     tokenizer = build_tokenizer()

@@ -33,8 +33,8 @@ from fastdistill.errors import ConfigError  # noqa: E402
 from fastdistill.rollout.client import TeacherClient  # noqa: E402
 from fastdistill.rollout.decode import parse_prompt_logprobs  # noqa: E402
 from fastdistill.rollout.http import RetryPolicy  # noqa: E402
+from fastdistill.serve import free_port  # noqa: E402
 from fastdistill.tiny import build_tokenizer  # noqa: E402
-from fastdistill_testing.vllm_server import free_port  # noqa: E402
 
 DEADLINE_S = 120.0  # only keeps a broken test from hanging; nothing is asserted about time
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.02, request_timeout_s=60.0)

@@ -257,7 +257,7 @@ class RejectingProxy:
         import asyncio
         import threading
 
-        from fastdistill_testing.vllm_server import free_port
+        from fastdistill.serve import free_port
 
         self.target = target
         self.rejected = rejected

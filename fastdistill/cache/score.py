@@ -239,7 +239,7 @@ def _existing_settings(folder: Path) -> CacheSettings | None:
 def _load_tokenizer(tokenizer: Any, teacher_model: str) -> tuple[Any, int]:
     """The tokenizer object and the vocabulary size (the larger of the tokenizer's length and the model's
     ``vocab_size`` when the folder has a config.json)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # here: transformers imports torch, which the cache package does not
 
     folder = tokenizer if tokenizer is not None else teacher_model
     if isinstance(folder, (str, os.PathLike)):

@@ -374,7 +374,7 @@ class TeacherClient(VLLMEndpoint):
                 decode=lambda url, body: scores_from_compact_body(url, body, realised, top_k, num_queries))
         payload["prompt_logprobs"] = top_k
         prompt_length, completion_length = len(prompt), len(completion)
-        # the body is decoded straight to the scores (msgspec, prompt rows skipped): a few µs per scored token
+        # the body is decoded straight to the scores (msgspec, prompt rows skipped), not through json.loads
         return await self._request(
             "POST", "/v1/completions", payload, rejection_hint=_max_logprobs_hint,
             decode=lambda url, body: scores_from_body(url, body, prompt_length, completion_length, top_k))

@@ -2,7 +2,7 @@
 
 A scoring answer carries one entry per sequence token, prompt rows included, each ``{token_id_str: {"logprob",
 "rank", "decoded_token"}}`` with K or K+1 candidates. Decoding it with ``json.loads`` and sorting every row in Python
-costs tens of CPU microseconds per scored token, enough for the rollout worker rather than the GPUs to set the pace.
+can make the rollout worker's CPU, rather than the GPUs, set the pace (``benchmarks/bench_worker_ceiling.py``).
 Two faster paths with the contract of :func:`~fastdistill.rollout.parse_prompt_logprobs`:
 
 - :func:`scores_from_prompt_logprobs`: the already-decoded JSON (as the HTTP layer returns it); the rows are

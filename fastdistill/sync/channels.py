@@ -109,7 +109,7 @@ class NcclChannel(_Channel):
     def open(self, world_size: int, post_init: PostInit) -> None:
         """Rendezvous through vLLM's helper while the server's workers join through ``post_init``."""
         nccl_common = _import_vllm_nccl()
-        from vllm.utils.network_utils import get_open_port
+        from vllm.utils.network_utils import get_open_port  # vLLM: only the NCCL channel needs it (see above)
 
         info = init_info(self.master_address, self.master_port or get_open_port(), world_size, self.bucket_bytes)
         info["packed_num_buffers"] = NCCL_NUM_BUFFERS
@@ -123,7 +123,7 @@ class NcclChannel(_Channel):
 
     def broadcaster(self, weights: Weights, manifest: list[TensorSpec]) -> Callable[[], None]:
         """vLLM's packed NCCL producer over ``weights`` (moved to the device), as a callable for a worker thread."""
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer  # as above
 
         device = torch.device("cuda", torch.cuda.current_device())
         group = self._group
@@ -158,6 +158,7 @@ Channel = GlooChannel | NcclChannel
 
 
 def _import_vllm_nccl() -> Any:
+    """vLLM's NCCL helpers, imported here: only a trainer that pushes over NCCL needs vLLM installed."""
     try:
         from vllm.distributed.weight_transfer import nccl_common  # noqa: PLC0415
     except ImportError as error:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
 from fastdistill.errors import LostRankError
 
@@ -221,8 +222,6 @@ def exit_naming(error: LostRankError) -> None:
     print(text, file=sys.stderr, flush=True)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         try:
-            from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
-
             ErrorHandler().record_exception(error)
         except Exception:  # the printed line is the record that matters
             pass

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from fastdistill.auth import mask_secrets
 from fastdistill.errors import ConfigError
 from fastdistill.loss.options import BACKENDS as LOSS_BACKENDS
 from fastdistill.loss.options import TAIL_MODES
@@ -441,8 +442,6 @@ class AsyncDistillationConfig:
     def to_masked_dict(self) -> dict[str, Any]:
         """:meth:`to_dict` with every API key masked as ``"***"`` (:func:`~fastdistill.auth.mask_secrets`): what
         trackers and saved configs get. Fed back as a config, a mask is a :class:`ConfigError` naming the field."""
-        from fastdistill.auth import mask_secrets
-
         return mask_secrets(self.to_dict())
 
     # --------------------------------------------------------------------------------------------------- loading

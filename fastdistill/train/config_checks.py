@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fastdistill.auth import check_api_keys, student_api_key_from_env, teacher_api_keys_with_env
 from fastdistill.cross_tokenizer import check_teacher_tokenizers
 from fastdistill.errors import ConfigError
 from fastdistill.loss.policy_gradient import PG_STABILIZERS
@@ -110,8 +111,6 @@ def validate_servers(config: Any) -> None:
     """The weight-sync rendezvous address and port, the API keys (a key left None is read from the environment or
     the key files ``fastdistill serve-*`` generated, :mod:`fastdistill.auth`; never quoted in an error) and the
     servers' URLs of ``config``; a ConfigError naming the field."""
-    from fastdistill.auth import check_api_keys, student_api_key_from_env, teacher_api_keys_with_env
-
     address = config.weight_sync_master_address
     check(address is None or (isinstance(address, str) and address != "" and not any(c in address for c in " /")),
           "weight_sync_master_address", address, "None (automatic) or a host name or IP address of the trainer")
