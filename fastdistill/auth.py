@@ -166,6 +166,13 @@ def api_key_problem(key: object) -> str | None:
     return None
 
 
+def check_api_key(key: object, what: str = "api_key") -> None:
+    """Raise ``ValueError`` ``<what> must be ...`` unless ``key`` is None (no key) or a valid key; what every client
+    and server launcher checks its key with. Never quotes the key."""
+    if key is not None and (problem := api_key_problem(key)):
+        raise ValueError(f"{what} must be {problem}")
+
+
 def check_api_keys(
     student_key: object,
     teacher_keys: object,

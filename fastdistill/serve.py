@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, api_key_problem
+from fastdistill.auth import MIDDLEWARE, VLLM_KEY_ENV, check_api_key
 from fastdistill.errors import VLLMServerError
 from fastdistill.http_client import poll_until_healthy, run_blocking
 from fastdistill.options import TEACHER_SIGNALS
@@ -191,8 +191,7 @@ class VLLMServer:
         self.cpus = cpus
         self.one_process = one_process if one_process is not None else self.cpu
         self.api_key = api_key or self.extra_env.get(VLLM_KEY_ENV) or os.environ.get(VLLM_KEY_ENV) or None
-        if self.api_key is not None and (problem := api_key_problem(self.api_key)):
-            raise ValueError(f"the API key must be {problem}")
+        check_api_key(self.api_key, "the API key")
         self._refuse_open_dev_mode()
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
-from fastdistill.auth import api_key_problem, bearer_headers
+from fastdistill.auth import bearer_headers, check_api_key
 from fastdistill.errors import VLLMResponseError
 from fastdistill.http_client import health_problem, new_session
 from fastdistill.rollout.behaviour import (
@@ -79,8 +79,7 @@ class VLLMEndpoint:
         stats: RequestStats | None = None,
         api_key: str | None = None,
     ):
-        if api_key is not None and (problem := api_key_problem(api_key)):
-            raise ValueError(f"api_key must be {problem}")
+        check_api_key(api_key)
         self._headers = bearer_headers(api_key)
         self.pool = ReplicaPool(base_url, cooldown_s=replica_cooldown_s, max_cooldown_s=max(30.0, replica_cooldown_s))
         self.base_url = self.pool.urls[0]  # the first replica; ``urls`` lists them all

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastdistill.adapter_names import ADAPTER_PREFIX, adapter_name
-from fastdistill.auth import api_key_problem
+from fastdistill.auth import check_api_key
 from fastdistill.errors import ConfigError, WeightSyncError
 from fastdistill.sync.http import CONTROL_TIMEOUT_S, request
 from fastdistill.sync.lora import AdapterWeights, adapter_weights, save_adapter
@@ -69,8 +69,7 @@ class AdapterWeightSync(WeightSync):
             raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if api_key is not None and (problem := api_key_problem(api_key)):
-            raise ValueError(f"api_key must be {problem}")
+        check_api_key(api_key)
         self.base_url = base_url.rstrip("/")
         self.adapter_dir = Path(adapter_dir)
         self.keep_versions = keep_versions

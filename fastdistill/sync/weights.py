@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastdistill.auth import api_key_problem
+from fastdistill.auth import check_api_key
 from fastdistill.errors import LostRankError, WeightSyncError
 from fastdistill.options import TRANSFER_BACKENDS
 from fastdistill.sync import peers
@@ -110,8 +110,7 @@ class VLLMWeightSync(WeightSync):
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if not (dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype)):
             raise ValueError(f"dtype must be 'auto', None or a torch.dtype, got {dtype!r}")
-        if api_key is not None and (problem := api_key_problem(api_key)):
-            raise ValueError(f"api_key must be {problem}")
+        check_api_key(api_key)
         self.base_url = base_url.rstrip("/")
         self.backend = backend
         self.is_sender = is_sender

@@ -139,7 +139,7 @@ def own_tokenizers(config: Any) -> dict[str, Any]:
     folders = getattr(config, "teacher_tokenizers", None) or {}
     if not folders:
         return {}
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # as train.model loads it: not on `import fastdistill.train`
 
     return {teacher_id: AutoTokenizer.from_pretrained(str(folder)) for teacher_id, folder in folders.items()}
 
