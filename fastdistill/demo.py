@@ -30,8 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from transformers.utils import logging as hf_logging
 
+from fastdistill.serve import VLLMServer
+from fastdistill.sync import served_logprob_gap
 from fastdistill.tiny import build_model, build_tokenizer, save_pretrained_dir, tiny_config
+from fastdistill.train import AsyncDistillationConfig, AsyncDistillationTrainer
+from fastdistill.train.evaluate import collect_scored_samples, eval_record
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +153,6 @@ def train_on_answers(model: torch.nn.Module, tokenizer: Any, pairs: list[tuple[s
 def server_accuracy(url: str, tokenizer: Any, rows: list[dict[str, Any]], max_tokens: int) -> float:
     """Exact-answer accuracy of a server's greedy completions of ``rows`` (``{"prompt_ids", "answer"}``), graded
     like the trainer's ``eval/exact_match`` (the server scores its own answers: only the completions matter)."""
-    import torch
-
-    from fastdistill.train.evaluate import collect_scored_samples, eval_record
-
     samples = collect_scored_samples(url, {"default": url}, rows, top_k=1, max_tokens=max_tokens)
     record = eval_record(torch.zeros(1, 2, dtype=torch.float64), samples, ["default"],
                          answers=[row["answer"] for row in rows], tokenizer=tokenizer)
@@ -162,9 +164,9 @@ def core_layout() -> tuple[list[int] | None, list[int] | None]:
     process's cores, as on separate GPUs; (None, None) with a single core.
 
     The student server decodes all the time, while the teacher scores and the trainer steps in bursts, so the
-    student gets a half of its own (the split layout of ``benchmarks/bench_e2e.py``). Measured on 2 cores against
-    both servers on one core and the trainer on the other: about 1.5x the trained tokens per second, and no weight sync
-    waiting for a server that shares its core with the teacher."""
+    student gets a half of its own (the split layout of ``benchmarks/bench_e2e.py``, which trains faster than both
+    servers on one core and the trainer on the other: ``--layout`` in benchmarks/RESULTS.md), and no weight sync waits
+    for a server that shares its core with the teacher."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 2:
         return None, None
@@ -186,7 +188,7 @@ def smoothed(values: list[float], window: int = 9) -> list[float]:
 def curves_figure(history: list[dict[str, float]], teacher_accuracy: float):
     """The demo's figure: training and held-out jsd per step, held-out accuracy against the teacher's, and per-step
     throughput and staleness (raw, faint, with a smoothed line over each); every legend sits below its panel."""
-    import matplotlib
+    import matplotlib  # optional (`fastdistill[demo]`): only the figure needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,7 +233,7 @@ def curves_figure(history: list[dict[str, float]], teacher_accuracy: float):
 
 def plot_curves(history: list[dict[str, float]], teacher_accuracy: float, path: Path) -> None:
     """Write :func:`curves_figure` to ``path`` (PNG)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional, as in curves_figure
 
     figure = curves_figure(history, teacher_accuracy)
     figure.savefig(path, dpi=100, bbox_inches="tight")
@@ -240,12 +242,6 @@ def plot_curves(history: list[dict[str, float]], teacher_accuracy: float, path: 
 
 def run_demo(output_dir: Path, settings: DemoSettings, seed: int = 0) -> dict[str, Any]:
     """The whole demo; returns the report (also written to ``output_dir/report.json``)."""
-    from transformers.utils import logging as hf_logging
-
-    from fastdistill.serve import VLLMServer
-    from fastdistill.sync import served_logprob_gap
-    from fastdistill.train import AsyncDistillationConfig, AsyncDistillationTrainer
-
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     started = time.perf_counter()
@@ -358,8 +354,6 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _yaml(values: dict[str, Any]) -> str:
-    import yaml
-
     return yaml.safe_dump(values, sort_keys=False)
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXPORT_MARKER = "fastdistill_export.json"  # written last: its presence means the export is complete
@@ -58,8 +59,6 @@ def export_gguf_model(folder: str | Path, gguf_file: str, out_dir: str | Path,
     leaves no partial ``out_dir``. A non-empty ``out_dir`` that is not an export of this function is refused
     (ValueError) rather than overwritten; a missing GGUF file raises FileNotFoundError.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = Path(folder) / gguf_file
     if not source.is_file():
         raise FileNotFoundError(f"no GGUF file {source}")
@@ -100,8 +99,6 @@ def derive_student(model_dir: str | Path, out_dir: str | Path, layers: Sequence[
     are subset to match. Raises ValueError for an empty, unsorted, repeated or out-of-range ``layers``, or a model
     whose decoder layers are not at ``model.layers``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = AutoConfig.from_pretrained(model_dir)
     total = config.num_hidden_layers

@@ -104,8 +104,9 @@ def cycles() -> list[list[str]]:
 
 
 def test_the_graph_sees_lazy_relative_and_submodule_imports():
-    """The checker itself: a lazy import inside a function (the dense loss's of the reference), relative imports, and
-    ``from package import submodule`` are edges; a made-up two-module loop is found."""
+    """The checker itself: a lazy import inside a function (the dense loss's of a Triton kernel), relative imports
+    (its of the reference), and ``from package import submodule`` are edges; a made-up two-module loop is found."""
+    assert "fastdistill_kernels.dense_chunk" in GRAPH["fastdistill.loss.dense"]
     assert "fastdistill.loss.reference" in GRAPH["fastdistill.loss.dense"]
     assert "fastdistill.loss.outputs" in GRAPH["fastdistill.loss.reference"]
     assert "fastdistill.train.pipeline" in GRAPH["fastdistill.train.trainer"]
@@ -170,3 +171,51 @@ def test_the_library_imports_nothing_the_wheel_leaves_out():
     wrong = sorted(f"{name} imports {top}" for name, path in MODULES.items() for top in outside_imports(path)
                    if top in checkout)
     assert not wrong, "\n".join(wrong)
+
+
+# Modules that import inside a function, the most they may, and why: a start-up path to protect (the torch-free
+# rollout child, the CLI's fast start) or an optional dependency that may be absent. Anything else imports at the top.
+LAZY_IMPORTS = {
+    "fastdistill.cache.sampled": (2, "the cache package imports no torch (`fastdistill score` of top-K candidates "
+                                     "starts without it): only drawing sampled candidates needs torch and the loss"),
+    "fastdistill.cache.score": (1, "transformers imports torch, which the cache package does not"),
+    "fastdistill.cli": (15, "the CLI's fast start: each command imports what it runs"),
+    "fastdistill.cross_tokenizer.vocabulary": (2, "transformers, only to load a tokenizer: the torch-free rollout "
+                                                  "child imports the package"),
+    "fastdistill.demo": (3, "matplotlib is optional (fastdistill[demo]): only the figure needs it"),
+    "fastdistill.integrations.trl": (1, "TRL is optional: only a patched TRL trainer calls it"),
+    "fastdistill.loss.api": (2, "the Triton kernels need triton, an optional dependency"),
+    "fastdistill.loss.dense": (2, "the Triton kernels need triton (optional)"),
+    "fastdistill.loss.routing": (2, "the kernels' chunk sizes: their modules import triton (optional)"),
+    "fastdistill.rollout.sample": (2, "torch, for hidden states only: the rollout child imports this module"),
+    "fastdistill.rollout.sequence": (1, "the hidden-state teacher's client imports torch: the rollout child"),
+    "fastdistill.sync.channels": (3, "vLLM's NCCL helpers: vLLM is optional in the trainer's environment"),
+    "fastdistill.sync.lora": (2, "peft is optional (fastdistill[lora])"),
+    "fastdistill.sync.vllm_plugin": (1, "an older vLLM has no weight-transfer factory"),
+    "fastdistill.train.lora": (1, "peft is optional (fastdistill[lora])"),
+    "fastdistill.train.metrics": (1, "tensorboard is optional (report_to=['tensorboard'])"),
+    "fastdistill.train.model": (5, "transformers' loaders, FSDP only when sharded, peft only with LoRA"),
+    "fastdistill.train.pipeline": (1, "transformers, for cross-tokenizer teachers' tokenizers only"),
+    "fastdistill.train.teacher_head": (2, "huggingface_hub's cache lookup, absent without it"),
+    "fastdistill_kernels.compat": (2, "triton is optional (CPU-only installs)"),
+}
+
+
+def function_imports(path: Path) -> int:
+    """How many ``import`` statements ``path`` has inside a function or method (nested ones included)."""
+    def count(node: ast.AST, inside: bool) -> int:
+        return sum((inside and isinstance(child, (ast.Import, ast.ImportFrom)))
+                   + count(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+                   for child in ast.iter_child_nodes(node))
+    return count(ast.parse(path.read_text()), False)
+
+
+def test_imports_inside_functions_only_with_a_reason():
+    """No module imports inside a function beyond its entry in LAZY_IMPORTS (none without an entry): a new one needs
+    a start-up path or an optional dependency as its reason. Fewer is always welcome (lower the entry)."""
+    found = {name: function_imports(path) for name, path in MODULES.items()}
+    over = sorted(f"{name}: {n} imports inside functions, allowed {LAZY_IMPORTS.get(name, (0, ''))[0]}"
+                  for name, n in found.items() if n > LAZY_IMPORTS.get(name, (0, ""))[0])
+    assert not over, "\n".join(over)
+    assert all(reason for _, reason in LAZY_IMPORTS.values())
+    assert set(LAZY_IMPORTS) <= set(MODULES), sorted(set(LAZY_IMPORTS) - set(MODULES))

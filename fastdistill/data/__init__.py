@@ -1,8 +1,8 @@
 """Samples to packed rows: prompt sources and tokenisation, the prompt table, batchers (token budget, fixed count)
 and the packer.
 
-The Hugging Face dataset loading lives in :mod:`fastdistill.data.sources` (imported on use: it imports ``datasets``
-only when a dataset is loaded). Importing this package imports no torch: the rollout worker's child unpickles a
+The Hugging Face dataset loading lives in :mod:`fastdistill.data.sources` (imported on use: it imports
+``datasets``). Importing this package imports no torch: the rollout worker's child unpickles a
 :class:`PromptTable` from it, so the packer (torch) is loaded on first use of ``PackedRow`` / ``pack_row``.
 """
 

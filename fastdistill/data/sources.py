@@ -22,12 +22,13 @@ dataset only when the row is indexed.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
+import pyarrow.compute as pc
 
 from fastdistill.data.prompt_table import DatasetPrompts, PromptTable, before_last_assistant_turn
 from fastdistill.data.prompts import _RESERVED_TEMPLATE_KWARGS, tokenize_prompts
@@ -67,8 +68,6 @@ def load_prompt_source(
 
 def _load_named(source: str, split: str, dataset_config: str | None, what: str) -> Any:
     """The dataset at ``source``: a file, a folder or a Hub name."""
-    import datasets
-
     path = Path(source).expanduser()
     if path.is_file():
         builder = FILE_BUILDERS.get(path.suffix.lower())
@@ -107,22 +106,18 @@ def _call_loader(source: str, what: str, load: Any, split: str | None = None, da
 
 
 def _offline() -> bool:
-    import datasets
-
     return bool(datasets.config.HF_HUB_OFFLINE)
 
 
 def _as_dataset(source: Any, what: str) -> Any:
-    datasets = sys.modules.get("datasets")  # a Dataset object means the package is imported already
-    if datasets is not None:
-        if isinstance(source, datasets.Dataset):
-            return source
-        if isinstance(source, datasets.DatasetDict):
-            raise ConfigError(f"{what}: got a DatasetDict with splits {sorted(source)}; pass one split, e.g. "
-                                f"dataset[{next(iter(source), 'train')!r}]")
-        if isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-            raise ConfigError(f"{what}: an IterableDataset (streaming=True) is not supported: the run needs the "
-                                "number of rows up front; load the dataset without streaming")
+    if isinstance(source, datasets.Dataset):
+        return source
+    if isinstance(source, datasets.DatasetDict):
+        raise ConfigError(f"{what}: got a DatasetDict with splits {sorted(source)}; pass one split, e.g. "
+                          f"dataset[{next(iter(source), 'train')!r}]")
+    if isinstance(source, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise ConfigError(f"{what}: an IterableDataset (streaming=True) is not supported: the run needs the "
+                          "number of rows up front; load the dataset without streaming")
     raise ConfigError(f"{what}: expected a datasets.Dataset, a list of row dicts, a file path, a dataset folder or "
                         f"a Hugging Face dataset name, got {type(source).__name__}")
 
@@ -172,8 +167,6 @@ def tokenize_dataset(
     column, an empty dataset, a row of the wrong shape, an empty prompt, token ids outside the tokenizer's
     vocabulary or more than ``max_prompt_tokens`` tokens.
     """
-    import datasets
-
     template_kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(template_kwargs) & set(_RESERVED_TEMPLATE_KWARGS))
     if reserved:
@@ -313,8 +306,6 @@ def _checked_ids(value: Any, index: int, what: str) -> np.ndarray:
 
 def _table_of(mapped: Any, has_teacher: bool) -> PromptTable:
     """The tokenised dataset's Arrow columns as numpy arrays (no per-row Python objects)."""
-    import pyarrow.compute as pc
-
     arrow = mapped.with_format("arrow")[:]  # a pyarrow.Table, memory-mapped when the map wrote a cache file
     prompt_ids = arrow.column("prompt_ids")
     lengths = pc.list_value_length(prompt_ids).to_numpy()

@@ -81,8 +81,6 @@ def trl_chunked_jsd_loss(
 
 
 def _trl_module():
-    import importlib
-
     try:
         return importlib.import_module(TRL_MODULE)
     except ImportError as error:
@@ -289,7 +287,7 @@ def gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_bat
     With ``return_outputs=True`` it returns ``(loss, outputs)`` where ``outputs`` is the student backbone's output
     (``last_hidden_state`` ``(B, L, H)``, unshifted) instead of TRL's ``CausalLMOutput`` with logits.
     """
-    from trl.models.utils import _ForwardRedirection
+    from trl.models.utils import _ForwardRedirection  # TRL is optional: only a patched TRL trainer calls this
 
     redirect = _ForwardRedirection()
     self.teacher_model.eval()

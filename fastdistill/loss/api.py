@@ -11,6 +11,7 @@ import torch
 from .chunked import LossConfig, sparse_jsd_rows
 from .options import BACKENDS, TAIL_MODES
 from .outputs import SparseJSDOutput, summarize
+from .reference import reference_sparse_jsd
 from .routing import TRITON_DTYPES, route
 from .support import _check_beta, canonical_mask
 
@@ -76,8 +77,6 @@ def sparse_jsd_loss(
     cfg = LossConfig(logit_scale=logit_scale, softcap=softcap, beta=beta, temperature=temperature,
                      add_tail_bucket=add_tail_bucket, tail_mode=tail_mode)
     if backend == "reference":
-        from .reference import reference_sparse_jsd
-
         return reference_sparse_jsd(hidden, weight, ids, lps, mask, bias=bias, cfg=cfg,
                                     teacher_index=teacher_index, num_teachers=num_teachers,
                                     token_weights=token_weights)
@@ -99,7 +98,7 @@ def _triton_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossConfig, te
                        num_teachers=1, token_weights=None) -> SparseJSDOutput:
     """The fused Triton kernels on validated inputs: canonical slots, scored rows only, then the kernel op."""
     _check_triton_inputs(hidden, weight, "triton")
-    from fastdistill_kernels import fused_sparse_jsd
+    from fastdistill_kernels import fused_sparse_jsd  # needs triton, an optional dependency: only on this path
 
     hidden, ids, lps, valid, teacher_index, token_weights = _scored_rows(hidden, ids, lps, mask, teacher_index,
                                                                         token_weights)
@@ -129,7 +128,7 @@ def _triton_chunked_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg: LossCo
                                num_teachers=1, token_weights=None, chunk_rows: int | None = None) -> SparseJSDOutput:
     """The chunked-logits Triton path (6·N·D·V FLOPs) on validated inputs; ``chunk_rows`` overrides the chunk."""
     _check_triton_inputs(hidden, weight, "triton-chunked")
-    from fastdistill_kernels import chunked_logits_sparse_jsd
+    from fastdistill_kernels import chunked_logits_sparse_jsd  # needs triton (optional)
 
     hidden, ids, lps, valid, teacher_index, token_weights = _scored_rows(hidden, ids, lps, mask, teacher_index,
                                                                         token_weights)

@@ -30,16 +30,19 @@ from dataclasses import dataclass
 import torch
 
 from .api import (
+    _check_triton_inputs,
     _is_number,
     _validate_weights,
     check_teacher_index,
     save_gradients,
     saved_gradients,
+    torch_sparse_jsd,
 )
-from .chunked import default_chunk_rows
+from .chunked import LossConfig, default_chunk_rows
 from .gemm import gemm_into, split_gemm_into, split_operands, split_tile, split_weight_grad
 from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
+from .reference import reference_dense_teacher_jsd
 from .routing import route
 from .support import _check_beta
 from .tile_rows import log_mixture, row_logsumexp, rowdot, rowdot_exp_diff
@@ -148,8 +151,6 @@ def dense_teacher_jsd_loss(
     t_hidden, t_weight = teacher_hidden.detach(), teacher_weight.detach()
     t_bias = None if teacher_bias is None else teacher_bias.detach()
     if backend == "reference":
-        from .reference import reference_dense_teacher_jsd
-
         return reference_dense_teacher_jsd(student_hidden, student_weight, student_bias, t_hidden, t_weight, t_bias,
                                            student=student, teacher=teacher, beta=float(beta), mask=mask,
                                            token_weights=token_weights, teacher_index=teacher_index,
@@ -181,10 +182,9 @@ def _triton_dense(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, studen
     """A Triton backend on scored rows (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``): ``"triton"``, the fused
     kernels (any per-row weighting backpropagates), or ``"triton-chunked"``, the chunked-logits path (gradients of
     the token-weighted sum computed in its forward)."""
-    from .api import _check_triton_inputs
-
     _check_triton_inputs(s_hidden, s_weight, backend)
     _check_triton_inputs(t_hidden, t_weight, backend)
+    # the kernels need triton, an optional dependency: imported only on this path
     from fastdistill_kernels.dense_chunk import DenseHeads, chunked_dense_teacher_jsd
     from fastdistill_kernels.dense_fused import fused_dense_teacher_jsd
 
@@ -203,9 +203,6 @@ def _student_top_k_jsd(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, s
                        beta: float, k: int, chunk_rows, token_weights, teacher_index, num_teachers) -> DenseJSDOutput:
     """The ``student_top_k`` objective on scored rows: a no-grad pass picks the candidates, then the sparse torch
     path (8·N·D_s·V_s FLOPs for the student in all: one extra logits GEMM for the selection)."""
-    from .api import torch_sparse_jsd
-    from .chunked import LossConfig
-
     ids, lps, dropped = student_top_k_support(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student,
                                               teacher, k, chunk_rows)
     cfg = LossConfig(logit_scale=student.scale, softcap=student.softcap, beta=beta, temperature=student.temperature,

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from fastdistill_kernels.validation import is_validated
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TRITON_ENV = "FASTDISTILL_TRITON"  # "1": auto may pick designs no GPU has validated; "0": auto never picks kernels
@@ -77,8 +78,6 @@ def kernel_designs_allowed(loss: str) -> list[str]:
     flag = os.environ.get(TRITON_ENV, "").strip()
     if flag == "0":
         return []
-    from fastdistill_kernels.validation import is_validated
-
     return [b for b in ("triton-chunked", "triton") if flag == "1" or is_validated(loss, b)]
 
 
@@ -120,7 +119,7 @@ def _chunk_buffer(loss: str, pairs) -> tuple[int, int]:
     """``(row_bytes, default_rows)`` of the chunked design for these inputs, from the kernels' own functions: bytes
     per row of its raw-logits buffer(s) (fp32, whatever the operands' dtype) and its default rows per chunk."""
     (hs, ws), *rest = pairs
-    if loss == "sparse":
+    if loss == "sparse":  # the kernel modules import triton (optional): only when a kernel design is chosen
         from fastdistill_kernels.logits_chunk import chunk_row_bytes, chunk_rows_for
 
         return chunk_row_bytes(ws.shape[0]), chunk_rows_for(hs.shape[0], ws.shape[0])

@@ -175,7 +175,7 @@ def _queries(generation: Generation, scores: Any, length: int,
 def hidden_array(hidden: torch.Tensor) -> np.ndarray:
     """A (L, D) float32 or bfloat16 CPU tensor as the numpy array :class:`RolloutSample` keeps: float32 as is,
     bfloat16 as uint16 bit patterns (which pickle as plain bytes between processes)."""
-    import torch
+    import torch  # not at the top: the rollout worker's child imports this module and must start without torch
 
     hidden = hidden.detach().cpu().contiguous()
     if hidden.dtype == torch.bfloat16:
@@ -187,7 +187,7 @@ def hidden_array(hidden: torch.Tensor) -> np.ndarray:
 
 def hidden_tensor(array: np.ndarray) -> torch.Tensor:
     """The torch tensor of a :class:`RolloutSample`'s ``teacher_hidden``: float32, or bfloat16 from uint16 bits."""
-    import torch
+    import torch  # torch-free module (see hidden_array)
 
     if array.dtype == np.uint16:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from fastdistill.sync.naming import NamedTensors
@@ -56,7 +57,7 @@ def merged_named_weights(peft_model: nn.Module) -> Iterator[tuple[str, torch.Ten
     A generator: each merged tensor is computed when the consumer asks for it, so no more than one exists at a time
     unless the consumer keeps them. Names are the base model's (``model.layers.0.self_attn.q_proj.weight``); adapter
     parameters are not yielded. Unmerged tensors are detached views of the parameters, not copies."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # peft is optional (`fastdistill[lora]`): only LoRA runs need it
 
     layers = {name: module for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
     for name, param in _base_parameters(peft_model):
@@ -99,7 +100,7 @@ def adapter_weights(peft_model: nn.Module, adapter: str = "default") -> AdapterW
 
     Collective under FSDP2: every rank must call it (each gathers every tensor, like the merged path does); the
     copy is independent of later training steps."""
-    from peft.utils import get_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict  # optional, as above
 
     gathered = {name: _full(param).clone() for name, param in peft_model.named_parameters()
                 if ".lora_" in name and f".{adapter}." in name}
@@ -112,8 +113,6 @@ def save_adapter(weights: AdapterWeights, path: str | Path) -> Path:
     """Write ``weights`` as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) at
     ``path``, atomically: into a temporary folder next to it, then renamed, so a reader sees all of it or nothing.
     An existing folder at ``path`` is replaced. Returns ``path``."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

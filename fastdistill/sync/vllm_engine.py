@@ -21,6 +21,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.logger import init_logger
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+from vllm.platforms import current_platform
 
 from fastdistill.sync.transport import DEFAULT_BUCKET_BYTES, join_gloo_group, manifest_from_lists, receive_tensors
 
@@ -110,8 +115,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def start_weight_update(self) -> None:
         """Open a layerwise reload: checkpoint-format weights may now be loaded with ``model.load_weights``."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._received = set()
         initialize_layerwise_reload(self.model)
 
@@ -119,8 +122,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Receive the broadcast chunk by chunk and load each chunk as soon as it lands."""
         if self._group is None:
             raise RuntimeError("gloo weight transfer is not initialised: call /init_weight_transfer_engine first")
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         manifest = manifest_from_lists(update_info.names, update_info.dtype_names, update_info.shapes)
         # Unpacked: a bucket of one byte puts every tensor in a chunk of its own on both sides.
         bucket_bytes = self._bucket_bytes if self._packed else 1
@@ -146,9 +147,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # (a trainer that dies or is cut off mid-broadcast). Drop what partly-received layers buffered and finalise:
         # those layers get their previous weights back, completed layers keep the new ones, and the engine serves on
         # until the next successful update.
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
         for layer in self.model.modules():
             info = get_layerwise_info(layer)
             if info.can_load():
@@ -162,8 +160,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def finish_weight_update(self) -> None:
         """Finalise the layerwise reload, then re-pack tied CPU LM heads that were not sent."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         finalize_layerwise_reload(self.model, self.model_config)
         self._refresh_tied_cpu_heads()
 
@@ -171,12 +167,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # vLLM-CPU's embedding/LM-head post-load processing builds a prepacked GEMM handle from a copy of the weight.
         # A tied head shares its Parameter with the embedding; when only the embedding's name was received the head
         # is never re-processed and keeps serving the old logits. Re-running its processing rebuilds the handle.
-        from vllm.platforms import current_platform
-
         if not current_platform.is_cpu() or not self._received:
             return
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
         modules = dict(self.model.named_modules())
         owners: dict[int, list[str]] = {}
         for name, module in modules.items():

@@ -7,6 +7,8 @@ module path, so the engine module (and the transport) is imported only in the wo
 
 from __future__ import annotations
 
+from fastdistill.sync.vllm_scoring import install
+
 ENGINE_NAME = "gloo"
 ENGINE_MODULE = "fastdistill.sync.vllm_engine"
 ENGINE_CLASS = "GlooWeightTransferEngine"
@@ -19,10 +21,8 @@ def register() -> None:
     Does nothing if vLLM has no weight-transfer factory (an older vLLM) or a ``gloo`` engine is already registered
     (the factory raises on duplicates; vLLM may one day ship its own).
     """
-    from fastdistill.sync.vllm_scoring import install
-
     install()
-    try:
+    try:  # an older vLLM has no weight-transfer factory
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return

@@ -20,7 +20,7 @@ does the same on the V1 runner, in two places (the wire format is :mod:`fastdist
   field vLLM's scheduler and output processor already carry to ``RequestOutput.prompt_token_id_logprobs``.
 
 :func:`install` patches each module when (or if already) imported, so a process imports neither for the plugin's
-sake; it is idempotent. Nothing here imports vLLM or torch at import time.
+sake; it is idempotent. Nothing here imports vLLM at import time.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 
 from fastdistill.scoring_wire import (
     FIXED_COLUMNS,
@@ -233,8 +234,6 @@ class _RequestScores:
     """One request's scoring state: its query ids (rows, S) int64 tensor, K, first row and the reply matrix."""
 
     def __init__(self, xargs: dict[str, Any], prompt_len: int, device: Any):
-        import torch
-
         self.start = int(xargs[XARG_START])
         self.top_k = int(xargs[XARG_TOP_K])
         self.num_queries = int(xargs[XARG_NUM_QUERIES])
@@ -249,8 +248,6 @@ class _RequestScores:
 def _score_rows(runner: Any, state: _RequestScores, hidden: Any, first_row: int, target_ids: Any) -> None:
     """Fill ``state.matrix`` rows for sequence rows ``first_row..first_row + len(hidden)`` from their hidden
     states and next-token ids ``target_ids`` int64."""
-    import torch
-
     logits = runner.model.compute_logits(hidden)
     if runner.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
         scores = logits.to(torch.float32)
@@ -296,8 +293,6 @@ def score_scheduled_requests(runner: Any, hidden_states: Any, num_scheduled_toke
 
 def _score_request(runner: Any, req_id: str, request: Any, num_tokens: int, hidden_states: Any,
                    states: dict[str, _RequestScores], finished: dict[str, Any]) -> None:
-    import torch
-
     xargs = request.sampling_params.extra_args
     prompt_len = len(request.prompt_token_ids)
     chunk_start = request.num_computed_tokens

@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fastdistill.sync.peers import await_main
+from fastdistill.train.lora import export_merged
+from fastdistill.train.model import WRAPPER_PREFIX
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -200,9 +202,5 @@ def export_final_model(config: Any, model: torch.nn.Module, hf_model: torch.nn.M
     if not config.export_final_model:
         return None
     if config.lora_r > 0:
-        from fastdistill.train.lora import export_merged
-
         return export_merged(hf_model, tokenizer, path, is_main)
-    from fastdistill.train.model import WRAPPER_PREFIX
-
     return export_hf(model, hf_model, tokenizer, path, WRAPPER_PREFIX)

@@ -30,8 +30,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fastdistill.errors import ConfigError
 from fastdistill.rollout.dropped import TOO_LONG
+from fastdistill.train.checkpoint import (
+    ResumedState,
+    RolloutState,
+    latest_checkpoint,
+    load_checkpoint,
+    read_rollout_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,8 +261,6 @@ def samples_fingerprint(samples: Sequence[Any]) -> str:
     """sha256 (hex) of a list of :class:`~fastdistill.rollout.RolloutSample` (prompt id, dataset row, teacher and
     token ids) and :class:`~fastdistill.rollout.dropped.DroppedPrompt` notices (prompt id, row, reason), in order.
     The teachers' candidate and hidden-state arrays are not read (they follow the tokens)."""
-    import numpy as np
-
     digest = hashlib.sha256()
     for item in samples:
         input_ids = getattr(item, "input_ids", None)
@@ -300,8 +307,6 @@ def resume_problem(ledger: RunLedger, checkpoint: Path | None, data: DataIdentit
     them). Resuming, the ledgers must be readable and the checkpoint's recorded data (see :class:`DataIdentity`)
     must equal ``data``; a checkpoint that records none (written by an older fastdistill) resumes with a
     warning."""
-    from fastdistill.train.checkpoint import latest_checkpoint, read_rollout_state
-
     folder = ledger.output_dir
     if checkpoint is None:
         earlier = latest_checkpoint(folder)
@@ -343,8 +348,6 @@ def resume_path(value: str | None, output_dir: str | Path) -> Path | None:
     if value is None:
         return None
     if value in ("latest", "true", "True"):
-        from fastdistill.train.checkpoint import latest_checkpoint
-
         return latest_checkpoint(output_dir)
     path = Path(value)
     if not path.is_dir():
@@ -359,8 +362,6 @@ def resume_run(config: Any, dist: Any, model: Any, optimizer: Any, scheduler: An
     the checkpoint's recorded data (``data``, this run's :class:`~fastdistill.train.ledger.DataIdentity`); every rank
     raises its :class:`~fastdistill.errors.ConfigError` (the others would otherwise wait in the next collective).
     The returned state's rollout state records ``data`` for the next checkpoint."""
-    from fastdistill.train.checkpoint import ResumedState, RolloutState, load_checkpoint
-
     ledger = RunLedger(config.output_dir)
     resume = resume_path(config.resume_from_checkpoint, config.output_dir)
     problem = dist.broadcast(resume_problem(ledger, resume, data, config.resume_from_checkpoint)

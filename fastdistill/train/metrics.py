@@ -15,6 +15,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from fastdistill.data.batching import microbatch_metrics
 from fastdistill.train.ledger import RunLedger
 
 PER_TEACHER_FAMILIES = ("teacher_jsd/", "teacher_reverse_kl/", "teacher_entropy/", "teacher_token_frac/",
@@ -93,8 +96,6 @@ class MetricsLogger:
         self._ledger = RunLedger(self.output_dir)
         self._progress = None
         if not disable_progress:
-            from tqdm.auto import tqdm
-
             self._progress = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
                                   dynamic_ncols=True)
         for name in report_to:
@@ -151,7 +152,7 @@ class MetricsLogger:
 
 class _TensorBoard:
     def __init__(self, output_dir: Path):
-        try:
+        try:  # tensorboard is optional: only report_to=['tensorboard'] needs it
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
             message = "report_to=['tensorboard'] needs the tensorboard package: pip install tensorboard"
@@ -197,8 +198,6 @@ def rank0_step_metrics(metrics: MetricsLogger, collector: Any, source: Any, wind
     """Rank 0's share of a step's record: the collector's counters (discarded and dropped samples, by reason) and the
     source's rollout wait as values; the source's and the rollout worker's metrics and the window's packing metrics
     (ghost rows left out) go into ``metrics`` to be reduced with the step's. Resets the source's wait and metrics."""
-    from fastdistill.data.batching import microbatch_metrics
-
     counters = collector.take_counters()
     dropped = counters.dropped
     record: dict[str, Any] = {"perf/rollout_wait_s": source.wait_s,

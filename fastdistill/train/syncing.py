@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from fastdistill.sync import served_logprob_gap, served_sampled_logprob_gap, snapshot_weights
+from fastdistill.sync.lora import adapter_weights, merged_weights
 from fastdistill.train.timing import PhaseClock
 
 
@@ -72,22 +75,14 @@ class WeightSyncSchedule:
         """What the server should serve: the model itself, or with LoRA its merged weights (a stream that merges one
         tensor at a time), or with ``lora_sync="adapter"`` a copy of the adapter."""
         if self.adapter_sync:
-            from fastdistill.sync.lora import adapter_weights
-
             return adapter_weights(self.hf_model)
         if self.config.lora_r > 0:
-            from fastdistill.sync.lora import merged_weights
-
             return merged_weights(self.hf_model)
         return self.hf_model
 
     def _sync_in_background(self) -> dict[str, float]:
         """Snapshot the weights now and push them from a thread while the next step collects and trains. Returns the
         previous push's timings plus how long this step waited for it (``perf/weight_sync_wait_s``)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from fastdistill.sync import snapshot_weights
-
         started = time.perf_counter()
         with self.clock.phase("weight_sync"):  # waiting for the previous push, then the snapshot
             timings = dict(self._pending.result() or {}) if self._pending is not None else {}
@@ -111,8 +106,6 @@ class WeightSyncSchedule:
 
     def served_gap(self) -> float:
         """Max |served − trainer| log-prob on the probe prompts (a full forward of the model on one process)."""
-        from fastdistill.sync import served_logprob_gap, served_sampled_logprob_gap
-
         was_training = self.hf_model.training
         self.hf_model.eval()
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from fastdistill.errors import ConfigError, TeacherHeadError
 from fastdistill.logit_head import LogitHead, head_logits, logit_head_from_config
@@ -91,8 +92,6 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         return {name: folder / file for name, file in weight_map.items()}
     single = folder / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
         with safe_open(single, framework="pt") as reader:
             return {name: single for name in reader.keys()}
     found = sorted(p.name for p in folder.iterdir())
@@ -101,8 +100,6 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 
 def _read(files: dict[str, Path], name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
     path = files[name]
     if not path.is_file():
         raise TeacherHeadError(f"{path} (listed for {name}) does not exist")

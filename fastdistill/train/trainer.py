@@ -32,6 +32,7 @@ from torch import nn
 from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.rollout import OnPolicyShare, RolloutSample
 from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.sync import weight_sync_from_config
 from fastdistill.train import pipeline
 from fastdistill.train.checkpoint import RolloutState, export_final_model, save_checkpoint
 from fastdistill.train.collector import WindowCollector
@@ -336,8 +337,6 @@ class AsyncDistillationTrainer:
             dtype=torch.bfloat16 if self._use_bf16() and self.dist.sharded else
             self.hf_model.get_output_embeddings().weight.dtype)  # bf16 weights under FSDP; one process autocasts
         if self.weight_sync is None and not self._offline:
-            from fastdistill.sync import weight_sync_from_config
-
             self.weight_sync = weight_sync_from_config(config, device_type=self.dist.device.type,
                                                        is_sender=self.dist.is_main)
         self.syncs.start()

@@ -11,6 +11,7 @@ Triton-backed names are imported lazily: ``import fastdistill_kernels`` works wi
 
 from importlib import import_module
 
+from . import validation
 from .buckets import bucket_divergence, logit_gradients
 
 # Which kernels have run on a real GPU is recorded per design, by the hash of its device code, in validated.json
@@ -43,10 +44,8 @@ __all__ = ["KERNELS_VALIDATED_ON_GPU", "bucket_divergence", "logit_gradients", *
 
 
 def __getattr__(name: str):
-    if name == "KERNELS_VALIDATED_ON_GPU":
-        from .validation import DESIGNS, validated_designs
-
-        return validated_designs() == frozenset(DESIGNS)
+    if name == "KERNELS_VALIDATED_ON_GPU":  # read through the module on every access: the record may change
+        return validation.validated_designs() == frozenset(validation.DESIGNS)
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

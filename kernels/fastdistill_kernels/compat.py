@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 
 def _interpreter_index_broken(interpreter, tl) -> bool:
     """Whether the interpreter's ``tensor.__index__`` fails on a scalar kernel argument (a one-element array)."""
-    import numpy as np
-
     scope = interpreter._LangPatchScope()
     interpreter._patch_lang_tensor(tl.tensor, scope)
     try:
@@ -32,7 +32,7 @@ def patch_interpreter_scalar_index() -> bool:
     """Make the interpreter's ``tensor.__index__`` squeeze its one-element array first (what Triton 3.7 and later
     do), only where the installed Triton needs it. Returns True when it patched, False when nothing was needed or
     this Triton's interpreter has a different shape (then it is left alone)."""
-    try:
+    try:  # triton is optional (and absent from CPU-only installs)
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
