@@ -13,9 +13,9 @@ Two kinds of queries (``RolloutConfig.student_queries``):
   returns μ over its whole support; the client checks that these log-probs hold all of μ's mass and draws the
   S - 1 further ids itself from them (a numpy generator seeded from the request seed). Cost per generated token:
   ``top_k`` (id, log-prob) pairs on the wire (about 36 bytes each as JSON) and the server's top-``top_k`` of
-  the processed log-probs, detokenization and encoding of those ids; on the client about 0.6 µs per pair (JSON
-  decode and parse, measured) plus O(S top_k) for the draws. On a tiny
-  vocabulary ``top_k`` = the vocabulary size is no masking at all, so this covers plain sampling there too.
+  the processed log-probs, detokenization and encoding of those ids; on the client the JSON decode and parse of
+  those pairs plus O(S top_k) for the draws (timed in docs/rollout.md). On a tiny vocabulary ``top_k`` = the
+  vocabulary size is no masking at all, so this covers plain sampling there too.
   Without top-k (a large vocabulary, top-p or min-p alone) no reply of a stock server holds μ's support, and the
   setting is refused (:func:`samples_route_problem`).
 """
