@@ -122,12 +122,12 @@ def served_hidden_teachers(config: Any) -> tuple[dict[str, Any], dict[str, int]]
 
     async def probe() -> tuple[dict[str, Any], dict[str, int]]:
         served, widths = {}, {}
-        _, teachers = server_clients(config)
+        student, teachers = server_clients(config)
         try:
             for teacher_id in config.hidden_teacher_ids:
                 served[teacher_id], widths[teacher_id] = await served_teacher(teachers[teacher_id], "hidden")
         finally:
-            for client in teachers.values():
+            for client in (student, *teachers.values()):
                 await client.close()
         return served, widths
 
