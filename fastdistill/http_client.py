@@ -72,6 +72,14 @@ def server_message(body: bytes | str) -> str:
     return text[:_MESSAGE_LIMIT]
 
 
+def unauthorized_hint(sent_key: bool, how_to_give: str) -> str:
+    """What to fix after an HTTP 401: the key sent differs from the server's, or none was sent (then
+    ``how_to_give`` says where the caller takes its key from). Never names the key."""
+    if sent_key:
+        return "the server refused the API key sent: the client's key differs from the server's"
+    return f"the server requires an API key: {how_to_give}"
+
+
 def new_session(*, connection_limit: int = 100, keep_alive: bool = True) -> aiohttp.ClientSession:
     """An aiohttp session that never uses a proxy (``trust_env=False``, see the module's note) and keeps at most
     ``connection_limit`` connections open (``keep_alive=False``: none is reused, each request opens its own). Every

@@ -328,7 +328,7 @@ def test_weight_sync_refused_without_the_key_says_how_to_fix_it():
         return await asyncio.get_running_loop().run_in_executor(None, sync.init)
 
     outcome, seen = run_keyed_stub(wrong)
-    assert "the server refused this API key" in str(outcome) and "other-key" not in str(outcome)
+    assert "the server refused the API key sent" in str(outcome) and "other-key" not in str(outcome)
     assert seen == ["Bearer other-key"]
 
 

@@ -20,7 +20,15 @@ from typing import Any
 import aiohttp
 
 from fastdistill.errors import VLLMRequestError, VLLMResponseError, VLLMUnavailableError
-from fastdistill.http_client import NO_ANSWER_ERRORS, decode_json, decode_off_loop, new_session, send, server_message
+from fastdistill.http_client import (
+    NO_ANSWER_ERRORS,
+    decode_json,
+    decode_off_loop,
+    new_session,
+    send,
+    server_message,
+    unauthorized_hint,
+)
 from fastdistill.rollout.replicas import Replica, ReplicaPool
 
 # errno values of a failure on this side of the connection: the server was never reached
@@ -67,16 +75,12 @@ class RetryPolicy:
         return capped * random.uniform(0.5, 1.0)
 
 
-def _unauthorized_hint(sent_key: bool) -> str:
-    if sent_key:
-        return "The server refused the API key sent: the client's key differs from the server's."
-    return (
-        "The server requires an API key: give the client api_key= (training config: vllm_server_api_key and "
-        "teacher_api_keys, or the environment variables FASTDISTILL_STUDENT_API_KEY and "
-        "FASTDISTILL_TEACHER_API_KEY[_<ID>], or their _FILE forms naming a key file). A key that `fastdistill "
-        "serve-*` generated is in ~/.cache/fastdistill/keys/<role>.key (its log names the file), which the training "
-        "config reads by default."
-    )
+GIVE_CLIENT_KEY = (
+    "give the client api_key= (training config: vllm_server_api_key and teacher_api_keys, or the environment "
+    "variables FASTDISTILL_STUDENT_API_KEY and FASTDISTILL_TEACHER_API_KEY[_<ID>], or their _FILE forms naming a key "
+    "file). A key that `fastdistill serve-*` generated is in ~/.cache/fastdistill/keys/<role>.key (its log names the "
+    "file), which the training config reads by default"
+)
 
 
 def _is_dropped_pooled_connection(error: BaseException) -> bool:
@@ -189,7 +193,8 @@ async def request_json_pooled(
             message = server_message(body)
             hint = rejection_hint(status, message) if rejection_hint else None
             if hint is None and status == 401:
-                hint = _unauthorized_hint(sent_key=bool(headers and "Authorization" in headers))
+                clause = unauthorized_hint(bool(headers and "Authorization" in headers), GIVE_CLIENT_KEY)
+                hint = f"{clause[0].upper()}{clause[1:]}."  # a line of its own, like the other rejection hints
             raise VLLMRequestError(url, status, message, hint)
         except (*NO_ANSWER_ERRORS, _TransientHTTPStatus) as error:
             last_error = error

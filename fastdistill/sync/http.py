@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fastdistill.errors import WeightSyncError
-from fastdistill.http_client import HTTPFailure, request_json_blocking
+from fastdistill.http_client import HTTPFailure, request_json_blocking, unauthorized_hint
 from fastdistill.sync.transport import dtype_from_name
 
 CONTROL_TIMEOUT_S = 300.0  # the short control calls: /pause, /start_weight_update, /resume, LoRA loads, checks (TRL's)
@@ -17,12 +17,9 @@ CONTROL_TIMEOUT_S = 300.0  # the short control calls: /pause, /start_weight_upda
 def _hint(route: str, error: HTTPFailure, backend: str | None, sent_key: bool) -> str | None:
     flag = f'--weight-transfer-config \'{{"backend": "{backend}"}}\''
     if error.status == 401:
-        if sent_key:
-            return "the server refused this API key: check that the trainer and the server use the same key"
-        return (
-            "the server requires an API key: set the student's key (vllm_server_api_key, or the environment "
-            "variable FASTDISTILL_STUDENT_API_KEY or FASTDISTILL_STUDENT_API_KEY_FILE; VLLMWeightSync(api_key=...))"
-        )
+        return unauthorized_hint(sent_key, "set the student's key (vllm_server_api_key, or the environment variable "
+                                 "FASTDISTILL_STUDENT_API_KEY or FASTDISTILL_STUDENT_API_KEY_FILE; "
+                                 "VLLMWeightSync(api_key=...))")
     if backend is None:  # not a call of the weight-transfer API
         return None
     if error.status == 404:
