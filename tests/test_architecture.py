@@ -194,7 +194,7 @@ LAZY_IMPORTS = {
     "fastdistill.sync.vllm_plugin": (1, "an older vLLM has no weight-transfer factory"),
     "fastdistill.train.lora": (1, "peft is optional (fastdistill[lora])"),
     "fastdistill.train.metrics": (1, "tensorboard is optional (report_to=['tensorboard'])"),
-    "fastdistill.train.model": (5, "transformers' loaders, FSDP only when sharded, peft only with LoRA"),
+    "fastdistill.train.model": (3, "transformers' loaders, FSDP only when sharded"),
     "fastdistill.train.pipeline": (1, "transformers, for cross-tokenizer teachers' tokenizers only"),
     "fastdistill.train.teacher_head": (2, "huggingface_hub's cache lookup, absent without it"),
     "fastdistill_kernels.compat": (2, "triton is optional (CPU-only installs)"),

@@ -420,9 +420,9 @@ class AsyncDistillationConfig:
         """``queue_maxsize``, or one step's samples when None.
 
         Rollouts in flight plus queued ones are the trainer's lookahead: with TRL's 1024-sample queue it runs far
-        more than ``max_staleness`` steps ahead, and the surplus is generated only to be dropped as stale (35–81 %
-        of samples in a TRL 1.16 run on CPU). Here the queue only bounds what waits: queued samples count against the
-        lookahead budget (:meth:`resolved_max_lookahead`)."""
+        more than ``max_staleness`` steps ahead, and the surplus is generated only to be dropped as stale (the
+        "wasted" column of the end-to-end runs in benchmarks/RESULTS.md). Here the queue only bounds what waits:
+        queued samples count against the lookahead budget (:meth:`resolved_max_lookahead`)."""
         return self.queue_maxsize if self.queue_maxsize is not None else self.samples_per_step(world_size)
 
     def resolved_max_steps(self, num_prompts: int, world_size: int) -> int:

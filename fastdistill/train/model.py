@@ -12,6 +12,7 @@ FSDP2's ``MixedPrecisionPolicy`` (several ranks) instead, with ``bf16=True`` (th
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from typing import Any, NamedTuple
@@ -39,6 +40,7 @@ from fastdistill.train.cross_teachers import (
     cross_tokenizer_loss,
     cross_tokenizer_rows,
 )
+from fastdistill.train.lora import apply_lora
 from fastdistill.train.teacher_head import TeacherHead
 
 logger = logging.getLogger(__name__)
@@ -343,7 +345,6 @@ def pg_metrics(out: Any, entries: int, ratio: bool) -> dict[str, float]:
 def default_attention(device: torch.device) -> str:
     """``flash_attention_2`` on CUDA when flash-attn is installed (varlen kernels over the packed row, boundaries
     from ``position_ids``), else ``sdpa`` (transformers turns packed ``position_ids`` into a block-diagonal mask)."""
-    import importlib.util
 
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
@@ -409,8 +410,6 @@ def prepare_student(hf_model: nn.Module, config: AsyncDistillationConfig, device
     Returns the wrapped model and the (possibly peft-wrapped) Hugging Face model."""
     hf_model.config.use_cache = False
     if config.lora_r > 0:
-        from fastdistill.train.lora import apply_lora
-
         hf_model = apply_lora(hf_model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
                               target_modules=config.lora_target_modules)
         if config.gradient_checkpointing:
