@@ -10,6 +10,7 @@ torchrun's agent does). Bounds are hang guards far above the configured heartbea
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -185,6 +186,24 @@ def test_a_gather_stall_in_a_weight_push_names_the_silent_trainer_rank_not_the_s
     error = sync._trainer_stall(gathers, failure)
     assert isinstance(error, WeightSyncError) and "weight push stalled in the trainer ranks' own all-gather" in str(
         error)
+
+
+def test_a_parked_rank_reads_the_release_often_while_the_wait_is_short_and_rarely_once_it_is_long():
+    """The sleep between two reads adds at most max(1 ms, 5 % of the wait so far) to a wait, and a long wait reads
+    the store twice a second: the added latency and the store's load, against the arithmetic of the bounds."""
+    assert peers.poll_interval(0.0) == 0.001 and peers.poll_interval(0.01) == 0.001
+    for waited in (0.0, 0.005, 0.02, 0.1, 1.0, 5.0, 9.9):
+        assert peers.poll_interval(waited) <= max(0.001, 0.05 * waited)
+    assert peers.poll_interval(1.0) == pytest.approx(0.05)
+    assert peers.poll_interval(600.0) == 0.5  # rank 0's long exclusive work: two reads a second per parked rank
+    waited, reads = 0.0, 0
+    while waited < 60.0:  # a minute parked: the reads a rank makes in it
+        waited += peers.poll_interval(waited)
+        reads += 1
+    # 1 ms sleeps up to 20 ms waited (20 reads), then each sleep 5 % of the wait (×1.05 per read up to 10 s), then
+    # 0.5 s sleeps (100 reads): about 250 reads in the minute, not the 60,000 of a fixed 1 ms poll
+    bound = 20 + math.ceil(math.log(10.0 / 0.02) / math.log(1.05)) + 100 + 1
+    assert reads <= bound < 300
 
 
 def test_lost_rank_error_reads_gloo_s_timeout_but_not_a_fastdistill_error_that_mentions_a_timeout():

@@ -38,8 +38,18 @@ _PREFIX = "fastdistill/peers/"
 _DONE = b"done"
 _FAILED = b"failed:"
 _MAX_INTERVAL_S = 2.0  # the longest time between two heartbeats (a stall's age is known to within two of them)
-_MAX_POLL_S = 0.005  # await_main's longest sleep between two reads of the release counter: the latency it adds per step
 _STATUS_EVERY_S = 0.5  # how often a parked rank reads rank 0's status (a failure of rank 0 releases it)
+# await_main's sleep between two reads of the release counter grows with the wait, so that it adds at most
+# max(_MIN_POLL_S, _POLL_SHARE × the wait) to it: a step's short wait costs about a millisecond, and a rank parked
+# through rank 0's long work (an evaluation, an export) reads the store twice a second, not hundreds of times.
+_MIN_POLL_S = 0.001
+_POLL_SHARE = 0.05
+_MAX_POLL_S = _STATUS_EVERY_S
+
+
+def poll_interval(waited_s: float) -> float:
+    """Seconds to sleep before the next read of the release counter, after ``waited_s`` seconds of waiting."""
+    return min(max(_MIN_POLL_S, _POLL_SHARE * waited_s), _MAX_POLL_S)
 
 
 def _store_error_types() -> tuple[type[BaseException], ...]:
@@ -253,10 +263,10 @@ class MainRelease:
         if self.rank == 0:
             self.store.add(key, 1)
             return
-        poll_s, status_at = 0.001, time.monotonic() + _STATUS_EVERY_S
+        began = time.monotonic()
+        status_at = began + _STATUS_EVERY_S
         while self.store.add(key, 0) < self.count:
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 2, _MAX_POLL_S)
+            time.sleep(poll_interval(time.monotonic() - began))
             if self.watch is not None and time.monotonic() >= status_at:
                 status_at = time.monotonic() + _STATUS_EVERY_S
                 failure = self.watch.peer_failure(0, self.store)
