@@ -64,6 +64,7 @@ from train_step_parts import (  # noqa: E402
     packed_attention_check,
     write_teacher_cache,
 )
+from train_step_predict import TOP_K_SHAPES, predicted_step_ms, prediction_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "bench_train_step.json"
@@ -125,8 +126,8 @@ def run_trainer(model: Any, tokenizer: Any, config: Any, device: torch.device, c
 
 
 def summarise(run: dict, first: int, rates: dict[str, float | None]) -> dict[str, Any]:
-    """Medians over the steps from ``first`` on: step time and its split, tokens/s, FLOPs and MFU against each of
-    ``rates`` (FLOP/s, None: unknown)."""
+    """Medians over the steps from ``first`` on: step time (and its range) and its split, tokens/s, FLOPs and MFU
+    against each of ``rates`` (FLOP/s, None: unknown)."""
     records, phases = run["records"][first:], run["phases"][first:]
     med = lambda values: statistics.median(values)  # noqa: E731
     step_s = med([r["perf/step_s"] for r in records])
@@ -135,10 +136,13 @@ def summarise(run: dict, first: int, rates: dict[str, float | None]) -> dict[str
     flops = [run["flops_model"].step(r["batch/forwarded_tokens_per_step"], r["batch/trained_tokens_per_step"],
                                      r["batch/attention_pairs_per_step"]) for r in records]
     total_flops = med([f.total for f in flops])
-    out = {"steps_measured": len(records), "step_s": step_s, "split_s": split,
+    steps = [r["perf/step_s"] for r in records]
+    out = {"steps_measured": len(records), "step_s": step_s, "step_s_range": (min(steps), max(steps)),
+           "split_s": split,
            "loss_share": split["loss"] / step_s, "compute_s": sum(v for k, v in split.items() if k != "rest"),
            "trained_tokens_per_step": med([r["batch/trained_tokens_per_step"] for r in records]),
            "forwarded_tokens_per_step": med([r["batch/forwarded_tokens_per_step"] for r in records]),
+           "attention_pairs_per_step": med([r["batch/attention_pairs_per_step"] for r in records]),
            "samples_per_step": med([r["batch/samples_per_step"] for r in records]),
            "trained_tok_s": med([r["batch/trained_tokens_per_step"] / r["perf/step_s"] for r in records]),
            "step_tflop": total_flops / 1e12,
@@ -182,8 +186,22 @@ def floor_run(rows: list[Any], config: Any, device: torch.device, shape: str, at
     step_s = statistics.median(walls)
     split["rest"] = statistics.median(wall - sum(p.values()) for wall, p in zip(walls, phases, strict=True))
     del model, hf_model, optimizer
-    return {"steps_measured": len(walls), "step_s": step_s, "split_s": split,
+    return {"steps_measured": len(walls), "step_s": step_s, "step_s_range": (min(walls), max(walls)), "split_s": split,
             "compute_s": sum(v for k, v in split.items() if k != "rest")}
+
+
+def predicted_ms(shape: str, backend: str, summary: dict[str, Any]) -> float | None:
+    """The predicted step time on an H200 (``train_step_predict``, H200 rates) for the tokens this run's steps
+    trained, with the loss design ``backend`` runs on a GPU (``auto``: the first design ``kernel_designs_allowed``
+    gives, else the torch path; ``ce``: the cross-entropy floor); None for a shape the prediction does not model
+    (the tiny CPU rehearsal)."""
+    from fastdistill.loss.routing import kernel_designs_allowed
+
+    if shape not in TOP_K_SHAPES:
+        return None
+    design = backend if backend != "auto" else next(iter(kernel_designs_allowed("sparse")), "torch")
+    return predicted_step_ms(shape, design, summary["forwarded_tokens_per_step"], summary["trained_tokens_per_step"],
+                             summary["attention_pairs_per_step"])
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -224,6 +242,7 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
             run = run_trainer(model, tokenizer, config, device, capture_rows=MEASURED_STEPS + 1 if first else 0)
             del model
             summary = summarise(run, max(WARMUP_STEPS, steps - MEASURED_STEPS), rates)
+            summary["predicted_ms"] = predicted_ms(shape, backend, summary)
             out["runs"][key] = {"status": "ok", **summary}
             if first:
                 losses = [r["loss"] for r in run["records"]]
@@ -235,7 +254,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, work: 
                 del run
                 gc.collect()
                 floor = floor_run(rows, config, device, shape, attention, MEASURED_STEPS, autocast=autocast, bf16=bf16)
-                out["floor"] = {"status": "ok", **floor, "of": key}
+                out["floor"] = {"status": "ok", **floor, "of": key,
+                                "predicted_ms": predicted_ms(shape, "ce", out["runs"][key])}
                 first = False
             run = None
             gc.collect()
@@ -311,9 +331,10 @@ def fmt(value: Any, spec: str, unit: str = "") -> str:
 
 def table(result: dict) -> str:
     """The markdown table of a run: one line per (shape, K, backend) and the floor (milliseconds)."""
-    lines = ["| shape | K | loss backend | step ms | backbone fwd | loss (fwd+bwd) | backbone bwd | optimizer | rest | "
-             "loss share | trained tok/s | TFLOP/step | MFU measured | MFU datasheet | peak GiB | × CE floor |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | K | loss backend | step ms (min–max) | predicted ms (H200) | backbone fwd | loss (fwd+bwd) | "
+             "backbone bwd | optimizer | rest | loss share | trained tok/s | TFLOP/step | MFU measured | "
+             "MFU datasheet | peak GiB | × CE floor |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     phases = ("backbone_fwd", "loss", "backbone_bwd", "optimizer", "rest")
     for shape in result["shapes"]:
         for key, run in shape["runs"].items():
@@ -323,16 +344,19 @@ def table(result: dict) -> str:
                 lines.append(f"{head} {run.get('detail', run.get('status'))} |")
                 continue
             split = " | ".join(f"{1e3 * run['split_s'][name]:.1f}" for name in phases)
+            low, high = run["step_s_range"]
             lines.append(
-                f"{head} {1e3 * run['step_s']:.1f} | {split} | {100 * run['loss_share']:.0f} % | "
+                f"{head} {1e3 * run['step_s']:.1f} ({1e3 * low:.1f}–{1e3 * high:.1f}) | "
+                f"{fmt(run.get('predicted_ms'), '.0f')} | {split} | {100 * run['loss_share']:.0f} % | "
                 f"{run['trained_tok_s']:.0f} | {run['step_tflop']:.3g} | {fmt(run['mfu_measured_pct'], '.1f', ' %')} | "
                 f"{fmt(run['mfu_datasheet_pct'], '.1f', ' %')} | {fmt(run['peak_gib'], '.2f')} | "
                 f"{fmt(run.get('vs_floor_step'), '.2f')}× |")
         if "floor" in shape:
             floor = shape["floor"]
             split = " | ".join(f"{1e3 * floor['split_s'][name]:.1f}" for name in phases)
-            lines.append(f"| {shape['shape']} | – | CE floor | {1e3 * floor['step_s']:.1f} | {split} | | | | | | | "
-                         "1.00× |")
+            low, high = floor["step_s_range"]
+            lines.append(f"| {shape['shape']} | – | CE floor | {1e3 * floor['step_s']:.1f} ({1e3 * low:.1f}–"
+                         f"{1e3 * high:.1f}) | {fmt(floor.get('predicted_ms'), '.0f')} | {split} | | | | | | | 1.00× |")
     return "\n".join(lines)
 
 
@@ -375,8 +399,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.predict:
-        from train_step_predict import prediction_table
-
         print(prediction_table())
         return 0
     started = time.monotonic()

@@ -23,10 +23,11 @@ Steps, in order of value, each in its own process group with its own limit (:dat
   bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the fused-backward variants
                       (measured at 4096); Liger, CCE and the dense rows measured once per distribution. The
                       benchmark rewrites its JSON after each configuration: a step cut short keeps its rows.
-  train-step          ``bench_train_step.py``: the trainer's own step (``AsyncDistillationTrainer``, one process,
-                      bf16 autocast) at the Qwen2.5-0.5B and -1.5B shapes from a teacher cache written in-process,
-                      K=8 and 32, loss backends auto and torch: its phase split, MFU, peak memory
-                      and the plain cross-entropy step as its floor; 20 steps must lower the loss and a packed
+  train-step          ``bench_train_step.py``: the trainer's own step (``AsyncDistillationTrainer``, one rank
+                      FSDP2-sharded over NCCL, bf16 mixed precision) at the Qwen2.5-0.5B and -1.5B shapes from a
+                      teacher cache written in-process, K=8 and 32, loss backends auto and torch: its phase split,
+                      step time range and its prediction, MFU, peak memory and the plain cross-entropy step (sharded
+                      the same way) as its floor; 20 steps must lower the loss and a packed
                       row must match its samples alone (SDPA, and flash-attn when importable); its guard compares
                       peak memory and MFU with the last recorded GPU run. Dry run: the tiny CPU rehearsal.
   packed-attention    a tiny Qwen3 in bf16 with ``flash_attention_2`` (only if flash-attn is importable): the packed

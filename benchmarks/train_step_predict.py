@@ -83,6 +83,25 @@ def predict(shape: str, row: dict[str, float]) -> dict[str, dict[str, float]]:
     return out
 
 
+DESIGN_ROWS = {"triton": LOSS_AUTO, "triton-chunked": LOSS_CHUNKED, "torch": LOSS_TORCH}
+
+
+def ce_loss_ms(shape: str, trained: float) -> float:
+    """The cross-entropy floor's loss at ``trained`` positions: its three GEMMs plus its logits' traffic (ms)."""
+    logits = trained * SHAPES[shape]["vocab_size"]
+    return 1e3 * (6 * logits * SHAPES[shape]["hidden_size"] / RATES.matmul_flops
+                  + CE_LOGIT_BYTES * logits / RATES.copy_bytes)
+
+
+def predicted_step_ms(shape: str, design: str, forwarded: float, trained: float, pairs: float) -> float:
+    """The predicted milliseconds of one step of ``shape`` that forwards ``forwarded`` tokens, trains ``trained``
+    positions over ``pairs`` causal pairs, its loss run by ``design`` ("triton", "triton-chunked", "torch", or "ce":
+    the cross-entropy floor): the number printed beside a measured step."""
+    phases = predict(shape, {"forwarded": forwarded, "trained": trained, "pairs": pairs})
+    common = sum(p["ms"] for name, p in phases.items() if not name.startswith("loss"))
+    return common + (ce_loss_ms(shape, trained) if design == "ce" else phases[DESIGN_ROWS[design]]["ms"])
+
+
 def prediction_table() -> str:
     """The markdown table of :func:`predict` at both shapes."""
     row = typical_row()
@@ -94,13 +113,11 @@ def prediction_table() -> str:
         for name, p in phases.items():
             lines.append(f"| {shape} | {name} | {p['tflop']:.2f} | {p['gb']:.1f} | {p['ms']:.1f} |")
         common = sum(p["ms"] for name, p in phases.items() if not name.startswith("loss"))
-        logits = row["trained"] * SHAPES[shape]["vocab_size"]
-        ce_loss_ms = 1e3 * (6 * logits * SHAPES[shape]["hidden_size"] / RATES.matmul_flops
-                            + CE_LOGIT_BYTES * logits / RATES.copy_bytes)
-        lines.append(f"| {shape} | CE floor's loss (3 GEMMs + logits traffic) | | | {ce_loss_ms:.1f} |")
+        ce_ms = ce_loss_ms(shape, row["trained"])
+        lines.append(f"| {shape} | CE floor's loss (3 GEMMs + logits traffic) | | | {ce_ms:.1f} |")
         for loss in (LOSS_AUTO, LOSS_CHUNKED, LOSS_TORCH):
             step = common + phases[loss]["ms"]
-            floor = common + ce_loss_ms
+            floor = common + ce_ms
             share = 100 * phases[loss]["ms"] / step
             lines.append(f"| {shape} | step with {loss} | | | {step:.0f} (loss {share:.0f} %, ≈ {step / floor:.2f}× a "
                          "CE step) |")

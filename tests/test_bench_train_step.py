@@ -219,6 +219,9 @@ def test_the_tiny_run_end_to_end(bench, tmp_path):
     assert shape["loss_inputs"]["rows"] == int(shape["runs"]["K=8 auto"]["trained_tokens_per_step"])
     assert shape["loss_inputs"]["float32_ms"] > 0 and shape["loss_inputs"]["bfloat16_ms"] > 0
     assert "| tiny | 8 | auto |" in result["table"] and "| tiny | – | CE floor |" in result["table"]
+    for run in [*shape["runs"].values(), shape["floor"]]:
+        low, high = run["step_s_range"]
+        assert low <= run["step_s"] <= high and run["predicted_ms"] is None  # no H200 prediction of the tiny shape
 
 
 def test_the_prediction_covers_both_shapes_and_every_phase(bench):
@@ -230,6 +233,24 @@ def test_the_prediction_covers_both_shapes_and_every_phase(bench):
         assert {"backbone_fwd", "backbone_bwd", "optimizer"} <= set(phases)
         assert phases["backbone_bwd"]["tflop"] == pytest.approx(2 * phases["backbone_fwd"]["tflop"])
     assert "qwen2.5-1.5b | step with loss: auto → triton (fused, validated) |" in predict.prediction_table()
+
+
+def test_the_prediction_beside_a_measured_step_is_the_table_s(bench):
+    """The predicted step time printed beside a GPU run's row is the prediction table's for the same tokens: the
+    phases plus the design's loss (the CE floor's loss for the floor), summed; the tiny shape has none."""
+    predict = _module("train_step_predict")
+    row = predict.typical_row()
+    phases = predict.predict("qwen2.5-1.5b", row)
+    common = sum(p["ms"] for name, p in phases.items() if not name.startswith("loss"))
+    summary = {"forwarded_tokens_per_step": row["forwarded"], "trained_tokens_per_step": row["trained"],
+               "attention_pairs_per_step": row["pairs"]}
+    assert bench.predicted_ms("qwen2.5-1.5b", "torch", summary) == pytest.approx(
+        common + phases[predict.LOSS_TORCH]["ms"])
+    assert bench.predicted_ms("qwen2.5-1.5b", "triton-chunked", summary) == pytest.approx(
+        common + phases[predict.LOSS_CHUNKED]["ms"])
+    assert bench.predicted_ms("qwen2.5-1.5b", "ce", summary) == pytest.approx(
+        common + predict.ce_loss_ms("qwen2.5-1.5b", row["trained"]))
+    assert bench.predicted_ms("tiny", "auto", summary) is None
 
 
 def parts_budget() -> int:
