@@ -28,7 +28,7 @@ from fastdistill.http_client import decode_off_loop
 from fastdistill.options import HIDDEN_DTYPES
 from fastdistill.rollout.client import VLLMEndpoint
 
-# by name of HIDDEN_DTYPES
+# keyed by the names of HIDDEN_DTYPES (fastdistill.options)
 _TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Little-endian wire words: float32 as is, bfloat16 as its 16 raw bits (numpy has no bfloat16).
 _WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2")}
