@@ -21,7 +21,8 @@ FORBIDDEN = {
     "fastdistill.errors": ("fastdistill",),
     "fastdistill.cross_tokenizer": ("fastdistill.rollout", "fastdistill.data", "fastdistill.loss", "fastdistill.train",
                                     "fastdistill.sync", "fastdistill.cache"),
-    "fastdistill.rollout": ("fastdistill.train", "fastdistill.sync", "fastdistill.loss"),
+    # data flows rollout → data: the data layer imports the rollout's types (samples, the prompt table), never back
+    "fastdistill.rollout": ("fastdistill.train", "fastdistill.sync", "fastdistill.loss", "fastdistill.data"),
     "fastdistill.data": ("fastdistill.train", "fastdistill.sync"),
     "fastdistill.cache": ("fastdistill.train", "fastdistill.sync"),
     "fastdistill.sync": ("fastdistill.train", "fastdistill.rollout"),

@@ -36,8 +36,8 @@ from fastdistill.cache.format import (
     tokenizer_fingerprint,
 )
 from fastdistill.cache.sampled import log_weights
-from fastdistill.data.prompt_table import PromptTable
 from fastdistill.errors import ConfigError
+from fastdistill.rollout.prompt_table import PromptTable
 from fastdistill.rollout.sample import RolloutSample
 
 CACHE_TEACHER_ID = "default"  # the teacher id of every cached sample (one teacher per cache)

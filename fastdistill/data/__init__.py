@@ -1,16 +1,17 @@
-"""Samples to packed rows: prompt sources and tokenisation, the prompt table, batchers (token budget, fixed count)
-and the packer.
+"""Samples to packed rows: prompt sources and tokenisation, batchers (token budget, fixed count) and the packer.
 
 The Hugging Face dataset loading lives in :mod:`fastdistill.data.sources` (imported on use: it imports
-``datasets``). Importing this package imports no torch: the rollout worker's child unpickles a
-:class:`PromptTable` from it, so the packer (torch) is loaded on first use of ``PackedRow`` / ``pack_row``.
+``datasets``); the packer (torch) is loaded on first use of ``PackedRow`` / ``pack_row``. :class:`PromptTable`,
+what the rollout consumes, lives in :mod:`fastdistill.rollout.prompt_table` (data flows rollout → data) and is
+re-exported here.
 """
 
 import importlib
 from typing import Any
 
+from fastdistill.rollout.prompt_table import DatasetPrompts, PromptTable, routed_table
+
 from .batching import FixedCountBatcher, TokenBudgetBatcher, balance_by_squared_length, microbatch_metrics
-from .prompt_table import DatasetPrompts, PromptTable, routed_table
 from .prompts import tokenize_prompts
 
 _LAZY = {"PackedRow": "fastdistill.data.packing", "pack_row": "fastdistill.data.packing"}

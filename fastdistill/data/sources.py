@@ -30,9 +30,9 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from fastdistill.data.prompt_table import DatasetPrompts, PromptTable, before_last_assistant_turn
 from fastdistill.data.prompts import _RESERVED_TEMPLATE_KWARGS, tokenize_prompts
 from fastdistill.errors import ConfigError
+from fastdistill.rollout.prompt_table import DatasetPrompts, PromptTable, before_last_assistant_turn
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 PROMPT_COLUMNS = ("prompt_ids", "prompt", "messages")  # in order of precedence

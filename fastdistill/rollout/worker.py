@@ -36,11 +36,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastdistill.data.prompt_table import routed_table
 from fastdistill.rollout.child import WorkerExhausted, child_main
 from fastdistill.rollout.config import RolloutConfig
 from fastdistill.rollout.dispatch import owner_of
 from fastdistill.rollout.processes import SharedCounts
+from fastdistill.rollout.prompt_table import routed_table
 
 # Environment variables of torch.distributed / torchrun that must not leak into the child.
 _DISTRIBUTED_ENV = (

@@ -21,13 +21,13 @@ import torch
 
 from fastdistill.auth import student_api_key_from_env, teacher_api_keys_with_env
 from fastdistill.data.packing import pack_row
-from fastdistill.data.prompt_table import routed_table
 from fastdistill.data.sources import load_prompt_source, prepare_prompts
 from fastdistill.errors import ConfigError, RolloutsFailingError, ServerDownError, VLLMError
 from fastdistill.logit_head import causal_lm_parts, logit_head_from_config
 from fastdistill.loss import narrow_support, sparse_jsd_loss
 from fastdistill.rollout import RetryPolicy, RolloutConfig, RolloutSample
 from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.rollout.prompt_table import routed_table
 from fastdistill.rollout.sequence import run_wave
 from fastdistill.sync import served_logprob_gap
 from fastdistill.train.cross_teachers import load_cross_teachers

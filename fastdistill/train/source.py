@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from fastdistill.data.prompt_table import routed_table
 from fastdistill.errors import SourceExhausted
 from fastdistill.rollout import OnPolicyShare, Rollouts, RolloutSample, WorkerExhausted, open_clients, prompt_cursor
 from fastdistill.rollout.dispatch import PromptDispatcher
 from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.rollout.prompt_table import routed_table
 
 __all__ = ["CacheSource", "ListSource", "MixedSource", "SourceExhausted", "SynchronousSource", "WorkerSource"]
 
