@@ -280,6 +280,7 @@ def reverse_kl_pg_loss(
     m2po_budget: float = 0.01,
     proximal_logprobs: torch.Tensor | None = None,
     sampling_top_k: int | None = None,
+    advantages: torch.Tensor | None = None,
 ) -> PolicyGradientOutput:
     """Reverse-KL policy-gradient surrogate summed over ``N`` sampled tokens.
 
@@ -300,6 +301,9 @@ def reverse_kl_pg_loss(
             current weights are the proximal policy).
         sampling_top_k: the rollout's top-k (None: none): ``"ppo_clip"`` and ``"m2po"`` then judge the policy's
             move by :func:`sampler_log_ratio` (the weight stays π_θ/μ).
+        advantages: ``(N,)`` finite constant advantages A in place of the learner-time log π_T(y) − log π_θ(y)
+            (TOP-D's, :func:`~fastdistill.loss.opd_levers.topd_advantages`), or None; ``reverse_kl`` stays
+            log π_θ(y) − log π_T(y), the advantage statistics are A's.
     """
     n = hidden.shape[0]
     if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -307,7 +311,7 @@ def reverse_kl_pg_loss(
                          f"{tuple(weight.shape)}")
     for name, x in (("actual_ids", actual_ids), ("teacher_logprobs", teacher_logprobs),
                     ("rollout_logprobs", rollout_logprobs), ("token_weights", token_weights),
-                    ("proximal_logprobs", proximal_logprobs)):
+                    ("proximal_logprobs", proximal_logprobs), ("advantages", advantages)):
         if x is not None and x.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(x.shape)}")
     if n and (int(actual_ids.min()) < 0 or int(actual_ids.max()) >= weight.shape[0]):
@@ -323,10 +327,13 @@ def reverse_kl_pg_loss(
     if stabilizer != "none" and (rollout_logprobs is None or ratio_clip is not None):
         raise ValueError(f"stabilizer={stabilizer!r} needs rollout_logprobs (its ratios) and no ratio_clip")
     check_sampling_top_k(sampling_top_k)
+    if advantages is not None and n and not bool(torch.isfinite(advantages).all()):
+        raise ValueError("advantages must be finite")
     logprob = sampled_token_logprobs(hidden, weight, actual_ids.long(), bias=bias, logit_scale=logit_scale,
                                      softcap=softcap, temperature=temperature)
     with torch.no_grad():
-        advantage = teacher_logprobs.to(logprob.dtype) - logprob  # float32, float64 for float64 inputs
+        reverse_kl = logprob - teacher_logprobs.to(logprob.dtype)  # float32, float64 for float64 inputs
+        advantage = -reverse_kl if advantages is None else advantages.detach().to(logprob.dtype)
         coefficient = advantage.clone()
         ratio = torch.zeros(0, device=hidden.device)
         clipped = torch.zeros((), device=hidden.device)
@@ -353,13 +360,13 @@ def reverse_kl_pg_loss(
         loss = loss + 0.0 * (hidden.sum() + weight.sum())
     return PolicyGradientOutput(
         loss=loss,
-        reverse_kl_sum=(-advantage).sum(),
+        reverse_kl_sum=reverse_kl.sum(),
         advantage_sum=advantage.sum(),
         advantage_sq_sum=(advantage**2).sum(),
         ratio_sum=ratio.sum(),
         ratio_max=ratio.max() if ratio.numel() else torch.zeros((), device=hidden.device),
         clipped=clipped.float(),
         num_tokens=torch.tensor(n, dtype=torch.int64, device=hidden.device),
-        reverse_kl=-advantage,
+        reverse_kl=reverse_kl,
         masked=masked.float(),
     )

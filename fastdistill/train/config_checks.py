@@ -11,12 +11,16 @@ from typing import Any
 from fastdistill.auth import check_api_keys, student_api_key_from_env, teacher_api_keys_with_env
 from fastdistill.cross_tokenizer import check_teacher_tokenizers
 from fastdistill.errors import ConfigError
+from fastdistill.loss.opd_levers import POSITION_WEIGHTINGS
 from fastdistill.loss.policy_gradient import PG_STABILIZERS
 from fastdistill.rollout.behaviour import samples_route_problem
 
-LOSS_TYPES = ("jsd", "reverse_kl_pg", "reverse_kl_mc", "reverse_kl_student_topk")
+LOSS_TYPES = ("jsd", "reverse_kl_pg", "reverse_kl_mc", "reverse_kl_student_topk", "topd_pg")
 # the policy-gradient family (pg_stabilizer applies) and the loss types that read student queries, with their kind
-PG_LOSS_TYPES = ("reverse_kl_pg", "reverse_kl_mc")
+PG_LOSS_TYPES = ("reverse_kl_pg", "reverse_kl_mc", "topd_pg")
+# the losses on the sampled token alone (its teacher log-prob and rollout log-prob): the plain and TOP-D's advantage
+SAMPLED_TOKEN_LOSS_TYPES = ("reverse_kl_pg", "topd_pg")
+HORIZON_SCHEDULES = ("fixed", "linear")
 QUERY_LOSS_TYPES = {"reverse_kl_mc": "samples", "reverse_kl_student_topk": "topk"}
 CROSS_TOKENIZER_LOSSES = ("hybrid", "uld")
 
@@ -53,6 +57,42 @@ def validate_loss_options(config: Any) -> None:
               f"0 with loss_type={loss!r} (only {list(QUERY_LOSS_TYPES)} read student queries)")
 
 
+def validate_opd_levers(config: Any) -> None:
+    """The position weights (``position_weighting``, ``position_weight_gamma``), TOP-D's ``topd_alpha`` and the
+    rollout horizon (``rollout_horizon``, ``rollout_horizon_schedule``, ``rollout_horizon_growth``; docs/loss.md and
+    docs/rollout.md); a ConfigError naming the field, and the other option of a pair that cannot work."""
+    choice(config, "position_weighting", POSITION_WEIGHTINGS)
+    gamma = config.position_weight_gamma
+    check(number(gamma) and gamma >= 0, "position_weight_gamma", gamma, "a finite number >= 0")
+    check(config.position_weighting == "none" or config.teacher_cache is None, "position_weighting",
+          config.position_weighting, "'none' with teacher_cache (a cached completion was not sampled by the "
+          "student: it has no rollout policy log-prob to weigh the teacher against)")
+    alpha = config.topd_alpha
+    check(number(alpha) and 0 < alpha < 1, "topd_alpha", alpha, "a number in (0, 1) (TOP-D's proximal mix)")
+    choice(config, "rollout_horizon_schedule", HORIZON_SCHEDULES)
+    horizon, length = config.rollout_horizon, config.max_completion_length
+    ok = horizon is None or (is_int(horizon) and 1 <= horizon <= length) or (
+        isinstance(horizon, float) and 0 < horizon <= 1)
+    check(ok, "rollout_horizon", horizon, f"None (max_completion_length), a token count in [1, max_completion_length="
+          f"{length}] or a fraction of it in (0, 1] (a float)")
+    check(horizon is not None or config.rollout_horizon_schedule == "fixed", "rollout_horizon", horizon,
+          f"set with rollout_horizon_schedule={config.rollout_horizon_schedule!r} (the horizon it grows from)")
+    growth = config.rollout_horizon_growth
+    check(number(growth) and 0 < growth <= 1, "rollout_horizon_growth", growth,
+          "a fraction of the run's steps in (0, 1]")
+
+
+def validate_staleness(config: Any) -> None:
+    """``weight_sync_steps`` against ``max_staleness`` (both in optimizer steps, docs/train.md "Staleness"): the
+    served weights are up to ``weight_sync_steps − 1`` steps behind the trainer's when a rollout starts, so under
+    ``stale_policy='drop'`` a wider gap than ``max_staleness`` would drop, and regenerate, samples for ever."""
+    gap = config.weight_sync_steps - 1
+    check(config.stale_policy != "drop" or gap <= config.max_staleness, "weight_sync_steps", config.weight_sync_steps,
+          f"at most max_staleness + 1 = {config.max_staleness + 1} with stale_policy='drop' (rollouts start on "
+          f"weights up to weight_sync_steps - 1 = {gap} optimizer steps old, beyond max_staleness="
+          f"{config.max_staleness}: every such sample would be dropped and generated again)")
+
+
 def validate_cross_tokenizer(config: Any) -> None:
     """``teacher_tokenizers`` (by :func:`~fastdistill.cross_tokenizer.check_teacher_tokenizers`, the rules the
     rollout's config checks too), ``cross_tokenizer_loss`` and ``cross_tokenizer_weights``, and the trainer's options
@@ -82,6 +122,11 @@ def validate_cross_tokenizer(config: Any) -> None:
           f"'none' {what}: the group policy gradient has no stabilizer (pg_importance_ratio and pg_ratio_clip apply)")
     check(config.stale_policy == "drop", "stale_policy", config.stale_policy,
           f"'drop' {what}: the cross-tokenizer losses take no per-token importance weights")
+    check(config.position_weighting == "none", "position_weighting", config.position_weighting,
+          f"'none' {what}: the cross-tokenizer losses take no per-token weights")
+    check(config.loss_type != "topd_pg", "loss_type", config.loss_type,
+          f"'jsd' or 'reverse_kl_pg' {what}: TOP-D's returns run over the student's tokens, the cross-tokenizer "
+          "losses over aligned groups")
     check(config.add_tail_bucket, "add_tail_bucket", config.add_tail_bucket,
           f"True {what}: the cross-tokenizer JSD compares two distributions over the shared tokens plus an exact "
           "tail bucket on each side")

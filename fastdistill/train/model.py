@@ -31,8 +31,9 @@ from fastdistill.loss import (
     sparse_jsd_loss,
 )
 from fastdistill.loss.dense import dense_teacher_jsd_loss
+from fastdistill.loss.opd_levers import packed_position_weights, packed_topd_advantages
 from fastdistill.train.config import AsyncDistillationConfig
-from fastdistill.train.config_checks import QUERY_LOSS_TYPES
+from fastdistill.train.config_checks import QUERY_LOSS_TYPES, SAMPLED_TOKEN_LOSS_TYPES
 from fastdistill.train.cross_teachers import (
     CrossTeacher,
     combined_output,
@@ -113,6 +114,9 @@ class DistillationModel(nn.Module):
         self.pg_stabilizer = {"stabilizer": config.pg_stabilizer, "clip_eps": config.pg_clip_eps,
                               "m2po_budget": config.m2po_budget,
                               "sampling_top_k": config.top_k if config.top_k >= 1 else None}
+        # IW-OPD position weights (gamma, or None without) and TOP-D's alpha (loss_type "topd_pg")
+        self.position_gamma = config.position_weight_gamma if config.position_weighting == "iw_opd" else None
+        self.topd_alpha = config.topd_alpha
         self.teacher_heads: dict[int, TeacherHead] = {}
         # cross-tokenizer teachers (teacher index -> CrossTeacher: its vocabulary map's shared ids and the hybrid's
         # weights), set like teacher_heads by whoever loads the model (load_cross_teachers); plain attribute
@@ -132,10 +136,12 @@ class DistillationModel(nn.Module):
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
+        if self.position_gamma is not None and not divergence:
+            weights, metrics = self._position_weights(hidden, head, row, weights, metrics)
         cross = cross_tokenizer_rows(row, self.cross_teachers)
         if cross is not None and bool(cross.any()):
             return self._with_cross_tokenizer(hidden, head, row, ids, lps, mask, weights, metrics, cross, divergence)
-        if self.loss_type == "reverse_kl_pg" and not divergence:
+        if self.loss_type in SAMPLED_TOKEN_LOSS_TYPES and not divergence:
             return self._policy_gradient(hidden, head, row, weights, metrics)
         if self.loss_type in QUERY_LOSS_TYPES and not divergence:
             return self._query_estimator(hidden, head, row, weights, metrics)
@@ -227,22 +233,24 @@ class DistillationModel(nn.Module):
     def _policy_gradient(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
                          weights: torch.Tensor | None, metrics: dict[str, float],
                          cross_pg: Any = None) -> tuple[Any, dict[str, float]]:
-        """``reverse_kl_pg`` on the positions whose sampled token the teacher scored; returns a
-        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics (over
-        these positions and, given ``cross_pg``, the cross-tokenizer groups' statistics too)."""
-        match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
-        teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
-        teacher = self._hidden_teacher_logprobs(row, row.actual_ids[:, None], teacher[:, None],
-                                                torch.promote_types(hidden.dtype, head.weight.dtype))[:, 0]
+        """``reverse_kl_pg`` (or ``topd_pg``: TOP-D's advantages, the row's samples the group) on the positions
+        whose sampled token the teacher scored; returns a :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds
+        the reverse-KL estimate) and its metrics (over these positions and, given ``cross_pg``, the
+        cross-tokenizer groups' statistics too)."""
+        teacher = self._sampled_teacher_logprobs(hidden, head, row)
         scored = torch.isfinite(teacher).nonzero().squeeze(1)
         ratio = self.pg_importance_ratio
+        advantages = None
+        if self.loss_type == "topd_pg":
+            advantages = packed_topd_advantages(teacher[scored], row.rollout_logprobs[scored],
+                                                row.token_sample[scored], self.topd_alpha)
         out = reverse_kl_pg_loss(
             hidden.index_select(0, scored), head.weight, row.actual_ids[scored], teacher[scored], bias=head.bias,
             logit_scale=self.logit_head.scale, softcap=self.logit_head.softcap,
             temperature=self.loss_kwargs["temperature"], sampling_temperature=self.sampling_temperature,
             rollout_logprobs=row.rollout_logprobs[scored] if ratio else None,
             ratio_clip=self.pg_ratio_clip, token_weights=None if weights is None else weights[scored],
-            **self.pg_stabilizer,
+            advantages=advantages, **self.pg_stabilizer,
         )
         stats = out if cross_pg is None else combined_pg_stats([out, cross_pg])
         metrics = {**metrics, **pg_metrics(stats, int(stats.num_tokens), ratio)}
@@ -276,6 +284,30 @@ class DistillationModel(nn.Module):
         if estimator == "student_topk":
             metrics["pg/support_mass_mean"] = float(out.support_mass_sum) / max(int(out.num_tokens), 1)
         return self._as_output(out, row.teacher_index[scored]), metrics
+
+    @torch.no_grad()
+    def _sampled_teacher_logprobs(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow) -> torch.Tensor:
+        """(M,) log π_T of each position's sampled token: its top-K slot (−inf where the teacher did not return it),
+        or from the teacher's head for a hidden-state teacher's targets."""
+        match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
+        teacher = torch.where(match, row.candidate_logprobs, float("-inf")).amax(dim=1)
+        return self._hidden_teacher_logprobs(row, row.actual_ids[:, None], teacher[:, None],
+                                             torch.promote_types(hidden.dtype, head.weight.dtype))[:, 0]
+
+    @torch.no_grad()
+    def _position_weights(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
+                          weights: torch.Tensor | None,
+                          metrics: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        """``weights`` (None: 1) times IW-OPD's position weights of each sample of the row
+        (:func:`~fastdistill.loss.opd_levers.packed_position_weights`: a = log π_T − log μ of the sampled token, a
+        position whose token the teacher did not score counting as a = 0), and their mean and minimum."""
+        teacher = self._sampled_teacher_logprobs(hidden, head, row)
+        position = packed_position_weights(teacher, row.rollout_logprobs, row.token_sample,
+                                           self.position_gamma).float()
+        if position.numel():
+            metrics = {**metrics, "sample/position_weight_mean": float(position.mean()),
+                       "sample/position_weight_min": float(position.min())}
+        return position if weights is None else weights * position, metrics
 
     @torch.no_grad()
     def _hidden_teacher_logprobs(self, row: PackedRow, ids: torch.Tensor, teacher: torch.Tensor,

@@ -21,7 +21,7 @@ from fastdistill.data.packing import PackedRow, pack_row
 from fastdistill.errors import NonFiniteLossError
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
 from fastdistill.rollout import RolloutSample
-from fastdistill.train.config_checks import QUERY_LOSS_TYPES
+from fastdistill.train.config_checks import QUERY_LOSS_TYPES, SAMPLED_TOKEN_LOSS_TYPES
 from fastdistill.train.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class TrainStep:
 
     def _scored_count(self, row: PackedRow, support: tuple[torch.Tensor, ...]) -> int:
         """Positions the loss will score: those with teacher signal (jsd), whose sampled token the teacher scored
-        (reverse_kl_pg), or whose every student query the teacher scored with finite rollout log-probs
+        (reverse_kl_pg, topd_pg), or whose every student query the teacher scored with finite rollout log-probs
         (reverse_kl_mc, reverse_kl_student_topk); a hidden-state teacher scores every id (its head, in the model).
         A cross-tokenizer teacher's targets count their aligned groups (the unit its losses sum over; their
         candidate rows are empty, so they count nothing else)."""
@@ -200,7 +200,7 @@ class TrainStep:
         groups = row.num_cross_groups  # the model scores every group (it refuses targets of a teacher it has no map of)
         hidden = torch.isin(row.teacher_index, torch.tensor(sorted(row.teacher_hidden), dtype=torch.long,
                                                             device=row.teacher_index.device))
-        if loss_type == "reverse_kl_pg":
+        if loss_type in SAMPLED_TOKEN_LOSS_TYPES:
             match = (row.candidate_ids == row.actual_ids[:, None]) & torch.isfinite(row.candidate_logprobs)
             return int((match.any(dim=1) | hidden).sum()) + groups
         if loss_type in QUERY_LOSS_TYPES:
