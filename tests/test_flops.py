@@ -106,6 +106,108 @@ def test_the_run_s_mfu_counts_every_rank_s_samples_of_the_window():
     assert StepMfu(tiny(), peak=None, world_size=1).record(record, window) == {ATTENTION_PAIRS: 25.0}  # a CPU
 
 
+# ------------------------------------------------------------------------------------------------ not dense
+
+# A tiny Qwen3-MoE: hidden 16, 2 layers, 2 query heads and 1 key-value head of head_dim 8, vocabulary 50; layer 0 a
+# mixture of 4 experts of intermediate 8, each token routed to 2 of them; layer 1 a dense MLP of intermediate 24.
+MOE = dict(vocab_size=50, hidden_size=16, intermediate_size=24, moe_intermediate_size=8, num_hidden_layers=2,
+           num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+           mlp_only_layers=[1])
+# Forward FLOPs per token, 2·in·out per matmul:
+#   attention projections, per layer: q 512 + k 256 + v 256 + o 512 = 1,536; two layers 3,072
+#   layer 0: one expert is gate 16→8 (256) + up 16→8 (256) + down 8→16 (256) = 768; a token runs 2 of the 4:
+#            1,536 (all four would be 3,072); the router 16→4: 128; together 1,664
+#   layer 1: gate 16→24 (768) + up (768) + down 24→16 (768) = 2,304
+#   total 3,072 + 1,664 + 2,304 = 7,040
+MOE_PER_TOKEN = 7_040
+
+
+def tiny_moe():
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(Qwen3MoeConfig(**MOE))
+
+
+def test_moe_experts_count_at_their_top_k_per_token_counted_by_hand():
+    model = step_flops_model(tiny_moe())
+    assert (model.trainable_per_token, model.frozen_per_token) == (MOE_PER_TOKEN, 0)
+    assert (model.head_per_position, model.attention_per_pair) == (2 * 16 * 50, 4 * 2 * 8 * 2)
+    # a step of 8 forwarded tokens, 4 trained positions, 21 pairs: 8·3·7,040 + 4·3·1,600 + 3·21·128
+    assert model.step(8, TRAINED, causal_pairs(LENGTHS)).total == 168_960 + 19_200 + 8_064
+
+
+def test_moe_experts_as_a_list_of_linear_layers_count_the_same():
+    """transformers 4's layout of the same block: the experts a ``ModuleList`` of MLPs of ``nn.Linear`` layers, the
+    router an ``nn.Linear``: each expert's layers count at top_k / experts = 2 / 4, the router once."""
+    from torch import nn
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    moe = tiny_moe()
+    block = moe.model.layers[0].mlp
+    block.experts = nn.ModuleList(Qwen3MoeMLP(moe.config, intermediate_size=8) for _ in range(4))
+    block.gate = nn.Linear(16, 4, bias=False)
+    assert step_flops_model(moe).trainable_per_token == MOE_PER_TOKEN
+
+
+def test_frozen_experts_count_twice_their_forward():
+    moe = tiny_moe()
+    for parameter in moe.model.layers[0].mlp.parameters():
+        parameter.requires_grad_(False)
+    model = step_flops_model(moe)
+    assert (model.trainable_per_token, model.frozen_per_token) == (MOE_PER_TOKEN - 1_664, 1_664)
+
+
+def test_sliding_window_pairs_counted_by_hand():
+    # window 4: query i sees keys i-3..i (Hugging Face's kv_idx > q_idx - sliding_window)
+    assert causal_pairs([6], window=4) == 1 + 2 + 3 + 4 + 4 + 4
+    assert causal_pairs([3, 6], window=4) == 6 + 18 and causal_pairs([3, 6]) == 6 + 21
+    assert causal_pairs([4], window=4) == causal_pairs([4]) == 10 and causal_pairs([5], window=1) == 5
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        causal_pairs([3], window=0)
+
+
+def sliding(kind: str):
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    shape = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    if kind == "qwen2":  # layer_types: layer 0 full, layer 1 a window of 4
+        config = Qwen2Config(**shape, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    elif kind == "qwen2-off":  # a window configured but not used
+        config = Qwen2Config(**shape, use_sliding_window=False, sliding_window=4)
+    else:  # Mistral: every layer a window of 4
+        config = MistralConfig(**shape, head_dim=8, sliding_window=4)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("kind, windows, attention", [
+    # per layer 4·heads·head_dim = 64 forward FLOPs per pair; samples of 3 and 6 tokens: 27 pairs full, 24 in a
+    # window of 4; forward + backward 3× the forward
+    ("qwen2", (None, 4), 3 * 64 * (27 + 24)),
+    ("mistral", (4, 4), 3 * 64 * (24 + 24)),
+    ("qwen2-off", (), 3 * 64 * (27 + 27)),
+])
+def test_sliding_window_attention_counts_the_pairs_in_its_window(kind, windows, attention):
+    model = step_flops_model(sliding(kind))
+    assert model.layer_windows == windows and model.attention_per_pair == 64 * 2
+    assert model.step(9, 2, model.attended_pairs([3, 6])).attention == attention
+
+
+def test_the_run_s_mfu_counts_a_sliding_window_s_pairs_and_logs_the_causal_ones():
+    from types import SimpleNamespace
+
+    window = SimpleNamespace(microbatches=[[[SimpleNamespace(input_ids=[0] * 3), SimpleNamespace(input_ids=[0] * 6)]]])
+    record = {"batch/forwarded_tokens_per_step": 9.0, "batch/trained_tokens_per_step": 2.0, "perf/fwd_bwd_s": 1.0,
+              "perf/step_s": 1.0}
+    mfu = StepMfu(sliding("qwen2"), peak=1e6, world_size=1)
+    out = mfu.record(record, window)
+    assert out[ATTENTION_PAIRS] == 27  # the metric stays the causal pairs of the samples
+    model = mfu.flops_model
+    expected = 9 * 3 * model.trainable_per_token + 2 * 3 * model.head_per_position + 3 * 64 * (27 + 24)
+    assert out["perf/step_tflop"] == pytest.approx(expected / 1e12)
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_log_every_rank_s_causal_pairs(tmp_path_factory, tmp_path):
     """Two trainer ranks (torchrun, FSDP2 over gloo): rank 0's logged attention pairs and forwarded tokens cover both
