@@ -30,6 +30,7 @@ from fastdistill.train.config_checks import (
     validate_opd_levers,
     validate_rank_heartbeat,
     validate_servers,
+    validate_staleness,
 )
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
@@ -299,6 +300,7 @@ class AsyncDistillationConfig:
         _check(self.bf16 is None or isinstance(self.bf16, bool), "bf16", self.bf16, "None (automatic) or a bool")
         validate_loss_options(self)
         validate_opd_levers(self)
+        validate_staleness(self)
         _check(not (self.weight_sync_overlap and self.verify_weight_sync), "weight_sync_overlap",
                self.weight_sync_overlap, "False with verify_weight_sync=True (the trainer moves on during the push)")
         _check(self.weight_sync_one_call in (None, True, False), "weight_sync_one_call", self.weight_sync_one_call,
@@ -421,7 +423,8 @@ class AsyncDistillationConfig:
 
     def resolved_max_lookahead(self, world_size: int) -> int | None:
         """How many samples the worker may have in flight and queued together: when ``max_inflight_tasks`` is -1,
-        ``max_lookahead_steps`` (None: 3) steps' samples (at most ``max_staleness`` steps, at least one); None with an
+        ``max_lookahead_steps`` (None: 3) steps' samples (at most ``max_staleness − (weight_sync_steps − 1)`` steps, the
+        served weights' own lag taken off, at least one); None with an
         explicit ``max_inflight_tasks`` (TRL's meaning: that many in flight, the queue aside).
 
         Counting the queue in the budget (as AsyncOPD's pending-sample semaphore does) lets the whole lookahead
@@ -430,7 +433,8 @@ class AsyncDistillationConfig:
         ``max_staleness`` steps in flight on top of a 1024-sample queue (``docs/train.md``)."""
         if self.max_inflight_tasks != -1:
             return None
-        steps = max(1, min(self.max_lookahead_steps or DEFAULT_LOOKAHEAD_STEPS, self.max_staleness))
+        bound = self.max_staleness - (self.weight_sync_steps - 1)  # steps a sample may wait once it is dispatched
+        steps = max(1, min(self.max_lookahead_steps or DEFAULT_LOOKAHEAD_STEPS, bound))
         return steps * self.samples_per_step(world_size)
 
     def resolved_queue_maxsize(self, world_size: int) -> int:

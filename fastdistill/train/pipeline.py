@@ -265,22 +265,22 @@ def cache_source(cache: Any, config: Any, rollout_state: RolloutState, total_pro
 
 def open_source(config: Any, *, world_size: int, samples: Any, cache: Any, offline: bool, rows: Any,
                 rollouts: RolloutConfig | None, rollout_state: RolloutState, total_prompts: int | None,
-                on_policy: OnPolicyShare | None, model_version: int) -> tuple[Any, Any]:
+                on_policy: OnPolicyShare | None, model_version: int, policy: Any = None) -> tuple[Any, Any]:
     """Rank 0's source of samples and, for an asynchronous run, its started rollout worker (else None): the given
     samples, the teacher cache alone, synchronous waves, or the worker's queue (mixed with the cache when ``lmbda``
     > 0). The worker starts stamping rollouts with ``model_version``, the version the cold sync made the server
-    serve."""
+    serve; ``policy`` (:class:`~fastdistill.train.staleness.PolicySteps`) turns versions into optimizer steps."""
     if samples is not None:
         return ListSource(samples), None
     if cache is not None and offline:
         return cache_source(cache, config, rollout_state, total_prompts, on_policy), None
     if not config.async_mode:
-        return SynchronousSource(rows, rollouts, config.samples_per_step(world_size)), None
+        return SynchronousSource(rows, rollouts, config.samples_per_step(world_size), policy=policy), None
     worker = RolloutWorker(rollouts, rows, queue_maxsize=config.resolved_queue_maxsize(world_size))
     worker.model_version = model_version
     worker.start()
     source: Any = WorkerSource(worker, max_staleness=config.max_staleness, stale_policy=config.stale_policy,
-                               heartbeat_stale_after_s=config.heartbeat_stale_after_s)
+                               heartbeat_stale_after_s=config.heartbeat_stale_after_s, policy=policy)
     if cache is not None:
         source = MixedSource(source, cache_source(cache, config, rollout_state, total_prompts, on_policy), on_policy,
                              first_prompt=rollout_state.prompt_index,

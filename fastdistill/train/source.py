@@ -3,8 +3,9 @@ fixed list (tests and offline replays).
 
 A source's ``next(model_version)`` returns a :class:`~fastdistill.rollout.RolloutSample` to train, or a
 :class:`~fastdistill.rollout.dropped.DroppedPrompt` for a prompt the rollout gave up on, and keeps the queue and
-staleness metrics under TRL 1.16's names (``sample/staleness_mean``, ``sample/dropped_stale_total``, …). Under
-``stale_policy="drop"`` a sample older than ``max_staleness`` versions is dropped and, when the worker supports it,
+staleness metrics under TRL 1.16's names (``sample/staleness_mean``, ``sample/dropped_stale_total``, …), counted in
+optimizer steps (:class:`~fastdistill.train.staleness.PolicySteps`). Under ``stale_policy="drop"`` a sample more
+than ``max_staleness`` steps old is dropped and, when the worker supports it,
 its prompt is sent back to be generated again, so that every prompt is still trained exactly once.
 """
 
@@ -154,11 +155,21 @@ class MixedSource:
         return self.online.drain_worker_metrics()
 
 
+def sample_staleness(policy: Any, model_version: int, sample: RolloutSample) -> int:
+    """Optimizer steps between the weights that generated ``sample`` and the trainer's: from ``policy``
+    (:class:`~fastdistill.train.staleness.PolicySteps`), or ``model_version − sample.model_version`` without one."""
+    if policy is not None:
+        return policy.staleness(sample.model_version)
+    return model_version - sample.model_version
+
+
 class WorkerSource:
     """Samples from a :class:`~fastdistill.rollout.RolloutWorker` queue on rank 0.
 
     ``next`` blocks until a usable sample (or a drop notice) arrives, checking the worker's health every ``poll_s``
     seconds (a dead or hung worker raises). ``wait_s`` accumulates the seconds spent blocked on an empty queue.
+    ``policy`` (:class:`~fastdistill.train.staleness.PolicySteps`) gives a sample's staleness in optimizer steps;
+    without it one version counts as one step (``next``'s ``model_version`` minus the sample's).
     """
 
     def __init__(
@@ -169,8 +180,10 @@ class WorkerSource:
         stale_policy: str,
         heartbeat_stale_after_s: float,
         poll_s: float = 1.0,
+        policy: Any = None,
     ):
         self.worker = worker
+        self.policy = policy
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.heartbeat_stale_after_s = heartbeat_stale_after_s
@@ -194,7 +207,7 @@ class WorkerSource:
                 continue
             if isinstance(sample, DroppedPrompt):
                 return sample
-            staleness = model_version - sample.model_version
+            staleness = sample_staleness(self.policy, model_version, sample)
             if staleness > self.max_staleness and self.stale_policy == "drop":
                 self.dropped_stale_total += 1
                 self._metric("sample/dropped_stale_total", 1.0)
@@ -236,7 +249,9 @@ class WorkerSource:
 
 
 class SynchronousSource:
-    """``async_mode=False``: rollouts happen only between optimizer steps, with the weights of the current version.
+    """``async_mode=False``: rollouts happen only between optimizer steps, with the weights the server serves (the
+    current ones with ``weight_sync_steps=1``; with ``k > 1`` the waves between two syncs are up to ``k − 1`` steps
+    old, and ``sample/staleness_mean`` says so: ``policy``, as in :class:`WorkerSource`).
 
     ``next`` serves samples from the current wave; when it is empty it runs the next ``wave_size`` prompts of the
     dispatcher (:class:`~fastdistill.rollout.dispatch.PromptDispatcher`, the worker's order and skips) through the
@@ -250,7 +265,8 @@ class SynchronousSource:
     :class:`SourceExhausted`.
     """
 
-    def __init__(self, rows: Any, rollout_config: Any, wave_size: int):
+    def __init__(self, rows: Any, rollout_config: Any, wave_size: int, policy: Any = None):
+        self.policy = policy
         self.rows = routed_table(rows, list(rollout_config.teacher_urls))
         self.config = rollout_config
         self.wave_size = wave_size
@@ -288,7 +304,9 @@ class SynchronousSource:
         sample = self.wave.pop(0)
         if isinstance(sample, DroppedPrompt):
             return sample
-        self.metrics.setdefault("sample/staleness_mean", []).append(float(model_version - sample.model_version))
+        staleness = float(sample_staleness(self.policy, model_version, sample))
+        self.metrics.setdefault("sample/staleness_mean", []).append(staleness)
+        self.metrics.setdefault("sample/staleness_max", []).append(staleness)
         return sample
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from fastdistill.errors import NonFiniteLossError
 from fastdistill.loss import narrow_support, scored_positions, window_loss_scale, window_token_count
 from fastdistill.rollout import RolloutSample
 from fastdistill.train.config_checks import QUERY_LOSS_TYPES, SAMPLED_TOKEN_LOSS_TYPES
+from fastdistill.train.staleness import PolicySteps
 from fastdistill.train.timing import PhaseClock
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,9 @@ class TrainStep:
     (``pack``, ``fwd_bwd``, ``grad_clip``, ``optimizer``)."""
 
     def __init__(self, model: Any, optimizer: Any, scheduler: Any, config: Any, dist: Any, teacher_ids: list[str], *,
-                 vocab_size: int, bf16: bool, clock: PhaseClock):
+                 vocab_size: int, bf16: bool, clock: PhaseClock, policy: PolicySteps | None = None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.policy = policy  # staleness in optimizer steps (None: one version per step)
         self.config, self.dist, self.teacher_ids = config, dist, teacher_ids
         self.vocab_size = vocab_size
         self.bf16 = bf16  # compute in bf16 (float32 master weights)
@@ -214,11 +216,14 @@ class TrainStep:
         return int(scored_positions(*support)) + dense + groups
 
     def _stale_positions(self, row: PackedRow, model_version: int) -> torch.Tensor | None:
-        """(M,) bool: positions of samples older than ``max_staleness`` (kept only under ``stale_policy=
-        "importance"``), or None."""
+        """(M,) bool: positions of samples more than ``max_staleness`` optimizer steps old (kept only under
+        ``stale_policy="importance"``), or None."""
         if self.config.stale_policy != "importance":
             return None
-        staleness = model_version - row.model_versions
+        if self.policy is not None:
+            staleness = torch.from_numpy(self.policy.staleness_array(row.model_versions)).to(row.token_sample.device)
+        else:
+            staleness = model_version - row.model_versions
         return (staleness > self.config.max_staleness)[row.token_sample]
 
 

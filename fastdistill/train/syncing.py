@@ -1,6 +1,7 @@
 """When and what the trainer pushes into the student's vLLM server: the weight-sync schedule.
 
-A cold sync at start-up (version → version + 1), then every ``weight_sync_steps`` steps; with
+A cold sync at start-up (version → version + 1), then every ``weight_sync_steps`` steps (each version's optimizer
+step is kept in :class:`~fastdistill.train.staleness.PolicySteps`: staleness counts steps, not syncs); with
 ``weight_sync_overlap`` the weights are snapshotted on the training thread and pushed from a background thread while
 the next step collects and trains. What travels is the model, its LoRA-merged weights (streamed one tensor at a time)
 or, with ``lora_sync="adapter"``, a copy of the adapter. With ``verify_weight_sync`` every push is checked by the
@@ -16,6 +17,7 @@ from typing import Any
 
 from fastdistill.sync import served_logprob_gap, served_sampled_logprob_gap, snapshot_weights
 from fastdistill.sync.lora import adapter_weights, merged_weights
+from fastdistill.train.staleness import PolicySteps
 from fastdistill.train.timing import PhaseClock
 
 
@@ -31,12 +33,21 @@ class WeightSyncSchedule:
         self.config = config
         self.hf_model = hf_model
         self.clock = clock
-        self.model_version = model_version
+        self.policy = PolicySteps(config.weight_sync_steps, version=model_version)
         self.probes = [list(p) for p in probes if len(p) >= 2]
         self.student_model_name = student_model_name
         self.on_served: Callable[[int], None] | None = None
         self._pending: Any = None  # the background push under weight_sync_overlap
         self._thread: Any = None
+
+    @property
+    def model_version(self) -> int:
+        """The newest version pushed (the one the server serves once its push completes)."""
+        return self.policy.version
+
+    @model_version.setter
+    def model_version(self, version: int) -> None:
+        self.policy.version = int(version)
 
     @property
     def adapter_sync(self) -> bool:
@@ -52,6 +63,7 @@ class WeightSyncSchedule:
 
     def after_step(self, step: int) -> dict[str, float]:
         """Sync when ``step`` (steps trained so far) is a multiple of ``weight_sync_steps``; the push's metrics."""
+        self.policy.step = step
         return self.sync() if step % self.config.weight_sync_steps == 0 else {}
 
     def sync(self) -> dict[str, float]:
@@ -63,7 +75,7 @@ class WeightSyncSchedule:
             return self._sync_in_background()
         with self.clock.phase("weight_sync"):
             timings = dict(self.weight_sync.push(self.servable(), self.model_version + 1) or {})
-        self.model_version += 1
+        self.policy.pushed(self.model_version + 1)
         if self.on_served is not None:
             self.on_served(self.model_version)
         if self.config.verify_weight_sync and self.probes:
@@ -90,7 +102,7 @@ class WeightSyncSchedule:
             # the LoRA stream is lazy: merge now, not during training; an adapter is a copy
             servable = self.servable()
             snapshot = servable if self.adapter_sync else snapshot_weights(servable)
-        self.model_version += 1
+        self.policy.pushed(self.model_version + 1)
         version = self.model_version
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastdistill-weight-sync")

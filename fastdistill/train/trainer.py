@@ -6,7 +6,7 @@ per rank) and decides when the run is over; rank 0 scatters each rank its rows. 
 padding, ``position_ids`` restart per sample), runs the backbone with no attention mask and the fused sparse-JSD loss
 on the trained positions, scaled by the window's token count across ranks (a token mean over the whole step). After
 the optimizer step, every ``weight_sync_steps`` steps the weights are pushed into the student's vLLM server and the
-model version advances.
+model version advances (staleness is counted in optimizer steps: :mod:`fastdistill.train.staleness`).
 
 Launch with ``torchrun --nproc-per-node N`` (FSDP2 ``fully_shard`` per decoder layer and the root; gloo on CPU,
 NCCL on GPU) or as a plain single process (no sharding).
@@ -159,7 +159,8 @@ class AsyncDistillationTrainer:
         self._window_wait_s = 0.0  # rank 0: seconds the last window collection waited for rollouts
         self.syncs = WeightSyncSchedule(weight_sync, config, self.hf_model, clock=self.clock)
         self.train_step = TrainStep(self.model, self.optimizer, self.scheduler, config, self.dist, self.teacher_ids,
-                                    vocab_size=self.student_vocab_size, bf16=self._use_bf16(), clock=self.clock)
+                                    vocab_size=self.student_vocab_size, bf16=self._use_bf16(), clock=self.clock,
+                                    policy=self.syncs.policy)
 
     @property
     def model_version(self) -> int:
@@ -194,6 +195,7 @@ class AsyncDistillationTrainer:
             else None))
         self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
         self.metrics = MetricsLogger(
+        self.syncs.policy.step = self.step
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
             run_name=config.run_name, config=config.to_masked_dict(), disable_progress=config.disable_tqdm,
             initial_step=self.step,
@@ -351,7 +353,7 @@ class AsyncDistillationTrainer:
         self.source, self.worker = pipeline.open_source(
             config, world_size=self.dist.world_size, samples=self._samples, cache=self.cache, offline=self._offline,
             rows=self.rows, rollouts=rollouts, rollout_state=self.rollout_state, total_prompts=self.total_prompts,
-            on_policy=self.on_policy, model_version=self.model_version)
+            on_policy=self.on_policy, model_version=self.model_version, policy=self.syncs.policy)
         if self.worker is not None:
             self.syncs.on_served = self._worker_serves
 

@@ -1,0 +1,55 @@
+"""Staleness in optimizer steps: which optimizer step the weights of each served policy version are from.
+
+A weight sync gives the served weights the next version (TRL's ``model_version``, one per sync). With
+``weight_sync_steps > 1`` several optimizer steps pass between two versions, so a sample's age is counted as the
+optimizer steps its weights are behind the trainer's: ``staleness = step − step_of(version)``, for the metrics, the
+``max_staleness`` bound and the importance correction alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PolicySteps"]
+
+
+class PolicySteps:
+    """The trainer's policy ``version`` (syncs so far) and ``step`` (optimizer steps trained so far), and the step of
+    every version pushed since the run (or its resume) started.
+
+    A version the run never pushed (an offline replay's stamp, a version from before a resume) is placed
+    ``weight_sync_steps`` steps per version before the oldest one it knows (or before the current ``version`` at the
+    current ``step`` when it knows none): the schedule it would have had."""
+
+    def __init__(self, weight_sync_steps: int = 1, *, version: int = 0, step: int = 0):
+        self.weight_sync_steps = int(weight_sync_steps)
+        self.version = int(version)
+        self.step = int(step)
+        self._steps: dict[int, int] = {}
+
+    def pushed(self, version: int) -> None:
+        """``version`` is the weights after the current ``step`` optimizer steps (called when it is made, before the
+        server serves it)."""
+        self.version = int(version)
+        self._steps[self.version] = self.step
+
+    def step_of(self, version: int) -> int:
+        """The optimizer step whose weights ``version`` serves."""
+        version = int(version)
+        known = self._steps.get(version)
+        if known is not None:
+            return known
+        anchor = min(self._steps) if self._steps else self.version
+        anchor_step = self._steps[anchor] if self._steps else self.step
+        return anchor_step - (anchor - version) * self.weight_sync_steps
+
+    def staleness(self, version: int) -> int:
+        """Optimizer steps between the weights of ``version`` and the trainer's (``step − step_of(version)``)."""
+        return self.step - self.step_of(version)
+
+    def staleness_array(self, versions: Any) -> np.ndarray:
+        """int64 staleness of each version of a 1-D sequence (a numpy array, a tensor or a list)."""
+        values = versions.tolist() if hasattr(versions, "tolist") else list(versions)
+        return np.asarray([self.staleness(v) for v in values], dtype=np.int64)
