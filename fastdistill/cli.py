@@ -10,7 +10,13 @@
   sampled --num-samples S`` stores S draws from the teacher's full distribution instead of its top-K);
 - ``fastdistill demo [--output-dir DIR]``: the end-to-end CPU demo;
 - ``fastdistill launch cluster.yaml [field=value ...]``: a multi-host run from one config (servers, then ``torchrun``
-  on every trainer host through ssh, srun, ...; :mod:`fastdistill.launch`).
+  on every trainer host through ssh, srun, ...; :mod:`fastdistill.launch`);
+- ``fastdistill supervise [--keepalive-s S] [--torchrun-status] -- COMMAND ...``: what the launcher runs on each host
+  (:mod:`fastdistill.supervise`).
+
+A fastdistill error exits with the status :func:`fastdistill.errors.exit_status` gives its class (2: refused input,
+69: a server unavailable, 75: a trainer peer lost, ...; ``docs/multinode.md``), recorded in torchrun's error file
+when torchrun runs the command.
 
 Messages go through the ``fastdistill`` logger, to stderr, prefixed ``fastdistill:``.
 """
@@ -26,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from fastdistill.errors import ConfigError
 from fastdistill.options import CANDIDATE_MODES, LOGPROB_DTYPES, SYNC_BACKENDS, TEACHER_SIGNALS
+from fastdistill.supervise import add_arguments as add_supervise_arguments
 
 if TYPE_CHECKING:
     from fastdistill.serve import VLLMServer
@@ -214,6 +221,12 @@ def _launch(args: argparse.Namespace) -> int:
     return run(args.cluster, args.overrides)
 
 
+def _supervise(args: argparse.Namespace) -> int:
+    from fastdistill.supervise import run_parsed
+
+    return run_parsed(args.parser, args, args.vllm_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdistill", description="Asynchronous on-policy distillation.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -329,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "trainer config (examples/multinode/cluster.yaml)")
     launch.add_argument("overrides", nargs="*", help="field=value for fastdistill train, e.g. max_steps=100")
     launch.set_defaults(handler=_launch)
+
+    supervise = commands.add_parser(
+        "supervise", help="run a command in its own process group, stopped with it, when its stdin closes or stays "
+        "silent (--keepalive-s: the launcher's ssh link), its status taken from torchrun's error file "
+        "(--torchrun-status): what `fastdistill launch` runs on each host; the command goes after --")
+    add_supervise_arguments(supervise)
+    supervise.set_defaults(handler=_supervise, parser=supervise)
     return parser
 
 
@@ -354,15 +374,23 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.weight_transfer = "nccl" if torch.cuda.is_available() else "gloo"
-    from fastdistill.errors import CacheError
+    from fastdistill.errors import EXIT_OTHER, CacheError, exit_status, record_for_torchrun
 
     handler = _log_to_stderr()
     try:
         return args.handler(args)
-    except ConfigError as error:
-        parser.exit(2, f"fastdistill: config error: {error}\n")
-    except CacheError as error:
-        parser.exit(2, f"fastdistill: teacher cache error: {error}\n")
+    except Exception as error:  # its class's exit status (torchrun's error file says which class failed first)
+        import traceback
+
+        record_for_torchrun(error, formatted_traceback=traceback.format_exc())
+        if isinstance(error, ConfigError):
+            parser.exit(2, f"fastdistill: config error: {error}\n")
+        if isinstance(error, CacheError):
+            parser.exit(2, f"fastdistill: teacher cache error: {error}\n")
+        if exit_status(error) == EXIT_OTHER:
+            raise
+        traceback.print_exc()  # ends with the "fastdistill.errors.Class: message" line the launcher reads
+        return exit_status(error)
     finally:
         logging.getLogger("fastdistill").removeHandler(handler)
 

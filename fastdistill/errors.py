@@ -89,3 +89,73 @@ class AlignmentError(ValueError):
     tokenizer does not give back the completion's text byte for byte (a normaliser, an unknown-token fallback, a
     special token's text inside the completion). The rollout drops such a sample rather than train on a misaligned
     one."""
+
+
+# ---------------------------------------------------------------------------------------------- exit statuses
+
+EXIT_OTHER = 1  # an error not in EXIT_STATUSES (a bug, a library's own error): read the log
+EXIT_CONFIG = 2  # refused input: fix the config, the cache or the model folder; resuming does not help
+EXIT_DATA = 65  # sysexits' EX_DATAERR: the numbers went bad (a non-finite loss); resuming repeats the same steps
+EXIT_UNAVAILABLE = 69  # sysexits' EX_UNAVAILABLE: a server or host unavailable; resume once it is back
+EXIT_TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: a trainer peer lost or stuck; resume with resume_from_checkpoint=latest
+EXIT_STATUSES: dict[type[BaseException], int] = {
+    ConfigError: EXIT_CONFIG, CacheError: EXIT_CONFIG, TeacherHeadError: EXIT_CONFIG,
+    VocabularyMismatchError: EXIT_CONFIG,
+    NonFiniteLossError: EXIT_DATA,
+    ServerDownError: EXIT_UNAVAILABLE, VLLMServerError: EXIT_UNAVAILABLE, VLLMUnavailableError: EXIT_UNAVAILABLE,
+    WeightSyncError: EXIT_UNAVAILABLE,
+    LostRankError: EXIT_TEMPFAIL, CollectiveTimeoutError: EXIT_TEMPFAIL,
+}
+EXIT_MEANINGS = {
+    0: "success",
+    EXIT_OTHER: "an unexpected error: read the log",
+    EXIT_CONFIG: "refused input: fix the config; resuming does not help",
+    EXIT_DATA: "a non-finite loss: resuming repeats the same steps",
+    EXIT_UNAVAILABLE: "a server or host unavailable: resume once it is back",
+    EXIT_TEMPFAIL: "a trainer peer lost or stuck: resume with resume_from_checkpoint=latest",
+}
+
+
+def exit_status(error: BaseException) -> int:
+    """The process exit status that says what ``error`` means (the nearest class listed in
+    :data:`EXIT_STATUSES`, else :data:`EXIT_OTHER`)."""
+    for cls in type(error).__mro__:
+        if cls in EXIT_STATUSES:
+            return EXIT_STATUSES[cls]
+    return EXIT_OTHER
+
+
+def record_for_torchrun(error: BaseException, *, formatted_traceback: str = "") -> None:
+    """Write ``error`` into torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``; nothing without
+    one), in torchelastic's format: torchrun copies the first failing worker's file to its own error file, with the
+    worker's exit status as ``errorCode`` (see :func:`read_torchrun_error_file`)."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(error).__name__}: {error}",
+                        "extraInfo": {"py_callstack": formatted_traceback, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as out:
+            json.dump(data, out)
+    except OSError:  # the exit status still says what happened
+        pass
+
+
+def read_torchrun_error_file(path: str) -> tuple[int | None, str]:
+    """``(errorCode, message)`` of a torchrun error file (its first failing worker's exit status and its
+    ``Class: message`` line); ``(None, "")`` when the file is missing or not in torchelastic's format."""
+    import json
+
+    try:
+        with open(path) as source:
+            message = json.load(source).get("message")
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+    if not isinstance(message, dict):
+        return None, str(message or "")
+    code = message.get("errorCode")
+    return (code if isinstance(code, int) else None), str(message.get("message", ""))

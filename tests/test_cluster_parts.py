@@ -130,16 +130,23 @@ def test_the_example_config_gives_ssh_commands_that_hold_no_key(tmp_path):
     servers = cluster.server_commands()
     assert sorted(servers) == ["student", "teacher-default-0", "teacher-default-1"]
     host, command = servers["student"]
-    assert host == "gpu-node-3" and command[:2] == ["ssh", "gpu-node-3"] and len(command) == 3
-    argv = shlex.split(command[2])  # what the remote shell runs
+    # ssh's own keep-alive probes (keepalive_s 30 s: 3 probes 10 s apart) before the host, then one shell string
+    assert host == "gpu-node-3" and command[:6] == ["ssh", "-o", "ServerAliveInterval=10", "-o",
+                                                     "ServerAliveCountMax=3", "gpu-node-3"] and len(command) == 7
+    argv = shlex.split(command[6])  # what the remote shell runs: the server under the host's supervisor
+    supervisor = argv.index("supervise")
+    assert argv[supervisor - 1] == "fastdistill" and argv[supervisor + 1:argv.index("--")] == [
+        "--grace-s", "15", "--keepalive-s", "30"]
     assert argv[argv.index("serve-student") - 1] == "fastdistill" and "--api-key" not in argv
     assert argv[argv.index("--host") + 1] == "10.0.0.13" and argv[argv.index("--port") + 1] == "8000"
     assert argv[argv.index("--api-key-file") + 1] == str(tmp_path / "s.key")
-    teacher = shlex.split(servers["teacher-default-1"][1][2])
+    teacher = shlex.split(servers["teacher-default-1"][1][-1])
     assert teacher[teacher.index("--host") + 1] == "10.0.0.15"
     trainers = cluster.trainer_commands(["max_steps=3"])
     for rank, name in enumerate(["trainer-0", "trainer-1"]):
-        argv = shlex.split(trainers[name][1][2])
+        argv = shlex.split(trainers[name][1][-1])
+        assert argv[argv.index("supervise") + 1:argv.index("--")] == [
+            "--grace-s", "15", "--keepalive-s", "30", "--torchrun-status"]  # the node's status: its first failure's
         assert argv[argv.index("--node-rank") + 1] == str(rank) and argv[argv.index("--nnodes") + 1] == "2"
         assert argv[argv.index("--master-addr") + 1] == "10.0.0.11"
         assert f"FASTDISTILL_STUDENT_API_KEY_FILE={tmp_path / 's.key'}" in argv
@@ -451,7 +458,7 @@ def test_a_server_that_exits_stops_the_trainer_nodes_at_once_and_is_named(tmp_pa
     finally:
         launcher.stop_all(trainers, servers)
     assert outcome.failed == "student" and outcome.failed_error == "RuntimeError: the engine core died"
-    assert outcome.exit_code == 1 and outcome.statuses["trainer-0"] < 0  # a server's exit is a failure, even 0
+    assert outcome.exit_code == 69 and outcome.statuses["trainer-0"] < 0  # a server gone (EX_UNAVAILABLE), even exit 0
 
 
 def test_a_run_whose_nodes_all_succeed_exits_0(tmp_path):
@@ -471,6 +478,16 @@ sys.exit(3 if os.environ.get("FAILING_HOST") == os.environ["LAUNCH_HOST"] else 0
 """
 
 
+# `fastdistill` on the local "hosts": the real `fastdistill supervise` (every command runs under it), servers that sleep
+FASTDISTILL_SUPERVISING = """
+import sys, time
+if sys.argv[1:2] == ["supervise"]:
+    from fastdistill.cli import main
+    sys.exit(main(sys.argv[1:]))
+time.sleep(600)
+"""
+
+
 def local_cluster_config(tmp_path: Path, **fields) -> Path:
     """A launcher config whose hosts are this machine (``env LAUNCH_HOST=<host>`` as the exec prefix): servers that
     sleep, trainer nodes that print their host and argv and exit."""
@@ -481,7 +498,8 @@ def local_cluster_config(tmp_path: Path, **fields) -> Path:
               "trainers": [{"host": "n0", "address": "10.9.0.1"}, {"host": "n1", "address": "10.9.0.2"}],
               "key_files": {"student": "keys/student.key", "teacher": "keys/teacher.key"},
               "train_config": "train.yaml", "logs": "logs", "failure_grace_s": 60,
-              "fastdistill": [sys.executable, "-c", HANGING], "torchrun": [sys.executable, "-c", RECORDING_NODE],
+              "fastdistill": [sys.executable, "-c", FASTDISTILL_SUPERVISING],
+              "torchrun": [sys.executable, "-c", RECORDING_NODE],
               **fields}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
