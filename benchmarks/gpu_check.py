@@ -15,7 +15,10 @@ Steps, in order of value, each in its own process group with its own limit (:dat
   kernel-tests        ``pytest`` of :data:`GPU_KERNEL_TEST_FILES` (the kernel tests and the peak-memory tests) without
                       TRITON_INTERPRET: the compiled kernels on the GPU
                       against the torch path and the float64 reference, every backward mode and dtype. Its gate:
-                      every ``test_compiled_*`` test ran and passed.
+                      every ``test_compiled_*`` test ran and passed. With ``benchmarks/launch_record.py`` it records,
+                      on the GPU machine, the keys of the kernel package that ran (module hashes, triton version)
+                      and each design's launch patterns with their tests' verdicts: the validation record is made
+                      of these alone (``gpu_results.py --record``).
   bench-4096          ``bench_kernels.py`` at N=4096, D=3584, V=152064, K=8 (the Qwen shape), random and peaked inputs,
                       against TRL, Liger and CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside
                       Liger), each behind its correctness gate; the three bare GEMMs and both ceilings of the
@@ -39,6 +42,12 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       this step therefore pushes over ``gloo`` (weights staged through CPU memory), which exercises
                       the HTTP sequence and a real GPU engine, but not the ipc path.
 
+It runs only a committed tree, since only such a run can be recorded: a git checkout without changes to the kernel
+package (untracked files included) or to the tracked files of fastdistill, tests and benchmarks; or a copy without
+``.git`` (the lent GPU machine) whose files hash as the stamp written on the clean checkout (``--stamp``,
+``build/gpu-check-source.json``, carried with the kit). Otherwise it refuses (exit 2); ``--allow-dirty`` runs it for
+numbers only, and the dry run runs on any tree; the JSON records the state (``source``).
+
 Steps that do not fit the remaining budget are recorded as skipped, and so are steps that need what the kit cannot
 carry (flash-attn, vLLM), with the reason. The JSON (``--json``) is rewritten after every step, so a run cut short
 still leaves what it measured. Exit status 0 when every step that ran passed. At the end it prints the verdict
@@ -52,6 +61,7 @@ the vllm step's import probe, and the JSON. ``tests/test_gpu_rehearsal.py`` runs
 environment holding only torch, triton 3.6 and what the GPU image has, in a network namespace of its own.
 
     python3 benchmarks/device_kit.py --out build/device-kit     # here: the wheels the call carries (~3 MiB)
+    python3 benchmarks/gpu_check.py --stamp                     # here, committed: the source stamp it carries
     bash benchmarks/gpu_check.sh --kit build/device-kit       # there: the image's python3, no network
     python3 benchmarks/gpu_check.py --python .venv/bin/python --json /tmp/gpu_check.json
     python3 benchmarks/gpu_check.py --dry-run         # CPU
@@ -60,6 +70,7 @@ environment holding only torch, triton 3.6 and what the GPU image has, in a netw
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -109,6 +120,7 @@ TERM_GRACE_S = 15  # after SIGTERM on a timeout, before SIGKILL
 # the compiled-kernel tests (test_compiled_*, CUDA only); test_kernel_memory: the peak-memory bounds at the 7B head
 GPU_KERNEL_TEST_FILES = ("tests/test_kernels.py", "tests/test_kernels_chunked.py", "tests/test_kernels_dense.py",
                          "tests/test_kernel_memory.py")
+LAUNCH_RECORD = "launch-record.json"  # benchmarks/launch_record.py's output: keys of the ran tree, launch patterns
 DRY_RUN_KERNEL_TESTS = "auto_backend_keeps or device_guard or mixed_addmm_detection or op_rejects_bad_settings"
 IPC_NOTE = ("fastdistill's weight sync (VLLMWeightSync) supports the 'gloo' and 'nccl' backends, not vLLM's 'ipc' "
             "backend; NCCL cannot put two ranks on one GPU, so the same-GPU check pushes over gloo (CPU staging).")
@@ -191,6 +203,73 @@ def write_json(ctx: Context, started: float) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(ctx.results, indent=2))
     tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------------ the source tree
+# What the check certifies: the kernel package (untracked files count: a new module), and the code that judges it.
+SOURCE_KERNELS = ("kernels",)
+SOURCE_JUDGES = ("fastdistill", "tests", "benchmarks", "pyproject.toml")
+STAMP = ROOT / "build" / "gpu-check-source.json"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60,
+                          check=True).stdout
+
+
+def git_source_state() -> dict | None:
+    """``{"commit", "clean", "dirty"}`` of this checkout by git (None when it is no git checkout): the changes to
+    :data:`SOURCE_KERNELS` (untracked files included) and to the tracked files of :data:`SOURCE_JUDGES`."""
+    try:
+        head = _git("rev-parse", "--short=7", "HEAD").strip()
+        dirty = (_git("status", "--porcelain", "--", *SOURCE_KERNELS).splitlines()
+                 + _git("status", "--porcelain", "--untracked-files=no", "--", *SOURCE_JUDGES).splitlines())
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head, "clean": not dirty, "dirty": [line.strip() for line in dirty[:20]], "how": "git"}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_stamp(path: Path | None = None) -> dict:
+    """On a clean checkout: write the commit and the sha256 of every tracked file under the source paths to
+    ``path``, for a copy of the tree without ``.git`` (the lent GPU machine) to prove it is that commit."""
+    state = git_source_state()
+    if state is None:
+        raise SystemExit("gpu_check --stamp: not a git checkout")
+    if not state["clean"]:
+        raise SystemExit("gpu_check --stamp: the tree has uncommitted changes; commit them first:\n  "
+                         + "\n  ".join(state["dirty"]))
+    files = _git("ls-files", "--", *SOURCE_KERNELS, *SOURCE_JUDGES).splitlines()
+    path = STAMP if path is None else path
+    stamp = {"commit": state["commit"], "files": {f: _sha256(ROOT / f) for f in files if (ROOT / f).is_file()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stamp, indent=1))
+    return stamp
+
+
+def stamp_source_state(path: Path | None = None) -> dict:
+    """The tree against a stamp (:func:`write_stamp`): clean when every stamped file hashes as stamped and the
+    kernel package holds no Python file the stamp lacks."""
+    path = STAMP if path is None else path
+    if not path.exists():
+        return {"commit": None, "clean": False, "how": "none",
+                "dirty": [f"not a git checkout and no source stamp at {path} (write one on the clean checkout: "
+                          "python benchmarks/gpu_check.py --stamp)"]}
+    stamp = json.loads(path.read_text())
+    files = stamp["files"]
+    dirty = [f"M {f}" for f, h in files.items() if not (ROOT / f).is_file() or _sha256(ROOT / f) != h]
+    package = ROOT / "kernels" / "fastdistill_kernels"
+    dirty += [f"?? {p.relative_to(ROOT)}" for p in sorted(package.rglob("*.py"))
+              if str(p.relative_to(ROOT)) not in files]
+    return {"commit": stamp["commit"], "clean": not dirty, "dirty": dirty[:20], "how": "stamp"}
+
+
+def source_state() -> dict:
+    """The commit this tree is and whether it is exactly that commit (git, else the stamp)."""
+    return git_source_state() or stamp_source_state()
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -295,7 +374,8 @@ def kernel_test_command(ctx: Context, report: Path) -> list[str]:
     """pytest over the kernel tests (dry run: a few interpreter tests of one file), in parallel where pytest-xdist
     is in the check's interpreter (the compiled tests spend most of their time compiling)."""
     files = ["tests/test_kernels.py"] if ctx.args.dry_run else list(GPU_KERNEL_TEST_FILES)
-    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, f"--junitxml={report}"]
+    cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "launch_record",
+           f"--launch-record={report.with_name(LAUNCH_RECORD)}", *files, f"--junitxml={report}"]
     if ctx.args.dry_run:
         return [*cmd, "-k", DRY_RUN_KERNEL_TESTS]
     probe = run_command([ctx.python, "-c", "import xdist"], 30, env=ctx.env())
@@ -307,15 +387,18 @@ def step_kernel_tests(ctx: Context, timeout_s: float) -> dict:
     passes only when every compiled-kernel test ran and passed."""
     report = ctx.workdir / "kernel-tests.xml"
     env = ctx.env(TRITON_INTERPRET="1") if ctx.args.dry_run else ctx.env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPT.parent), env.get("PYTHONPATH")) if p)  # the plugin
     res = run_command(kernel_test_command(ctx, report), timeout_s, env=env)
+    launches = report.with_name(LAUNCH_RECORD)
+    launch_record = json.loads(launches.read_text()) if launches.exists() else None
     if not report.exists():
-        return {"status": "timeout" if res["timed_out"] else "failed", **res}
+        return {"status": "timeout" if res["timed_out"] else "failed", "launch_record": launch_record, **res}
     counts, compiled = junit_counts(report), compiled_counts(report)
     ok = res["rc"] == 0 and counts["passed"] > 0
     if not ctx.args.dry_run:  # the gate: compiled kernels, each test run and passed
         ok = ok and compiled["tests"] > 0 and compiled["passed"] == compiled["tests"]
     return {"status": "ok" if ok else ("timeout" if res["timed_out"] else "failed"), "counts": counts,
-            "compiled": compiled, **res}
+            "compiled": compiled, "launch_record": launch_record, **res}
 
 
 def bench_command(ctx: Context, name: str, out: Path) -> list[str]:
@@ -508,6 +591,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "python3 into a --target folder, no network, no venv, fastdistill from this source tree")
     p.add_argument("--site", type=Path, help="the --target folder for --kit (default: a temporary folder)")
     p.add_argument("--results", type=Path, help="paste the read-off section into this markdown file (RESULTS.md)")
+    p.add_argument("--stamp", action="store_true", help=f"on a clean checkout: write {STAMP.relative_to(ROOT)} "
+                   "(the commit and its files' hashes) for a copy of the tree without .git, then exit")
+    p.add_argument("--allow-dirty", action="store_true", help="run on uncommitted changes: numbers only, the run "
+                   "cannot be recorded as a validation")
     p.add_argument("--run-step", choices=tuple(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--kit-mode", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=120.0, help=argparse.SUPPRESS)
@@ -530,6 +617,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwinds `with server:` blocks: no orphaned vLLM server
         print(json.dumps(WORKERS[args.run_step](args)), flush=True)
         return 0
+    if args.stamp:
+        stamp = write_stamp()
+        print(f"[gpu_check] wrote {STAMP}: commit {stamp['commit']}, {len(stamp['files'])} files")
+        return 0
+    source = source_state()
+    if not source["clean"] and not (args.dry_run or args.allow_dirty):
+        print("[gpu_check] refused: the tree is not a committed one, so its run could not be recorded "
+              "(commit, or pass --allow-dirty for numbers only):\n  " + "\n  ".join(source["dirty"]), flush=True)
+        return 2
     started = time.monotonic()
     python = args.python or (sys.executable if args.dry_run else str(args.venv / "bin" / "python"))
     mode = "kit" if args.kit else ("python" if args.python else "venv")
@@ -537,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(args=args, python=python, deadline=started + args.budget_s, workdir=Path(workdir))
         ctx.results = {"schema": 2, "date": datetime.now(UTC).isoformat(timespec="seconds"), "dry_run": args.dry_run,
                        "budget_s": args.budget_s, "step_limits": STEP_LIMITS, "mode": mode, "python": python,
-                       "notes": [IPC_NOTE], "steps": {}}
+                       "source": source, "notes": [IPC_NOTE], "steps": {}}
         for name in STEPS:
             if name not in args.steps:
                 continue

@@ -1,16 +1,17 @@
 """The read-off of a one-call GPU check (``benchmarks/gpu_check.py``'s JSON): whether the compiled kernels are
 validated, the validation record of the run when they are, and the RESULTS.md section of the benchmark table.
 
-The record (``kernels/fastdistill_kernels/validated.json``, :mod:`fastdistill_kernels.validation`: per design the
-sha256 of each kernel's source, and the run: commit, date, machine, compiled tests) is printed, and written with
-``--record``, only when every compiled correctness gate passed on a real GPU: the check was no dry run, saw a CUDA
-GPU, every ``test_compiled_*`` kernel test ran and passed (none skipped), and every ``ours-*`` row of each benchmark
-step that ran passed its correctness gate against the float64 reference. The hashes are those the check recorded
-(``kernel_hashes`` in its JSON) or, without them, those of this source tree, which must then be the tree that ran.
+The record (``kernels/fastdistill_kernels/validated.json``, :mod:`fastdistill_kernels.validation`) is printed, and
+written with ``--record``, only when every compiled correctness gate passed on a real GPU from a committed tree: the
+check was no dry run, ran a clean checkout (or a copy proven by its stamp), saw a CUDA GPU, every ``test_compiled_*``
+kernel test ran and passed (none skipped), every ``ours-*`` row of each benchmark step that ran passed its gate
+against the float64 reference, and the kernel tests recorded the keys of the tree that ran and the launch patterns
+each design ran (``benchmarks/launch_record.py``). Everything in the record comes from the check's JSON: the module
+hashes and triton version computed on the GPU machine, the patterns' verdicts, the commit; nothing of this tree.
 
     python benchmarks/gpu_results.py benchmarks/results/gpu_check.json                 # verdict + table
     python benchmarks/gpu_results.py gpu_check.json --results benchmarks/RESULTS.md    # and paste the section
-    python benchmarks/gpu_results.py gpu_check.json --record --commit abc1234          # and write the record
+    python benchmarks/gpu_results.py gpu_check.json --record                           # and write the record
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +40,10 @@ def validation_problems(results: dict) -> list[str]:
     out = []
     if results.get("dry_run"):
         out.append("a dry run (no GPU)")
+    source = results.get("source") or {}
+    if not source.get("clean") or not source.get("commit"):
+        out.append("the tree that ran is not a committed one: "
+                   + ("; ".join(source.get("dirty", [])[:5]) or "the check recorded no source state"))
     env = steps.get("environment", {})
     if not env.get("gpus"):
         out.append("no GPU seen by nvidia-smi")
@@ -52,6 +56,11 @@ def validation_problems(results: dict) -> list[str]:
     elif compiled.get("passed") != compiled.get("tests"):
         out.append(f"kernel-tests: {compiled.get('passed')} of {compiled.get('tests')} compiled-kernel tests passed "
                    f"({compiled.get('failed', [])[:5]} ...)")
+    launches = kt.get("launch_record") or {}
+    if not launches.get("run_keys"):
+        out.append("kernel-tests: no launch record (the keys of the tree that ran: benchmarks/launch_record.py)")
+    elif not any("passed" in v.values() for by in launches.get("patterns", {}).values() for v in by.values()):
+        out.append("kernel-tests: no kernel design launched on the GPU in a passing test")
     for name in BENCH_STEPS:
         step = steps.get(name, {})
         if step.get("status") in (None, "skipped"):
@@ -72,29 +81,18 @@ def validation_module():
     check's own interpreter need not have the package importable)."""
     spec = importlib.util.spec_from_file_location("fastdistill_kernels_validation", VALIDATION_MODULE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-def source_commit() -> str:
-    """This tree's commit (short), ``+changes`` when the kernels differ from it, or ``unknown`` without git."""
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "kernels"],
-                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
-
-
-def run_record(results: dict, commit: str | None = None) -> dict:
+def run_record(results: dict) -> dict:
     """What the record says about the run: commit, date, machine, software, the compiled tests that passed."""
     steps = results.get("steps", {})
     versions = steps.get("install", {}).get("versions", {})
     compiled = steps.get("kernel-tests", {}).get("compiled", {})
     return {
-        "commit": commit or results.get("commit") or source_commit(),
+        "commit": (results.get("source") or {}).get("commit"),
         "date": str(results.get("date", "?"))[:10],
         "machine": (steps.get("environment", {}).get("gpus") or ["?"])[0],
         "software": ", ".join(f"{k} {versions[k]}" for k in ("python", "torch", "triton") if k in versions),
@@ -103,13 +101,14 @@ def run_record(results: dict, commit: str | None = None) -> dict:
     }
 
 
-def validation_record(results: dict, commit: str | None = None) -> dict:
-    """The record a passing check writes: every design's kernel hashes (the check's, else this tree's) on this run."""
-    validation = validation_module()
-    return validation.new_record(run_record(results, commit), results.get("kernel_hashes"))
+def validation_record(results: dict) -> dict:
+    """The record a passing check writes, from its JSON alone: the keys of the tree that ran and the verdicts of the
+    launch patterns its kernel tests ran (``launch_record``), on this run."""
+    launches = results["steps"]["kernel-tests"]["launch_record"]
+    return validation_module().new_record(run_record(results), launches["run_keys"], launches["patterns"])
 
 
-def verdict(results: dict, commit: str | None = None) -> str:
+def verdict(results: dict) -> str:
     """The lines to print: the new validation record when every compiled gate passed, else why not."""
     problems = validation_problems(results)
     record_file = VALIDATION_MODULE.with_name("validated.json")
@@ -121,7 +120,7 @@ def verdict(results: dict, commit: str | None = None) -> str:
     return "\n".join([
         f"Every compiled correctness gate passed on {gpu}. The validation record of this run, for {where} "
         "(`--record` writes it; record the table below in benchmarks/RESULTS.md):",
-        json.dumps(validation_record(results, commit), indent=2),
+        json.dumps(validation_record(results), indent=2),
     ])
 
 
@@ -241,7 +240,7 @@ def step_lines(results: dict) -> list[str]:
     return out
 
 
-def markdown_section(results: dict, commit: str | None = None) -> str:
+def markdown_section(results: dict) -> str:
     """The RESULTS.md section between the gpu-check markers: machine, matmul peak, steps, table, verdict."""
     steps = results.get("steps", {})
     gpus = steps.get("environment", {}).get("gpus") or ["no GPU"]
@@ -270,7 +269,7 @@ def markdown_section(results: dict, commit: str | None = None) -> str:
         *([f"Predicted at three lm_heads (`benchmarks/roofline.py`) with {predicted['rates']}:", "",
            predicted_table(predicted["rows"]), ""] if predicted else []),
         "```",
-        verdict(results, commit),
+        verdict(results),
         "```",
         SECTION_END,
     ])
@@ -303,17 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, help="replace the gpu-check section of this markdown file")
     p.add_argument("--record", action="store_true", help="write the validation record when every compiled gate "
                    "passed (kernels/fastdistill_kernels/validated.json)")
-    p.add_argument("--commit", help="the commit the check ran (default: the JSON's, else this tree's)")
     args = p.parse_args(argv)
     results = json.loads(args.json.read_text())
-    section = markdown_section(results, args.commit)
+    section = markdown_section(results)
     print(section)
     if args.results:
         update_results(args.results, section)
     validated = not validation_problems(results)
     if args.record and validated:
         path = VALIDATION_MODULE.with_name("validated.json")
-        path.write_text(json.dumps(validation_record(results, args.commit), indent=2) + "\n")
+        path.write_text(json.dumps(validation_record(results), indent=2) + "\n")
         print(f"wrote {path}")
     return 0 if validated else 1
 

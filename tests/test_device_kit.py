@@ -89,13 +89,29 @@ def _ok_row(impl_names, N=4096, K=8):
     return {"N": N, "D": 3584, "V": 152064, "K": K, "impls": impls}
 
 
+# What benchmarks/launch_record.py writes on the GPU machine: the keys of the tree that ran (not this tree's: a
+# module hash no checkout has) and the launch patterns' verdicts.
+LAUNCH_RECORD = {
+    "triton_version": "3.6.0",
+    "run_keys": {"triton": "3.6", "designs": {
+        "sparse": {"triton": {"modules": {"ops": "1" * 64}, "code_key": "2" * 64},
+                   "triton-chunked": {"modules": {"logits_chunk": "3" * 64}, "code_key": "4" * 64}},
+        "dense": {"triton": {"modules": {"dense_fused": "5" * 64}, "code_key": "6" * 64}}}},
+    "patterns": {"sparse": {"triton": {"hidden=bf16:grad weight=bf16:grad bias=None": "passed",
+                                       "hidden=fp16:grad weight=fp16:grad bias=None": "failed"},
+                            "triton-chunked": {"hidden=bf16:grad weight=bf16:grad bias=None": "passed"}},
+                 "dense": {"triton": {"student_hidden=fp16:grad": "failed"}}},
+    "tests_that_launched": {"passed": 60, "failed": 0},
+}
 PASSING = {
     "date": "2027-01-01T00:00:00+00:00", "dry_run": False, "budget_s": 480.0, "elapsed_s": 400.0,
+    "source": {"commit": "abc1234", "clean": True, "dirty": [], "how": "stamp"},
     "steps": {
         "environment": {"status": "ok", "gpus": ["NVIDIA H200, 580.159.03, 143771 MiB, 9.0"]},
         "install": {"status": "ok", "seconds": 8.0,
                     "versions": {"python": "3.12.3", "torch": "2.11.0+cu130", "triton": "3.6.0"}},
-        "kernel-tests": {"status": "ok", "seconds": 150.0, "compiled": {"tests": 70, "passed": 70, "failed": []}},
+        "kernel-tests": {"status": "ok", "seconds": 150.0, "compiled": {"tests": 70, "passed": 70, "failed": []},
+                         "launch_record": LAUNCH_RECORD},
         "bench-4096": {"status": "ok", "seconds": 90.0, "rows": [_ok_row(["ours-det", "ours-fused", "liger", "cce"])],
                        "machine": {"bf16_matmul_peak_tflops": 780.0, "versions": {"triton": "3.6.0"}}},
         "packed-attention": {"status": "skipped", "detail": "flash-attn is not importable"},
@@ -110,23 +126,21 @@ def _printed_record(text: str) -> dict:
 
 
 def test_a_passing_gpu_run_prints_its_validation_record():
-    """Commit, date, machine, software and compiled-test count of the run, and every design's kernel hashes (this
-    tree's when the check recorded none; the check's own when it did)."""
-    from fastdistill_kernels import validation
-
+    """Commit (the check's source state), date, machine, software and compiled-test count of the run, and the keys
+    and launch-pattern verdicts the GPU machine recorded, nothing of this tree; a design none of whose patterns
+    passed is left out."""
     assert gr.validation_problems(PASSING) == []
-    text = gr.verdict(PASSING, commit="abc1234")
+    text = gr.verdict(PASSING)
     assert "kernels/fastdistill_kernels/validated.json" in text and "NVIDIA H200" in text
     record = _printed_record(text)
-    assert record == validation.new_record(record["designs"]["sparse"]["triton"]["validated_on"])
-    run = record["designs"]["dense"]["triton-chunked"]["validated_on"]
+    run = record["designs"]["sparse"]["triton-chunked"]["validated_on"]
     assert run == {"commit": "abc1234", "date": "2027-01-01", "machine": "NVIDIA H200, 580.159.03, 143771 MiB, 9.0",
                    "software": "python 3.12.3, torch 2.11.0+cu130, triton 3.6.0", "check": "benchmarks/gpu_check.py",
                    "compiled_tests": {"passed": 70, "total": 70}}
-    recorded = {"sparse": {"triton": {"forward._forward_kernel": "0" * 64}}}
-    record = _printed_record(gr.verdict({**PASSING, "kernel_hashes": recorded, "commit": "def5678"}))
-    assert record["designs"]["sparse"]["triton"]["kernels"] == recorded["sparse"]["triton"]
-    assert record["designs"]["sparse"]["triton"]["validated_on"]["commit"] == "def5678"
+    fused = record["designs"]["sparse"]["triton"]
+    assert fused["modules"] == {"ops": "1" * 64} and fused["code_key"] == "2" * 64 and fused["triton"] == "3.6"
+    assert fused["launch_patterns"] == LAUNCH_RECORD["patterns"]["sparse"]["triton"]
+    assert set(record["designs"]) == {"sparse"}  # dense: its only pattern failed
 
 
 def test_the_record_is_written_only_when_every_compiled_gate_passed(tmp_path, monkeypatch):
@@ -136,13 +150,15 @@ def test_the_record_is_written_only_when_every_compiled_gate_passed(tmp_path, mo
     monkeypatch.setattr(gr, "VALIDATION_MODULE", package / "validation.py")
     results = tmp_path / "check.json"
     results.write_text(json.dumps(_mutated(["steps", "kernel-tests", "status"], "failed")))
-    assert gr.main([str(results), "--record", "--commit", "abc1234"]) == 1
+    assert gr.main([str(results), "--record"]) == 1
     assert not (package / "validated.json").exists()
     results.write_text(json.dumps(PASSING))
-    assert gr.main([str(results), "--record", "--commit", "abc1234"]) == 0
+    assert gr.main([str(results), "--record"]) == 0
     written = json.loads((package / "validated.json").read_text())
-    assert written == gr.validation_record(PASSING, "abc1234")
-    assert written["designs"]["sparse"]["triton-chunked"]["validated_on"]["commit"] == "abc1234"
+    assert written == gr.validation_record(PASSING)
+    assert written["designs"]["sparse"]["triton-chunked"]["modules"] == {"logits_chunk": "3" * 64}
+    with pytest.raises(SystemExit):  # the commit is the check's, not an argument
+        gr.main([str(results), "--record", "--commit", "def5678"])
 
 
 def _mutated(path: list, value):
@@ -162,6 +178,12 @@ def _mutated(path: list, value):
     (["steps", "kernel-tests", "compiled"], {"tests": 0, "passed": 0, "failed": []}, "no compiled-kernel test ran"),
     (["steps", "kernel-tests", "status"], "timeout", "kernel-tests: timeout"),
     (["steps", "bench-4096", "status"], "skipped", "bench-4096: not run"),
+    (["source"], {"commit": "abc1234", "clean": False, "dirty": ["M kernels/fastdistill_kernels/ops.py"]},
+     "not a committed one: M kernels/fastdistill_kernels/ops.py"),
+    (["source"], None, "the check recorded no source state"),
+    (["steps", "kernel-tests", "launch_record"], None, "no launch record"),
+    (["steps", "kernel-tests", "launch_record", "patterns"], {"sparse": {"triton": {"x": "failed"}}},
+     "no kernel design launched on the GPU in a passing test"),
     (["steps", "bench-4096", "rows", 0, "impls", "ours-fused", "status"], "incorrect", "ours-fused at N=4096"),
     (["steps", "bench-16384"], {"status": "ok", "rows": [_ok_row(["ours-det"], N=16384)
                                                           | {"impls": {"ours-det": {"status": "failed"}}}]},

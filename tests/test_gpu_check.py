@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,8 +46,12 @@ def test_dry_run_end_to_end(tmp_path):
     assert steps["install"]["status"] == "skipped" and "-m venv" in planned and "torch>=2.6" in planned
     assert "liger-kernel" in planned and "cut-cross-entropy" in planned and f"-e {ROOT}" in planned
 
+    assert set(result["source"]) >= {"commit", "clean", "dirty"}  # a dry run runs on any tree, and records it
     kernel_tests = steps["kernel-tests"]
     assert kernel_tests["status"] == "ok" and kernel_tests["counts"]["passed"] >= 4, kernel_tests
+    launches = kernel_tests["launch_record"]  # the interpreter's launches, with the keys of the tree that ran
+    assert launches["run_keys"]["designs"]["sparse"]["triton"]["modules"]["ops"]
+    assert "passed" in launches["patterns"]["sparse"]["triton"].values()
     assert kernel_tests["counts"]["failures"] == kernel_tests["counts"]["errors"] == 0
 
     bench = steps["bench-4096"]
@@ -235,3 +240,151 @@ def test_the_read_off_renders_every_step_and_the_bench_rows(tmp_path):
     assert "three bare GEMMs | 70.0 / **76.0** / 80.0 | 24.0 + 26.0 + 26.0 | 1.00 | 71.0 (1.07) |" in table
     assert "- train-step: **ok** (12 s); tokens_per_s 1.23e+03" in gr.step_lines(results)
     assert any("peaked inputs (N=16384): mean entropy 2.03 nats, 5.0 tokens" in x for x in gr.inputs_lines(results))
+
+
+# ------------------------------------------------------------------------------------------------ the tree that ran
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """A git checkout shaped like this one (a kernel package, a test, a benchmark), as gpu_check's ROOT."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no user git config
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    repo = tmp_path / "repo"
+    for rel, text in {"kernels/fastdistill_kernels/ops.py": "NUM_WARPS = 8\n", "tests/test_x.py": "x = 1\n",
+                      "benchmarks/b.py": "b = 1\n", "README.md": "r\n"}.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "c")
+    gpu_check = _gpu_check()
+    monkeypatch.setattr(gpu_check, "ROOT", repo)
+    monkeypatch.setattr(gpu_check, "STAMP", repo / "build" / "gpu-check-source.json")
+    return repo
+
+
+def test_the_source_state_is_the_commit_and_whether_the_tree_is_it(checkout):
+    gpu_check = _gpu_check()
+    head = _git(checkout, "rev-parse", "--short=7", "HEAD").strip()
+    assert gpu_check.source_state() == {"commit": head, "clean": True, "dirty": [], "how": "git"}
+    (checkout / "benchmarks" / "someone_elses.py").write_text("")  # untracked outside the package: not what runs
+    (checkout / "README.md").write_text("edited\n")  # outside the source paths
+    assert gpu_check.source_state()["clean"]
+    (checkout / "kernels" / "fastdistill_kernels" / "new_module.py").write_text("")
+    state = gpu_check.source_state()
+    assert not state["clean"] and state["dirty"] == ["?? kernels/fastdistill_kernels/new_module.py"]
+    (checkout / "kernels" / "fastdistill_kernels" / "new_module.py").unlink()
+    (checkout / "tests" / "test_x.py").write_text("x = 2\n")
+    assert gpu_check.source_state()["dirty"] == ["M tests/test_x.py"]
+
+
+def test_gpu_check_refuses_a_dirty_tree_before_running_anything(checkout, tmp_path, monkeypatch, capsys):
+    gpu_check = _gpu_check()
+    (checkout / "kernels" / "fastdistill_kernels" / "ops.py").write_text("NUM_WARPS = 4\n")
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_step", lambda ctx, name: ran.append(name) or {"status": "ok"})
+    out = tmp_path / "out.json"
+    assert gpu_check.main(["--python", sys.executable, "--json", str(out)]) == 2
+    assert ran == [] and not out.exists()
+    assert "refused" in capsys.readouterr().out
+    assert gpu_check.main(["--python", sys.executable, "--json", str(out), "--allow-dirty"]) == 0
+    written = json.loads(out.read_text())
+    assert written["source"]["clean"] is False and ran == list(gpu_check.STEPS)
+    assert any("not a committed one" in p for p in gpu_check.gpu_results.validation_problems(written))
+
+
+def test_a_copy_without_git_proves_its_commit_with_the_stamp(checkout, tmp_path, monkeypatch):
+    gpu_check = _gpu_check()
+    (checkout / "tests" / "test_x.py").write_text("x = 2\n")
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        gpu_check.write_stamp(gpu_check.STAMP)
+    _git(checkout, "commit", "-q", "-am", "d")
+    stamp = gpu_check.write_stamp(gpu_check.STAMP)
+    assert set(stamp["files"]) == {"kernels/fastdistill_kernels/ops.py", "tests/test_x.py", "benchmarks/b.py"}
+    copy = tmp_path / "copy"  # what the device machine gets: the files, build/ carried, no .git
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git"))
+    monkeypatch.setattr(gpu_check, "ROOT", copy)
+    monkeypatch.setattr(gpu_check, "STAMP", copy / "build" / "gpu-check-source.json")
+    assert gpu_check.source_state() == {"commit": stamp["commit"], "clean": True, "dirty": [], "how": "stamp"}
+    (copy / "kernels" / "fastdistill_kernels" / "extra.py").write_text("")
+    assert gpu_check.source_state()["dirty"] == ["?? kernels/fastdistill_kernels/extra.py"]
+    (copy / "kernels" / "fastdistill_kernels" / "extra.py").unlink()
+    (copy / "kernels" / "fastdistill_kernels" / "ops.py").write_text("NUM_WARPS = 4\n")
+    assert gpu_check.source_state()["dirty"] == ["M kernels/fastdistill_kernels/ops.py"]
+    gpu_check.STAMP.unlink()
+    state = gpu_check.source_state()
+    assert not state["clean"] and "no source stamp" in state["dirty"][0]
+
+
+LAUNCHING_TESTS = '''
+import torch
+from fastdistill_kernels import fused_sparse_jsd
+
+
+def _case():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 16, generator=g).requires_grad_(True)
+    w = torch.randn(70, 16, generator=g).requires_grad_(True)
+    ids = torch.randint(0, 70, (5, 3), generator=g)
+    lps = torch.log_softmax(torch.randn(5, 3, generator=g), -1)
+    return h, w, ids, lps, torch.ones(5, 3, dtype=torch.bool)
+
+
+def test_launches_and_passes():
+    h, w, ids, lps, valid = _case()
+    fused_sparse_jsd(h, w, ids, lps, valid).divergence.sum().backward()
+
+
+def test_launches_a_frozen_head_and_fails():
+    h, w, ids, lps, valid = _case()
+    fused_sparse_jsd(h, w.detach(), ids, lps, valid)
+    assert False
+'''
+
+
+@pytest.mark.slow
+def test_the_record_is_written_from_the_tree_that_ran(tmp_path):
+    """The kernel tests run on a copy of the package whose launch setting differs from this tree's: the launch
+    record carries the copy's module hashes (computed where it ran), the patterns its tests launched with their
+    verdicts, and gpu_results writes the validation record from that alone."""
+    pytest.importorskip("triton")
+    from fastdistill_kernels import validation
+
+    ran = tmp_path / "ran" / "fastdistill_kernels"
+    shutil.copytree(ROOT / "kernels" / "fastdistill_kernels", ran, ignore=shutil.ignore_patterns("__pycache__"))
+    config = ran / "config.py"
+    config.write_text(config.read_text().replace("num_warps: int = 8", "num_warps: int = 4"))
+    (tmp_path / "test_launches.py").write_text(LAUNCHING_TESTS)
+    out = tmp_path / "launch-record.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ran.parent), str(ROOT / "benchmarks")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "launch_record",
+                           f"--launch-record={out}", "test_launches.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "1 failed, 1 passed" in proc.stdout, proc.stdout[-3000:]
+    launches = json.loads(out.read_text())
+    import triton
+
+    ran_keys = validation.run_keys(validation.folder_reader(ran), triton.__version__)
+    assert launches["run_keys"] == ran_keys
+    assert launches["run_keys"] != validation.run_keys(triton_version=triton.__version__)  # not this tree's
+    assert launches["patterns"] == {"sparse": {"triton": {
+        "hidden=fp32:grad weight=fp32:grad bias=None": "passed", "hidden=fp32:grad weight=fp32 bias=None": "failed"}}}
+    assert launches["tests_that_launched"] == {"passed": 1, "failed": 1}
+
+    gr = _gpu_check().gpu_results
+    results = {"date": "2027-01-01T00:00:00", "source": {"commit": "abc1234", "clean": True},
+               "steps": {"kernel-tests": {"launch_record": launches}}}
+    record = gr.validation_record(results)
+    entry = record["designs"]["sparse"]["triton"]
+    assert entry["modules"] == ran_keys["designs"]["sparse"]["triton"]["modules"]
+    assert entry["validated_on"]["commit"] == "abc1234" and set(record["designs"]) == {"sparse"}
+    state = validation.design_state("sparse", "triton", "hidden=fp32:grad weight=fp32:grad bias=None", record=record,
+                                    triton_version=triton.__version__, read=validation.folder_reader(ran))
+    assert state.validated
+    assert validation.design_state("sparse", "triton", record=record, triton_version=triton.__version__).\
+        changed_modules == ("config",)  # this tree (8 warps) is not what ran

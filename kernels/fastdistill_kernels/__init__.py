@@ -11,13 +11,13 @@ Triton-backed names are imported lazily: ``import fastdistill_kernels`` works wi
 
 from importlib import import_module
 
-from . import validation
 from .buckets import bucket_divergence, logit_gradients
 
-# Which kernels have run on a real GPU is recorded per design, by the hash of its device code, in validated.json
-# (:mod:`fastdistill_kernels.validation`, written from a passing benchmarks/gpu_check.py run). fastdistill's
-# ``backend="auto"`` picks only validated designs; ``backend="triton"`` / ``"triton-chunked"`` always select theirs.
-# ``KERNELS_VALIDATED_ON_GPU`` (read lazily) is True when every design's kernels match the record.
+# Which designs have run on a real GPU is recorded per design, keyed by its modules' sources, the triton version and
+# the launch patterns that ran, in validated.json (:mod:`fastdistill_kernels.validation`, written from a passing
+# benchmarks/gpu_check.py run). fastdistill's ``backend="auto"`` picks only validated designs; ``backend="triton"`` /
+# ``"triton-chunked"`` always select theirs. ``KERNELS_VALIDATED_ON_GPU`` is True when every design matches the
+# record (computed once per process, as the record is read once: neither changes under a running process).
 
 _LAZY = {
     "BACKWARD_MODES": ".backward",
@@ -36,7 +36,9 @@ _LAZY = {
     "DenseRowLosses": ".dense_fused",
     "fused_dense_teacher_jsd": ".dense_fused",
     "DESIGNS": ".validation",
+    "design_code_key": ".validation",
     "is_validated": ".validation",
+    "launch_pattern": ".validation",
     "validated_designs": ".validation",
 }
 
@@ -44,7 +46,8 @@ __all__ = ["KERNELS_VALIDATED_ON_GPU", "bucket_divergence", "logit_gradients", *
 
 
 def __getattr__(name: str):
-    if name == "KERNELS_VALIDATED_ON_GPU":  # read through the module on every access: the record may change
+    if name == "KERNELS_VALIDATED_ON_GPU":
+        validation = import_module(".validation", __name__)
         return validation.validated_designs() == frozenset(validation.DESIGNS)
     if name in _LAZY:
         return getattr(import_module(_LAZY[name], __name__), name)

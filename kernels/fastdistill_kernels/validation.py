@@ -1,20 +1,25 @@
-"""Which kernel designs have run on a real GPU: the device code of each design, hashed, against a committed record.
+"""Which kernel designs have run on a real GPU, keyed by everything that decides what runs, against a committed record.
 
-A *design* is one loss's Triton backend: ``("sparse", "triton")`` (the fused kernels), ``("sparse",
-"triton-chunked")`` (cuBLAS logits per chunk + two Triton passes), and the same two for the dense-teacher loss. What a
-GPU run validates is the device code of the design: every ``@triton.jit`` function its host code launches, the jit
-helpers those call, and the module-level values they read (``tl.constexpr`` constants). :func:`design_kernels` finds
-them statically (an ``ast`` walk from the design's entry point through the package's host functions; no import of
-triton needed) and :func:`design_hashes` hashes the source text of each one (sha256).
+A *design* is one loss's Triton backend (:data:`DESIGNS`). What a GPU run validates is the key of
+``(design, triton version, launch pattern)``:
 
-``validated.json`` beside this module records, per design, those hashes as of the last passing GPU check
-(``benchmarks/gpu_check.py``; its read-off ``benchmarks/gpu_results.py`` prints the new record) with the run it comes
-from. :func:`is_validated` is True when the design's kernels today hash to the record's: fastdistill's
-``backend="auto"`` only picks such designs, so a kernel edited since the GPU run stays selectable by name but is not
-the default until a GPU has run it.
+- the design's **code**: the whole source of every package module its code lives in — the modules of every
+  definition reached from its entry point (host functions, classes, module-level values, ``@triton.jit`` code), so
+  launch settings, tile configs, specialisation and dtype choices are inside it — found statically
+  (:func:`design_modules`, an ``ast`` walk; no triton import) and hashed (sha256 per module);
+- the **triton version**, major.minor (:func:`triton_minor`);
+- the **launch pattern**: dtype or None of each float operand and whether it needs a gradient, as the design's
+  autograd function receives them (:func:`launch_pattern`; the host code above it is hashed, so this decides the
+  dtype / None specialisation of every kernel launch below it).
 
-    python -m fastdistill_kernels.validation                 # which designs match the record
-    python -m fastdistill_kernels.validation --sources DIR   # the hashes of the module files in DIR (e.g. a commit's)
+:func:`design_code_key` hashes the first two into one string (the key a per-device cache can use).
+``validated.json`` beside this module holds, per design, the module hashes and triton version of the last passing
+GPU check (``benchmarks/gpu_check.py`` computes them on the GPU machine from the tree it ran), with a verdict per
+launch pattern the check's compiled tests ran (``"passed"``; a pattern seen in a failing test is ``"failed"``).
+:func:`is_validated` is True when the code key matches and, given a pattern, that pattern passed.
+
+    python -m fastdistill_kernels.validation                 # each design's state against the record
+    python -m fastdistill_kernels.validation --sources DIR   # the module hashes of the kernel sources in DIR
 """
 
 from __future__ import annotations
@@ -25,12 +30,15 @@ import functools
 import hashlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECORD_FILE = PACKAGE_DIR / "validated.json"
-RECORD_SCHEMA = 1
+RECORD_SCHEMA = 2
+PASSED, FAILED = "passed", "failed"
 
 # (loss, backend) -> (module, function): the public entry point each design's host code starts from
 DESIGNS: dict[tuple[str, str], tuple[str, str]] = {
@@ -39,6 +47,19 @@ DESIGNS: dict[tuple[str, str], tuple[str, str]] = {
     ("dense", "triton"): ("dense_fused", "fused_dense_teacher_jsd"),
     ("dense", "triton-chunked"): ("dense_chunk", "chunked_dense_teacher_jsd"),
 }
+# (loss, backend) -> (module, class): the autograd function every launch of the design goes through; its forward
+# takes the float operands of PATTERN_OPERANDS[loss] first, in that order
+AUTOGRAD_FUNCTIONS: dict[tuple[str, str], tuple[str, str]] = {
+    ("sparse", "triton"): ("ops", "FusedSparseJSD"),
+    ("sparse", "triton-chunked"): ("logits_chunk", "ChunkedLogitsSparseJSD"),
+    ("dense", "triton"): ("dense_fused", "FusedDenseJSD"),
+    ("dense", "triton-chunked"): ("dense_chunk", "DenseChunkedJSD"),
+}
+PATTERN_OPERANDS: dict[str, tuple[str, ...]] = {
+    "sparse": ("hidden", "weight", "bias"),
+    "dense": ("student_hidden", "student_weight", "student_bias", "teacher_hidden", "teacher_weight", "teacher_bias"),
+}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 SourceReader = Callable[[str], str]  # module name (e.g. "ops") -> its source text
 
@@ -53,6 +74,17 @@ def read_package_module(module: str) -> str:
     return (PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8")
 
 
+def folder_reader(folder: Path) -> SourceReader:
+    """A :data:`SourceReader` of the modules in ``folder`` (e.g. a copy of the package, or a commit's sources)."""
+    return lambda module: (Path(folder) / f"{module}.py").read_text(encoding="utf-8")
+
+
+def _check_design(loss: str, backend: str) -> None:
+    if (loss, backend) not in DESIGNS:
+        raise ValueError(f"unknown kernel design {(loss, backend)!r}; designs: {sorted(DESIGNS)}")
+
+
+# ------------------------------------------------------------------------------------------------ the code walk
 def _is_jit(node: ast.AST) -> bool:
     """Whether a function definition carries ``@triton.jit`` / ``@jit`` (called with options or not)."""
     for deco in getattr(node, "decorator_list", ()):
@@ -64,13 +96,13 @@ def _is_jit(node: ast.AST) -> bool:
 
 
 class _Module:
-    """One parsed module: its top-level definitions, assignments and package-relative imports."""
+    """One parsed module: its top-level definitions, package-relative imports and import-time statements."""
 
     def __init__(self, name: str, text: str):
         self.name = name
-        self.lines = text.replace("\r\n", "\n").split("\n")
         self.defs: dict[str, ast.AST] = {}  # functions, classes and assigned names
         self.imports: dict[str, tuple[str, str | None]] = {}  # local name -> (module, name or None for a module)
+        self.import_time: list[ast.AST] = []  # statements that run on import (calls, conditionals, ...)
         for node in ast.parse(text).body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 self.defs[node.name] = node
@@ -84,10 +116,8 @@ class _Module:
                 for alias in node.names:
                     local = alias.asname or alias.name
                     self.imports[local] = (node.module, alias.name) if node.module else (alias.name, None)
-
-    def source(self, node: ast.AST) -> str:
-        first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ()))])
-        return "\n".join(self.lines[first - 1 : node.end_lineno])
+            elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.import_time.append(node)
 
 
 class _Package:
@@ -102,7 +132,7 @@ class _Package:
             self._modules[name] = _Module(name, self._read(name))
         return self._modules[name]
 
-    def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, str] | tuple[str, None] | None:
+    def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, str | None] | None:
         """``(module, name)`` of the definition ``name`` refers to in ``module``, ``(module, None)`` for a package
         module, or None when it is not the package's (builtins, torch, triton, locals)."""
         m = self.module(module)
@@ -114,18 +144,18 @@ class _Package:
                 return target, None
             try:
                 self.module(target)
-            except (FileNotFoundError, OSError):
+            except (FileNotFoundError, OSError):  # `from . import x` of a subpackage or a missing module
                 return None
             return self.resolve(target, attr, depth + 1)
         return None
 
-    def references(self, module: str, node: ast.AST) -> set[tuple[str, str]]:
-        """The package definitions the code of ``node`` refers to (names, and ``module.attr`` of imported modules)."""
-        out = set()
+    def references(self, module: str, node: ast.AST) -> set[tuple[str, str | None]]:
+        """The package definitions (and modules) the code of ``node`` refers to."""
+        out: set[tuple[str, str | None]] = set()
         for n in ast.walk(node):
             if isinstance(n, ast.Name):
                 hit = self.resolve(module, n.id)
-                if hit and hit[1] is not None:
+                if hit:
                     out.add(hit)
             elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
                 hit = self.resolve(module, n.value.id)
@@ -137,48 +167,96 @@ class _Package:
         return self.module(ref[0]).defs[ref[1]]
 
 
-def design_kernels(loss: str, backend: str, read: SourceReader = read_package_module) -> dict[str, str]:
-    """``{"module.name": source}`` of the device code of one design: the jit functions its host code (from the
-    entry point in :data:`DESIGNS`, through every package function and class it reaches) refers to, the jit
-    functions those call, and the module-level values any of them reads."""
-    if (loss, backend) not in DESIGNS:
-        raise ValueError(f"unknown kernel design {(loss, backend)!r}; designs: {sorted(DESIGNS)}")
+def design_modules(loss: str, backend: str, read: SourceReader = read_package_module) -> list[str]:
+    """The package modules a design's code lives in, sorted: the entry point's module and the module of every
+    definition reached from it (host functions, classes with their methods, module-level values, jit functions
+    and what they call), and of everything the import-time statements of those modules refer to."""
+    _check_design(loss, backend)
     pkg = _Package(read)
-    host_seen: set[tuple[str, str]] = set()
-    device: set[tuple[str, str]] = set()
-    host = [DESIGNS[(loss, backend)]]
-    while host:  # host code: functions, classes (their methods), module-level values
-        ref = host.pop()
-        if ref in host_seen:
+    entry = DESIGNS[(loss, backend)]
+    seen: set[tuple[str, str]] = set()
+    modules: set[str] = set()
+    todo: list[tuple[str, str | None]] = [entry]
+    while todo:
+        ref = todo.pop()
+        module, name = ref
+        if module not in modules:
+            modules.add(module)
+            for stmt in pkg.module(module).import_time:
+                todo.extend(pkg.references(module, stmt))
+        if name is None or ref in seen:
             continue
-        host_seen.add(ref)
-        for hit in pkg.references(ref[0], pkg.node(ref)):
-            if _is_jit(pkg.node(hit)):
-                device.add(hit)  # host code refers to a jit function: it launches it
-            elif hit not in host_seen:
-                host.append(hit)
-    todo = list(device)
-    while todo:  # device code: jit helpers and the module-level values jit code reads
-        for hit in pkg.references(todo[0][0], pkg.node(todo.pop(0))):
-            node = pkg.node(hit)
-            if (_is_jit(node) or isinstance(node, (ast.Assign, ast.AnnAssign))) and hit not in device:
-                device.add(hit)
-                todo.append(hit)
-    return {f"{m}.{n}": pkg.module(m).source(pkg.node((m, n))) for m, n in sorted(device)}
+        seen.add(ref)
+        todo.extend(pkg.references(module, pkg.node(ref)))
+    return sorted(modules)
 
 
-def design_hashes(read: SourceReader = read_package_module) -> dict[str, dict[str, dict[str, str]]]:
-    """``{loss: {backend: {"module.name": sha256}}}`` of every design's device code (see :func:`design_kernels`)."""
-    out: dict[str, dict[str, dict[str, str]]] = {}
-    for loss, backend in DESIGNS:
-        kernels = design_kernels(loss, backend, read)
-        out.setdefault(loss, {})[backend] = {name: source_hash(text) for name, text in kernels.items()}
-    return out
+def module_hashes(modules: Iterable[str], read: SourceReader = read_package_module) -> dict[str, str]:
+    """``{module: sha256 of its source}``."""
+    return {m: source_hash(read(m)) for m in sorted(modules)}
 
 
+# ------------------------------------------------------------------------------------------------ the key
+def installed_triton_version() -> str | None:
+    """The installed triton's version (distribution metadata; triton is not imported), or None without one."""
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def triton_minor(version: str | None) -> str:
+    """``"3.6"`` for ``"3.6.0"`` / ``"3.6.0+git…"``; ``"none"`` for None."""
+    if not version:
+        return "none"
+    parts = version.split("+")[0].split(".")
+    return ".".join(parts[:2])
+
+
+def code_key(loss: str, backend: str, modules: dict[str, str], triton: str) -> str:
+    """sha256 of the design, its module hashes and the triton major.minor ``triton`` (canonical JSON)."""
+    payload = {"schema": RECORD_SCHEMA, "design": [loss, backend], "triton": triton, "modules": modules}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def design_code_key(loss: str, backend: str, triton_version: str | None = None,
+                    read: SourceReader = read_package_module) -> str:
+    """The key of what a design runs, apart from the launch pattern: its modules' sources (:func:`design_modules`)
+    and the triton major.minor (``triton_version``, default the installed one; ``"3.6.0"`` and ``"3.6"`` agree)."""
+    triton = triton_minor(triton_version if triton_version is not None else installed_triton_version())
+    return code_key(loss, backend, module_hashes(design_modules(loss, backend, read), read), triton)
+
+
+def launch_pattern(loss: str, operands: Iterable, needs_grad: Iterable[bool] | None = None,
+                   grad_enabled: bool = True) -> str:
+    """The dtype / None pattern of a launch: ``"hidden=bf16:grad weight=bf16:grad bias=None"`` for the float
+    operands of :data:`PATTERN_OPERANDS` ``[loss]`` (tensors or None, in that order; ``:grad`` where a gradient is
+    needed: ``needs_grad`` when given, e.g. an autograd ``ctx.needs_input_grad``, else ``requires_grad`` while
+    ``grad_enabled``). As the design's autograd function receives them: the entry points cast hidden and weight to
+    their common dtype first."""
+    names = PATTERN_OPERANDS[loss]
+    operands = list(operands)
+    if len(operands) != len(names):
+        raise ValueError(f"a {loss} launch pattern takes {len(names)} operands ({', '.join(names)}), "
+                         f"got {len(operands)}")
+    flags = [grad_enabled and bool(getattr(x, "requires_grad", False)) for x in operands] if needs_grad is None \
+        else list(needs_grad)[:len(names)]
+    parts = []
+    for name, x, grad in zip(names, operands, flags, strict=True):
+        if x is None:
+            parts.append(f"{name}=None")
+            continue
+        dtype = str(x.dtype).removeprefix("torch.")
+        parts.append(f"{name}={DTYPE_NAMES.get(dtype, dtype)}{':grad' if grad else ''}")
+    return " ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------ the record
 def load_record(path: Path | None = None) -> dict:
     """The validation record at ``path`` (default :data:`RECORD_FILE`): ``{"schema", "designs": {loss: {backend:
-    {"validated_on", "kernels"}}}}``; an empty one when the file is absent."""
+    {"validated_on", "triton", "modules", "code_key", "launch_patterns"}}}}``; an empty one when absent."""
     path = RECORD_FILE if path is None else path
     if not path.exists():
         return {"schema": RECORD_SCHEMA, "designs": {}}
@@ -188,57 +266,134 @@ def load_record(path: Path | None = None) -> dict:
     return record
 
 
-def changed_kernels(loss: str, backend: str, record: dict | None = None,
-                    read: SourceReader = read_package_module) -> list[str]:
-    """The kernels of a design whose source differs from the record's (added, removed or edited), sorted; every
-    kernel when the record has no entry for the design."""
+@dataclass(frozen=True)
+class DesignState:
+    """A design against the record: ``validated`` (its code key matches and, when a pattern was asked about, that
+    pattern passed) and why not: modules changed, added or removed; the triton versions; the pattern's verdict."""
+
+    validated: bool
+    changed_modules: tuple[str, ...] = ()
+    triton_here: str = ""
+    triton_ran: str = ""
+    pattern: str | None = None
+    pattern_verdict: str | None = None  # "passed", "failed" or None (never run)
+    patterns_passed: int = 0
+
+    def reason(self) -> str:
+        """One line: why the design is not validated (empty when it is)."""
+        why = []
+        if not self.triton_ran:
+            return "no GPU run on record"
+        if self.changed_modules:
+            why.append(f"changed since the GPU run: {', '.join(self.changed_modules)}")
+        if self.triton_here != self.triton_ran:
+            why.append(f"triton {self.triton_here} here, {self.triton_ran} on the GPU run")
+        if self.pattern is not None and self.pattern_verdict != PASSED:
+            why.append(f"launch pattern {self.pattern!r} " + ("failed on the GPU run" if self.pattern_verdict
+                                                               else "never ran on a GPU"))
+        if not self.patterns_passed:
+            why.append("no launch pattern passed on the GPU run")
+        return "; ".join(why)
+
+
+def design_state(loss: str, backend: str, pattern: str | None = None, *, record: dict | None = None,
+                 triton_version: str | None = None, read: SourceReader = read_package_module) -> DesignState:
+    """Design ``(loss, backend)`` as installed (``read``, triton ``triton_version`` or the installed one) against
+    ``record`` (default: :func:`load_record`)."""
+    _check_design(loss, backend)
     record = load_record() if record is None else record
-    recorded = record.get("designs", {}).get(loss, {}).get(backend, {}).get("kernels", {})
-    current = {name: source_hash(text) for name, text in design_kernels(loss, backend, read).items()}
-    if not recorded:
-        return sorted(current)
-    return sorted(name for name in set(recorded) | set(current) if recorded.get(name) != current.get(name))
+    entry = record.get("designs", {}).get(loss, {}).get(backend)
+    here = triton_minor(triton_version if triton_version is not None else installed_triton_version())
+    current = module_hashes(design_modules(loss, backend, read), read)
+    if not entry:
+        return DesignState(False, tuple(current), here, "", pattern)
+    recorded = entry.get("modules", {})
+    changed = tuple(sorted(m for m in set(recorded) | set(current) if recorded.get(m) != current.get(m)))
+    patterns = entry.get("launch_patterns", {})
+    passed = sum(v == PASSED for v in patterns.values())
+    verdict = patterns.get(pattern) if pattern is not None else None
+    ok = (not changed and here == entry.get("triton") and passed > 0
+          and (pattern is None or verdict == PASSED))
+    return DesignState(ok, changed, here, entry.get("triton", ""), pattern, verdict, passed)
 
 
 @functools.cache
 def validated_designs() -> frozenset[tuple[str, str]]:
-    """The designs whose device code, as installed, is exactly what the record says a GPU ran (computed once per
-    process). A record or source that cannot be read validates nothing."""
+    """The designs whose code key, as installed, is the record's (computed once per process; the record and the
+    package do not change under a running process). A record or source that cannot be read validates nothing."""
     try:
         record = load_record()
-        return frozenset(d for d in DESIGNS if not changed_kernels(*d, record=record))
+        return frozenset(d for d in DESIGNS if design_state(*d, record=record).validated)
     except (OSError, ValueError, SyntaxError):
         return frozenset()
 
 
-def is_validated(loss: str, backend: str) -> bool:
-    """Whether design ``(loss, backend)`` may be picked by ``backend="auto"``: its kernels match the record."""
-    if (loss, backend) not in DESIGNS:
-        raise ValueError(f"unknown kernel design {(loss, backend)!r}; designs: {sorted(DESIGNS)}")
-    return (loss, backend) in validated_designs()
+@functools.cache
+def _record_patterns() -> dict[tuple[str, str], frozenset[str]]:
+    try:
+        designs = load_record().get("designs", {})
+    except (OSError, ValueError):
+        return {}
+    return {(loss, backend): frozenset(p for p, v in entry.get("launch_patterns", {}).items() if v == PASSED)
+            for loss, by in designs.items() for backend, entry in by.items()}
 
 
-def new_record(run: dict, hashes: dict | None = None) -> dict:
-    """A record validating every design with ``hashes`` (default: today's, :func:`design_hashes`) on ``run``
-    (commit, date, machine, software, the compiled tests that passed)."""
-    hashes = design_hashes() if hashes is None else hashes
-    return {"schema": RECORD_SCHEMA,
-            "designs": {loss: {backend: {"validated_on": run, "kernels": kernels} for backend, kernels in by.items()}
-                        for loss, by in hashes.items()}}
+def is_validated(loss: str, backend: str, pattern: str | None = None) -> bool:
+    """Whether design ``(loss, backend)`` as installed is what the record says a GPU ran: its code key matches and
+    (given a :func:`launch_pattern`) that pattern passed there (without one: some pattern passed)."""
+    _check_design(loss, backend)
+    if (loss, backend) not in validated_designs():
+        return False
+    return pattern is None or pattern in _record_patterns().get((loss, backend), frozenset())
+
+
+def run_keys(read: SourceReader = read_package_module, triton_version: str | None = None) -> dict:
+    """What a GPU check records of the tree it ran: the triton version and, per design, its module hashes and code
+    key (``{"triton", "designs": {loss: {backend: {"modules", "code_key"}}}}``)."""
+    triton = triton_minor(triton_version if triton_version is not None else installed_triton_version())
+    designs: dict[str, dict[str, dict]] = {}
+    for loss, backend in DESIGNS:
+        modules = module_hashes(design_modules(loss, backend, read), read)
+        designs.setdefault(loss, {})[backend] = {"modules": modules,
+                                                 "code_key": code_key(loss, backend, modules, triton)}
+    return {"triton": triton, "designs": designs}
+
+
+def new_record(run: dict, keys: dict, patterns: dict) -> dict:
+    """The record of one GPU run: per design, ``keys`` (:func:`run_keys` of the tree that ran), the launch
+    patterns' verdicts ``patterns[loss][backend]`` (``{pattern: "passed" | "failed"}``) and ``run`` (commit, date,
+    machine, software, the compiled tests). A design without a passing pattern is left out."""
+    designs: dict[str, dict[str, dict]] = {}
+    for loss, by in keys["designs"].items():
+        for backend, key in by.items():
+            verdicts = dict(sorted(patterns.get(loss, {}).get(backend, {}).items()))
+            if PASSED not in verdicts.values():
+                continue
+            designs.setdefault(loss, {})[backend] = {"validated_on": run, "triton": keys["triton"], **key,
+                                                     "launch_patterns": verdicts}
+    return {"schema": RECORD_SCHEMA, "designs": designs}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sources", type=Path, help="print the hashes of the kernel modules in this folder")
+    p.add_argument("--sources", type=Path, help="print the module hashes and code keys of the kernel modules in "
+                   "this folder")
+    p.add_argument("--triton", help="the triton version to key with (default: the installed one)")
     args = p.parse_args(argv)
     if args.sources:
-        print(json.dumps(design_hashes(lambda m: (args.sources / f"{m}.py").read_text(encoding="utf-8")), indent=2))
+        print(json.dumps(run_keys(folder_reader(args.sources), args.triton), indent=2))
         return 0
     record = load_record()
     for loss, backend in DESIGNS:
-        changed = changed_kernels(loss, backend, record)
-        state = "validated" if not changed else f"NOT validated, changed since the GPU run: {', '.join(changed)}"
-        print(f"{loss:6} {backend:15} {state}")
+        state = design_state(loss, backend, record=record, triton_version=args.triton)
+        entry = record.get("designs", {}).get(loss, {}).get(backend, {})
+        if state.validated:
+            run = entry.get("validated_on", {})
+            text = (f"validated (triton {state.triton_ran}, {state.patterns_passed} launch patterns; "
+                    f"{run.get('commit', '?')} on {run.get('machine', '?')})")
+        else:
+            text = f"NOT validated: {state.reason()}"
+        print(f"{loss:6} {backend:15} {text}")
     return 0
 
 
