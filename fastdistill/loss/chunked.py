@@ -9,9 +9,9 @@ independent of N.
 
 On a GPU the chunks are large (a 1 GiB fp32 tile, at most 4096 rows: every chunk rereads the weight, so small
 chunks would leave the GEMMs waiting on memory), and bf16 inputs stay bf16 GEMM operands with fp32 results; the
-gradient GEMMs take the fp32 ``dL/dz`` tile as two bf16 terms (:mod:`fastdistill.loss.gemm`). Per chunk of ``c``
-rows that is 2·c·D·V FLOPs for the logits and 8·c·D·V for dh and dW (10·N·D·V in all, at tensor-core rate) and
-about 70 bytes of elementwise traffic per logit; the weight is never copied to fp32.
+gradient GEMMs take ``dL/dz`` rounded once to bf16 and sum dh and dW in fp32 (:mod:`fastdistill.loss.gemm`; the
+precision policy of docs/loss.md). Per chunk of ``c`` rows that is 2·c·D·V FLOPs for the logits and 4·c·D·V for dh
+and dW (6·N·D·V in all, at tensor-core rate); the weight is never copied to fp32.
 
 The per-row math (divergence, and its gradient in the form ``dL/dz_v = exp(z_v − m_nc)·coef_nc`` at
 non-candidates, ``cand_grad`` at candidates) is :mod:`fastdistill_kernels.buckets`, shared with the Triton
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from fastdistill_kernels.buckets import bucket_divergence, logit_gradients
 
-from .gemm import gemm_into, split_gemm_into, split_operands, split_tile, split_weight_grad
+from .gemm import gemm_into, half_operands, round_gradient_tile
 
 DEFAULT_TILE_BYTES = 32 * 2**20  # budget for the (rows × V) logits tile on the CPU
 MAX_CHUNK_ROWS = 256  # beyond this the CPU's GEMMs gain little, and smaller vocabularies keep a smaller tile
@@ -70,24 +70,23 @@ class Workspace:
     """The buffers every chunk of one call reuses, allocated once: the ``(rows, V)`` logits tile, a scratch block
     of :func:`scratch_rows` rows, ``(rows, D)`` buffers for the chunk's hidden states in the compute dtype (only
     when they are upcast) and scaled by ``logit_scale / T`` (only when that folds into the operand), a ``(V,)``
-    column-sum buffer (only for the bias gradient) and, for split GEMMs (:mod:`fastdistill.loss.gemm`), the two
-    bf16 terms of ``dL/dz`` stacked ``(2·rows, V)`` and the chunk's hidden states twice ``(2·rows, D)``. Per chunk
-    only O(rows·S) tensors are allocated, so the allocator does not churn through tile-sized temporaries whatever
-    its thresholds (glibc's defaults included)."""
+    column-sum buffer (only for the bias gradient) and, for half-precision GEMM operands
+    (:mod:`fastdistill.loss.gemm`), ``dL/dz`` rounded to the operands' dtype ``(rows, V)``. Per chunk only
+    O(rows·S) tensors are allocated, so the allocator does not churn through tile-sized temporaries whatever its
+    thresholds (glibc's defaults included)."""
 
     def __init__(self, rows: int, vocab: int, hidden: torch.Tensor, dtype: torch.dtype, cfg: LossConfig,
-                 need_db: bool, *, split: bool = False, need_grad: bool = True):
+                 need_db: bool, *, half: bool = False, need_grad: bool = True):
         def buf(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.empty(*shape, dtype=dt, device=hidden.device)
 
         on_gpu = hidden.device.type == "cuda"
         self.tile = buf(rows, vocab)
         self.scratch = buf(min(scratch_rows(vocab, dtype, on_gpu), rows), vocab)
-        self.cast = buf(rows, hidden.shape[1]) if hidden.dtype != dtype and not split else None
-        self.scaled = buf(rows, hidden.shape[1]) if cfg.softcap is None and not split else None
-        self.colsum = buf(vocab) if need_db else None
-        self.split = (buf(2 * rows, vocab, dt=hidden.dtype), buf(2 * rows, hidden.shape[1], dt=hidden.dtype)) \
-            if split and need_grad else None
+        self.cast = buf(rows, hidden.shape[1]) if hidden.dtype != dtype and not half else None
+        self.scaled = buf(rows, hidden.shape[1]) if cfg.softcap is None and not half else None
+        self.colsum = buf(vocab) if need_db and not half else None
+        self.grad = buf(rows, vocab, dt=hidden.dtype) if half and need_grad else None
 
     def hidden_chunk(self, h: torch.Tensor) -> torch.Tensor:
         """The chunk's hidden states ``h`` ``(c, D)`` in the compute dtype (a copy into the cast buffer if needed)."""
@@ -103,12 +102,12 @@ def logit_bias(b: torch.Tensor | None, cfg: LossConfig, fold: bool = True) -> to
 
 
 def _student_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: LossConfig, out: torch.Tensor,
-                    operand: torch.Tensor | None = None, split: bool = False):
+                    operand: torch.Tensor | None = None, half: bool = False):
     """Final student logits ``softcap(scale·(h Wᵀ + b)) / T`` into ``out`` ``(c, V)``; ``b`` comes from
     :func:`logit_bias`. ``operand`` ``(c, D)``, if given, receives the scaled hidden states (no temporary).
-    ``split``: ``h`` and ``w`` are bf16 operands of an fp32-output GEMM, the bias and scales applied to ``out``
+    ``half``: ``h`` and ``w`` are bf16 operands of an fp32-output GEMM, the bias and scales applied to ``out``
     (scaling a bf16 operand would round it again)."""
-    if split:
+    if half:
         gemm_into(out, h, w.t())
         if b is not None:
             out.add_(b)
@@ -215,8 +214,8 @@ def sparse_jsd_rows(
     V = weight.shape[0]
     cdt = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     dev = hidden.device
-    split = split_operands(hidden, weight)  # bf16 operands, fp32 results (GPU); else operands upcast to cdt
-    w = weight if split else weight.to(cdt)
+    half = half_operands(hidden, weight)  # bf16 operands, fp32 results (GPU); else operands upcast to cdt
+    w = weight if half else weight.to(cdt)
     b = None if bias is None else bias.to(cdt)
     c_rows = chunk_rows or default_chunk_rows(V, cdt, on_gpu=dev.type == "cuda")
     c_rows = max(1, min(c_rows, n))
@@ -235,8 +234,8 @@ def sparse_jsd_rows(
     # the first chunk writes dw, later ones accumulate into it (no zero-fill pass over V×D)
     dw = (torch.empty if n else torch.zeros)(V, w.shape[1], dtype=cdt, device=dev) if need_dw else None
     db = torch.zeros(V, dtype=cdt, device=dev) if need_db else None
-    ws = Workspace(c_rows, V, hidden, cdt, cfg, need_db, split=split, need_grad=need_grad)
-    b_logits = logit_bias(b, cfg, fold=not split)
+    ws = Workspace(c_rows, V, hidden, cdt, cfg, need_db, half=half, need_grad=need_grad)
+    b_logits = logit_bias(b, cfg, fold=not half)
 
     for start in range(0, n, c_rows):
         end = min(start + c_rows, n)
@@ -245,7 +244,7 @@ def sparse_jsd_rows(
         h = ws.hidden_chunk(hidden[rows])
         z = ws.tile[:c]
         _student_logits(h, w, b_logits, cfg, out=z, operand=None if ws.scaled is None else ws.scaled[:c],
-                        split=split)
+                        half=half)
         z_cand, m_nc, s_nc, lse, ent[rows] = _chunk_stats(z, ids_safe[rows], valid[rows], cfg, ws.scratch)
         div[rows], tent[rows], grads = _row_losses(
             z_cand, m_nc, s_nc, lse, lps_c[rows], valid[rows], covers[rows], cfg, need_grad,
@@ -257,23 +256,23 @@ def sparse_jsd_rows(
         # softcap), cand_grad at candidates; alpha is the chain factor of z w.r.t. the raw logit.
         coef_nc, cand_grad = grads
         alpha = cfg.logit_scale / cfg.temperature
-        z.mul_((coef_nc * alpha).unsqueeze(1))
         cand_grad = cand_grad * alpha
         if cfg.softcap is not None:
             cand_grad = cand_grad * (1.0 - (z_cand * (cfg.temperature / cfg.softcap)) ** 2)
         cand_grad = torch.where(valid[rows], cand_grad, torch.zeros_like(cand_grad))
+        if half:  # dL/dz rounded once to bf16 (one pass over the tile), dh and dW summed in fp32
+            dz = round_gradient_tile(z, coef_nc * alpha, ids_safe[rows], cand_grad, ws.grad[:c])
+            if need_db:
+                db.add_(torch.sum(dz, dim=0, dtype=db.dtype))
+            if need_dh:
+                gemm_into(dh[rows], dz, w)
+            if need_dw:
+                gemm_into(dw, dz.t(), h, accumulate=start > 0)
+            continue
+        z.mul_((coef_nc * alpha).unsqueeze(1))
         z.scatter_add_(1, ids_safe[rows], cand_grad)  # candidate entries of z are 0 before this
         if need_db:
             db.add_(torch.sum(z, dim=0, out=ws.colsum))
-        if split:  # dL/dz as hi + lo bf16 terms (z keeps the residual) in fp32-output GEMMs
-            terms = ws.split[0][: 2 * c]
-            hi, lo = terms[:c], terms[c:]
-            split_tile(z, hi, lo)
-            if need_dh:
-                split_gemm_into(dh[rows], hi, lo, w)
-            if need_dw:
-                split_weight_grad(dw, terms, h, ws.split[1], accumulate=start > 0)
-            continue
         if need_dh:
             torch.mm(z, w, out=dh[rows])
         if need_dw:

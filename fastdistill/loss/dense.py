@@ -18,8 +18,8 @@ Every log-prob is a finite logit minus a finite log-sum-exp, so no log(0) appear
 is an exact 0.
 
 On a GPU the torch path works as the sparse one (:mod:`fastdistill.loss.chunked`): tiles of 512 MiB each (four of
-them), bf16 inputs as bf16 GEMM operands with fp32 results, ``dL/dz`` as two bf16 terms in the gradient GEMMs
-(:mod:`fastdistill.loss.gemm`), row blocks of 128 MiB in the reductions.
+them), bf16 inputs as bf16 GEMM operands with fp32 results, ``dL/dz`` rounded once to bf16 for the gradient GEMMs
+(:mod:`fastdistill.loss.gemm`; the precision policy of docs/loss.md), row blocks of 128 MiB in the reductions.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .api import (
     torch_sparse_jsd,
 )
 from .chunked import LossConfig, default_chunk_rows
-from .gemm import gemm_into, split_gemm_into, split_operands, split_tile, split_weight_grad
+from .gemm import gemm_into, half_operands
 from .options import BACKENDS
 from .outputs import DenseJSDOutput, summarize_dense
 from .reference import reference_dense_teacher_jsd
@@ -262,10 +262,10 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
     cdt = torch.float64 if any64 else torch.float32
     dev = s_hidden.device
     on_gpu = dev.type == "cuda"
-    s_split, t_split = split_operands(s_hidden, s_weight), split_operands(t_hidden, t_weight)  # bf16 operands (GPU)
-    ws = s_weight if s_split else s_weight.to(cdt)
+    s_half, t_half = half_operands(s_hidden, s_weight), half_operands(t_hidden, t_weight)  # bf16 operands (GPU)
+    ws = s_weight if s_half else s_weight.to(cdt)
     bs = None if s_bias is None else s_bias.to(cdt)
-    wt, wt_pad = (t_weight[:V], t_weight[V:]) if t_split else (t_weight[:V].to(cdt), t_weight[V:].to(cdt))
+    wt, wt_pad = (t_weight[:V], t_weight[V:]) if t_half else (t_weight[:V].to(cdt), t_weight[V:].to(cdt))
     bt = None if t_bias is None else t_bias[:V].to(cdt)
     bt_pad = None if t_bias is None else t_bias[V:].to(cdt)
     tile_rows = default_chunk_rows(max(V, Vt), cdt, GPU_DENSE_TILE_BYTES if on_gpu else None, on_gpu=on_gpu)
@@ -283,15 +283,14 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
     # and two work tiles A, B (probabilities, the mixture, the logit gradient).
     S, T, A, B = (torch.empty(rows_per_chunk, V, dtype=cdt, device=dev) for _ in range(4))
     pad = torch.empty(rows_per_chunk, Vt - V, dtype=cdt, device=dev) if Vt > V else None
-    # the gradient tile as two stacked bf16 terms, and the hidden states twice, for the split GEMMs (gemm.py)
-    TERMS, H2 = ((torch.empty(2 * rows_per_chunk, d, dtype=s_hidden.dtype, device=dev) for d in (V, s_hidden.shape[1]))
-                 if s_split and need_grad else (None, None))
+    # dL/dz rounded once to the bf16 GEMM operands (gemm.py)
+    G16 = torch.empty(rows_per_chunk, V, dtype=s_hidden.dtype, device=dev) if s_half and need_grad else None
 
     for start in range(0, n, rows_per_chunk):
         end = min(start + rows_per_chunk, n)
         rows, c = slice(start, end), end - start
-        h = s_hidden[rows] if s_split else s_hidden[rows].to(cdt)
-        ht = t_hidden[rows] if t_split else t_hidden[rows].to(cdt)
+        h = s_hidden[rows] if s_half else s_hidden[rows].to(cdt)
+        ht = t_hidden[rows] if t_half else t_hidden[rows].to(cdt)
         s, t, a, b = S[:c], T[:c], A[:c], B[:c]
         student.logits(h, ws, bs, out=s)
         teacher.logits(ht, wt, bt, out=t)
@@ -336,18 +335,18 @@ def dense_rows(s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, student: 
             u = p if grad is not p else t  # a free tile: A when the gradient is in B, else T (t no longer needed)
             torch.add(s, lse_s.unsqueeze(1), out=u).mul_(student.temperature / student.softcap)
             grad.mul_(u.square_().neg_().add_(1.0))
+        if G16 is not None:  # dL/dz scaled and rounded once to bf16 in one pass, dh and dW summed in fp32
+            g16 = torch.mul(grad, factor.unsqueeze(1), out=G16[:c])
+            if need_db:
+                db.add_(torch.sum(g16, dim=0, dtype=cdt))
+            if need_dh:
+                gemm_into(dh[rows], g16, ws)
+            if need_dw:
+                gemm_into(dw, g16.t(), h, accumulate=True)
+            continue
         grad.mul_(factor.unsqueeze(1))
         if need_db:
             db.add_(grad.sum(dim=0))
-        if TERMS is not None:  # dL/dz as hi + lo bf16 terms (grad keeps the residual) in fp32-output GEMMs
-            terms = TERMS[: 2 * c]
-            hi, lo = terms[:c], terms[c:]
-            split_tile(grad, hi, lo)
-            if need_dh:
-                split_gemm_into(dh[rows], hi, lo, ws)
-            if need_dw:
-                split_weight_grad(dw, terms, h, H2, accumulate=True)
-            continue
         if need_dh:
             torch.mm(grad, ws, out=dh[rows])
         if need_dw:

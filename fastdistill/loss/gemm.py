@@ -1,11 +1,10 @@
-"""GEMMs of the torch paths on a GPU: half-precision operands, fp32 results, and an fp32 tile split into two bf16 terms.
+"""GEMMs of the torch paths on a GPU: half-precision operands and fp32 results.
 
 On CUDA, bf16 inputs keep their dtype as GEMM operands (tensor cores; no fp32 copy of the weight) and the products
 land in fp32 (``torch.addmm(..., out_dtype=torch.float32)``, the overload the kernels' deterministic backward ran
-on an H200: exact products, fp32 sums, as an fp32 GEMM of the upcast operands). A GEMM whose operand is an fp32
-tile (``dL/dz`` of a chunk) takes it as ``hi + lo``, two bf16 tiles (``hi = bf16(z)``, ``lo = bf16(z − hi)``):
-about 16 significant bits, so the gradients keep the accuracy of an fp32 ``dL/dz`` (a single bf16 rounding would
-put 2⁻⁹ relative error on every element) for twice the gradient GEMMs.
+on an H200: exact products, fp32 sums, as an fp32 GEMM of the upcast operands). The fp32 ``dL/dz`` tile of a chunk
+enters the gradient GEMMs rounded once to bf16 (:func:`round_gradient_tile`), the one rounding the precision policy
+allows before the sums (docs/loss.md, "Precision policy"); dh and dW are summed in fp32.
 
 This module needs only torch (the torch path runs without triton); the kernels package has its own helpers.
 """
@@ -16,7 +15,7 @@ import functools
 
 import torch
 
-SPLIT_DTYPE = torch.bfloat16  # fp32's exponent range: a split term never under- or overflows where fp32 does not
+HALF_OPERAND_DTYPE = torch.bfloat16  # fp32's exponent range: dL/dz rounded to it never under- or overflows sooner
 UPCAST_BLOCK_ELEMS = 2**24  # elements of one upcast block where torch has no fp32-output GEMM for the operands
 
 
@@ -35,11 +34,12 @@ def mixed_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def split_operands(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a torch path keeps ``hidden`` / ``weight`` as bf16 GEMM operands (fp32 results, split ``dL/dz``):
-    both bf16 on a device with fp32-output GEMMs. Otherwise they are upcast to the compute dtype (fp32 or fp64)."""
-    return (hidden.dtype == weight.dtype == SPLIT_DTYPE and hidden.device.type == "cuda"
-            and mixed_mm_supported(hidden.device, SPLIT_DTYPE))
+def half_operands(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a torch path keeps ``hidden`` / ``weight`` as bf16 GEMM operands (fp32 results, ``dL/dz`` rounded once
+    to bf16): both bf16 on a device with fp32-output GEMMs. Otherwise they are upcast to the compute dtype (fp32 or
+    fp64) and ``dL/dz`` stays in it."""
+    return (hidden.dtype == weight.dtype == HALF_OPERAND_DTYPE and hidden.device.type == "cuda"
+            and mixed_mm_supported(hidden.device, HALF_OPERAND_DTYPE))
 
 
 def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool = False) -> None:
@@ -64,28 +64,11 @@ def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate
                 torch.mm(block, b_up, out=out[r0:r0 + rows])
 
 
-def split_tile(z: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """Write ``z`` (fp32 ``(c, V)``) as ``hi + lo`` into the bf16 tiles ``hi``, ``lo``; ``z`` is left holding the
-    residual ``z − hi`` (no further use)."""
-    hi.copy_(z)
-    z.sub_(hi)
-    lo.copy_(z)
-
-
-def split_gemm_into(out: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, *,
-                    accumulate: bool = False) -> None:
-    """``out (+)= (hi + lo) @ b`` as two fp32-output GEMMs (see :func:`split_tile`)."""
-    gemm_into(out, hi, b, accumulate=accumulate)
-    gemm_into(out, lo, b, accumulate=True)
-
-
-def split_weight_grad(dw: torch.Tensor, terms: torch.Tensor, h: torch.Tensor, h_twice: torch.Tensor, *,
-                      accumulate: bool) -> None:
-    """``dw (+)= (hi + lo)ᵀ @ h`` as one fp32-output GEMM over the stacked terms: ``terms`` is ``[hi; lo]``
-    ``(2c, V)`` (contiguous), ``h_twice`` a buffer of at least ``2c`` rows that receives ``[h; h]``. One GEMM of
-    depth 2c reads and writes the fp32 ``dw`` once, where two GEMMs would each."""
-    c = h.shape[0]
-    stacked = h_twice[: 2 * c]
-    stacked[:c].copy_(h)
-    stacked[c:].copy_(h)
-    gemm_into(dw, terms.t(), stacked, accumulate=accumulate)
+def round_gradient_tile(z: torch.Tensor, row_scale: torch.Tensor, ids: torch.Tensor, cand: torch.Tensor,
+                        out: torch.Tensor) -> torch.Tensor:
+    """``dL/dz`` of a chunk as the bf16 GEMM operand ``out`` ``(c, V)``, in one pass over the fp32 tile: ``z``
+    ``(c, V)`` (0 at the candidate columns) times ``row_scale`` ``(c,)``, rounded once to ``out``'s dtype, then the
+    candidates' entries ``cand`` ``(c, S)`` at columns ``ids`` ``(c, S)`` (added to the 0 there: slots that repeat an
+    id carry 0). Returns ``out``."""
+    torch.mul(z, row_scale.unsqueeze(1), out=out)
+    return out.scatter_add_(1, ids, cand.to(out.dtype))
