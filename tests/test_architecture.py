@@ -187,7 +187,7 @@ LAZY_IMPORTS = {
     "fastdistill.integrations.trl": (1, "TRL is optional: only a patched TRL trainer calls it"),
     "fastdistill.loss.api": (2, "the Triton kernels need triton, an optional dependency"),
     "fastdistill.loss.dense": (2, "the Triton kernels need triton (optional)"),
-    "fastdistill.loss.routing": (2, "the kernels' chunk sizes: their modules import triton (optional)"),
+    "fastdistill.loss.routing": (3, "the kernels' chunk sizes and self-check: their modules import triton (optional)"),
     "fastdistill.rollout.sample": (2, "torch, for hidden states only: the rollout child imports this module"),
     "fastdistill.rollout.sequence": (1, "the hidden-state teacher's client imports torch: the rollout child"),
     "fastdistill.sync.channels": (3, "vLLM's NCCL helpers: vLLM is optional in the trainer's environment"),

@@ -24,7 +24,8 @@ N, V = 40, 300
 @pytest.fixture
 def gpu(monkeypatch):
     """CPU tensors claim to be on CUDA, on an 80 GiB device with ``free`` bytes free (set ``gpu.free``); the record
-    validates every design unless a test says otherwise; no FASTDISTILL_* routing variable is set."""
+    validates every design unless a test says otherwise; the self-check is off (tests/test_selfcheck.py routes with
+    it); no other FASTDISTILL_* routing variable is set."""
 
     class Device:
         free = 40 * GiB
@@ -35,6 +36,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(validation, "validated_designs", lambda: ALL)
     for name in (routing.TRITON_ENV, routing.BUDGET_ENV):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FASTDISTILL_SELFCHECK", "0")
     return Device
 
 

@@ -82,7 +82,7 @@ def sparse_jsd_loss(
                                     token_weights=token_weights)
     chunk_rows = None
     if backend == "auto":
-        picked = route("sparse", ((hidden, weight),))
+        picked = route("sparse", ((hidden, weight),), k=ids.shape[1])
         backend, chunk_rows = picked.backend, picked.chunk_rows
     if backend == "triton-chunked":
         return _triton_chunked_sparse_jsd(hidden, weight, bias, ids, lps, mask, cfg, teacher_index, num_teachers,

@@ -1,15 +1,18 @@
-"""What ``backend="auto"`` runs: the fastest validated Triton design that fits the device's memory, else the torch path.
+"""What ``backend="auto"`` runs: the fastest Triton design that passed on this device and fits its memory, else torch.
 
-For CUDA tensors in a kernel dtype, with triton installed, the designs in order of speed are ``"triton-chunked"``
-(cuBLAS logits per row chunk, 6·N·D·V FLOPs, an fp32 ``(C, V)`` logits buffer, sized by the kernels' own
-``chunk_row_bytes`` / ``chunk_rows_for``) and ``"triton"`` (the fused kernels, no
-logits in memory, 8·N·D·V FLOPs). ``auto`` takes the first one that
+For CUDA tensors in a kernel dtype, with triton installed, a loss has two designs: ``"triton-chunked"`` (cuBLAS
+logits per row chunk, 6·N·D·V FLOPs, an fp32 ``(C, V)`` logits buffer, sized by the kernels' own
+``chunk_row_bytes`` / ``chunk_rows_for``) and ``"triton"`` (the fused kernels, no logits in memory, 8·N·D·V FLOPs).
+``auto`` takes the first, in the order below, that fits the memory budget (the chunked design needs a buffer of at
+least :data:`MIN_CHUNK_ROWS` rows, or all rows when fewer, within :func:`memory_budget`, and gets the largest chunk up
+to its default that fits; the fused design's workspace is bounded by its tile config, so it always fits):
 
-- has run on a real GPU as it is today (:func:`fastdistill_kernels.validation.is_validated`: its device code hashes
-  to the committed record of the last passing GPU check), or any design under ``FASTDISTILL_TRITON=1``; and
-- fits the memory budget: the chunked design needs a buffer of at least :data:`MIN_CHUNK_ROWS` rows (or all rows,
-  when fewer) within :func:`memory_budget`, and gets the largest chunk up to its default that fits; the fused
-  design's workspace is bounded (its tile config), so it always fits.
+- by default, the designs that passed :mod:`fastdistill_kernels.selfcheck` on this device (run on the first ``auto``
+  call per device key, or read from its cache; the committed record spares the check of a design it validated on
+  this compute capability), fastest first at the caller's shape class; a refused design is never picked;
+- under ``FASTDISTILL_SELFCHECK=0``, the designs the committed record validated
+  (:func:`fastdistill_kernels.validation.is_validated`), chunked first;
+- under ``FASTDISTILL_TRITON=1``, every design, chunked first, unchecked.
 
 Otherwise, and always under ``FASTDISTILL_TRITON=0``, CPU tensors or other dtypes: the torch path.
 """
@@ -24,7 +27,8 @@ import torch
 from fastdistill_kernels.validation import is_validated
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TRITON_ENV = "FASTDISTILL_TRITON"  # "1": auto may pick designs no GPU has validated; "0": auto never picks kernels
+TRITON_ENV = "FASTDISTILL_TRITON"  # "1": auto may pick any design, unchecked; "0": auto never picks kernels
+DESIGN_ORDER = ("triton-chunked", "triton")  # predicted fastest first
 BUDGET_ENV = "FASTDISTILL_AUTO_MEMORY_MIB"  # MiB auto's design may take for its buffers; default: free − margin
 MIN_CHUNK_ROWS = 1024  # below this the chunked design rereads the weight too often to stay ahead of the fused one
 MARGIN_FRACTION = 0.10  # of the device's memory, left free by auto's choice (the allocator's fragmentation, the rest)
@@ -72,13 +76,22 @@ def memory_budget(device: torch.device) -> int:
     return max(0, free_device_bytes(device) - margin)
 
 
-def kernel_designs_allowed(loss: str) -> list[str]:
-    """The Triton designs ``auto`` may pick for ``loss`` ("sparse" or "dense"), fastest first: validated ones, or all
-    under ``FASTDISTILL_TRITON=1``, none under ``FASTDISTILL_TRITON=0``."""
+def kernel_designs_allowed(loss: str, pairs=None, k: int | None = None, fitting=DESIGN_ORDER) -> list[str]:
+    """The Triton designs ``auto`` may pick for ``loss`` ("sparse" or "dense"), fastest first: with ``pairs`` (the
+    caller's CUDA tensors) and the self-check on, those that passed it on their device (the first call per process
+    runs or reads it, timing the ``fitting`` designs at the caller's shape, ``k`` candidate slots); else the
+    record's; all under ``FASTDISTILL_TRITON=1``, none under ``FASTDISTILL_TRITON=0``."""
     flag = os.environ.get(TRITON_ENV, "").strip()
     if flag == "0":
         return []
-    return [b for b in ("triton-chunked", "triton") if flag == "1" or is_validated(loss, b)]
+    if flag == "1":
+        return list(DESIGN_ORDER)
+    if pairs is not None:
+        from fastdistill_kernels import selfcheck  # the kernel package's check needs triton: on this path only
+
+        if selfcheck.enabled():
+            return selfcheck.auto_designs(loss, pairs, tuple(fitting), k)
+    return [b for b in DESIGN_ORDER if is_validated(loss, b)]
 
 
 def kernels_usable(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -94,25 +107,32 @@ def chunk_rows_within(budget: int, n_rows: int, row_bytes: int, default_rows: in
     return rows if rows >= max(1, min(n_rows, MIN_CHUNK_ROWS)) else None
 
 
-def route(loss: str, pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], chunk_rows: int | None = None) -> Route:
-    """``auto``'s choice for ``loss`` ("sparse": one ``(hidden, weight)`` pair; "dense": the student's, then the
-    teacher's). ``chunk_rows``, if given, is the caller's chunk size: the chunked design then needs that buffer."""
-    if not kernels_usable(*pairs):
+def route(loss: str, pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], chunk_rows: int | None = None,
+          k: int | None = None) -> Route:
+    """``auto``'s choice for ``loss`` ("sparse": one ``(hidden, weight)`` pair and ``k`` candidate slots per row;
+    "dense": the student's, then the teacher's). ``chunk_rows``, if given, is the caller's chunk size: the chunked
+    design then needs that buffer."""
+    if not kernels_usable(*pairs) or os.environ.get(TRITON_ENV, "").strip() == "0":
         return Route("torch")
-    designs = kernel_designs_allowed(loss)
-    if "triton-chunked" in designs:
-        row_bytes, default = _chunk_buffer(loss, pairs)
-        budget = memory_budget(pairs[0][0].device)
-        if chunk_rows is not None:
-            if chunk_rows * row_bytes <= budget:
-                return Route("triton-chunked", chunk_rows)
-        else:
-            rows = chunk_rows_within(budget, pairs[0][0].shape[0], row_bytes, default)
-            if rows is not None:
-                return Route("triton-chunked", None if rows == default else rows)
-    if "triton" in designs:
-        return Route("triton")
+    chunked = _chunked_route(loss, pairs, chunk_rows)
+    fitting = [b for b in DESIGN_ORDER if b == "triton" or chunked is not None]
+    for backend in kernel_designs_allowed(loss, pairs, k, fitting):
+        if backend == "triton":
+            return Route("triton")
+        if backend == "triton-chunked" and chunked is not None:
+            return chunked
     return Route("torch")
+
+
+def _chunked_route(loss: str, pairs, chunk_rows: int | None) -> Route | None:
+    """The chunked design's route if its buffer fits the budget (the caller's ``chunk_rows``, else the largest chunk
+    up to the kernel's default), else None."""
+    row_bytes, default = _chunk_buffer(loss, pairs)
+    budget = memory_budget(pairs[0][0].device)
+    if chunk_rows is not None:
+        return Route("triton-chunked", chunk_rows) if chunk_rows * row_bytes <= budget else None
+    rows = chunk_rows_within(budget, pairs[0][0].shape[0], row_bytes, default)
+    return None if rows is None else Route("triton-chunked", None if rows == default else rows)
 
 
 def _chunk_buffer(loss: str, pairs) -> tuple[int, int]:
