@@ -67,7 +67,7 @@ install-vllm: $(VLLM_STAMP)
 # time partitions against timeouts, so they get the machine to themselves), then the kernels under triton 3.6. A lane
 # that ARGS leaves empty passes. XDIST= runs the first lane in one process.
 XDIST ?= -n 2 --dist loadscope --no-loadscope-reorder
-CLUSTER_TESTS := tests/test_cluster.py tests/test_cluster_parts.py
+CLUSTER_TESTS := tests/test_cluster.py tests/test_cluster_parts.py tests/test_launch_ssh.py
 test: $(STAMP) $(VLLM_STAMP) $(TRITON36_STAMP) $(REHEARSAL_STAMP) $(REHEARSAL_KIT_STAMP)
 	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) FASTDISTILL_REQUIRE_VLLM=1 $(PY) -m pytest $(XDIST) \
 		$(addprefix --ignore=,$(CLUSTER_TESTS)) $(ARGS) || [ $$? -eq 5 ]
@@ -80,7 +80,8 @@ test: $(STAMP) $(VLLM_STAMP) $(TRITON36_STAMP) $(REHEARSAL_STAMP) $(REHEARSAL_KI
 test: export FASTDISTILL_REHEARSAL_PYTHON := $(abspath $(REHEARSAL_PY))
 test: export FASTDISTILL_REHEARSAL_KIT := $(abspath $(REHEARSAL_KIT))
 test: export FASTDISTILL_REQUIRE_REHEARSAL := 1
-# The multi-host tests (tests/test_cluster*.py, marker netns) need root and `ip netns`: CI fails rather than skips them.
+# The multi-host tests (tests/test_cluster*.py, tests/test_launch_ssh.py, marker netns) need root and `ip netns`, the
+# ssh one Debian's openssh-server too (.ci/run installs it): CI fails rather than skips them.
 test: export FASTDISTILL_REQUIRE_NETNS := 1
 
 $(TRITON36_STAMP): Makefile | $(STAMP)

@@ -113,6 +113,14 @@ def end_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
     process.wait()
 
 
+def say(text: str) -> None:
+    """A line on stderr, prefixed; nothing when stderr is gone (the ssh connection that carried it closed)."""
+    try:
+        print(f"fastdistill supervise: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def watch_stdin(keepalive_s: float, on_lost: Callable[[str], None]) -> threading.Thread:
     """Start a daemon thread that reads stdin and calls ``on_lost(why)`` once, when stdin reaches its end or brings
     nothing for ``keepalive_s`` seconds (the launcher writes a byte to it every ``keepalive_s / 6`` seconds)."""
@@ -168,8 +176,8 @@ def supervise(command: Sequence[str], *, env: Mapping[str, str] | None = None, g
             pending.append(signum)
 
     def lost(why: str) -> None:
-        print(f"fastdistill supervise: {why}: stopping {shlex.join(command)[:200]}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs on the main thread: the same path as a stop request
+        say(f"{why}: stopping {shlex.join(command)[:200]}")
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     die_with_parent = death_signal_setter(signal.SIGTERM)
@@ -203,8 +211,7 @@ def supervise(command: Sequence[str], *, env: Mapping[str, str] | None = None, g
         if error_file and status != 0:
             status, message = torchrun_failure(error_file, status)
             if message:
-                print(f"fastdistill supervise: torchrun's first failure (exit {status}): {message.splitlines()[0]}",
-                      file=sys.stderr, flush=True)
+                say(f"torchrun's first failure (exit {status}): {message.splitlines()[0]}")
         return status
     finally:
         for sig, handler in previous.items():
