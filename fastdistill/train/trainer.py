@@ -32,6 +32,7 @@ from torch import nn
 from fastdistill.data.batching import FixedCountBatcher, TokenBudgetBatcher
 from fastdistill.rollout import OnPolicyShare, RolloutSample
 from fastdistill.rollout.dropped import DroppedPrompt
+from fastdistill.rollout.horizon import horizon_schedule
 from fastdistill.sync import weight_sync_from_config
 from fastdistill.train import pipeline
 from fastdistill.train.checkpoint import RolloutState, export_final_model, save_checkpoint
@@ -194,8 +195,8 @@ class AsyncDistillationTrainer:
             data_identity(config, samples=self._samples, cache=self.cache, rows=self.rows) if self.dist.is_main
             else None))
         self.step, self.model_version, self.rollout_state = state.step, state.model_version, state.rollout
-        self.metrics = MetricsLogger(
         self.syncs.policy.step = self.step
+        self.metrics = MetricsLogger(
             self.output_dir, total_steps=self.max_steps, is_main=self.dist.is_main, report_to=config.report_to,
             run_name=config.run_name, config=config.to_masked_dict(), disable_progress=config.disable_tqdm,
             initial_step=self.step,
@@ -349,7 +350,9 @@ class AsyncDistillationTrainer:
             rollouts = pipeline.rollout_config(
                 config, world_size=self.dist.world_size, rollout_state=self.rollout_state,
                 total_prompts=self.total_prompts, skip_rows=skip_rows, on_policy=self.on_policy,
-                eos_ids=pipeline.eos_token_ids(self.hf_model, self.tokenizer), adapter_sync=self.syncs.adapter_sync)
+                eos_ids=pipeline.eos_token_ids(self.hf_model, self.tokenizer), adapter_sync=self.syncs.adapter_sync,
+                horizon=horizon_schedule(config, step=self.step, model_version=self.model_version,
+                                         total_steps=self.max_steps))
         self.source, self.worker = pipeline.open_source(
             config, world_size=self.dist.world_size, samples=self._samples, cache=self.cache, offline=self._offline,
             rows=self.rows, rollouts=rollouts, rollout_state=self.rollout_state, total_prompts=self.total_prompts,
