@@ -19,7 +19,8 @@ Per chunk of ``C`` rows (``C × V`` raw logits within a memory budget, :func:`ch
    fp32 sums inside each GEMM and one rounding per chunk (``fp32_accumulator=True``: an fp32 ``(V, D)`` buffer).
 
 Gradients are computed in the forward with the token weights as the per-row upstream gradient; backward only
-scales them in place by the scalar upstream gradient of the weighted sum and hands them over (as Liger's
+scales them in place by the scalar upstream gradient of the weighted sum (read on the device, no host wait:
+:func:`scale_in_place`) and hands them over (as Liger's
 fused-linear losses do): no dW-sized copy, and one backward per forward. Only the returned ``loss`` is
 differentiable: a backward through the per-row divergences (a non-scalar upstream) raises.
 Matmul FLOPs: 2·N·D·V (logits) + 4·N·D·V (dh, dW), against 8·N·D·V for the no-logits kernels (which recompute
@@ -37,7 +38,7 @@ import triton.language as tl
 from . import backward
 from .backward import gemm_into, mixed_mm_supported
 from .buckets import bucket_divergence, logit_gradients
-from .config import device_guard
+from .config import device_guard, interpreting
 from .ops import validate_loss_inputs
 
 MAX_CHUNK_ROWS = 4096  # rows per chunk at most (Liger and the issue's design: 4096-row chunks of logits)
@@ -334,9 +335,34 @@ def save_forward_grads(ctx, grads: tuple, inputs: tuple) -> None:
     ctx.forward_grads = [None if g is None or x is None else g.to(x.dtype) for g, x in zip(grads, inputs, strict=True)]
 
 
+SCALE_BLOCK = 4096  # elements per program of _scale_in_place (the interpreter takes 2**16: fewer programs)
+
+
+@triton.jit
+def _scale_in_place(G, SCALE, n, BLOCK: tl.constexpr):
+    """``G[i] = G[i] · SCALE[0]`` for i < n, in fp32, rounded once to G's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    scale = tl.load(SCALE).to(tl.float32)
+    g = tl.load(G + offs, mask=inside).to(tl.float32)
+    tl.store(G + offs, (g * scale).to(G.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
+
+
+def scale_in_place(g: torch.Tensor, scale: torch.Tensor) -> None:
+    """Multiply the contiguous ``g`` in place by the one-element tensor ``scale`` on its device, in fp32 (a
+    half-precision ``g`` is rounded once, as by a Python-float multiply), without reading ``scale`` on the host."""
+    if not g.is_contiguous():
+        raise ValueError("scale_in_place needs a contiguous tensor")
+    block = 2**16 if interpreting() else SCALE_BLOCK
+    with device_guard(g.device):
+        _scale_in_place[(triton.cdiv(g.numel(), block),)](g, scale.detach().reshape(1).float(), g.numel(),
+                                                         BLOCK=block, num_warps=8)
+
+
 def scaled_forward_grads(ctx, grad_loss: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """The gradients :func:`save_forward_grads` kept, scaled in place by the scalar loss's upstream gradient (left
-    as they are when it is 1) and handed over without a copy: a second backward through the same loss raises."""
+    """The gradients :func:`save_forward_grads` kept, scaled in place by the scalar loss's upstream gradient and
+    handed over without a copy: a second backward through the same loss raises. The upstream gradient stays on the
+    device (no host read, so no wait for the GPU per micro-batch): every gradient is scaled, 1 included."""
     grads = ctx.forward_grads
     if grads is None:
         raise RuntimeError(
@@ -345,12 +371,11 @@ def scaled_forward_grads(ctx, grad_loss: torch.Tensor | None) -> list[torch.Tens
     ctx.forward_grads = None
     if grad_loss is None:
         return [None] * len(grads)
-    scale = float(grad_loss)  # a Python float: the half-precision gradients are scaled in fp32, not by a rounded one
-    if scale != 1.0:
-        for g in grads:
-            if g is not None:
-                g.mul_(scale)
+    for g in grads:
+        if g is not None:
+            scale_in_place(g, grad_loss)
     return grads
+
 
 class ChunkedLogitsSparseJSD(torch.autograd.Function):
     """Forward: loss, metrics and (unit-upstream, token-weighted) gradients over chunks. Backward: scales the
