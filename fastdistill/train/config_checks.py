@@ -14,13 +14,13 @@ from fastdistill.errors import ConfigError
 from fastdistill.loss.opd_levers import POSITION_WEIGHTINGS
 from fastdistill.loss.policy_gradient import PG_STABILIZERS
 from fastdistill.rollout.behaviour import samples_route_problem
+from fastdistill.rollout.horizon import HORIZON_SCHEDULES
 
 LOSS_TYPES = ("jsd", "reverse_kl_pg", "reverse_kl_mc", "reverse_kl_student_topk", "topd_pg")
 # the policy-gradient family (pg_stabilizer applies) and the loss types that read student queries, with their kind
 PG_LOSS_TYPES = ("reverse_kl_pg", "reverse_kl_mc", "topd_pg")
 # the losses on the sampled token alone (its teacher log-prob and rollout log-prob): the plain and TOP-D's advantage
 SAMPLED_TOKEN_LOSS_TYPES = ("reverse_kl_pg", "topd_pg")
-HORIZON_SCHEDULES = ("fixed", "linear")
 QUERY_LOSS_TYPES = {"reverse_kl_mc": "samples", "reverse_kl_student_topk": "topk"}
 CROSS_TOKENIZER_LOSSES = ("hybrid", "uld")
 

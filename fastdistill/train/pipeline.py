@@ -28,6 +28,7 @@ from fastdistill.rollout import (
     open_clients,
 )
 from fastdistill.rollout.dropped import TOO_LONG, DroppedPrompt
+from fastdistill.rollout.horizon import HorizonSchedule
 from fastdistill.train.checkpoint import RolloutState
 from fastdistill.train.ledger import DROPPED_PROMPTS_FILE
 from fastdistill.train.source import CacheSource, ListSource, MixedSource, SynchronousSource, WorkerSource
@@ -221,9 +222,10 @@ def eos_token_ids(hf_model: Any, tokenizer: Any) -> tuple[int, ...]:
 
 def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState, total_prompts: int | None,
                    skip_rows: frozenset[int], on_policy: OnPolicyShare | None, eos_ids: tuple[int, ...],
-                   adapter_sync: bool) -> RolloutConfig:
-    """The rollout settings of a run: servers, keys and signals, sampling, lookahead, the resume cursor and its
-    skips, failure handling, and the student queries its ``loss_type`` reads."""
+                   adapter_sync: bool, horizon: HorizonSchedule | None = None) -> RolloutConfig:
+    """The rollout settings of a run: servers, keys and signals, sampling, the horizon (``horizon``: its schedule,
+    :func:`~fastdistill.rollout.horizon.horizon_schedule`; None: ``max_completion_length``), lookahead, the resume
+    cursor and its skips, failure handling, and the student queries its ``loss_type`` reads."""
     inflight = config.resolved_max_inflight_tasks(world_size)
     return RolloutConfig(
         **server_settings(config),
@@ -252,6 +254,7 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         teacher_tokenizers=getattr(config, "teacher_tokenizers", None),
         student_tokenizer=str(config.model_name_or_path) if getattr(config, "teacher_tokenizers", None) else None,
         chat_template_kwargs=config.chat_template_kwargs,
+        horizon=horizon,
     )
 
 
