@@ -40,7 +40,7 @@ from fastdistill.train.config_checks import positive as _positive
 from fastdistill.train.config_checks import validate_cross_tokenizer as _validate_cross_tokenizer
 from fastdistill.train.config_checks import value_range as _range
 
-STALE_POLICIES = ("drop", "importance")
+STALE_POLICIES = ("drop", "importance", "importance_all")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 LORA_SYNCS = ("merged", "adapter")
@@ -184,8 +184,14 @@ class AsyncDistillationConfig:
     # --- batching, staleness, weight sync
     token_budget: int | None = None
     max_staleness: int = 4
-    stale_policy: str = "drop"  # ours: "importance" keeps stale samples, weighting tokens by a clipped ratio
+    # ours: "importance" keeps samples beyond max_staleness, weighting their tokens by a clipped ratio π_θ/μ;
+    # "importance_all" keeps them too and weights every stale sample (at least one optimizer step old) so
+    stale_policy: str = "drop"
     importance_ratio_clip: float = 2.0  # ours
+    # ours: weight each stale sample by exp(-drift / freshness_scale), drift = mean |log π_θ(y) - log μ(y)| over its
+    # sampled tokens (loss/freshness.py)
+    freshness_weight: bool = False
+    freshness_scale: float = 1.0
     weight_sync_steps: int = 1
     weight_sync_backend: str = "auto"  # ours: gloo on CPU, nccl on CUDA, "none" never syncs (tests)
     verify_weight_sync: bool = False  # ours: after each sync compare served log-probs with the trainer's

@@ -83,9 +83,16 @@ def validate_opd_levers(config: Any) -> None:
 
 
 def validate_staleness(config: Any) -> None:
-    """``weight_sync_steps`` against ``max_staleness`` (both in optimizer steps, docs/train.md "Staleness"): the
+    """``freshness_weight`` and ``freshness_scale``, and ``weight_sync_steps`` against ``max_staleness`` (both in
+    optimizer steps, docs/train.md "Staleness"): the
     served weights are up to ``weight_sync_steps − 1`` steps behind the trainer's when a rollout starts, so under
     ``stale_policy='drop'`` a wider gap than ``max_staleness`` would drop, and regenerate, samples for ever."""
+    check(isinstance(config.freshness_weight, bool), "freshness_weight", config.freshness_weight, "a bool")
+    scale = config.freshness_scale
+    check(number(scale) and scale > 0, "freshness_scale", scale, "a finite number > 0 (nats of drift per e-fold)")
+    check(not (config.freshness_weight and config.teacher_cache is not None), "freshness_weight",
+          config.freshness_weight, "False with teacher_cache (a cached completion was not sampled by the student: it "
+          "has no behaviour log-prob to measure the drift from)")
     gap = config.weight_sync_steps - 1
     check(config.stale_policy != "drop" or gap <= config.max_staleness, "weight_sync_steps", config.weight_sync_steps,
           f"at most max_staleness + 1 = {config.max_staleness + 1} with stale_policy='drop' (rollouts start on "
@@ -124,6 +131,8 @@ def validate_cross_tokenizer(config: Any) -> None:
           f"'drop' {what}: the cross-tokenizer losses take no per-token importance weights")
     check(config.position_weighting == "none", "position_weighting", config.position_weighting,
           f"'none' {what}: the cross-tokenizer losses take no per-token weights")
+    check(not config.freshness_weight, "freshness_weight", config.freshness_weight,
+          f"False {what}: the cross-tokenizer losses take no per-token weights")
     check(config.loss_type != "topd_pg", "loss_type", config.loss_type,
           f"'jsd' or 'reverse_kl_pg' {what}: TOP-D's returns run over the student's tokens, the cross-tokenizer "
           "losses over aligned groups")

@@ -31,6 +31,7 @@ from fastdistill.loss import (
     sparse_jsd_loss,
 )
 from fastdistill.loss.dense import dense_teacher_jsd_loss
+from fastdistill.loss.freshness import freshness_weights
 from fastdistill.loss.opd_levers import packed_position_weights, packed_topd_advantages
 from fastdistill.train.config import AsyncDistillationConfig
 from fastdistill.train.config_checks import QUERY_LOSS_TYPES, SAMPLED_TOKEN_LOSS_TYPES
@@ -117,6 +118,7 @@ class DistillationModel(nn.Module):
         # IW-OPD position weights (gamma, or None without) and TOP-D's alpha (loss_type "topd_pg")
         self.position_gamma = config.position_weight_gamma if config.position_weighting == "iw_opd" else None
         self.topd_alpha = config.topd_alpha
+        self.freshness_scale = config.freshness_scale if config.freshness_weight else None
         self.teacher_heads: dict[int, TeacherHead] = {}
         # cross-tokenizer teachers (teacher index -> CrossTeacher: its vocabulary map's shared ids and the hybrid's
         # weights), set like teacher_heads by whoever loads the model (load_cross_teachers); plain attribute
@@ -124,11 +126,14 @@ class DistillationModel(nn.Module):
         self.cross_tokenizer_loss = config.cross_tokenizer_loss
 
     def forward(self, row: PackedRow, ids: torch.Tensor, lps: torch.Tensor, mask: torch.Tensor,
-                stale: torch.Tensor | None = None, divergence: bool = False) -> tuple[Any, dict[str, float]]:
+                stale: torch.Tensor | None = None, divergence: bool = False,
+                drifting: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
         """Loss output and importance metrics. ``stale``: (M,) bool, trained positions of samples kept beyond
-        ``max_staleness`` (``stale_policy="importance"``); their losses are weighted by the clipped ratio
-        π_θ(y)/μ(y) of the current student to the rollout policy on the sampled token (a constant, at the sampling
-        temperature: :func:`~fastdistill.loss.importance_ratios`).
+        ``max_staleness`` (``stale_policy="importance"``, or every stale one with ``"importance_all"``); their losses
+        are weighted by the clipped ratio π_θ(y)/μ(y) of the current student to the rollout policy on the sampled
+        token (a constant, at the sampling temperature: :func:`~fastdistill.loss.importance_ratios`). ``drifting``:
+        (M,) bool, positions of stale samples that take their freshness weight (``freshness_weight``,
+        :func:`~fastdistill.loss.freshness.freshness_weights`), times any other weight.
         ``divergence``: the sparse JSD whatever ``loss_type`` is (held-out evaluation)."""
         backbone, head = causal_lm_parts(self.model)
         hidden = backbone(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).last_hidden_state
@@ -136,6 +141,8 @@ class DistillationModel(nn.Module):
         weights, metrics = None, {}
         if stale is not None and bool(stale.any()):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
+        if drifting is not None and self.freshness_scale is not None and bool(drifting.any()):
+            weights, metrics = self._freshness_weights(hidden, head, row, drifting, weights, metrics)
         if self.position_gamma is not None and not divergence:
             weights, metrics = self._position_weights(hidden, head, row, weights, metrics)
         cross = cross_tokenizer_rows(row, self.cross_teachers)
@@ -295,6 +302,27 @@ class DistillationModel(nn.Module):
                                              torch.promote_types(hidden.dtype, head.weight.dtype))[:, 0]
 
     @torch.no_grad()
+    @torch.no_grad()
+    def _freshness_weights(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow, drifting: torch.Tensor,
+                           weights: torch.Tensor | None,
+                           metrics: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        """``weights`` (None: 1) times each drifting sample's freshness weight exp(−drift / ``freshness_scale``),
+        drift = mean |log π_θ(y) − log μ(y)| over its positions (π_θ at the sampling temperature, as the importance
+        ratio's), and the weights' and drifts' means over those positions."""
+        index = drifting.nonzero().squeeze(1)
+        current = sampled_token_logprobs(hidden.index_select(0, index), head.weight, row.actual_ids[index].long(),
+                                         bias=head.bias, logit_scale=self.logit_head.scale,
+                                         softcap=self.logit_head.softcap, temperature=self.sampling_temperature)
+        fresh, drift = freshness_weights(current, row.rollout_logprobs[index], row.token_sample[index],
+                                         self.freshness_scale)
+        out = torch.ones(drifting.shape[0], dtype=torch.float32, device=hidden.device)
+        out[index] = fresh.float()
+        metrics = {**metrics, "sample/freshness_weight_mean": float(fresh.mean()),
+                   "sample/freshness_weight_min": float(fresh.min()),
+                   "sample/freshness_drift_mean": float(drift.mean()),
+                   "sample/freshness_tokens_total": float(index.numel())}
+        return out if weights is None else weights * out, metrics
+
     def _position_weights(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
                           weights: torch.Tensor | None,
                           metrics: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:

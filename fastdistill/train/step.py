@@ -135,7 +135,9 @@ class TrainStep:
         fwd_bwd_started = time.perf_counter()
         for row, (ids, lps, mask), (_, ghost) in zip(rows, supports, window, strict=True):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                out, ratios = self.model(row, ids, lps, mask, self._stale_positions(row, model_version))
+                staleness = self._position_staleness(row, model_version)
+                out, ratios = self.model(row, ids, lps, mask, self._stale_positions(staleness),
+                                         drifting=staleness > 0 if self.config.freshness_weight else None)
             (out.loss * (0.0 if ghost else scale)).backward()
             if ghost:
                 continue
@@ -215,16 +217,21 @@ class TrainStep:
         dense = sum(int(row.hidden_targets(index).numel()) for index in row.teacher_hidden)
         return int(scored_positions(*support)) + dense + groups
 
-    def _stale_positions(self, row: PackedRow, model_version: int) -> torch.Tensor | None:
-        """(M,) bool: positions of samples more than ``max_staleness`` optimizer steps old (kept only under
-        ``stale_policy="importance"``), or None."""
-        if self.config.stale_policy != "importance":
-            return None
+    def _position_staleness(self, row: PackedRow, model_version: int) -> torch.Tensor:
+        """(M,) int64: the optimizer steps each trained position's sample lags the trainer's weights."""
         if self.policy is not None:
-            staleness = torch.from_numpy(self.policy.staleness_array(row.model_versions)).to(row.token_sample.device)
+            staleness = torch.from_numpy(self.policy.staleness_array(row.model_versions))
         else:
-            staleness = model_version - row.model_versions
-        return (staleness > self.config.max_staleness)[row.token_sample]
+            staleness = model_version - row.model_versions.cpu()
+        return staleness.to(row.token_sample.device)[row.token_sample]
+
+    def _stale_positions(self, staleness: torch.Tensor) -> torch.Tensor | None:
+        """(M,) bool: the positions the importance ratio weights, those more than ``max_staleness`` optimizer steps
+        old (``stale_policy="importance"``) or at least one step old (``"importance_all"``); None under ``"drop"``."""
+        policy = self.config.stale_policy
+        if policy == "drop":
+            return None
+        return staleness > (self.config.max_staleness if policy == "importance" else 0)
 
 
 def step_record(result: StepResult, teacher_ids: list[str], divergence_name: str, model_version: int,
