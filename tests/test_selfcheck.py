@@ -22,6 +22,7 @@ from fastdistill_kernels import selfcheck_cases as cases  # noqa: E402
 import fastdistill.loss.routing as routing  # noqa: E402
 
 GiB = 2**30
+REAL_TIME_DESIGN = selfcheck.time_design  # Spy replaces it; one test times for real
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -242,8 +243,8 @@ def test_the_tolerance_is_tight_enough_to_see_a_small_error():
     case = cases.REHEARSAL_CASES[0]
     x = cases.make_inputs(case, torch.device("cpu"))
     ref = cases.reference(x, interpreted=True)
-    exact = cases.Outputs(ref.divergence.float(), ref.dh.to(x.hidden.dtype), ref.dw.to(x.weight.dtype),
-                          ref.db.to(x.bias.dtype))
+    assert ref.db is None  # the case has no bias
+    exact = cases.Outputs(ref.divergence.float(), ref.dh.to(x.hidden.dtype), ref.dw.to(x.weight.dtype), None)
     assert cases.compare(exact, ref)[0] <= 1
     row = int(ref.divergence.argmax())
     worse = cases.Outputs(exact.divergence.clone(), exact.dh, exact.dw, exact.db)
@@ -260,3 +261,45 @@ def test_the_cli_refuses_an_unknown_design_name(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fastdistill_kernels.selfcheck", "--inject-fault", "sparse/nope"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "designs are" in out.stderr
+
+
+def test_the_cases_cover_both_launch_patterns_and_a_frozen_head():
+    """The kernels specialise on the bias and on whether dW is needed: the cases hold each, in both dtypes where it
+    matters, on the GPU and in the rehearsal alike (the same names)."""
+    for group in (cases.GPU_CASES, cases.REHEARSAL_CASES):
+        patterns = {(c.loss, c.dtype, c.bias, c.train_weight) for c in group}
+        assert ("sparse", "bfloat16", False, True) in patterns and ("sparse", "float32", True, True) in patterns
+        assert ("sparse", "bfloat16", False, False) in patterns
+        assert ("dense", "bfloat16", False, True) in patterns and ("dense", "float32", True, True) in patterns
+        assert any(c.k == 1 for c in group) and max(c.k for c in group) >= 48
+        assert {c.tail_mode for c in group if c.loss == "sparse"} == {"exact", "trl"}
+        assert all(c.masked > 0 for c in group)
+    assert [c.name for c in cases.GPU_CASES] == [c.name for c in cases.REHEARSAL_CASES]
+    for c in cases.GPU_CASES:  # no block size divides the unaligned shapes
+        if c.name.startswith(("unaligned", "dense-bf16")):
+            assert all(c.v % b and c.d % 32 and c.n % 32 for b in (32, 64, 128, 2048))
+
+
+def test_a_frozen_head_gets_no_weight_gradient_and_its_check_passes():
+    case = next(c for c in cases.REHEARSAL_CASES if not c.train_weight)
+    x = cases.make_inputs(case, torch.device("cpu"))
+    ref = cases.reference(x, interpreted=True)
+    out = cases.run_design(case.loss, "triton", x)
+    assert out.dw is None and ref.dw is None and out.db is None
+    assert cases.compare(out, ref)[0] <= 1
+    with_dw = cases.Outputs(out.divergence, out.dh, torch.zeros(case.v, case.d), None)
+    assert cases.compare(with_dw, ref)[1].startswith("dW: shape")
+
+
+def test_auto_under_inference_mode_and_no_grad_still_checks_and_times(monkeypatch, gpu):
+    """The first auto call may come from an evaluation under torch.inference_mode: the check and the timing still
+    run autograd (the real timing, in the interpreter)."""
+    spy = Spy(monkeypatch)
+    monkeypatch.setattr(selfcheck, "time_design", REAL_TIME_DESIGN)
+    with torch.inference_mode():
+        pairs = _pairs(n=8, d=8, v=70)
+        assert routing.route("sparse", pairs, k=2).backend in ("triton", "triton-chunked")
+    assert len(spy.checked) == 2
+    (file,) = gpu.glob("*.json")
+    times = json.loads(file.read_text())["timings"]["sparse|float32|N256|D8|V70|K2"]
+    assert set(times) == {"triton", "triton-chunked"} and all(t > 0 for t in times.values())

@@ -174,13 +174,13 @@ def check_design(loss: str, backend: str, device: torch.device, fault: cases.Fau
     for case in (cases.GPU_CASES if device.type == "cuda" else cases.REHEARSAL_CASES):
         if case.loss != loss:
             continue
-        x = cases.make_inputs(case, device)
         try:
+            x = cases.make_inputs(case, device)
             out = cases.run_design(loss, backend, x)
             if fault is not None:
                 out = fault(out)
             ratio, detail = cases.compare(out, cases.reference(x, interpreted=interpreted))
-        except Exception as exc:  # a compile or launch failure refuses the design like a wrong result
+        except Exception as exc:  # a compile or launch failure (or any other) refuses the design like a wrong result
             ratio, detail = math.inf, f"{type(exc).__name__}: {exc}"[:500]
         if on_case is not None:
             on_case(case.name, ratio, detail)
@@ -209,12 +209,18 @@ def shape_class(loss: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], k
 
 
 def timing_inputs(loss: str, pairs, k: int) -> cases.Inputs:
-    """The caller's own tensors (detached, not copied) with synthetic candidates: ``k`` distinct ids per row."""
+    """The caller's own tensors (detached, not copied; dW only if its weight requires a gradient) with synthetic
+    candidates: ``k`` distinct ids per row."""
     (h, w), *rest = pairs
     n, v = h.shape[0], w.shape[0]
     k = max(1, min(k, v))
+    train_weight = w.requires_grad
+    if h.is_inference() or w.is_inference():  # made under torch.inference_mode: autograd needs normal tensors
+        h, w = h.clone(), w.clone()
+        rest = [(ht.clone(), wt.clone()) for ht, wt in rest]
     dev = h.device
-    case = cases.Case("timing", loss, n=n, d=w.shape[1], v=v, dtype=str(h.dtype).removeprefix("torch."), k=k)
+    case = cases.Case("timing", loss, n=n, d=w.shape[1], v=v, dtype=str(h.dtype).removeprefix("torch."), k=k,
+                      bias=False, train_weight=train_weight)
     x = cases.Inputs(case, h.detach(), w.detach(), None, torch.ones(n, device=dev))
     if loss == "sparse":
         x.ids = (torch.arange(n, device=dev)[:, None] * 7 + torch.arange(k, device=dev)[None]) % v
@@ -330,7 +336,8 @@ def auto_designs(loss: str, pairs, candidates: Sequence[str] = BACKENDS, k: int 
     (h, w), *_ = pairs
     memo = (str(h.device), str(cache_dir()), loss, torch.promote_types(h.dtype, w.dtype))
     if memo not in _DECIDED:
-        _DECIDED[memo] = _agreed(lambda: decide(loss, pairs, candidates, k))
+        with torch.inference_mode(False):
+            _DECIDED[memo] = _agreed(lambda: decide(loss, pairs, candidates, k))
     return list(_DECIDED[memo].passed)
 
 

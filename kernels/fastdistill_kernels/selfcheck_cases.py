@@ -31,7 +31,9 @@ SAFETY = 8.0  # the root-sum-square rounding estimate × SAFETY: ≈ 14 σ of un
 @dataclass(frozen=True)
 class Case:
     """One check: ``loss`` ("sparse" or "dense") at ``n`` rows, hidden size ``d``, vocabulary ``v``; ``k`` candidate
-    slots per row (sparse), the teacher's ``dt`` and ``vt ≥ v`` (dense); ``masked`` rows without teacher signal."""
+    slots per row (sparse), the teacher's ``dt`` and ``vt ≥ v`` (dense); ``masked`` rows without teacher signal;
+    ``bias`` (the student's, and the dense teacher's) and ``train_weight`` (False: a frozen lm_head, no dW) pick the
+    launch pattern (the kernels specialise on both)."""
 
     name: str
     loss: str
@@ -48,6 +50,8 @@ class Case:
     softcap: float | None = None
     temperature: float = 1.0
     masked: int = 0
+    bias: bool = True
+    train_weight: bool = True
     seed: int = 0
 
     @property
@@ -58,39 +62,41 @@ class Case:
 # On a GPU: 3001, 1999, 2053 are primes and 136, 72 no multiple of 32, so no tile (rows 32–128, vocabulary 32–2048,
 # hidden 32–64) divides them; 300 / 77 rows leave a partial row block; the aligned case is the shapes users run.
 GPU_CASES = (
-    Case("unaligned-bf16", "sparse", n=300, d=136, v=3001, k=8, masked=5, seed=1),
-    Case("k1-fp32-trl-tail", "sparse", n=77, d=72, v=1999, k=1, dtype="float32", beta=1.0, tail_mode="trl",
+    Case("unaligned-bf16", "sparse", n=300, d=136, v=3001, k=8, masked=5, bias=False, seed=1),
+    Case("k1-fp32-trl-tail-bias", "sparse", n=77, d=72, v=1999, k=1, dtype="float32", beta=1.0, tail_mode="trl",
          masked=3, seed=2),
-    Case("large-k-bf16-softcap", "sparse", n=256, d=128, v=2048, k=320, beta=0.5, logit_scale=1.5, softcap=20.0,
-         temperature=0.8, masked=2, seed=3),
-    Case("dense-bf16-mixed", "dense", n=300, d=136, v=3001, dt=104, vt=3011, beta=0.5, masked=4, seed=4),
-    Case("dense-fp32-reverse", "dense", n=77, d=72, v=2053, dt=64, vt=2053, dtype="float32", beta=1.0, softcap=20.0,
-         masked=2, seed=5),
+    Case("large-k-bf16-softcap-frozen", "sparse", n=256, d=128, v=2048, k=320, beta=0.5, logit_scale=1.5,
+         softcap=20.0, temperature=0.8, masked=2, bias=False, train_weight=False, seed=3),
+    Case("dense-bf16-mixed", "dense", n=300, d=136, v=3001, dt=104, vt=3011, beta=0.5, masked=4, bias=False,
+         seed=4),
+    Case("dense-fp32-reverse-bias", "dense", n=77, d=72, v=2053, dt=64, vt=2053, dtype="float32", beta=1.0,
+         softcap=20.0, masked=2, seed=5),
 )
 # Under TRITON_INTERPRET=1 on a CPU: the same edges at shapes the interpreter runs in seconds (its tiles: 32 rows,
 # 64 vocabulary columns, hidden steps of 32).
 REHEARSAL_CASES = (
-    Case("unaligned-bf16", "sparse", n=37, d=40, v=203, k=8, masked=3, seed=1),
-    Case("k1-fp32-trl-tail", "sparse", n=19, d=32, v=131, k=1, dtype="float32", beta=1.0, tail_mode="trl",
+    Case("unaligned-bf16", "sparse", n=37, d=40, v=203, k=8, masked=3, bias=False, seed=1),
+    Case("k1-fp32-trl-tail-bias", "sparse", n=19, d=32, v=131, k=1, dtype="float32", beta=1.0, tail_mode="trl",
          masked=2, seed=2),
-    Case("large-k-bf16-softcap", "sparse", n=32, d=32, v=128, k=48, beta=0.5, logit_scale=1.5, softcap=20.0,
-         temperature=0.8, masked=2, seed=3),
-    Case("dense-bf16-mixed", "dense", n=29, d=40, v=203, dt=24, vt=211, beta=0.5, masked=3, seed=4),
-    Case("dense-fp32-reverse", "dense", n=19, d=32, v=131, dt=24, vt=131, dtype="float32", beta=1.0, softcap=20.0,
-         masked=2, seed=5),
+    Case("large-k-bf16-softcap-frozen", "sparse", n=32, d=32, v=128, k=48, beta=0.5, logit_scale=1.5,
+         softcap=20.0, temperature=0.8, masked=2, bias=False, train_weight=False, seed=3),
+    Case("dense-bf16-mixed", "dense", n=29, d=40, v=203, dt=24, vt=211, beta=0.5, masked=3, bias=False, seed=4),
+    Case("dense-fp32-reverse-bias", "dense", n=19, d=32, v=131, dt=24, vt=131, dtype="float32", beta=1.0,
+         softcap=20.0, masked=2, seed=5),
 )
 
 
 @dataclass
 class Inputs:
-    """A case's tensors on the check's device: the student's ``hidden (n, d)``, ``weight (v, d)``, ``bias (v,)``;
+    """A case's tensors on the check's device: the student's ``hidden (n, d)``, ``weight (v, d)``, ``bias (v,)`` or
+    None;
     sparse: ``ids``, ``lps``, ``valid`` ``(n, k)``; dense: the teacher's ``t_hidden``, ``t_weight``, ``t_bias``;
     ``row_weights (n,)`` (0 on the masked rows)."""
 
     case: Case
     hidden: torch.Tensor
     weight: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     row_weights: torch.Tensor
     ids: torch.Tensor | None = None
     lps: torch.Tensor | None = None
@@ -102,11 +108,12 @@ class Inputs:
 
 @dataclass
 class Outputs:
-    """What a design returns: per-row ``divergence (n,)`` and the gradients of ``Σ w·div`` (db None if absent)."""
+    """What a design returns: per-row ``divergence (n,)`` and the gradients of ``Σ w·div`` (dW None for a frozen
+    lm_head, db None without a bias)."""
 
     divergence: torch.Tensor
     dh: torch.Tensor
-    dw: torch.Tensor
+    dw: torch.Tensor | None
     db: torch.Tensor | None
 
 
@@ -124,7 +131,7 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
     row_w = 0.5 + torch.rand(case.n, generator=g, dtype=f64)
     masked = torch.randperm(case.n, generator=g)[: case.masked]
     row_w[masked] = 0.0
-    out = Inputs(case, hidden.to(dt), weight.to(dt), bias.to(dt), row_w.float())
+    out = Inputs(case, hidden.to(dt), weight.to(dt), bias.to(dt) if case.bias else None, row_w.float())
     if case.loss == "sparse":
         x = hidden.to(dt).to(f64) @ weight.to(dt).to(f64).t()  # a teacher that agrees with the student in part
         teacher = torch.log_softmax(0.8 * x + randn(case.n, case.v, scale=1.5), dim=-1)
@@ -138,7 +145,7 @@ def make_inputs(case: Case, device: torch.device) -> Inputs:
     else:
         out.t_hidden = randn(case.n, case.dt).to(dt)
         out.t_weight = randn(case.vt, case.dt, scale=2.0 / case.dt**0.5).to(dt)
-        out.t_bias = randn(case.vt, scale=0.1).to(dt)
+        out.t_bias = randn(case.vt, scale=0.1).to(dt) if case.bias else None
     for name in ("hidden", "weight", "bias", "row_weights", "ids", "lps", "valid", "t_hidden", "t_weight", "t_bias"):
         if getattr(out, name) is not None:
             setattr(out, name, getattr(out, name).to(device))
@@ -152,7 +159,7 @@ def run_design(loss: str, backend: str, x: Inputs, *, chunk_rows: int | None = N
     """Forward and backward of one design on ``x``: the per-row divergence and the gradients of ``Σ w·div``."""
     c = x.case
     h = x.hidden.detach().requires_grad_(True)
-    w = x.weight.detach().requires_grad_(True)
+    w = x.weight.detach().requires_grad_(c.train_weight)
     b = x.bias.detach().requires_grad_(True) if x.bias is not None else None
     with torch.enable_grad(), torch.autocast(h.device.type, enabled=False):
         if loss == "sparse":
@@ -177,7 +184,7 @@ def run_design(loss: str, backend: str, x: Inputs, *, chunk_rows: int | None = N
                                                 chunk_rows=chunk_rows)
                 div = out.divergence
                 out.loss.backward()
-    return Outputs(div.detach().float(), h.grad, w.grad, None if b is None else b.grad)
+    return Outputs(div.detach().float(), h.grad, w.grad if c.train_weight else None, None if b is None else b.grad)
 
 
 # ----------------------------------------------------------------------------------------------- the reference
@@ -190,8 +197,8 @@ class Reference:
 
     divergence: torch.Tensor
     dh: torch.Tensor
-    dw: torch.Tensor
-    db: torch.Tensor
+    dw: torch.Tensor | None
+    db: torch.Tensor | None
     tol_divergence: torch.Tensor
     tol_dh: torch.Tensor
     tol_dw: torch.Tensor
@@ -283,15 +290,16 @@ def reference(x: Inputs, *, interpreted: bool = False) -> Reference:
     """
     c = x.case
     f64 = torch.float64
-    h, w, b = x.hidden.to(f64), x.weight.to(f64), x.bias.to(f64)
-    xr = (h @ w.t() + b).requires_grad_(True)
+    h, w = x.hidden.to(f64), x.weight.to(f64)
+    xr = h @ w.t()
+    xr = (xr if x.bias is None else xr + x.bias.to(f64)).requires_grad_(True)
     z = _final(xr, c)
     if c.loss == "sparse":
         div, q = _sparse_rows(z, x)
         mm_scale = h.abs() @ w.abs().t()
     else:
-        ht, wt, bt = x.t_hidden.to(f64), x.t_weight.to(f64), x.t_bias.to(f64)
-        zt = _final(ht @ wt.t() + bt, c)
+        ht, wt = x.t_hidden.to(f64), x.t_weight.to(f64)
+        zt = _final(ht @ wt.t() + (0.0 if x.t_bias is None else x.t_bias.to(f64)), c)
         div, q = _dense_rows(z, zt, c.beta)
         mm_scale = torch.maximum((h.abs() @ w.abs().t()).amax(dim=1), (ht.abs() @ wt.abs().t()).amax(dim=1))[:, None]
         mm_scale = mm_scale * (max(c.d, c.dt) / c.d)  # the teacher's sums are dt long
@@ -319,7 +327,8 @@ def reference(x: Inputs, *, interpreted: bool = False) -> Reference:
 
         l1 = (dx1.abs() / dzdx.clamp_min(1e-300) + p + q).sum(dim=1)
         tol_div = SAFETY * (dz * l1 + U32 * (c.v + z.abs().amax(dim=1)))
-        return Reference(div.detach(), dh, dw, db, tol_div,
+        return Reference(div.detach(), dh, dw if c.train_weight else None, db if x.bias is not None else None,
+                         tol_div,
                          tol(grad_scale @ w.square(), prob_scale @ w.square(), dh),
                          tol(grad_scale.t() @ h.square(), prob_scale.t() @ h.square(), dw),
                          tol(grad_scale.sum(dim=0), prob_scale.sum(dim=0), db))
@@ -335,8 +344,11 @@ def compare(got: Outputs, ref: Reference) -> tuple[float, str]:
     for name, g, r, tol in (("divergence", got.divergence, ref.divergence, ref.tol_divergence),
                             ("dh", got.dh, ref.dh, ref.tol_dh), ("dW", got.dw, ref.dw, ref.tol_dw),
                             ("db", got.db, ref.db, ref.tol_db)):
-        if g is None or tuple(g.shape) != tuple(r.shape):
-            return math.inf, f"{name}: shape {None if g is None else tuple(g.shape)}, expected {tuple(r.shape)}"
+        if g is None and r is None:
+            continue
+        if g is None or r is None or tuple(g.shape) != tuple(r.shape):
+            shape = None if g is None else tuple(g.shape)
+            return math.inf, f"{name}: shape {shape}, expected {None if r is None else tuple(r.shape)}"
         g = g.detach().to(torch.float64)
         if not bool(torch.isfinite(g).all()):
             bad = (~torch.isfinite(g)).nonzero()[0].tolist()
@@ -360,6 +372,8 @@ Fault = Callable[[Outputs], Outputs]
 def drop_vocabulary_tail(out: Outputs) -> Outputs:
     """A deliberately broken design (the rehearsal's failing path): dW's last partial vocabulary tile left at 0, as
     a kernel that mishandles a vocabulary that is no multiple of its block would."""
+    if out.dw is None:
+        return out
     v = out.dw.shape[0]
     dw = out.dw.clone()
     dw[v - (v % 64 or 64):] = 0
