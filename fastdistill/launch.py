@@ -64,7 +64,7 @@ class TrainerNode:
 
 @dataclass
 class Cluster:
-    """A parsed launcher config (see the module docstring)."""
+    """A parsed launcher config (its fields: ``docs/multinode.md``, "The launcher's config")."""
 
     student: Endpoint
     student_model: str

@@ -165,6 +165,8 @@ def test_an_argv_prefix_passes_the_command_as_it_is(tmp_path):
     cluster = launcher.Cluster.from_yaml(path)
     _, command = cluster.server_commands()["student"]
     assert command[:4] == ["srun", "-w", "gpu-node-3", "env"] and "serve-student" in command
+    # under the host's supervisor, without the ssh keep-alive (srun relays stop signals itself)
+    assert command[command.index("supervise") + 1:command.index("--")] == ["--grace-s", "15"]
     with pytest.raises(ConfigError, match="student needs"):
         path.write_text(text.replace("  port: 8000\n", "", 1))
         launcher.Cluster.from_yaml(path)
@@ -531,6 +533,7 @@ def test_fastdistill_launch_runs_a_cluster_config_and_exits_with_the_nodes_statu
     ({"key_files": {"student": "s.key"}}, "key_files names a 'student' and a 'teacher' file"),
     ({"trainers": [{"host": "n0"}]}, "trainer 0 needs ['address']"),
     ({"trainers": []}, "trainers: at least one trainer node"),
+    ({"keepalive_s": 0}, "keepalive_s must be a number of seconds > 0 (or null: off), not 0"),
 ])
 def test_fastdistill_launch_refuses_a_bad_config_by_name(tmp_path, capsys, fields, message):
     with pytest.raises(SystemExit) as exit_info:
