@@ -132,3 +132,44 @@ def test_raw_logits_are_fp32_products_of_the_half_precision_operands(monkeypatch
         out = torch.full((N, V), float("nan"))
         logits_chunk._raw_logits(h, w, out)
         assert ((out.double() - exact).abs() <= D * 2.0**-24 * scale).all(), block
+
+
+@pytest.mark.parametrize("start", [True, False, (False, False)])
+def test_half_precision_output_gemms_combine_split_k_partials_in_fp32(monkeypatch, start):
+    """A half-precision-output cuBLAS GEMM of the kernels' host code (dh and dW of the chunked designs, dW of the
+    deterministic backward) runs with torch's reduced-precision split-K reductions off, and the flags (their split-K
+    setting included) come back as they were, after an error too. A meta tensor takes the non-CPU branch."""
+    from fastdistill_kernels import backward
+
+    flags = torch.backends.cuda.matmul
+
+    def state():
+        return [(getattr(flags, n), getattr(flags, n + "_split_k", None)) for n in backward.REDUCTION_FLAGS]
+
+    seen = []
+
+    def record(name, real):
+        def call(*args, **kw):
+            seen.append((name, *(getattr(flags, n) for n in backward.REDUCTION_FLAGS)))
+            return real(*args, **kw)
+        return call
+
+    monkeypatch.setattr(torch, "mm", record("mm", torch.mm))
+    monkeypatch.setattr(torch.Tensor, "addmm_", record("addmm_", torch.Tensor.addmm_))
+    a, b = (torch.empty(*shape, device="meta", dtype=torch.bfloat16) for shape in ((5, 7), (7, 3)))
+    out = torch.empty(5, 3, device="meta", dtype=torch.bfloat16)
+    original = state()
+    try:
+        flags.allow_bf16_reduced_precision_reduction = start
+        before = state()
+        backward.gemm_into(out, a, b, accumulate=False)
+        backward.gemm_into(out, a, b, accumulate=True)
+        assert [name for name, *_ in seen if name == "addmm_"] == ["addmm_"] and seen[0][0] == "mm"
+        assert all(tuple(flags_seen) == (False, False) for _, *flags_seen in seen)  # (meta's addmm_ calls mm too)
+        assert state() == before
+        with pytest.raises(RuntimeError, match="boom"), backward.fp32_split_k():
+            raise RuntimeError("boom")
+        assert state() == before
+    finally:
+        for name, value in zip(backward.REDUCTION_FLAGS, original, strict=True):
+            setattr(flags, name, value)

@@ -28,6 +28,7 @@ are dense whatever it holds: the filter adds its bounded error there and saves n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -248,21 +249,49 @@ def tiled_backward(hidden, weight, launch, *, mode: str, need_dh: bool, need_dw:
 
 def gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """``out = a @ b`` (``accumulate``: ``out += a @ b``) with fp32 sums and one rounding to ``out``'s dtype per
-    call: a half-precision ``out`` takes the GEMM in its own dtype (cuBLAS accumulates in fp32 and adds ``out`` in
-    fp32), emulated on CPU by fp32 GEMMs of upcast blocks; an fp32 ``out`` goes through :func:`addmm_fp32`."""
+    call: a half-precision ``out`` takes the GEMM in its own dtype (cuBLAS accumulates in fp32, split-K partial sums
+    included (:func:`fp32_split_k`), and adds ``out`` in fp32), emulated on CPU by fp32 GEMMs of upcast blocks; an
+    fp32 ``out`` goes through :func:`addmm_fp32`."""
     if out.dtype == torch.float32:
         if not accumulate:
             out.zero_()
         addmm_fp32(out, a, b)
     elif out.device.type != "cpu":
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
+        with fp32_split_k():
+            if accumulate:
+                out.addmm_(a, b)
+            else:
+                torch.mm(a, b, out=out)
     else:
         if not accumulate:
             out.zero_()
         addmm_upcast(out, a, b, UPCAST_BLOCK_ELEMS)
+
+
+REDUCTION_FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
+
+@contextlib.contextmanager
+def fp32_split_k():
+    """Within the block, cuBLAS combines the split-K partial sums of a half-precision-output GEMM in fp32, as the
+    precision policy asks (docs/loss.md): torch lets it combine them in the output's half precision by default
+    (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` / ``..._fp16_...``, True), one more
+    rounding per split. Both flags are switched off and restored after, their split-K setting included where torch
+    has it (≥ 2.10). The flags are process-wide: a GEMM another thread launches meanwhile also sums in fp32."""
+    flags = torch.backends.cuda.matmul
+    saved = []
+    for name in REDUCTION_FLAGS:
+        try:
+            saved.append((name, (getattr(flags, name), getattr(flags, name + "_split_k"))))
+        except AttributeError:  # torch < 2.10: one bool
+            saved.append((name, getattr(flags, name)))
+    try:
+        for name in REDUCTION_FLAGS:
+            setattr(flags, name, False)
+        yield
+    finally:
+        for name, value in saved:
+            setattr(flags, name, value)
 
 
 # fp32 elements of one upcast block of the GEMM fallback (64 MiB): bounds its extra memory whatever the shapes.
