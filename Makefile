@@ -125,7 +125,8 @@ bench-loss:
 	$(PY) benchmarks/bench_loss.py $(ARGS)
 
 bench-e2e: $(STAMP) $(VLLM_STAMP)
-	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) benchmarks/bench_e2e.py --repeats 5 --json benchmarks/results/e2e.json $(ARGS)
+	FASTDISTILL_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) benchmarks/bench_e2e.py --tasks short long --repeats 5 \
+		--json benchmarks/results/e2e.json $(ARGS)
 
 lint:
 	$(MAKE) EXTRAS=dev install
