@@ -23,6 +23,8 @@ Steps, in order of value, each in its own process group with its own limit (:dat
                       against TRL, Liger and CCE (the dense-teacher rows ours-dense and ours-dense-chunked beside
                       Liger), each behind its correctness gate; the three bare GEMMs and both ceilings of the
                       prediction (matmul rate, copy bandwidth) measured in the same run; 10 repeats after 5 warm-ups.
+  self-check          ``python -m fastdistill_kernels.selfcheck`` from a cold cache: each design against the float64
+                      reference on the edge cases, the passing ones timed; its wall time is the first-use cost.
   bench-16384         the same at N=16384, K=8 and K=64, without TRL (1.8 s a call) and the fused-backward variants
                       (measured at 4096); Liger, CCE and the dense rows measured once per distribution. The
                       benchmark rewrites its JSON after each configuration: a step cut short keeps its rows.
@@ -107,7 +109,7 @@ BENCH_STEPS = {
 }
 PACKAGES = ("triton", "trl==1.16.0", "liger-kernel>=0.8.5", "cut-cross-entropy>=25.1.1", "packaging", "pytest")
 # Per-step time limits (seconds), in the order the steps run (by value); the global budget cuts them further.
-STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150,
+STEP_LIMITS = {"environment": 20, "install": 240, "kernel-tests": 180, "bench-4096": 150, "self-check": 90,
                "bench-16384": 180, "train-step": 180, "packed-attention": 45, "vllm-sync": 120}
 KIT_INSTALL_LIMIT_S = 60  # unpacking ~3 MiB of wheels and an import probe, instead of building a venv
 STEPS = tuple(STEP_LIMITS)
@@ -461,6 +463,22 @@ def step_train(ctx: Context, timeout_s: float) -> dict:
             "shapes": data.get("shapes"), **res}
 
 
+def step_selfcheck(ctx: Context, timeout_s: float) -> dict:
+    """``python -m fastdistill_kernels.selfcheck``: what ``backend="auto"`` runs on a user's first call, from a cold
+    cache folder of its own (dry run: the interpreter rehearsal). Passes when every design passed; its verdicts,
+    worst error / tolerance, times and wall time (the check's cost, compiles included) go into the JSON."""
+    out = ctx.workdir / "selfcheck.json"
+    cache = ctx.workdir / "selfcheck-cache"
+    extra = {"FASTDISTILL_SELFCHECK_DIR": str(cache)} | ({"TRITON_INTERPRET": "1"} if ctx.args.dry_run else {})
+    res = run_command([ctx.python, "-m", "fastdistill_kernels.selfcheck", "--json", str(out)], timeout_s,
+                      env=ctx.env(**extra))
+    data = json.loads(out.read_text()) if out.exists() else {}
+    designs = data.get("designs", {})
+    ok = res["rc"] == 0 and bool(designs) and all(d["passed"] for d in designs.values())
+    return {"status": "ok" if ok else ("timeout" if res["timed_out"] else "failed"), "designs": designs,
+            "key": data.get("key"), "wall_s": data.get("wall_s"), **res}
+
+
 def run_step(ctx: Context, name: str) -> dict:
     """Dispatch step ``name`` within what is left of the budget."""
     timeout_s = step_timeout(name, ctx.time_left(), ctx.args.dry_run, kit=ctx.args.kit is not None)
@@ -478,6 +496,8 @@ def run_step(ctx: Context, name: str) -> dict:
         return step_bench(ctx, name, timeout_s)
     if name == "train-step":
         return step_train(ctx, timeout_s)
+    if name == "self-check":
+        return step_selfcheck(ctx, timeout_s)
     return step_worker(ctx, name, timeout_s)
 
 
