@@ -53,8 +53,8 @@ numbers only, and the dry run runs on any tree; the JSON records the state (``so
 Steps that do not fit the remaining budget are recorded as skipped, and so are steps that need what the kit cannot
 carry (flash-attn, vLLM), with the reason. The JSON (``--json``) is rewritten after every step, so a run cut short
 still leaves what it measured. Exit status 0 when every step that ran passed. At the end it prints the verdict
-(``benchmarks/gpu_results.py``): the exact line that flips ``KERNELS_VALIDATED_ON_GPU`` when every compiled
-correctness gate passed on a real GPU, else why not, and the RESULTS.md section to paste (``--results`` pastes it).
+(``benchmarks/gpu_results.py``): the validation record of this run when every compiled correctness gate passed on a
+real GPU from a committed tree, else why not, and the RESULTS.md section to paste (``--results`` pastes it).
 
 ``--dry-run`` runs on a CPU what it can, so that the script cannot rot: argument parsing, the install (with
 ``--kit``: the real kit install and import probe; without: the plan, printed, not run), a few CPU kernel tests under

@@ -276,10 +276,13 @@ def markdown_section(results: dict) -> str:
 
 
 def predicted_table(rows: list[dict]) -> str:
-    """Markdown of ``roofline.predicted_rows``: predicted ms, × the predicted floor, MFU, peak memory."""
-    lines = ["| head | impl | predicted ms | × floor | MFU: rate / 989 | peak MiB |", "|---|---|---:|---:|---:|---:|"]
+    """Markdown of ``roofline.predicted_rows``: predicted ms and × the predicted floor, raw and calibrated by the
+    H200's factors (rows of older records have no calibrated fields: –), MFU, peak memory."""
+    lines = ["| head | impl | predicted ms: raw / calibrated | × floor: raw / calibrated | MFU: rate / 989 | "
+             "peak MiB |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['head']} | {r['impl']} | {r['ms']:.1f} | {r['x_floor']:.2f} | "
+        lines.append(f"| {r['head']} | {r['impl']} | {r['ms']:.1f} / {_num(r.get('ms_calibrated'), '.1f')} | "
+                     f"{r['x_floor']:.2f} / {_num(r.get('x_floor_calibrated'), '.2f')} | "
                      f"{100 * r['mfu_measured_rate']:.0f}% / {100 * r['mfu_datasheet']:.0f}% | {r['peak_mib']:,.0f} |")
     return "\n".join(lines)
 

@@ -15,14 +15,22 @@ dtype), W32 = V·D·4, H = N·D·e, H32 = N·D·4, and a logits chunk of C rows 
 - Memory: the named buffers alive at the peak (forward or backward, whichever is larger), beyond the inputs,
   gradients included; :func:`memory_lines` prints the arithmetic.
 
-The designs are those of the kernels as committed (``ours-*``, ``torch``), plus the 17cb676 chunked design (its
-H200 measurement calibrates the model), the three bare GEMMs (the floor) and Cut Cross-Entropy.
+The designs are those of the kernels as committed (``ours-*``, ``torch``), plus the 17cb676 designs the H200
+measured, the three bare GEMMs (the floor) and Cut Cross-Entropy. The current designs' chunk rows, row blocks and
+tiles come from the kernels' and the torch path's own functions (:func:`kernel_code`), so the model cannot drift from
+them. Every prediction is printed twice: raw, and **calibrated** by the factor measured ÷ predicted of its design's
+17cb676 counterpart on the H200 (:data:`H200_MEASURED`, :func:`calibration_factor`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 
 DATASHEET_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 tensor-core peak (vendor datasheet)
 MiB = 2**20
@@ -45,6 +53,29 @@ class Rates:
 H200_RECORDED = Rates(matmul_flops=756e12, copy_bytes=4.8e12, matmul_fp32_flops=67e12,
                       source="H200 recorded 2026-12-04: bf16 torch.mm 756 TFLOP/s measured (mean of 737, 775); "
                              "copy 4.8 TB/s and fp32 67 TFLOP/s from the datasheet (not measured)")
+
+
+@functools.cache
+def kernel_code() -> SimpleNamespace:
+    """The host functions whose sizing the model uses: the kernels' ``config``, ``backward``, ``logits_chunk`` and
+    ``dense_chunk`` modules and the torch path's ``fastdistill.loss.chunked``. Imported on first use: they need torch
+    and triton, which the GPU check's bootstrap interpreter (it imports :mod:`gpu_results`, hence this module) lacks;
+    this checkout's ``kernels/`` and root serve where the packages are not installed."""
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "kernels", root):
+        if str(path) not in sys.path:
+            sys.path.append(str(path))
+    names = {"config": "fastdistill_kernels.config", "backward": "fastdistill_kernels.backward",
+             "logits_chunk": "fastdistill_kernels.logits_chunk", "dense_chunk": "fastdistill_kernels.dense_chunk",
+             "torch_path": "fastdistill.loss.chunked", "torch": "torch"}
+    return SimpleNamespace(**{k: importlib.import_module(v) for k, v in names.items()})
+
+
+def tile_config(dense_teacher: bool = False):
+    """The kernels' GPU tiles for half-precision operands: ``TileConfig()`` (the sparse fused kernels), or the dense
+    fused kernels' sm_90 tiles (``config.DENSE_TILES``)."""
+    config = kernel_code().config
+    return config.DENSE_TILES[(True, False)] if dense_teacher else config.TileConfig()
 
 
 @dataclass(frozen=True)
@@ -119,11 +150,15 @@ def bare_gemms(s: Shape, dense_teacher: bool = False) -> Cost:
 
 
 # ------------------------------------------------------------------------------------------ chunked logits designs
-CHUNK_ROWS_MAX, CHUNK_BYTES = 4096, 2**31  # logits_chunk.MAX_CHUNK_ROWS / DEFAULT_CHUNK_BYTES
+# The 17cb676 chunked design's sizing (that commit's logits_chunk.MAX_CHUNK_ROWS / DEFAULT_CHUNK_BYTES: a buffer in
+# the operand dtype within 2 GiB); a past commit's constants, kept to model what the H200 measured.
+CHUNK_ROWS_MAX_17CB676, CHUNK_BYTES_17CB676 = 4096, 2**31
 
 
-def chunk_rows(s: Shape, elem: int, chunk_bytes: int = CHUNK_BYTES, max_rows: int = CHUNK_ROWS_MAX) -> int:
-    """Rows per chunk: ≤ ``max_rows``, ≤ N, the (C, V) buffer of ``elem``-byte elements within ``chunk_bytes``."""
+def chunk_rows(s: Shape, elem: int, chunk_bytes: int = CHUNK_BYTES_17CB676,
+               max_rows: int = CHUNK_ROWS_MAX_17CB676) -> int:
+    """Rows per chunk of the 17cb676 chunked design: ≤ ``max_rows``, ≤ N, the (C, V) buffer of ``elem``-byte
+    elements within ``chunk_bytes``."""
     return max(1, min(max_rows, s.N, chunk_bytes // (s.V * elem)))
 
 
@@ -151,14 +186,22 @@ def chunked_17cb676(s: Shape, dense_teacher: bool = False) -> Cost:
     return Cost(name, flops, flops, passes + dw_bytes + backward, memory, note=f"C={C}, {chunks} chunks")
 
 
-FP32_CHUNK_BYTES = 960 * 2**20  # logits_chunk.DEFAULT_CHUNK_BYTES now: the fp32 raw-logits buffer(s) of a chunk
+def fp32_chunk_row_bytes(s: Shape, dense_teacher: bool = False) -> int:
+    """Bytes per row of the chunked design's fp32 raw-logits buffer(s) (``logits_chunk.chunk_row_bytes``, both
+    sides' for a dense teacher: ``dense_chunk.dense_chunk_row_bytes``)."""
+    k = kernel_code()
+    if dense_teacher:
+        return k.dense_chunk.dense_chunk_row_bytes(s.V, s.teacher[1])
+    return k.logits_chunk.chunk_row_bytes(s.V)
 
 
 def fp32_chunk_rows(s: Shape, dense_teacher: bool = False) -> int:
-    """Rows per chunk of the chunked design now: ≤ 4096, ≤ N, its fp32 logits (both sides' for a dense teacher)
-    within :data:`FP32_CHUNK_BYTES` (as ``logits_chunk.chunk_rows_for`` / ``dense_chunk.dense_chunk_rows_for``)."""
-    row_bytes = 4 * (s.V + (s.teacher[1] if dense_teacher else 0))
-    return max(1, min(CHUNK_ROWS_MAX, s.N, FP32_CHUNK_BYTES // row_bytes))
+    """Rows per chunk of the chunked design now: ``logits_chunk.chunk_rows_for`` (dense teacher:
+    ``dense_chunk.dense_chunk_rows_for``) at the default chunk bytes."""
+    k = kernel_code()
+    if dense_teacher:
+        return k.dense_chunk.dense_chunk_rows_for(s.N, s.V, s.teacher[1])
+    return k.logits_chunk.chunk_rows_for(s.N, s.V)
 
 
 def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
@@ -169,7 +212,7 @@ def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
     dtype (fp32 sums inside the GEMM: its read + write of dW for every chunk after the first). No fp32 (V, D)
     buffer; the backward hands the gradients over (an upstream gradient of 1 costs no pass)."""
     W, _, H, _ = _sizes(s)
-    row_bytes = 4 * (s.V + (s.teacher[1] if dense_teacher else 0))
+    row_bytes = fp32_chunk_row_bytes(s, dense_teacher)
     C = fp32_chunk_rows(s, dense_teacher)
     chunks = math.ceil(s.N / C)
     passes = 2 * s.N * row_bytes + s.N * s.V * s.elem_bytes  # two fp32 reads of the chunk(s), dL/dx written
@@ -182,22 +225,16 @@ def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
 
 
 # --------------------------------------------------------------------------------------------- no-logits designs
-BLOCK_ROWS, BLOCK_VOCAB, WORKSPACE_BYTES = 128, 128, 2**27  # config.TileConfig (GPU, half precision)
-WORKSPACE_BYTES_17CB676 = 2**28
-DENSE_BLOCK_VOCAB = 64  # config.DENSE_TILES on sm_90, half precision (the dense-teacher fused kernels)
+WORKSPACE_BYTES_17CB676 = 2**28  # that commit's TileConfig.workspace_bytes
 
 
-def deterministic_blocks(s: Shape, block_vocab: int = BLOCK_VOCAB) -> tuple[int, int]:
-    """``(rows per row block, vocabulary columns per chunk)`` of the deterministic backward (as
-    ``backward.deterministic_blocks``): a row block's fp32 dh accumulator takes at most half of the workspace
-    budget, its (rows, chunk) dL/dx workspace the rest."""
-    per_row = 4 * s.D
-    most = max(BLOCK_ROWS, (WORKSPACE_BYTES // 2) // per_row // BLOCK_ROWS * BLOCK_ROWS)
-    n_blocks = math.ceil(s.N / most)
-    rows = min(s.N, math.ceil(math.ceil(s.N / n_blocks) / BLOCK_ROWS) * BLOCK_ROWS)
-    tiles = math.ceil(s.V / block_vocab)
-    chunk_tiles = max(1, min(tiles, (WORKSPACE_BYTES - rows * per_row) // (rows * block_vocab * s.elem_bytes)))
-    return rows, chunk_tiles * block_vocab
+def deterministic_blocks(s: Shape, dense_teacher: bool = False) -> tuple[int, int]:
+    """``(rows per row block, vocabulary columns per chunk)`` of the deterministic backward: the kernels' own
+    ``backward.deterministic_blocks`` with their GPU tiles (:func:`tile_config`)."""
+    cfg = tile_config(dense_teacher)
+    rows, tiles = kernel_code().backward.deterministic_blocks(cfg, s.N, s.D, math.ceil(s.V / cfg.block_vocab),
+                                                              s.elem_bytes)
+    return rows, tiles * cfg.block_vocab
 
 
 def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False) -> Cost:
@@ -211,7 +248,7 @@ def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False
     d_t, v_t = s.teacher
     flops = 8.0 * s.N * s.D * s.V + (4.0 * s.N * d_t * v_t if dense_teacher else 0.0)
     if mode == "deterministic":
-        rows, cols = deterministic_blocks(s, DENSE_BLOCK_VOCAB if dense_teacher else BLOCK_VOCAB)
+        rows, cols = deterministic_blocks(s, dense_teacher)
         n_blocks, vchunks = math.ceil(s.N / rows), math.ceil(s.V / cols)
         one_chunk = vchunks == 1
         dh_bytes = 0 if one_chunk else H32 + vchunks * 2 * H32 + (H32 + H)  # zero, read + write per chunk, round
@@ -221,7 +258,8 @@ def no_logits(s: Shape, mode: str = "deterministic", dense_teacher: bool = False
             memory["fp32 dh block"] = rows * s.D * 4
         note = f"{n_blocks} row blocks × {vchunks} vocabulary chunks"
     else:
-        row_blocks, tiles = math.ceil(s.N / BLOCK_ROWS), math.ceil(s.V / BLOCK_VOCAB)
+        cfg = tile_config(dense_teacher)
+        row_blocks, tiles = math.ceil(s.N / cfg.block_rows), math.ceil(s.V / cfg.block_vocab)
         # zero fills, the atomics' read-modify-writes of dW and dh, the casts
         work = (W32 + H32) + row_blocks * 2 * W32 + tiles * 2 * H32 + (W32 + W) + (H32 + H)
         memory, note = {"fp32 dW": W32, "fp32 dh": H32, "dW": W, "dh": H}, "fp32 atomics"
@@ -235,7 +273,8 @@ def no_logits_17cb676(s: Shape, dense_teacher: bool = False) -> Cost:
     end."""
     W, W32, H, H32 = _sizes(s)
     d_t, v_t = s.teacher
-    cols = max(BLOCK_VOCAB, WORKSPACE_BYTES_17CB676 // (s.N * s.elem_bytes) // BLOCK_VOCAB * BLOCK_VOCAB)
+    bv = 128  # that commit's block_vocab (as today's)
+    cols = max(bv, WORKSPACE_BYTES_17CB676 // (s.N * s.elem_bytes) // bv * bv)
     vchunks = math.ceil(s.V / cols)
     work = s.N * s.V * s.elem_bytes + vchunks * 2 * H32 + (W32 + H32) + (W32 + W) + (H32 + H)
     memory = {"fp32 dW": W32, "fp32 dh": H32, "dW": W, "dh": H}
@@ -245,30 +284,37 @@ def no_logits_17cb676(s: Shape, dense_teacher: bool = False) -> Cost:
 
 
 # ------------------------------------------------------------------------------------------------- torch path
-TORCH_TILE_BYTES, TORCH_MAX_ROWS = 2**30, 4096  # fastdistill.loss.chunked.GPU_TILE_BYTES / GPU_MAX_CHUNK_ROWS
-TORCH_SCRATCH_BYTES = 2**27  # fastdistill.loss.chunked.GPU_SCRATCH_BYTES
+def torch_chunk_rows(s: Shape) -> tuple[int, int]:
+    """``(rows per chunk, rows of the scratch block)`` of the torch path on a GPU for an fp32 logits tile:
+    ``fastdistill.loss.chunked.default_chunk_rows`` (≤ N) and ``scratch_rows``."""
+    k = kernel_code()
+    fp32 = k.torch.float32
+    return (min(s.N, k.torch_path.default_chunk_rows(s.V, fp32, on_gpu=True)),
+            k.torch_path.scratch_rows(s.V, fp32, on_gpu=True))
+
+
 # Elementwise bytes per logit of a chunk, read off fastdistill.loss.chunked (fp32 tile): amax 4; per scratch block
-# sub 8, exp 8, sum 4, bmm 8; the dL/dz scale 8; the split into bf16 hi + lo (copy 6, subtract 10, copy 6) 22.
-TORCH_BYTES_PER_LOGIT = 62
+# sub 8, exp 8, sum 4, bmm 8; dL/dz scaled and rounded once to bf16 in one pass (fp32 read 4, bf16 write 2).
+TORCH_BYTES_PER_LOGIT = 38
 
 
 def torch_path(s: Shape) -> Cost:
-    """fastdistill's torch path on a GPU (bf16 inputs): per chunk of c ≤ 4096 rows a 1 GiB fp32 logits tile from a
-    bf16 GEMM with fp32 output, elementwise passes over it (:data:`TORCH_BYTES_PER_LOGIT`), dL/dz split into two
-    bf16 terms, each through the dh and dW GEMMs (10·N·D·V in all), fp32 dh and dW (dW: read + write for each
-    accumulating GEMM); the backward multiplies the saved fp32 gradients by the upstream gradient and casts them."""
+    """fastdistill's torch path on a GPU (bf16 inputs): per chunk of c rows (:func:`torch_chunk_rows`) an fp32
+    logits tile from a bf16 GEMM with fp32 output, elementwise passes over it (:data:`TORCH_BYTES_PER_LOGIT`),
+    dL/dz rounded once to bf16 through the dh and dW GEMMs (6·N·D·V in all, fp32 sums), fp32 dh and dW (dW written
+    by the first chunk, read and written by the others); the backward multiplies the saved fp32 gradients by the
+    upstream gradient and casts them."""
     W, W32, H, H32 = _sizes(s)
-    c = max(1, min(TORCH_MAX_ROWS, s.N, TORCH_TILE_BYTES // (s.V * 4)))
+    c, scratch = torch_chunk_rows(s)
     chunks = math.ceil(s.N / c)
     backward = (3 * W32 + W) + (3 * H32 + H)  # g·saved (read, write), the cast (read, write)
-    work = s.N * s.V * TORCH_BYTES_PER_LOGIT + 2 * H32 + (2 * chunks - 1) * 2 * W32 + backward
+    work = s.N * s.V * TORCH_BYTES_PER_LOGIT + H32 + (2 * chunks - 1) * W32 + backward
     tile = c * s.V * 4
     forward = {"fp32 dW": W32, "fp32 dh": H32, "fp32 logits tile": tile,
-               "scratch": min(tile, TORCH_SCRATCH_BYTES), "bf16 hi + lo tiles": 2 * c * s.V * 2}
+               "scratch": min(c, scratch) * s.V * 4, "bf16 dL/dz tile": c * s.V * 2}
     backward_peak = {"fp32 dW (saved)": W32, "fp32 dW·g": W32, "dW": W, "fp32 dh (saved)": H32, "dh": H}
     memory = max(forward, backward_peak, key=lambda m: sum(m.values()))
-    return Cost("torch", 10.0 * s.N * s.D * s.V, useful_flops(s), work, memory,
-                note=f"split bf16 GEMMs, c={c}, {chunks} chunks")
+    return Cost("torch", 6.0 * s.N * s.D * s.V, useful_flops(s), work, memory, note=f"c={c}, {chunks} chunks")
 
 
 def torch_path_17cb676(s: Shape) -> Cost:
@@ -300,6 +346,69 @@ def cut_cross_entropy(s: Shape, tokens_per_row: float = 1.0) -> Cost:
     kept = kept_tile_share(tokens_per_row, s.V)
     flops = s.N * s.D * s.V * (4.0 + 4.0 * kept)
     return Cost("cce", flops, useful_flops(s), 0.0, {"dW": W, "dh": H}, note=f"{100 * kept:.0f} % tiles kept")
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class Measured:
+    """One H200 measurement of a 17cb676 design (forward + backward ms, median) at a head, with the bf16 matmul
+    rate its prediction is made at (the rate measured in the same call where there was one)."""
+
+    design: str  # the roofline model of what ran (an impl_cost name)
+    head: str
+    ms: float
+    matmul_tflops: float
+
+
+# The H200 run of 17cb676 (2026-12-04; benchmarks/RESULTS.md, "Kernels validated on an H200"): bench-16384 at
+# N = 16384, K = 8, random inputs (its torch.mm rate 736.8 TFLOP/s), and the same session's separate measurements
+# (the three bare GEMMs 76.1–76.6 ms, the torch path 2,725–2,895 ms: their midpoints; the Llama-3-8B and
+# Qwen2.5-0.5B heads), compared at the recorded rate.
+H200_MEASURED = (
+    Measured("ours-det@17cb676", "Qwen2.5-7B", 138.9, 736.8),
+    Measured("ours-fused", "Qwen2.5-7B", 367.9, 736.8),
+    Measured("ours-chunked@17cb676", "Qwen2.5-7B", 94.2, 736.8),
+    Measured("ours-dense@17cb676", "Qwen2.5-7B", 292.7, 736.8),
+    Measured("ours-dense-chunked@17cb676", "Qwen2.5-7B", 118.1, 736.8),
+    Measured("cce", "Qwen2.5-7B", 154.9, 736.8),
+    Measured("gemms", "Qwen2.5-7B", 76.35, 756.0),
+    Measured("torch@17cb676", "Qwen2.5-7B", 2810.0, 756.0),
+    Measured("ours-det@17cb676", "Llama-3-8B", 137.0, 756.0),
+    Measured("ours-chunked@17cb676", "Llama-3-8B", 90.0, 756.0),
+    Measured("cce", "Llama-3-8B", 193.0, 756.0),
+    Measured("ours-det@17cb676", "Qwen2.5-0.5B", 43.0, 756.0),
+    Measured("ours-chunked@17cb676", "Qwen2.5-0.5B", 37.0, 756.0),
+    Measured("cce", "Qwen2.5-0.5B", 43.0, 756.0),
+)
+# each design -> the design the H200 measured whose factor it takes (its own 17cb676 version; the fused backward
+# and Cut Cross-Entropy are unchanged; the four-GEMM floor takes the three's)
+CALIBRATED_BY = {
+    "gemms": "gemms", "gemms-dense": "gemms", "ours-chunked": "ours-chunked@17cb676",
+    "ours-det": "ours-det@17cb676", "ours-fused": "ours-fused", "ours-filter": "ours-fused",
+    "ours-dense": "ours-dense@17cb676", "ours-dense-chunked": "ours-dense-chunked@17cb676",
+    "torch": "torch@17cb676", "cce": "cce",
+}
+CALIBRATION_HEAD = "Qwen2.5-7B"  # a head the H200 did not measure a design at takes this head's factor
+
+
+def measured_over_predicted(m: Measured, copy_bytes: float = None) -> float:
+    """A measurement's factor: its ms over its design's prediction at its head and rate (copy bandwidth: the
+    recorded one, as in :data:`H200_RECORDED`)."""
+    rates = Rates(m.matmul_tflops * 1e12, copy_bytes or H200_RECORDED.copy_bytes,
+                  matmul_fp32_flops=H200_RECORDED.matmul_fp32_flops, source="")
+    return m.ms / (1e3 * impl_cost(m.design, HEADS[m.head]).predicted_s(rates))
+
+
+def calibration_factor(impl: str, head: str | None = None) -> float | None:
+    """The H200's measured ÷ predicted factor that calibrates ``impl``'s prediction at ``head``: its
+    :data:`CALIBRATED_BY` design's measurement at that head, else at :data:`CALIBRATION_HEAD`; None when the H200
+    measured nothing of it."""
+    design = CALIBRATED_BY.get(impl)
+    for h in (head, CALIBRATION_HEAD):
+        for m in H200_MEASURED:
+            if m.design == design and m.head == h:
+                return measured_over_predicted(m)
+    return None
 
 
 # ------------------------------------------------------------------------------------------------- the table
@@ -345,31 +454,50 @@ PREDICTED_IMPLS = ("gemms", "ours-chunked", "ours-det", "ours-fused", "torch", "
 
 def predicted_rows(heads: dict[str, Shape], rates: Rates, impls=PREDICTED_IMPLS, tokens_per_row: float = 5.0
                    ) -> list[dict]:
-    """Per head and implementation: FLOPs, bytes, predicted ms, ratio to its bare-GEMM floor (predicted), MFU of the
-    useful FLOPs against the matmul rate and the datasheet, peak memory beyond the inputs."""
+    """Per head and implementation: FLOPs, bytes, predicted ms raw and calibrated (:func:`calibration_factor`; a
+    head the H200 did not measure takes the 7B head's factor), ratio to its bare-GEMM floor (both predicted alike),
+    MFU of the useful FLOPs against the matmul rate and the datasheet (raw and calibrated), peak memory beyond the
+    inputs."""
     rows = []
     for head, s in heads.items():
         for impl in impls:
             cost = impl_cost(impl, s, tokens_per_row)
-            floor = impl_cost(floor_of(impl), s)
+            floor_impl = floor_of(impl)
+            floor = impl_cost(floor_impl, s).predicted_s(rates)
             t = cost.predicted_s(rates)
+            factor, floor_factor = calibration_factor(impl, head), calibration_factor(floor_impl, head)
+            t_cal = None if factor is None else t * factor
             rows.append({"head": head, "N": s.N, "D": s.D, "V": s.V, "K": s.K, "impl": impl,
                          "gemm_tflop": cost.gemm_flops / 1e12, "useful_tflop": cost.useful_flops / 1e12,
-                         "gbytes": cost.bytes / 1e9, "ms": 1e3 * t, "x_floor": t / floor.predicted_s(rates),
+                         "gbytes": cost.bytes / 1e9, "ms": 1e3 * t, "x_floor": t / floor,
+                         "factor": factor, "ms_calibrated": None if t_cal is None else 1e3 * t_cal,
+                         "x_floor_calibrated": None if t_cal is None or floor_factor is None
+                         else t_cal / (floor * floor_factor),
                          "mfu_measured_rate": cost.useful_flops / t / rates.matmul_flops,
                          "mfu_datasheet": cost.useful_flops / t / DATASHEET_BF16_FLOPS,
+                         "mfu_datasheet_calibrated": None if t_cal is None
+                         else cost.useful_flops / t_cal / DATASHEET_BF16_FLOPS,
                          "peak_mib": cost.peak_memory / MiB, "note": cost.note})
     return rows
 
 
+def _num(x, spec: str, suffix: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
 def predicted_markdown(rows: list[dict], rates: Rates) -> str:
-    """A markdown table of :func:`predicted_rows`."""
-    lines = [f"Rates: {rates.source}.", "",
-             "| head | impl | GEMM TFLOP | bytes GB | predicted ms | × floor | MFU (rate) | MFU (989) | peak MiB | |",
+    """A markdown table of :func:`predicted_rows`: every time and ratio raw, then calibrated."""
+    lines = [f"Rates: {rates.source}. Calibrated: × the H200's measured ÷ predicted factor of the design's 17cb676 "
+             "version (roofline.H200_MEASURED; the 7B head's where that head was not measured).", "",
+             "| head | impl | GEMM TFLOP | bytes GB | predicted ms: raw / calibrated (factor) | × floor: raw / "
+             "calibrated | MFU (rate) | MFU (989): raw / calibrated | peak MiB | |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['head']} | {r['impl']} | {r['gemm_tflop']:.1f} | {r['gbytes']:.1f} | {r['ms']:.1f} | "
-                     f"{r['x_floor']:.2f} | {100 * r['mfu_measured_rate']:.0f} % | {100 * r['mfu_datasheet']:.0f} % | "
+        lines.append(f"| {r['head']} | {r['impl']} | {r['gemm_tflop']:.1f} | {r['gbytes']:.1f} | {r['ms']:.1f} / "
+                     f"**{_num(r['ms_calibrated'], '.1f')}** ({_num(r['factor'], '.2f')}) | {r['x_floor']:.2f} / "
+                     f"**{_num(r['x_floor_calibrated'], '.2f')}** | {100 * r['mfu_measured_rate']:.0f} % | "
+                     f"{100 * r['mfu_datasheet']:.0f} % / "
+                     f"{_num(r['mfu_datasheet_calibrated'] and 100 * r['mfu_datasheet_calibrated'], '.0f', ' %')} | "
                      f"{r['peak_mib']:,.0f} | {r['note']} |")
     return "\n".join(lines)
 

@@ -232,7 +232,7 @@ def test_the_prediction_covers_both_shapes_and_every_phase(bench):
         phases = predict.predict(shape, row)
         assert {"backbone_fwd", "backbone_bwd", "optimizer"} <= set(phases)
         assert phases["backbone_bwd"]["tflop"] == pytest.approx(2 * phases["backbone_fwd"]["tflop"])
-    assert "qwen2.5-1.5b | step with loss: auto → triton (fused, validated) |" in predict.prediction_table()
+    assert "qwen2.5-1.5b | step with loss: triton (fused) |" in predict.prediction_table()
 
 
 def test_the_prediction_beside_a_measured_step_is_the_table_s(bench):

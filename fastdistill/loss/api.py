@@ -62,8 +62,8 @@ def sparse_jsd_loss(
             ``"triton"`` — see :mod:`fastdistill.loss.routing`; otherwise the torch path), ``"torch"``
             (memory-bounded torch path), ``"reference"`` (dense float64-capable oracle; materialises N×V),
             ``"triton"`` (the fused kernels, always: CUDA tensors, or CPU tensors under
-            ``TRITON_INTERPRET=1``), ``"triton-chunked"`` (6·N·D·V FLOPs: cuBLAS logits per chunk of ≤ 4096 rows
-            within 2 GiB, two Triton passes over them, gradients in the forward; only ``loss`` is differentiable,
+            ``TRITON_INTERPRET=1``), ``"triton-chunked"`` (6·N·D·V FLOPs: cuBLAS fp32 logits per chunk of ≤ 4096 rows
+            within 960 MiB, two Triton passes over them, gradients in the forward; only ``loss`` is differentiable,
             see :func:`fastdistill_kernels.chunked_logits_sparse_jsd`; same devices as ``"triton"``).
         token_weights: ``(N,)`` non-negative constants, or None: ``loss = Σ w_i · div_i`` (e.g. importance ratios
             for stale samples). The metrics (``jsd_sum``, ``per_teacher``, …) stay unweighted.
