@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ class Spy:
         self.checked, self.timed = [], []
         self.verdicts, self.times = verdicts or {}, times or {}
 
-        def check(loss, backend, device, fault=None, on_case=None):
+        def check(loss, backend, device, dtype=None, fault=None, on_case=None):
             name = selfcheck.design_name(loss, backend)
             self.checked.append(name)
             ok = self.verdicts.get(name, True)
@@ -80,11 +81,12 @@ def test_the_rehearsal_passes_and_a_broken_design_is_refused_while_the_run_goes_
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     verdicts = {name: v["passed"] for name, v in report["designs"].items()}
-    assert verdicts == {"sparse/triton-chunked": False, "sparse/triton": True, "dense/triton-chunked": True,
-                        "dense/triton": True}
-    broken = report["designs"]["sparse/triton-chunked"]
+    assert verdicts == {f"{d} {t}": d != "sparse/triton-chunked" for d in ("sparse/triton-chunked", "sparse/triton",
+                                                                          "dense/triton-chunked", "dense/triton")
+                        for t in ("bfloat16", "float32")}
+    broken = report["designs"]["sparse/triton-chunked bfloat16"]
     assert broken["mismatch"].startswith("case unaligned-bf16: dW[") and broken["worst"] > 1
-    assert "sparse/triton-chunked    REFUSED" in out.stdout
+    assert re.search(r"^sparse/triton-chunked bfloat16 +REFUSED in", out.stdout, re.M)
     for case in cases.REHEARSAL_CASES:  # every case of the designs that passed ran and is printed
         assert f"{case.loss}/triton" in out.stdout and case.name in out.stdout
     assert not (tmp_path / "cache").exists()  # a run with a fault never writes the cache
@@ -94,13 +96,15 @@ def test_a_broken_design_is_never_auto_s_and_a_warning_names_it(monkeypatch, gpu
     """The real check of both sparse designs in the interpreter, the chunked one broken: auto warns with its name and
     mismatch, runs the fused design, and the refusal is cached."""
     monkeypatch.setitem(selfcheck._FAULTS, "sparse/triton-chunked", cases.drop_vocabulary_tail)
-    with pytest.warns(RuntimeWarning, match=r"design sparse/triton-chunked refused on this device.*case "
+    with pytest.warns(RuntimeWarning, match=r"design sparse/triton-chunked bfloat16 refused on this device.*case "
                                             r"unaligned-bf16: dW\["):
-        assert routing.route("sparse", _pairs(), k=4) == routing.Route("triton")
+        assert routing.route("sparse", _pairs(dtype=torch.bfloat16), k=4) == routing.Route("triton")
     (file,) = gpu.glob("*.json")
     verdicts = json.loads(file.read_text())["verdicts"]
-    assert verdicts["sparse/triton-chunked"]["passed"] is False
-    assert verdicts["sparse/triton"]["passed"] is True and verdicts["sparse/triton"]["worst"] <= 1
+    assert set(verdicts) == {"sparse/triton-chunked bfloat16", "sparse/triton bfloat16"}  # the caller's dtype only
+    assert verdicts["sparse/triton-chunked bfloat16"]["passed"] is False
+    fused = verdicts["sparse/triton bfloat16"]
+    assert fused["passed"] is True and fused["worst"] <= 1
 
 
 def test_the_cache_is_written_and_read_per_key_and_a_new_key_checks_again(monkeypatch, gpu):
@@ -111,7 +115,7 @@ def test_the_cache_is_written_and_read_per_key_and_a_new_key_checks_again(monkey
     (file,) = gpu.glob("*.json")
     entry = json.loads(file.read_text())
     assert entry["key"] == selfcheck.device_key(torch.device("cpu"))
-    assert set(entry["verdicts"]) == {"sparse/triton-chunked", "sparse/triton"}
+    assert set(entry["verdicts"]) == {"sparse/triton-chunked float32", "sparse/triton float32"}
     assert entry["timings"] == {"sparse|float32|N256|D16|V300|K4": {"triton": 2.0, "triton-chunked": 1.0}}
 
     selfcheck.forget()  # a new process: the cache answers, nothing is checked or timed again
@@ -158,7 +162,7 @@ def test_auto_picks_the_fastest_design_that_passed_and_fits(monkeypatch, gpu):
     monkeypatch.setattr(routing, "free_device_bytes", lambda device: 40 * GiB)
     monkeypatch.setenv(selfcheck.DIR_ENV, str(gpu.parent / "third"))
     spy.verdicts = {"sparse/triton-chunked": False}
-    with pytest.warns(RuntimeWarning, match="sparse/triton-chunked refused.*dW"):
+    with pytest.warns(RuntimeWarning, match="sparse/triton-chunked float32 refused.*dW"):
         assert routing.route("sparse", _pairs(), k=4) == routing.Route("triton")
     selfcheck.forget()
     monkeypatch.setenv(selfcheck.DIR_ENV, str(gpu.parent / "fourth"))
@@ -190,7 +194,7 @@ def test_the_record_spares_the_check_where_it_covers_the_code_on_this_capability
         routing.route("sparse", _pairs(), k=4)
         assert spy.checked == checked
     file = next(f for f in gpu.glob("*.json") if json.loads(f.read_text())["key"]["capability"] == "9.0")
-    assert json.loads(file.read_text())["verdicts"]["sparse/triton"]["source"] == "record"
+    assert json.loads(file.read_text())["verdicts"]["sparse/triton float32"]["source"] == "record"
 
 
 def test_rank_zero_decides_for_every_rank(monkeypatch, gpu):
@@ -303,3 +307,17 @@ def test_auto_under_inference_mode_and_no_grad_still_checks_and_times(monkeypatc
     (file,) = gpu.glob("*.json")
     times = json.loads(file.read_text())["timings"]["sparse|float32|N256|D8|V70|K2"]
     assert set(times) == {"triton", "triton-chunked"} and all(t > 0 for t in times.values())
+
+
+def test_each_dtype_is_checked_on_its_own_cases():
+    """auto checks the caller's dtype only (a bf16 job compiles no fp32 variant); float16 takes the bf16 cases."""
+    for on_gpu in (True, False):
+        bf16 = cases.cases_for("sparse", "bfloat16", on_gpu)
+        assert bf16 and {c.dtype for c in bf16} == {"bfloat16"}
+        fp16 = cases.cases_for("sparse", "float16", on_gpu)
+        assert [c.name for c in fp16] == [c.name for c in bf16] and {c.dtype for c in fp16} == {"float16"}
+        assert {c.dtype for c in cases.cases_for("dense", None, on_gpu)} == {"bfloat16", "float32"}
+    case = cases.cases_for("sparse", "float16", on_gpu=False)[0]
+    x = cases.make_inputs(case, torch.device("cpu"))
+    assert x.hidden.dtype == torch.float16
+    assert cases.compare(cases.run_design("sparse", "triton", x), cases.reference(x, interpreted=True))[0] <= 1

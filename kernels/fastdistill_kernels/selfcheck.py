@@ -42,11 +42,21 @@ SCHEMA = 1
 OFF_ENV = "FASTDISTILL_SELFCHECK"  # "0": no self-check
 DIR_ENV = "FASTDISTILL_SELFCHECK_DIR"  # the cache folder
 BACKENDS = ("triton-chunked", "triton")  # a loss's designs, in the order of their predicted speed
+CHECK_DTYPES = ("bfloat16", "float32")  # the CLI checks both; auto checks the caller's (float16: the bf16 cases)
 TIMING_REPEATS = 3  # timed calls per design at the caller's shape, after one warm-up call; the median counts
 
 
 def design_name(loss: str, backend: str) -> str:
     return f"{loss}/{backend}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def verdict_name(loss: str, backend: str, dtype: str) -> str:
+    """A verdict's name in the cache: the design and the operand dtype its cases ran in."""
+    return f"{design_name(loss, backend)} {dtype}"
 
 
 def enabled() -> bool:
@@ -163,23 +173,21 @@ def record_covers(loss: str, backend: str, key: dict) -> bool:
     return bool(found) and found.group(1) == key["capability"]
 
 
-def check_design(loss: str, backend: str, device: torch.device, fault: cases.Fault | None = None,
+def check_design(loss: str, backend: str, device: torch.device, dtype: str | None = None,
+                 fault: cases.Fault | None = None,
                  on_case: Callable[[str, float, str], None] | None = None) -> Verdict:
-    """Run one design on every case of its loss (GPU cases on CUDA, the rehearsal set elsewhere); the first case out
-    of tolerance, or an exception, refuses it. ``fault`` perturbs the design's outputs (the failing-path rehearsal);
-    ``on_case(name, worst, detail)`` reports each case."""
+    """Run one design on its loss's cases in ``dtype`` (None: every dtype; GPU cases on CUDA, the rehearsal set
+    elsewhere); the first case out of tolerance, or an exception, refuses it. ``fault`` perturbs the design's
+    outputs (the failing-path rehearsal); ``on_case(name, worst, detail)`` reports each case."""
     start = time.perf_counter()
     worst = 0.0
-    interpreted = device.type != "cuda"
-    for case in (cases.GPU_CASES if device.type == "cuda" else cases.REHEARSAL_CASES):
-        if case.loss != loss:
-            continue
+    for case in cases.cases_for(loss, dtype, on_gpu=device.type == "cuda"):
         try:
-            x = cases.make_inputs(case, device)
+            x, ref = _case_data(case, str(device))
             out = cases.run_design(loss, backend, x)
             if fault is not None:
                 out = fault(out)
-            ratio, detail = cases.compare(out, cases.reference(x, interpreted=interpreted))
+            ratio, detail = cases.compare(out, ref)
         except Exception as exc:  # a compile or launch failure (or any other) refuses the design like a wrong result
             ratio, detail = math.inf, f"{type(exc).__name__}: {exc}"[:500]
         if on_case is not None:
@@ -190,6 +198,13 @@ def check_design(loss: str, backend: str, device: torch.device, fault: cases.Fau
     return Verdict(True, "self-check", worst, "", time.perf_counter() - start)
 
 
+@functools.lru_cache(maxsize=8)
+def _case_data(case: cases.Case, device: str) -> tuple[cases.Inputs, cases.Reference]:
+    """A case's inputs and float64 reference, made once for both designs of its loss (cleared after a check)."""
+    x = cases.make_inputs(case, torch.device(device))
+    return x, cases.reference(x, interpreted=x.hidden.device.type != "cuda")
+
+
 # ------------------------------------------------------------------------------------------------- timing
 
 
@@ -198,7 +213,7 @@ def shape_class(loss: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], k
     vocabularies, and the candidate slots rounded up to a power of two; designs are timed once per class."""
     (h, w), *rest = pairs
     n = max(256, 1 << max(0, h.shape[0] - 1).bit_length())
-    parts = [loss, str(torch.promote_types(h.dtype, w.dtype)).removeprefix("torch."), f"N{n}",
+    parts = [loss, dtype_name(torch.promote_types(h.dtype, w.dtype)), f"N{n}",
              f"D{w.shape[1]}", f"V{w.shape[0]}"]
     if rest:
         (_, wt), = rest
@@ -219,7 +234,7 @@ def timing_inputs(loss: str, pairs, k: int) -> cases.Inputs:
         h, w = h.clone(), w.clone()
         rest = [(ht.clone(), wt.clone()) for ht, wt in rest]
     dev = h.device
-    case = cases.Case("timing", loss, n=n, d=w.shape[1], v=v, dtype=str(h.dtype).removeprefix("torch."), k=k,
+    case = cases.Case("timing", loss, n=n, d=w.shape[1], v=v, dtype=dtype_name(h.dtype), k=k,
                       bias=False, train_weight=train_weight)
     x = cases.Inputs(case, h.detach(), w.detach(), None, torch.ones(n, device=dev))
     if loss == "sparse":
@@ -265,8 +280,7 @@ _DECIDED: dict[tuple, Decision] = {}  # per process: (device, cache folder, loss
 _WARNED: set[str] = set()
 
 
-def _warn_refused(loss: str, backend: str, verdict: dict) -> None:
-    name = design_name(loss, backend)
+def _warn_refused(name: str, verdict: dict) -> None:
     if name not in _WARNED:
         _WARNED.add(name)
         warnings.warn(f"fastdistill_kernels self-check: design {name} refused on this device, auto will not use "
@@ -274,29 +288,32 @@ def _warn_refused(loss: str, backend: str, verdict: dict) -> None:
 
 
 def decide(loss: str, pairs, candidates: Sequence[str], k: int | None = None) -> Decision:
-    """The verdicts for ``loss``'s designs on the device of ``pairs`` (cached, else checked now) and the order of
+    """The verdicts for ``loss``'s designs in the caller's dtype on the device of ``pairs`` (cached, else checked
+    now: only that dtype's cases, so a bf16 job compiles no fp32 variant) and the order of
     those that passed: the ``candidates`` among them (the designs the caller can run now, e.g. those that fit its
     memory) timed at the caller's shape class (cached, else timed now) when there are two to compare."""
-    device = pairs[0][0].device
+    (h, w), *_ = pairs
+    device, dtype = h.device, dtype_name(torch.promote_types(h.dtype, w.dtype))
     key = device_key(device)
     entry = read_cache(key)
     new = {"schema": SCHEMA, "key": key, "verdicts": {}, "timings": {}}
     for backend in BACKENDS:
-        name = design_name(loss, backend)
+        name = verdict_name(loss, backend, dtype)
         if name in entry["verdicts"]:
             continue
         if record_covers(loss, backend, key):
             verdict = Verdict(True, "record")
         else:
-            verdict = check_design(loss, backend, device, fault=_FAULTS.get(name))
+            verdict = check_design(loss, backend, device, dtype, fault=_FAULTS.get(design_name(loss, backend)))
         new["verdicts"][name] = asdict(verdict)
+    _case_data.cache_clear()
     verdicts = {**entry["verdicts"], **new["verdicts"]}
     refused = {}
     for backend in BACKENDS:
-        verdict = verdicts[design_name(loss, backend)]
+        verdict = verdicts[verdict_name(loss, backend, dtype)]
         if not verdict["passed"]:
             refused[backend] = verdict["mismatch"]
-            _warn_refused(loss, backend, verdict)
+            _warn_refused(verdict_name(loss, backend, dtype), verdict)
     passed = [b for b in BACKENDS if b not in refused]
     cls = shape_class(loss, pairs, k)
     times = dict(entry["timings"].get(cls, {}))
@@ -386,20 +403,25 @@ def main(argv: list[str] | None = None) -> int:
         for backend in BACKENDS:
             name = design_name(loss, backend)
             fault = cases.drop_vocabulary_tail if name in args.inject_fault else None
+            for dtype in CHECK_DTYPES:
+                vname = verdict_name(loss, backend, dtype)
 
-            def on_case(case: str, ratio: float, detail: str, name=name) -> None:
-                state = "ok" if ratio <= 1.0 else "MISMATCH"
-                print(f"  {name:22} {case:22} {state:8} worst {ratio:.3g}× tolerance" +
-                      ("" if ratio <= 1.0 else f": {detail}"))
+                def on_case(case: str, ratio: float, detail: str, vname=vname) -> None:
+                    state = "ok" if ratio <= 1.0 else "MISMATCH"
+                    print(f"  {vname:31} {case:28} {state:8} worst {ratio:.3g}× tolerance"
+                          + ("" if ratio <= 1.0 else f": {detail}"))
 
-            verdict = check_design(loss, backend, device, fault=fault, on_case=on_case)
-            entry["verdicts"][name] = asdict(verdict)
-            report["designs"][name] = asdict(verdict)
-            print(f"{name:24} {'passed' if verdict.passed else 'REFUSED'} in {verdict.seconds:.2f} s"
-                  + ("" if verdict.passed else f": {verdict.mismatch}"))
+                verdict = check_design(loss, backend, device, dtype, fault=fault, on_case=on_case)
+                entry["verdicts"][vname] = report["designs"][vname] = asdict(verdict)
+                print(f"{vname:33} {'passed' if verdict.passed else 'REFUSED'} in {verdict.seconds:.2f} s"
+                      + ("" if verdict.passed else f": {verdict.mismatch}"))
+        _case_data.cache_clear()
     timing = args.time or ("4096,4096,32768,8" if device.type == "cuda" else None)
     if timing:
-        n, d, v, k = (int(s) for s in timing.split(","))
+        try:
+            n, d, v, k = (int(s) for s in timing.split(","))
+        except ValueError:
+            p.error(f"--time {timing!r}: expected N,D,V,K (four integers)")
         dtype = torch.bfloat16
         g = torch.Generator(device=device).manual_seed(0)
         h = torch.randn(n, d, device=device, generator=g).to(dtype)
@@ -409,13 +431,13 @@ def main(argv: list[str] | None = None) -> int:
             x = timing_inputs(loss, pairs, k)
             cls = shape_class(loss, pairs, k if loss == "sparse" else None)
             for backend in BACKENDS:
-                name = design_name(loss, backend)
-                if not report["designs"][name]["passed"]:
+                vname = verdict_name(loss, backend, dtype_name(dtype))
+                if not report["designs"][vname]["passed"]:
                     continue
                 seconds = time_design(loss, backend, x)
                 entry["timings"].setdefault(cls, {})[backend] = seconds
-                report["designs"][name]["time_s"] = seconds
-                print(f"{name:24} {seconds * 1e3:9.2f} ms at {cls}")
+                report["designs"][vname]["time_s"] = seconds
+                print(f"{vname:33} {seconds * 1e3:9.2f} ms at {cls}")
     report["wall_s"] = time.perf_counter() - start
     print(f"self-check wall time {report['wall_s']:.2f} s")
     if args.write_cache and not args.inject_fault:

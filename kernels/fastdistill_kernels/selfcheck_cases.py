@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,15 +59,17 @@ class Case:
         return DTYPES[self.dtype]
 
 
-# On a GPU: 3001, 1999, 2053 are primes and 136, 72 no multiple of 32, so no tile (rows 32–128, vocabulary 32–2048,
-# hidden 32–64) divides them; 300 / 77 rows leave a partial row block; the aligned case is the shapes users run.
+# On a GPU: no tile (rows 32–128, vocabulary 32–2048, hidden steps 32–64) divides 304 rows, hidden 144 or 72, or the
+# vocabularies 3024, 3040, 2053 and 1999; 3024 / 3040 / 144 / 304 are multiples of 16, as the vocabularies and hidden
+# sizes users run are (Triton specialises integer arguments on divisibility by 16: these cases compile the variants a
+# user's call runs), 2053 and 1999 are not. Each dtype's cases hold both launch patterns of the bias and dW.
 GPU_CASES = (
-    Case("unaligned-bf16", "sparse", n=300, d=136, v=3001, k=8, masked=5, bias=False, seed=1),
+    Case("unaligned-bf16", "sparse", n=304, d=144, v=3024, k=8, masked=5, bias=False, seed=1),
     Case("k1-fp32-trl-tail-bias", "sparse", n=77, d=72, v=1999, k=1, dtype="float32", beta=1.0, tail_mode="trl",
          masked=3, seed=2),
-    Case("large-k-bf16-softcap-frozen", "sparse", n=256, d=128, v=2048, k=320, beta=0.5, logit_scale=1.5,
+    Case("large-k-bf16-softcap-frozen", "sparse", n=256, d=128, v=2053, k=320, beta=0.5, logit_scale=1.5,
          softcap=20.0, temperature=0.8, masked=2, bias=False, train_weight=False, seed=3),
-    Case("dense-bf16-mixed", "dense", n=300, d=136, v=3001, dt=104, vt=3011, beta=0.5, masked=4, bias=False,
+    Case("dense-bf16-mixed", "dense", n=304, d=144, v=3024, dt=112, vt=3040, beta=0.5, masked=4, bias=False,
          seed=4),
     Case("dense-fp32-reverse-bias", "dense", n=77, d=72, v=2053, dt=64, vt=2053, dtype="float32", beta=1.0,
          softcap=20.0, masked=2, seed=5),
@@ -84,6 +86,16 @@ REHEARSAL_CASES = (
     Case("dense-fp32-reverse-bias", "dense", n=19, d=32, v=131, dt=24, vt=131, dtype="float32", beta=1.0,
          softcap=20.0, masked=2, seed=5),
 )
+
+
+def cases_for(loss: str, dtype: str | None, on_gpu: bool) -> list[Case]:
+    """The cases of ``loss`` in ``dtype`` (None: all), from the GPU set or the rehearsal set. A dtype with no case of
+    its own (float16) takes the bfloat16 cases, retyped."""
+    group = [c for c in (GPU_CASES if on_gpu else REHEARSAL_CASES) if c.loss == loss]
+    if dtype is None:
+        return group
+    own = [c for c in group if c.dtype == dtype]
+    return own or [replace(c, dtype=dtype) for c in group if c.dtype == "bfloat16"]
 
 
 @dataclass
