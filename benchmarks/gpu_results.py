@@ -91,10 +91,13 @@ def run_record(results: dict) -> dict:
     steps = results.get("steps", {})
     versions = steps.get("install", {}).get("versions", {})
     compiled = steps.get("kernel-tests", {}).get("compiled", {})
+    gpu = (steps.get("environment", {}).get("gpus") or ["?"])[0]
+    fields = [f.strip() for f in gpu.split(",")]  # nvidia-smi: name, driver, memory, compute capability
     return {
         "commit": (results.get("source") or {}).get("commit"),
         "date": str(results.get("date", "?"))[:10],
-        "machine": (steps.get("environment", {}).get("gpus") or ["?"])[0],
+        "machine": gpu,
+        "compute_capability": fields[3] if len(fields) == 4 else None,
         "software": ", ".join(f"{k} {versions[k]}" for k in ("python", "torch", "triton") if k in versions),
         "check": "benchmarks/gpu_check.py",
         "compiled_tests": {"passed": compiled.get("passed", 0), "total": compiled.get("tests", 0)},

@@ -214,6 +214,7 @@ def test_the_committed_record_is_the_h200_run_of_17cb676_rekeyed():
         entry = record["designs"][loss][backend]
         run = entry["validated_on"]
         assert run["commit"] == RAN_COMMIT and "H200" in run["machine"] and "triton 3.6.0" in run["software"]
+        assert run["compute_capability"] == "9.0"
         assert run["compiled_tests"]["passed"] == run["compiled_tests"]["total"] > 0
         assert entry["triton"] == "3.6"
         assert entry["code_key"] == validation.design_code_key(loss, backend, RAN_TRITON, read)
