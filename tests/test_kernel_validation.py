@@ -16,6 +16,11 @@ import fastdistill_kernels
 import pytest
 import torch
 from fastdistill_kernels import validation
+from loss_cases import make_case
+
+import fastdistill.loss.api as api
+import fastdistill.loss.routing as routing
+from fastdistill import sparse_jsd_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kernels" / "fastdistill_kernels"
@@ -284,3 +289,40 @@ def test_the_public_flag_says_whether_every_design_is_validated(monkeypatch):
     assert fastdistill_kernels.KERNELS_VALIDATED_ON_GPU is True
     monkeypatch.setattr(validation, "validated_designs", lambda: frozenset(list(validation.DESIGNS)[1:]))
     assert fastdistill_kernels.KERNELS_VALIDATED_ON_GPU is False
+
+
+def test_auto_without_the_self_check_runs_the_torch_path_on_todays_tree(monkeypatch, tmp_path):
+    """The committed record, read for real on the triton that ran (3.6): no design of today's tree is validated, so
+    ``backend="auto"`` on a CUDA device with the self-check off takes the torch path; a record of today's own sources
+    (a stand-in for the next GPU run) gives it the chunked design back."""
+    monkeypatch.setattr(routing, "_is_cuda", lambda x: True)
+    monkeypatch.setattr(routing, "free_device_bytes", lambda device: 40 * 2**30)
+    monkeypatch.setattr(routing, "total_device_bytes", lambda device: 80 * 2**30)
+    for name in (routing.TRITON_ENV, routing.BUDGET_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FASTDISTILL_SELFCHECK", "0")
+    monkeypatch.setattr(validation, "installed_triton_version", lambda: RAN_TRITON)
+    taken = []
+    monkeypatch.setattr(api, "_triton_sparse_jsd", lambda *a, **k: taken.append("triton"))
+    monkeypatch.setattr(api, "_triton_chunked_sparse_jsd", lambda *a, **k: taken.append("triton-chunked"))
+    monkeypatch.setattr(api, "torch_sparse_jsd", lambda *a, **k: taken.append("torch"))
+    case = make_case(seed=2, N=40, D=16, V=300, K=4)
+    h, w, _ = case.leaves(torch.bfloat16)
+
+    def auto(record_file):
+        monkeypatch.setattr(validation, "RECORD_FILE", record_file)
+        validation.validated_designs.cache_clear()
+        validation._record_patterns.cache_clear()
+        try:
+            sparse_jsd_loss(h, w, *case.narrowed(0.0), backend="auto")
+        finally:
+            validation.validated_designs.cache_clear()
+            validation._record_patterns.cache_clear()
+        return taken.pop()
+
+    assert auto(validation.RECORD_FILE) == "torch"
+    today = validation.new_record({"commit": "next"}, validation.run_keys(triton_version=RAN_TRITON),
+                                  {"sparse": {"triton-chunked": {SPARSE_BF16: "passed"}}})
+    path = tmp_path / "validated.json"
+    path.write_text(json.dumps(today))
+    assert auto(path) == "triton-chunked"
