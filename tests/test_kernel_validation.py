@@ -46,7 +46,8 @@ TOY = {
         "@triton.jit\ndef helper(X, m):\n    pass\n\n"
         "def host_only():\n    return BASE\n"
     ),
-    "setup": "def patch():\n    pass\n",
+    "setup": "from fastdistill_kernels.deep import DEPTH\n\ndef patch():\n    return DEPTH\n",
+    "deep": "DEPTH = 3\n",
     "unrelated": "def nothing():\n    pass\n",
 }
 
@@ -82,9 +83,10 @@ def test_source_hash_is_sha256_of_the_text_with_unix_line_endings():
 
 
 def test_a_design_is_every_module_its_code_reaches(toy):
-    """The entry module, the helper's module (through a name and through ``helpers.attr``) and the module an
-    import-time call of it reaches; not a module nothing refers to."""
-    assert validation.design_modules("toy", "triton", toy.__getitem__) == ["entry", "helpers", "setup"]
+    """The entry module, the helper's module (through a name and through ``helpers.attr``), the module an
+    import-time call of it reaches and what that imports by the package's absolute name; not a module nothing
+    refers to."""
+    assert validation.design_modules("toy", "triton", toy.__getitem__) == ["deep", "entry", "helpers", "setup"]
 
 
 def test_the_real_designs_reach_their_own_modules():
@@ -101,7 +103,8 @@ def test_the_real_designs_reach_their_own_modules():
 @pytest.mark.parametrize("module,old,new", [
     ("entry", "num_warps=8", "num_warps=4"),  # a launch setting in host code
     ("helpers", "return BASE", "return BASE + 1"),  # host code of a helper module
-    ("setup", "pass", "return 1"),  # what an import-time call runs
+    ("setup", "return DEPTH", "return DEPTH + 1"),  # what an import-time call runs
+    ("deep", "DEPTH = 3", "DEPTH = 4"),  # a value imported by the package's absolute name
 ])
 def test_any_edit_to_a_reached_module_changes_the_key(toy, module, old, new):
     key = validation.design_code_key("toy", "triton", "3.6.0", toy.__getitem__)

@@ -95,6 +95,17 @@ def _is_jit(node: ast.AST) -> bool:
     return False
 
 
+def _package_relative(node: ast.ImportFrom) -> str | None:
+    """The package module a ``from`` import names, relative to the package (``""`` for the package itself: ``from .
+    import x``), or None for an import from elsewhere. ``from .x import`` and ``from fastdistill_kernels.x import``
+    alike."""
+    if node.level == 1:
+        return node.module or ""
+    if node.level == 0 and node.module and node.module.split(".")[0] == PACKAGE_DIR.name:
+        return node.module.partition(".")[2]
+    return None
+
+
 class _Module:
     """One parsed module: its top-level definitions, package-relative imports and import-time statements."""
 
@@ -112,10 +123,11 @@ class _Module:
                     for n in ast.walk(t):
                         if isinstance(n, ast.Name):
                             self.defs[n.id] = node
-            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            elif isinstance(node, ast.ImportFrom) and _package_relative(node) is not None:
+                module = _package_relative(node)
                 for alias in node.names:
                     local = alias.asname or alias.name
-                    self.imports[local] = (node.module, alias.name) if node.module else (alias.name, None)
+                    self.imports[local] = (module, alias.name) if module else (alias.name, None)
             elif not isinstance(node, (ast.Import, ast.ImportFrom)):
                 self.import_time.append(node)
 
