@@ -321,3 +321,17 @@ def test_each_dtype_is_checked_on_its_own_cases():
     x = cases.make_inputs(case, torch.device("cpu"))
     assert x.hidden.dtype == torch.float16
     assert cases.compare(cases.run_design("sparse", "triton", x), cases.reference(x, interpreted=True))[0] <= 1
+
+
+def test_a_design_that_fails_at_the_caller_s_shape_is_refused_there(monkeypatch, gpu):
+    spy = Spy(monkeypatch)
+
+    def timed(loss, backend, x):
+        if backend == "triton-chunked":
+            raise RuntimeError("out of resources: shared memory")
+        return 1.0
+
+    monkeypatch.setattr(selfcheck, "time_design", timed)
+    with pytest.warns(RuntimeWarning, match="sparse/triton-chunked float32 refused.*timing at sparse.*shared memory"):
+        assert routing.route("sparse", _pairs(), k=4) == routing.Route("triton")
+    assert len(spy.checked) == 2

@@ -323,9 +323,13 @@ def decide(loss: str, pairs, candidates: Sequence[str], k: int | None = None) ->
         for backend in untimed:
             try:
                 times[backend] = time_design(loss, backend, x)
-            except torch.cuda.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:  # does not fit beside the caller's tensors now: tried last
                 times[backend] = math.inf
-        new["timings"][cls] = times
+            except Exception as exc:  # it fails at the caller's shape (a compile or launch error): refused here
+                refused[backend] = f"timing at {cls}: {type(exc).__name__}: {exc}"[:500]
+                _warn_refused(verdict_name(loss, backend, dtype), {"mismatch": refused[backend]})
+        passed = [b for b in passed if b not in refused]
+        new["timings"][cls] = {b: t for b, t in times.items() if b not in refused}
     if new["verdicts"] or new["timings"]:
         write_cache(new)
     order = {b: i for i, b in enumerate(BACKENDS)}  # untimed ones after the timed, in the predicted order
