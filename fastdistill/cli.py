@@ -27,12 +27,14 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastdistill.errors import ConfigError
+from fastdistill.errors import EXIT_OTHER, CacheError, ConfigError, exit_status, record_for_torchrun
 from fastdistill.options import CANDIDATE_MODES, LOGPROB_DTYPES, SYNC_BACKENDS, TEACHER_SIGNALS
 from fastdistill.supervise import add_arguments as add_supervise_arguments
+from fastdistill.supervise import run_parsed as run_supervised
 
 if TYPE_CHECKING:
     from fastdistill.serve import VLLMServer
@@ -222,9 +224,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _supervise(args: argparse.Namespace) -> int:
-    from fastdistill.supervise import run_parsed
-
-    return run_parsed(args.parser, args, args.vllm_args)
+    return run_supervised(args.parser, args, args.vllm_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -374,14 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.weight_transfer = "nccl" if torch.cuda.is_available() else "gloo"
-    from fastdistill.errors import EXIT_OTHER, CacheError, exit_status, record_for_torchrun
-
     handler = _log_to_stderr()
     try:
         return args.handler(args)
     except Exception as error:  # its class's exit status (torchrun's error file says which class failed first)
-        import traceback
-
         record_for_torchrun(error, formatted_traceback=traceback.format_exc())
         if isinstance(error, ConfigError):
             parser.exit(2, f"fastdistill: config error: {error}\n")

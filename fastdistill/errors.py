@@ -7,6 +7,10 @@ to do so. The classes keep their historical homes as re-exports (``fastdistill.t
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 
 class ConfigError(ValueError):
     """A configuration value is out of range, of the wrong type, unknown, or refused in combination with another."""
@@ -129,10 +133,6 @@ def record_for_torchrun(error: BaseException, *, formatted_traceback: str = "") 
     """Write ``error`` into torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``; nothing without
     one), in torchelastic's format: torchrun copies the first failing worker's file to its own error file, with the
     worker's exit status as ``errorCode`` (see :func:`read_torchrun_error_file`)."""
-    import json
-    import os
-    import time
-
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -148,8 +148,6 @@ def record_for_torchrun(error: BaseException, *, formatted_traceback: str = "") 
 def read_torchrun_error_file(path: str) -> tuple[int | None, str]:
     """``(errorCode, message)`` of a torchrun error file (its first failing worker's exit status and its
     ``Class: message`` line); ``(None, "")`` when the file is missing or not in torchelastic's format."""
-    import json
-
     try:
         with open(path) as source:
             message = json.load(source).get("message")

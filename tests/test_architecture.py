@@ -180,7 +180,7 @@ LAZY_IMPORTS = {
     "fastdistill.cache.sampled": (2, "the cache package imports no torch (`fastdistill score` of top-K candidates "
                                      "starts without it): only drawing sampled candidates needs torch and the loss"),
     "fastdistill.cache.score": (1, "transformers imports torch, which the cache package does not"),
-    "fastdistill.cli": (15, "the CLI's fast start: each command imports what it runs"),
+    "fastdistill.cli": (14, "the CLI's fast start: each command imports what it runs"),
     "fastdistill.cross_tokenizer.vocabulary": (2, "transformers, only to load a tokenizer: the torch-free rollout "
                                                   "child imports the package"),
     "fastdistill.demo": (3, "matplotlib is optional (fastdistill[demo]): only the figure needs it"),
