@@ -210,18 +210,20 @@ def chunked(s: Shape, dense_teacher: bool = False) -> Cost:
     teacher), a Triton stats pass reads them, a grad pass reads them again and writes dL/dx in the operand dtype over
     the first half of each row's fp32 storage; the dh GEMM writes dh[chunk], the dW GEMM accumulates in the operand
     dtype (fp32 sums inside the GEMM: its read + write of dW for every chunk after the first). No fp32 (V, D)
-    buffer; the backward hands the gradients over (an upstream gradient of 1 costs no pass)."""
+    buffer; the backward scales dW and dh in place by the upstream gradient, read on the device (one read + write
+    of each: ``logits_chunk.scale_in_place``)."""
     W, _, H, _ = _sizes(s)
     row_bytes = fp32_chunk_row_bytes(s, dense_teacher)
     C = fp32_chunk_rows(s, dense_teacher)
     chunks = math.ceil(s.N / C)
     passes = 2 * s.N * row_bytes + s.N * s.V * s.elem_bytes  # two fp32 reads of the chunk(s), dL/dx written
     dw_bytes = (chunks - 1) * 2 * W
+    backward = 2 * (W + H)  # the in-place scale by the upstream gradient
     buffer = "fp32 logits chunks (student, teacher)" if dense_teacher else "fp32 logits chunk"
     memory = {"dW": W, "dh": H, buffer: C * row_bytes}
     flops = useful_flops(s, dense_teacher)
-    return Cost("ours-dense-chunked" if dense_teacher else "ours-chunked", flops, flops, passes + dw_bytes, memory,
-                note=f"C={C}, {chunks} chunks")
+    return Cost("ours-dense-chunked" if dense_teacher else "ours-chunked", flops, flops,
+                passes + dw_bytes + backward, memory, note=f"C={C}, {chunks} chunks")
 
 
 # --------------------------------------------------------------------------------------------- no-logits designs
