@@ -143,13 +143,15 @@ class DistillationModel(nn.Module):
             weights, metrics = self._importance_weights(hidden, head, row, stale)
         if drifting is not None and self.freshness_scale is not None and bool(drifting.any()):
             weights, metrics = self._freshness_weights(hidden, head, row, drifting, weights, metrics)
+        sampled = None  # log π_T of the sampled tokens, computed once for the position weights and the loss
         if self.position_gamma is not None and not divergence:
-            weights, metrics = self._position_weights(hidden, head, row, weights, metrics)
+            sampled = self._sampled_teacher_logprobs(hidden, head, row)
+            weights, metrics = self._position_weights(row, sampled, weights, metrics)
         cross = cross_tokenizer_rows(row, self.cross_teachers)
         if cross is not None and bool(cross.any()):
             return self._with_cross_tokenizer(hidden, head, row, ids, lps, mask, weights, metrics, cross, divergence)
         if self.loss_type in SAMPLED_TOKEN_LOSS_TYPES and not divergence:
-            return self._policy_gradient(hidden, head, row, weights, metrics)
+            return self._policy_gradient(hidden, head, row, weights, metrics, teacher=sampled)
         if self.loss_type in QUERY_LOSS_TYPES and not divergence:
             return self._query_estimator(hidden, head, row, weights, metrics)
         if not row.teacher_hidden:
@@ -239,12 +241,13 @@ class DistillationModel(nn.Module):
 
     def _policy_gradient(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
                          weights: torch.Tensor | None, metrics: dict[str, float],
-                         cross_pg: Any = None) -> tuple[Any, dict[str, float]]:
+                         cross_pg: Any = None, teacher: torch.Tensor | None = None) -> tuple[Any, dict[str, float]]:
         """``reverse_kl_pg`` (or ``topd_pg``: TOP-D's advantages, the row's samples the group) on the positions
-        whose sampled token the teacher scored; returns a :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds
-        the reverse-KL estimate) and its metrics (over these positions and, given ``cross_pg``, the
-        cross-tokenizer groups' statistics too)."""
-        teacher = self._sampled_teacher_logprobs(hidden, head, row)
+        whose sampled token the teacher scored (``teacher``: their log π_T when already computed); returns a
+        :class:`SparseJSDOutput`-shaped result (``jsd_sum`` holds the reverse-KL estimate) and its metrics (over
+        these positions and, given ``cross_pg``, the cross-tokenizer groups' statistics too)."""
+        if teacher is None:
+            teacher = self._sampled_teacher_logprobs(hidden, head, row)
         scored = torch.isfinite(teacher).nonzero().squeeze(1)
         ratio = self.pg_importance_ratio
         advantages = None
@@ -323,13 +326,12 @@ class DistillationModel(nn.Module):
                    "sample/freshness_tokens_total": float(index.numel())}
         return out if weights is None else weights * out, metrics
 
-    def _position_weights(self, hidden: torch.Tensor, head: HeadOperands, row: PackedRow,
-                          weights: torch.Tensor | None,
+    def _position_weights(self, row: PackedRow, teacher: torch.Tensor, weights: torch.Tensor | None,
                           metrics: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
         """``weights`` (None: 1) times IW-OPD's position weights of each sample of the row
-        (:func:`~fastdistill.loss.opd_levers.packed_position_weights`: a = log π_T − log μ of the sampled token, a
-        position whose token the teacher did not score counting as a = 0), and their mean and minimum."""
-        teacher = self._sampled_teacher_logprobs(hidden, head, row)
+        (:func:`~fastdistill.loss.opd_levers.packed_position_weights`: a = log π_T − log μ of the sampled token,
+        ``teacher`` (M,) its log π_T, a position whose token the teacher did not score counting as a = 0), and their
+        mean and minimum."""
         position = packed_position_weights(teacher, row.rollout_logprobs, row.token_sample,
                                            self.position_gamma).float()
         if position.numel():
