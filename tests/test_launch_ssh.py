@@ -28,7 +28,14 @@ import yaml
 
 from fastdistill_testing import sshd as sshd_module
 from fastdistill_testing.cluster import NetnsCluster, require_netns, wait_for
-from fastdistill_testing.sshd import SSHD, ClientKey, command_name, processes_with_variable, require_sshd
+from fastdistill_testing.sshd import (
+    SSHD,
+    ClientKey,
+    command_name,
+    process_state,
+    processes_with_variable,
+    require_sshd,
+)
 
 KEEPALIVE_S = 6.0  # the launcher's keep-alive: the remote side stops its command after 6 s without it
 STOP_GRACE_S = 3.0  # SIGTERM to SIGKILL on the remote side
@@ -89,6 +96,40 @@ def test_require_sshd_fails_instead_of_skipping_when_required(monkeypatch):
     monkeypatch.delenv("FASTDISTILL_REQUIRE_NETNS")
     with pytest.raises(pytest.skip.Exception, match="no sshd here"):
         require_sshd()
+
+
+SLEEPER = "import os, pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(600)"
+
+
+def supervised_sleeper(tmp_path: Path, *, stderr) -> tuple[subprocess.Popen, int]:
+    """``fastdistill supervise --keepalive-s 2`` around a sleeper, its stdin a pipe of the test's; returns the
+    supervisor and the sleeper's pid once it runs."""
+    pid_file = tmp_path / f"sleeper-{secrets.token_hex(4)}"
+    supervisor = subprocess.Popen([sys.executable, "-m", "fastdistill.cli", "supervise", "--grace-s", "2",
+                                   "--keepalive-s", "2", "--", sys.executable, "-c", SLEEPER, str(pid_file)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), timeout_s=120, what="the sleeper's start")
+    return supervisor, int(pid_file.read_text())
+
+
+def test_the_supervisor_stops_its_command_when_stdin_ends_or_stays_silent_even_with_its_stderr_gone(tmp_path):
+    """The keep-alive without ssh: stdin closed -> stopped; stdin open but silent for keepalive_s -> stopped; and
+    so when its stderr is a closed pipe (an ssh session already gone: its message must not stop the stop)."""
+    supervisor, sleeper = supervised_sleeper(tmp_path, stderr=subprocess.PIPE)
+    supervisor.stdin.write(b"\n")  # a keep-alive byte: nothing happens
+    supervisor.stdin.flush()
+    supervisor.stderr.close()  # the channel its messages went to is gone
+    supervisor.stdin.close()
+    assert supervisor.wait(timeout=120) == 143  # 128 + SIGTERM: the command was stopped
+    assert process_state(sleeper) in (None, "Z")
+
+    supervisor, sleeper = supervised_sleeper(tmp_path, stderr=subprocess.PIPE)
+    try:
+        assert supervisor.wait(timeout=120) == 143  # nothing on stdin for 2 s (a hang guard only)
+        assert "nothing on stdin for 2 s" in supervisor.stderr.read().decode()
+        assert process_state(sleeper) in (None, "Z")
+    finally:
+        supervisor.stdin.close()
 
 
 @pytest.fixture
