@@ -150,12 +150,13 @@ class Cluster:
 
     def prefix(self, host: str) -> list[str]:
         """The exec prefix for ``host``; over ssh with a keep-alive, ssh's own probes are added before the host
-        (``ServerAliveInterval`` = ``keepalive_s / 3``, 3 probes: the launcher's ssh ends within about
-        ``keepalive_s`` of a cut link; options the prefix sets itself come first and win)."""
+        (``ServerAliveInterval`` = ``keepalive_s / 4``, ``ServerAliveCountMax`` 3: ssh probes after each interval
+        of silence and gives up when a fourth finds three unanswered, so the launcher's ssh ends about
+        ``keepalive_s`` after a cut link; options the prefix sets itself come first and win)."""
         prefix = [part.replace("{host}", host) for part in self.exec_prefix]
         if self.over_ssh and self.keepalive_s is not None:
             at = next((i for i, part in enumerate(self.exec_prefix) if "{host}" in part), len(prefix))
-            interval = max(1, math.ceil(self.keepalive_s / SSH_SERVER_ALIVE_COUNT))
+            interval = max(1, math.ceil(self.keepalive_s / (SSH_SERVER_ALIVE_COUNT + 1)))
             prefix[at:at] = ["-o", f"ServerAliveInterval={interval}", "-o",
                              f"ServerAliveCountMax={SSH_SERVER_ALIVE_COUNT}"]
         return prefix

@@ -130,8 +130,9 @@ def test_the_example_config_gives_ssh_commands_that_hold_no_key(tmp_path):
     servers = cluster.server_commands()
     assert sorted(servers) == ["student", "teacher-default-0", "teacher-default-1"]
     host, command = servers["student"]
-    # ssh's own keep-alive probes (keepalive_s 30 s: 3 probes 10 s apart) before the host, then one shell string
-    assert host == "gpu-node-3" and command[:6] == ["ssh", "-o", "ServerAliveInterval=10", "-o",
+    # ssh's own keep-alive probes (keepalive_s 30 s: probes 8 s apart, given up after 3 unanswered) before the host,
+    # then one shell string
+    assert host == "gpu-node-3" and command[:6] == ["ssh", "-o", "ServerAliveInterval=8", "-o",
                                                      "ServerAliveCountMax=3", "gpu-node-3"] and len(command) == 7
     argv = shlex.split(command[6])  # what the remote shell runs: the server under the host's supervisor
     supervisor = argv.index("supervise")

@@ -37,7 +37,7 @@ from fastdistill_testing.sshd import (
     require_sshd,
 )
 
-KEEPALIVE_S = 6.0  # the launcher's keep-alive: the remote side stops its command after 6 s without it
+KEEPALIVE_S = 10.0  # the remote side stops its command 10 s after the launcher goes silent (ssh probes 3 s apart)
 STOP_GRACE_S = 3.0  # SIGTERM to SIGKILL on the remote side
 MARKER = "FASTDISTILL_SSH_TEST_MARKER"
 # `fastdistill` on the remote hosts: the real `fastdistill supervise`; a server: a child (its engine core), then wait
