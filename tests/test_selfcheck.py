@@ -335,3 +335,19 @@ def test_a_design_that_fails_at_the_caller_s_shape_is_refused_there(monkeypatch,
     with pytest.warns(RuntimeWarning, match="sparse/triton-chunked float32 refused.*timing at sparse.*shared memory"):
         assert routing.route("sparse", _pairs(), k=4) == routing.Route("triton")
     assert len(spy.checked) == 2
+
+
+def test_the_cli_can_fill_the_cache_ahead_of_a_job(monkeypatch, gpu):
+    """``--write-cache`` stores every dtype's verdicts under the key auto computes, so the job's first call checks
+    nothing (the dense rehearsal here)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", selfcheck.DIR_ENV: str(gpu)}
+    out = subprocess.run([sys.executable, "-m", "fastdistill_kernels.selfcheck", "--loss", "dense", "--write-cache"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (file,) = gpu.glob("*.json")
+    assert set(json.loads(file.read_text())["verdicts"]) == {
+        f"dense/{b} {t}" for b in ("triton-chunked", "triton") for t in ("bfloat16", "float32")}
+    spy = Spy(monkeypatch, times={"triton": 1.0, "triton-chunked": 2.0})
+    (h, w), = _pairs()
+    assert routing.route("dense", ((h, w), (torch.randn(40, 12), torch.randn(310, 12)))) == routing.Route("triton")
+    assert spy.checked == [] and sorted(spy.timed) == ["triton", "triton-chunked"]
