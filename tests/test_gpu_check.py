@@ -388,3 +388,24 @@ def test_the_record_is_written_from_the_tree_that_ran(tmp_path):
     assert state.validated
     assert validation.design_state("sparse", "triton", record=record, triton_version=triton.__version__).\
         changed_modules == ("config",)  # this tree (8 warps) is not what ran
+
+
+@pytest.mark.slow
+def test_the_launch_record_merges_the_xdist_workers(tmp_path):
+    """On the GPU the kernel tests run under pytest-xdist: each worker writes its part, the controller merges them
+    (a pattern failed on any worker failed) and leaves one file."""
+    pytest.importorskip("xdist")
+    pytest.importorskip("triton")
+    (tmp_path / "test_launches.py").write_text(LAUNCHING_TESTS)
+    out = tmp_path / "launch-record.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "kernels"), str(ROOT / "benchmarks")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "-p",
+                           "launch_record", f"--launch-record={out}", "test_launches.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-3000:]
+    launches = json.loads(out.read_text())
+    assert launches["patterns"] == {"sparse": {"triton": {
+        "hidden=fp32:grad weight=fp32:grad bias=None": "passed", "hidden=fp32:grad weight=fp32 bias=None": "failed"}}}
+    assert launches["tests_that_launched"] == {"passed": 1, "failed": 1}
+    assert [p.name for p in tmp_path.glob("launch-record.json*")] == ["launch-record.json"]
