@@ -61,6 +61,7 @@ Path(os.environ["FASTDISTILL_SSH_TEST_READY"], f"trainer-{node}-{os.getpid()}").
 time.sleep(600)
 """
 REMOTE_COMMANDS = 4  # student, teacher, two trainer nodes
+SSH_SERVER = ("sshd", "sshd-session", "sshd-auth")  # the server's processes (OpenSSH 9.8+ splits the session out)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Run:
         connection was cut: sshd keeps it until its TCP gives up; it holds nothing of the run)."""
         found = {}
         for name, host in self.cluster.hosts.items():
-            names = [f"{pid}:{command_name(pid)}" for pid in host.pids() if command_name(pid) != "sshd"]
+            names = [f"{pid}:{command_name(pid)}" for pid in host.pids() if command_name(pid) not in SSH_SERVER]
             if names:
                 found[name] = names
         return found
