@@ -296,8 +296,9 @@ def test_the_public_flag_says_whether_every_design_is_validated(monkeypatch):
 
 def test_auto_without_the_self_check_runs_the_torch_path_on_todays_tree(monkeypatch, tmp_path):
     """The committed record, read for real on the triton that ran (3.6): no design of today's tree is validated, so
-    ``backend="auto"`` on a CUDA device with the self-check off takes the torch path; a record of today's own sources
-    (a stand-in for the next GPU run) gives it the chunked design back."""
+    ``backend="auto"`` on a CUDA device with the self-check off takes the torch path, with a warning naming each
+    design's reason; a record of today's own sources (a stand-in for the next GPU run) gives it the chunked design
+    back."""
     monkeypatch.setattr(routing, "_is_cuda", lambda x: True)
     monkeypatch.setattr(routing, "free_device_bytes", lambda device: 40 * 2**30)
     monkeypatch.setattr(routing, "total_device_bytes", lambda device: 80 * 2**30)
@@ -323,7 +324,11 @@ def test_auto_without_the_self_check_runs_the_torch_path_on_todays_tree(monkeypa
             validation._record_patterns.cache_clear()
         return taken.pop()
 
-    assert auto(validation.RECORD_FILE) == "torch"
+    routing._WARNED.clear()
+    with pytest.warns(UserWarning, match=r"runs the torch path for the sparse loss on CUDA.*triton-chunked: "
+                      r"changed since the GPU run: backward.*triton: changed since the GPU run: backward"):
+        assert auto(validation.RECORD_FILE) == "torch"
+    routing._WARNED.clear()
     today = validation.new_record({"commit": "next"}, validation.run_keys(triton_version=RAN_TRITON),
                                   {"sparse": {"triton-chunked": {SPARSE_BF16: "passed"}}})
     path = tmp_path / "validated.json"

@@ -11,7 +11,7 @@ to its default that fits; the fused design's workspace is bounded by its tile co
   call per device key, or read from its cache; the committed record spares the check of a design it validated on
   this compute capability), fastest first at the caller's shape class; a refused design is never picked;
 - under ``FASTDISTILL_SELFCHECK=0``, the designs the committed record validated
-  (:func:`fastdistill_kernels.validation.is_validated`), chunked first;
+  (:func:`fastdistill_kernels.validation.is_validated`), chunked first; when none is, a warning says why;
 - under ``FASTDISTILL_TRITON=1``, every design, chunked first, unchecked.
 
 Otherwise, and always under ``FASTDISTILL_TRITON=0``, CPU tensors or other dtypes: the torch path.
@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
-from fastdistill_kernels.validation import is_validated
+from fastdistill_kernels.validation import design_state, is_validated
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TRITON_ENV = "FASTDISTILL_TRITON"  # "1": auto may pick any design, unchecked; "0": auto never picks kernels
@@ -91,7 +92,26 @@ def kernel_designs_allowed(loss: str, pairs=None, k: int | None = None, fitting=
 
         if selfcheck.enabled():
             return selfcheck.auto_designs(loss, pairs, tuple(fitting), k)
-    return [b for b in DESIGN_ORDER if is_validated(loss, b)]
+    allowed = [b for b in DESIGN_ORDER if is_validated(loss, b)]
+    if pairs is not None and not allowed:
+        _warn_unvalidated(loss)
+    return allowed
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unvalidated(loss: str) -> None:
+    """Say once per process and loss why ``auto`` runs the torch path on CUDA without the self-check: no design of
+    the record matches what is installed (each design's reason)."""
+    if loss in _WARNED:
+        return
+    _WARNED.add(loss)
+    why = "; ".join(f"{b}: {design_state(loss, b).reason()}" for b in DESIGN_ORDER)
+    warnings.warn(f"backend='auto' runs the torch path for the {loss} loss on CUDA: with the self-check off "
+                  f"(FASTDISTILL_SELFCHECK=0) it takes only designs the committed GPU record validated, and none "
+                  f"matches what is installed ({why}). Turn the self-check on, or set {TRITON_ENV}=1 to run them "
+                  "unchecked.", stacklevel=5)  # the loss's caller
 
 
 def kernels_usable(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
