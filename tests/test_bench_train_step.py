@@ -251,6 +251,10 @@ def test_the_prediction_beside_a_measured_step_is_the_table_s(bench):
     assert bench.predicted_ms("qwen2.5-1.5b", "ce", summary) == pytest.approx(
         common + predict.ce_loss_ms("qwen2.5-1.5b", row["trained"]))
     assert bench.predicted_ms("tiny", "auto", summary) is None
+    calibrated = predict.predict("qwen2.5-1.5b", row)  # and calibrated, as the table prints beside it
+    assert bench.predicted_ms("qwen2.5-1.5b", "torch", summary, calibrated=True) == pytest.approx(
+        sum(p["ms_calibrated"] for name, p in calibrated.items() if not name.startswith("loss"))
+        + calibrated[predict.LOSS_TORCH]["ms_calibrated"])
 
 
 def parts_budget() -> int:
