@@ -465,13 +465,14 @@ def step_train(ctx: Context, timeout_s: float) -> dict:
 
 def step_selfcheck(ctx: Context, timeout_s: float) -> dict:
     """``python -m fastdistill_kernels.selfcheck``: what ``backend="auto"`` runs on a user's first call, from a cold
-    cache folder of its own (dry run: the interpreter rehearsal). Passes when every design passed; its verdicts,
-    worst error / tolerance, times and wall time (the check's cost, compiles included) go into the JSON."""
+    cache folder of its own (dry run: the interpreter rehearsal in fp32, the quickest). Passes when every design
+    passed; its verdicts, worst error / tolerance, times and wall time (the check's cost, compiles included) go into
+    the JSON."""
     out = ctx.workdir / "selfcheck.json"
     cache = ctx.workdir / "selfcheck-cache"
     extra = {"FASTDISTILL_SELFCHECK_DIR": str(cache)} | ({"TRITON_INTERPRET": "1"} if ctx.args.dry_run else {})
-    res = run_command([ctx.python, "-m", "fastdistill_kernels.selfcheck", "--json", str(out)], timeout_s,
-                      env=ctx.env(**extra))
+    cmd = [ctx.python, "-m", "fastdistill_kernels.selfcheck", "--json", str(out)]
+    res = run_command([*cmd, "--dtype", "float32"] if ctx.args.dry_run else cmd, timeout_s, env=ctx.env(**extra))
     data = json.loads(out.read_text()) if out.exists() else {}
     designs = data.get("designs", {})
     ok = res["rc"] == 0 and bool(designs) and all(d["passed"] for d in designs.values())

@@ -10,7 +10,8 @@ validated on this compute capability skip the correctness part. In a distributed
 
     FASTDISTILL_SELFCHECK=0          auto uses the committed record only (no check, no timing)
     FASTDISTILL_SELFCHECK_DIR=DIR    where the verdicts are kept (default $XDG_CACHE_HOME/fastdistill/selfcheck)
-    python -m fastdistill_kernels.selfcheck [--loss sparse dense] [--inject-fault DESIGN] [--json PATH]
+    python -m fastdistill_kernels.selfcheck [--loss sparse dense] [--dtype bfloat16 float32] [--inject-fault DESIGN]
+                                            [--time N,D,V,K] [--json PATH] [--write-cache]
 """
 
 from __future__ import annotations
@@ -378,6 +379,8 @@ _FAULTS: dict[str, cases.Fault] = {}
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loss", nargs="+", choices=("sparse", "dense"), default=["sparse", "dense"])
+    p.add_argument("--dtype", nargs="+", choices=("bfloat16", "float32", "float16"), default=list(CHECK_DTYPES),
+                   help="operand dtypes to check (default: bfloat16 float32)")
     p.add_argument("--inject-fault", action="append", default=[], metavar="LOSS/BACKEND",
                    help="rehearse the failing path: this design's dW loses its last vocabulary tile")
     p.add_argument("--time", default=None, metavar="N,D,V,K",
@@ -407,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         for backend in BACKENDS:
             name = design_name(loss, backend)
             fault = cases.drop_vocabulary_tail if name in args.inject_fault else None
-            for dtype in CHECK_DTYPES:
+            for dtype in args.dtype:
                 vname = verdict_name(loss, backend, dtype)
 
                 def on_case(case: str, ratio: float, detail: str, vname=vname) -> None:
@@ -436,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             cls = shape_class(loss, pairs, k if loss == "sparse" else None)
             for backend in BACKENDS:
                 vname = verdict_name(loss, backend, dtype_name(dtype))
-                if not report["designs"][vname]["passed"]:
+                if not report["designs"].get(vname, {}).get("passed"):
                     continue
                 seconds = time_design(loss, backend, x)
                 entry["timings"].setdefault(cls, {})[backend] = seconds
