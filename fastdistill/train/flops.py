@@ -1,24 +1,9 @@
-"""Model FLOPs utilisation of a training step: the useful matmul FLOPs it did, and the accelerator's dense peak.
-
-A step's FLOPs (:class:`StepFlopsModel`, read once from the model) count useful work only, per part:
-
-- the decoder blocks' linear layers: ``2·in·out`` forward FLOPs per forwarded token each; the backward adds the
-  activation gradient (``2·in·out``) and, for a trainable weight, the weight gradient (``2·in·out``): 3× the forward
-  for trainable weights, 2× for frozen ones (LoRA's base weights: no weight gradient);
-- the lm_head (``2·D·V`` forward per position) on the **trained positions only**: the loss projects only those
-  (3× trainable, 2× frozen);
-- a mixture-of-experts block's experts at the ``top_k`` of them each token is routed to, not all of them (its
-  router, ``2·D·E``, for every token);
-- attention scores and their weighted sum (``4·heads·head_dim`` forward per query-key pair and layer) over the
-  causal pairs of each packed sample, ``Σ L·(L+1)/2`` (a sliding-window layer only the pairs within its window):
-  samples of a packed row do not attend to each other; the backward is 2× the forward (dQ, dK, dV, dP).
-
-Not counted: element-wise work (norms, activations, softmax, the loss's own arithmetic beyond its logits GEMM),
-recomputation (gradient checkpointing, a backward that recomputes logits or attention tiles) and masked-out tiles.
-
-``peak_flops`` returns the datasheet's dense bf16/fp16 rate, or None on CPU and unknown accelerators (no MFU is
-logged there rather than a made-up one). The step's metrics say which rate they divide by:
-``perf/mfu_fwd_bwd_datasheet`` and ``perf/mfu_wall_clock_datasheet`` (% of the datasheet peak of every rank's device).
+"""Model FLOPs utilisation of a training step: the useful matmul FLOPs it did (:class:`StepFlopsModel`, read once
+from the model) in % of the accelerator's datasheet dense peak (:func:`peak_flops`; None on CPU and unknown devices:
+no MFU rather than a made-up one). Useful work: linear layers 3× their forward when trained, 2× when frozen; the
+lm_head on the trained positions only; mixture-of-experts experts at their top-k; attention over each packed
+sample's causal pairs, within its window in a sliding-window layer; no recomputation (docs/train.md, "Where the
+time goes", spells it out).
 """
 
 from __future__ import annotations
