@@ -268,6 +268,7 @@ class StubVLLM:
 
     def __init__(self, routes: dict):
         calls = self.calls = []
+        self.routes = routes  # a test may change an answer later
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
@@ -335,7 +336,8 @@ def test_failed_start_resumes_the_server():
         sync._initialized, sync._channel = True, object()  # as if init() had succeeded
         with pytest.raises(WeightSyncError, match="--weight-transfer-config"):
             sync.push(tiny_model(tied=False), version=1)
-        assert [path for _, path, _ in stub.calls] == ["/pause?mode=keep", "/start_weight_update", "/resume"]
+        assert [path for _, path, _ in stub.calls] == ["/pause?mode=keep&clear_cache=true", "/start_weight_update",
+                                                       "/resume"]
     finally:
         stub.close()
 
@@ -378,6 +380,7 @@ class FakeVLLM(StubVLLM):
                 ("POST", "/resume"): (200, {"status": "resumed"}),
                 ("POST", "/collective_rpc"): self._rpc,
                 ("POST", "/update_weight_version"): (200, {"success": True}),
+                ("POST", "/reset_prefix_cache"): (200, {"success": True}),
             }
         )
 
@@ -414,8 +417,8 @@ def test_one_call_protocol_against_a_fake_server():
             metrics = sync.push(model, version=4)
         assert [path for _, path, _ in fake.calls] == [
             "/get_world_size", "/server_info?config_format=json", "/collective_rpc", "/init_weight_transfer_engine",
-            "/collective_rpc", "/update_weight_version",
-        ]  # no /pause, no /resume
+            "/collective_rpc", "/reset_prefix_cache?reset_running_requests=true", "/update_weight_version",
+        ]  # no /pause, no /resume; no KV of the old weights kept
         assert fake.calls[-1][2] == {"new_version": "4"}
         expected = dict(model.named_parameters())
         assert [name for name, _ in fake.received] == list(expected)
@@ -435,7 +438,7 @@ def test_protocol_against_a_fake_server():
             "/get_world_size",
             "/server_info?config_format=json",
             "/init_weight_transfer_engine",
-            "/pause?mode=keep",
+            "/pause?mode=keep&clear_cache=true",  # the kept requests recompute their KV under the new weights
             "/start_weight_update",
             "/update_weights",
             "/finish_weight_update",

@@ -83,6 +83,9 @@ class PackedRow:
     cross_unshared_logprobs: torch.Tensor | None = None  # float32 (M, K), ranked unshared teacher log-probs, -inf
     cross_continuation_logprob: torch.Tensor | None = None  # float32 (M,), log c_t at group starts, else 0
     cross_group_logprob: torch.Tensor | None = None  # float32 (M,), the group's teacher log-prob at starts, else 0
+    # int64 (M,): the policy version that generated each target's token (the sample's token_versions, else its
+    # model_version); None in rows built without them
+    token_versions: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -253,6 +256,9 @@ def pack_row(samples: Sequence[RolloutSample], teacher_ids: Sequence[str], *,
         query_ids=query_ids,
         query_behaviour_logprobs=query_behaviour,
         query_teacher_logprobs=query_teacher,
+        token_versions=torch.from_numpy(np.concatenate([
+            np.full(sample.teacher_topk_ids.shape[0], sample.model_version, np.int64) if sample.token_versions is None
+            else np.asarray(sample.token_versions, np.int64) for sample in samples])[keep]),
         **cross,
     )
 

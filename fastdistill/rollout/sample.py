@@ -39,6 +39,11 @@ class RolloutSample:
     - ``prompt``: the dataset row's ``prompt`` entry when it has one (for logging), else None.
     - ``completion``: decoded completion text; None here (the worker has no tokenizer).
     - ``model_version``: the policy version read when the rollout was dispatched.
+    - ``generation_started_at`` / ``generation_ended_at``: wall-clock seconds (``time.time()``) the student's request
+      was sent and answered; None where no student generated (a cache row).
+    - ``token_versions``: None, or int64 (L,), the policy version that generated each completion token (the trainer
+      derives it from the versions served while the request ran: :meth:`~fastdistill.train.staleness.PolicySteps.
+      token_versions`); None reads as ``model_version`` for every token.
     - ``prompt_id``: position in the worker's (epoch, shuffled order) stream; resuming at ``start_index=prompt_id``
       dispatches this row again. ``dataset_index``: the row's index in the dataset.
     - ``enqueued_at``: wall-clock seconds (``time.time()``) of the put into the sample queue.
@@ -72,6 +77,9 @@ class RolloutSample:
     query_behaviour_logprobs: np.ndarray | None = None
     query_teacher_logprobs: np.ndarray | None = None
     cross_targets: CrossTokenizerTargets | None = None
+    generation_started_at: float | None = None
+    generation_ended_at: float | None = None
+    token_versions: np.ndarray | None = None
 
     @classmethod
     def assemble(cls, prompt_ids: Sequence[int] | np.ndarray, generation: Generation,

@@ -88,10 +88,13 @@ def student_queries(config: RolloutConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Kept:
-    """A student generation kept for re-scoring, with the policy version it was sampled under."""
+    """A student generation kept for re-scoring, with the policy version it was sampled under and the wall-clock
+    seconds (``time.time()``) its request was sent and answered."""
 
     generation: Generation
     model_version: int
+    started_at: float | None = None
+    ended_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,7 @@ class Rollouts:
         max_tokens = config.max_tokens_at(self.current_version() if kept is None else kept.model_version)
         if kept is None:
             seed = None if config.generation_seed is None else config.generation_seed + row_index
+            sent_at = time.time()
             try:
                 generation, model_version = await generate_with_adapter(
                     self.student, row["prompt_ids"], current_version=self.current_version,
@@ -236,7 +240,7 @@ class Rollouts:
             except VLLMError as error:
                 error.server = "student"  # type: ignore[attr-defined]
                 raise
-            kept = Kept(generation, model_version)
+            kept = Kept(generation, model_version, sent_at, time.time())
         generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
         extra: dict[str, float] = {}
@@ -264,6 +268,7 @@ class Rollouts:
         sample = RolloutSample.assemble(row["prompt_ids"], generation, scores, model_version=model_version,
                                         teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=row_index,
                                         prompt=row.get("prompt"))
+        sample.generation_started_at, sample.generation_ended_at = kept.started_at, kept.ended_at
         metrics: dict[str, Any] = {
             "rollout/duration_s": finished - started,
             "rollout/score_s": finished - scoring_started,

@@ -1,9 +1,11 @@
 """Trainer side of weight sync: push a model's weights into the student's vLLM server.
 
 The HTTP sequence is vLLM's own weight-transfer API (dev mode), identical for both backends:
-``/pause?mode=keep`` -> ``/start_weight_update`` -> ``/update_weights`` (while the trainer broadcasts) ->
-``/finish_weight_update`` -> ``/resume``; or, with ``one_call=True`` (gloo), one ``/collective_rpc`` into
-fastdistill's worker extension. The broadcast goes through a channel (:mod:`fastdistill.sync.channels`).
+``/pause?mode=keep&clear_cache=true`` -> ``/start_weight_update`` -> ``/update_weights`` (while the trainer
+broadcasts) -> ``/finish_weight_update`` -> ``/resume``; or, with ``one_call=True`` (gloo), one ``/collective_rpc``
+into fastdistill's worker extension, then ``/reset_prefix_cache?reset_running_requests=true``. Either way no KV of the
+old weights outlives the sync: in-flight requests recompute theirs under the new weights (docs/sync.md, "Requests in
+flight"). The broadcast goes through a channel (:mod:`fastdistill.sync.channels`).
 """
 
 from __future__ import annotations
@@ -218,7 +220,9 @@ class VLLMWeightSync(WeightSync):
         try:
             if self._channel is None:
                 raise WeightSyncError("no weight-transfer group (a previous sync failed): call init() again")
-            self._call("POST", "/pause?mode=keep", timeout_s=CONTROL_TIMEOUT_S)
+            # clear_cache (vLLM's default, said here): the kept requests' KV and the prefix cache are dropped, so their
+            # later tokens attend to KV recomputed under the new weights (docs/sync.md, "Requests in flight")
+            self._call("POST", "/pause?mode=keep&clear_cache=true", timeout_s=CONTROL_TIMEOUT_S)
             paused = True
             pause_s = time.perf_counter() - start
             transfer_start = time.perf_counter()
@@ -281,6 +285,12 @@ class VLLMWeightSync(WeightSync):
         except _TransferFailed as failure:
             raise failure.error from failure.cause
         transfer_s = time.perf_counter() - start - barrier_s
+        # the update leaves every KV block of the old weights in place: the requests in flight would attend to it and
+        # new ones would read it from the prefix cache; drop it, running requests recompute theirs
+        reset = self._call("POST", "/reset_prefix_cache?reset_running_requests=true", timeout_s=CONTROL_TIMEOUT_S)
+        if not (isinstance(reset, dict) and reset.get("success")):
+            raise WeightSyncError(f"{self.base_url}/reset_prefix_cache answered {reset!r:.200} after the weight "
+                                  "update: the server may still serve KV of the previous weights")
         self._call("POST", "/update_weight_version", {"new_version": str(version)})
         return {
             "perf/weight_sync_s": time.perf_counter() - start,

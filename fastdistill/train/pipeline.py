@@ -283,7 +283,8 @@ def open_source(config: Any, *, world_size: int, samples: Any, cache: Any, offli
     worker.model_version = model_version
     worker.start()
     source: Any = WorkerSource(worker, max_staleness=config.max_staleness, stale_policy=config.stale_policy,
-                               heartbeat_stale_after_s=config.heartbeat_stale_after_s, policy=policy)
+                               heartbeat_stale_after_s=config.heartbeat_stale_after_s, policy=policy,
+                               staleness_unit=config.staleness_unit)
     if cache is not None:
         source = MixedSource(source, cache_source(cache, config, rollout_state, total_prompts, on_policy), on_policy,
                              first_prompt=rollout_state.prompt_index,

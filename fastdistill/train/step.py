@@ -218,12 +218,16 @@ class TrainStep:
         return int(scored_positions(*support)) + dense + groups
 
     def _position_staleness(self, row: PackedRow, model_version: int) -> torch.Tensor:
-        """(M,) int64: the optimizer steps each trained position's sample lags the trainer's weights."""
+        """(M,) int64: the optimizer steps each trained position lags the trainer's weights: its sample's
+        (``staleness_unit="sample"``) or its token's (``"token"``: the version that generated it)."""
+        by_token = self.config.staleness_unit == "token" and row.token_versions is not None
+        versions = (row.token_versions if by_token else row.model_versions).cpu()
         if self.policy is not None:
-            staleness = torch.from_numpy(self.policy.staleness_array(row.model_versions))
+            staleness = torch.from_numpy(self.policy.staleness_array(versions))
         else:
-            staleness = model_version - row.model_versions.cpu()
-        return staleness.to(row.token_sample.device)[row.token_sample]
+            staleness = model_version - versions
+        staleness = staleness.to(row.token_sample.device)
+        return staleness if by_token else staleness[row.token_sample]
 
     def _stale_positions(self, staleness: torch.Tensor) -> torch.Tensor | None:
         """(M,) bool: the positions the importance ratio weights, those more than ``max_staleness`` optimizer steps

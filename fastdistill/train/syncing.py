@@ -76,6 +76,7 @@ class WeightSyncSchedule:
         with self.clock.phase("weight_sync"):
             timings = dict(self.weight_sync.push(self.servable(), self.model_version + 1) or {})
         self.policy.pushed(self.model_version + 1)
+        self.policy.served(self.model_version)
         if self.on_served is not None:
             self.on_served(self.model_version)
         if self.config.verify_weight_sync and self.probes:
@@ -109,6 +110,7 @@ class WeightSyncSchedule:
 
         def push() -> dict[str, float]:
             result = self.weight_sync.push(snapshot, version)
+            self.policy.served(version)
             if self.on_served is not None:
                 self.on_served(version)
             return result
