@@ -31,6 +31,7 @@ from fastdistill.train.config_checks import (
     validate_rank_heartbeat,
     validate_servers,
     validate_staleness,
+    validate_teacher_cache,
 )
 from fastdistill.train.config_checks import at_least as _at_least
 from fastdistill.train.config_checks import check as _check
@@ -271,7 +272,7 @@ class AsyncDistillationConfig:
         _at_least(self, 0, "max_staleness", "warmup_steps", "lora_r")
         _check(self.eval_steps is None or (_is_int(self.eval_steps) and self.eval_steps >= 1), "eval_steps",
                self.eval_steps, "None (at the start and the end) or an int >= 1")
-        self._validate_teacher_cache()
+        validate_teacher_cache(self)
         _positive(self, "lora_alpha")
         _check(not (self.lora_sync == "adapter" and not self.lora_r), "lora_sync", self.lora_sync,
                "'merged' when lora_r=0 (adapter sync needs LoRA training: set lora_r > 0)")
@@ -321,36 +322,6 @@ class AsyncDistillationConfig:
         for name in ("model_init_kwargs", "chat_template_kwargs"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, Mapping), name, value, "None or a mapping")
-
-    def _validate_teacher_cache(self) -> None:
-        """``teacher_cache`` replaces the servers: the options that need them, or the rollout policy's log-probs, are
-        refused with the reason."""
-        cache = self.teacher_cache
-        _range(self, "lmbda", 0.0, 1.0)
-        _check(self.lmbda == 0.0 or cache is not None, "lmbda", self.lmbda,
-               "0.0 without teacher_cache (it is the on-policy share of a run that mixes in a teacher cache)")
-        if self.lmbda_final is not None:
-            _range(self, "lmbda_final", 0.0, 1.0)
-            _check(cache is not None, "lmbda_final", self.lmbda_final,
-                   "None without teacher_cache (it is where the on-policy share of a run that mixes in a teacher "
-                   "cache ends)")
-        if cache is None:
-            return
-        _check(isinstance(cache, str) and cache != "", "teacher_cache", cache, "None or a cache folder path")
-        why = "a cached completion was not sampled by the student: it has no rollout policy log-prob"
-        _check(self.train_dataset is None, "train_dataset", self.train_dataset,
-               "None with teacher_cache (the cache holds the training rows, and their prompts when lmbda > 0)")
-        _check(self.loss_type == "jsd", "loss_type", self.loss_type, f"'jsd' with teacher_cache ({why})")
-        _check(self.stale_policy == "drop", "stale_policy", self.stale_policy, f"'drop' with teacher_cache ({why})")
-        _check(self.async_mode or not self.mixes_on_policy, "async_mode", self.async_mode,
-               "True with teacher_cache and lmbda > 0 or lmbda_final > 0 (the mixed run takes its on-policy share "
-               "from the rollout worker)")
-        if not self.mixes_on_policy:  # the cache alone: no server at all
-            _check(self.eval_dataset is None, "eval_dataset", self.eval_dataset,
-                   "None with teacher_cache and lmbda=0 (held-out evaluation asks a student server serving the "
-                   "trained weights; evaluate the exported model with fastdistill eval, or set lmbda > 0)")
-            _check(not self.verify_weight_sync, "verify_weight_sync", self.verify_weight_sync,
-                   "False with teacher_cache and lmbda=0 (no student server is synced)")
 
     def _validate_teacher_signal(self) -> None:
         """``teacher_signal``, ``teacher_hidden_dtype`` and ``teacher_model_paths``, and the options a hidden-state

@@ -57,6 +57,37 @@ def validate_loss_options(config: Any) -> None:
               f"0 with loss_type={loss!r} (only {list(QUERY_LOSS_TYPES)} read student queries)")
 
 
+def validate_teacher_cache(config: Any) -> None:
+    """``teacher_cache`` replaces the servers: the options that need them, or the rollout policy's log-probs, are
+    refused with the reason."""
+    cache = config.teacher_cache
+    value_range(config, "lmbda", 0.0, 1.0)
+    check(config.lmbda == 0.0 or cache is not None, "lmbda", config.lmbda,
+          "0.0 without teacher_cache (it is the on-policy share of a run that mixes in a teacher cache)")
+    if config.lmbda_final is not None:
+        value_range(config, "lmbda_final", 0.0, 1.0)
+        check(cache is not None, "lmbda_final", config.lmbda_final,
+              "None without teacher_cache (it is where the on-policy share of a run that mixes in a teacher "
+              "cache ends)")
+    if cache is None:
+        return
+    check(isinstance(cache, str) and cache != "", "teacher_cache", cache, "None or a cache folder path")
+    why = "a cached completion was not sampled by the student: it has no rollout policy log-prob"
+    check(config.train_dataset is None, "train_dataset", config.train_dataset,
+          "None with teacher_cache (the cache holds the training rows, and their prompts when lmbda > 0)")
+    check(config.loss_type == "jsd", "loss_type", config.loss_type, f"'jsd' with teacher_cache ({why})")
+    check(config.stale_policy == "drop", "stale_policy", config.stale_policy, f"'drop' with teacher_cache ({why})")
+    check(config.async_mode or not config.mixes_on_policy, "async_mode", config.async_mode,
+          "True with teacher_cache and lmbda > 0 or lmbda_final > 0 (the mixed run takes its on-policy share "
+          "from the rollout worker)")
+    if not config.mixes_on_policy:  # the cache alone: no server at all
+        check(config.eval_dataset is None, "eval_dataset", config.eval_dataset,
+              "None with teacher_cache and lmbda=0 (held-out evaluation asks a student server serving the "
+              "trained weights; evaluate the exported model with fastdistill eval, or set lmbda > 0)")
+        check(not config.verify_weight_sync, "verify_weight_sync", config.verify_weight_sync,
+              "False with teacher_cache and lmbda=0 (no student server is synced)")
+
+
 def validate_opd_levers(config: Any) -> None:
     """The position weights (``position_weighting``, ``position_weight_gamma``), TOP-D's ``topd_alpha`` and the
     rollout horizon (``rollout_horizon``, ``rollout_horizon_schedule``, ``rollout_horizon_growth``; docs/loss.md and

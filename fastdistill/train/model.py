@@ -328,10 +328,8 @@ class DistillationModel(nn.Module):
 
     def _position_weights(self, row: PackedRow, teacher: torch.Tensor, weights: torch.Tensor | None,
                           metrics: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
-        """``weights`` (None: 1) times IW-OPD's position weights of each sample of the row
-        (:func:`~fastdistill.loss.opd_levers.packed_position_weights`: a = log π_T − log μ of the sampled token,
-        ``teacher`` (M,) its log π_T, a position whose token the teacher did not score counting as a = 0), and their
-        mean and minimum."""
+        """``weights`` (None: 1) times IW-OPD's position weights of the row's samples (``teacher`` (M,): log π_T of
+        the sampled tokens; :func:`~fastdistill.loss.opd_levers.packed_position_weights`), their mean and minimum."""
         position = packed_position_weights(teacher, row.rollout_logprobs, row.token_sample,
                                            self.position_gamma).float()
         if position.numel():
