@@ -1,8 +1,9 @@
 """Every wait of the trainer ranks bounded and named (fastdistill.sync.peers, train/distributed.py): the heartbeat
 names a silent rank (SIGSTOP: alive, sockets open, nothing answers) on every surviving rank long before the
-collective timeout; rank 0's long solo waits park the others in the store, so a wait longer than ``ddp_timeout``
-ends with fastdistill's own error; a weight push whose trainer peer stalls in the FSDP all-gather names that peer,
-not the student.
+collective timeout, at a store load that grows with the ranks, not their square; a rank whose own heartbeat thread
+was starved (its main thread held Python's lock) says so; rank 0's long solo waits park the others in a blocking
+store wait, so a wait longer than ``ddp_timeout`` ends with fastdistill's own error; a weight push whose trainer peer
+stalls in the FSDP all-gather names that peer, not the student.
 
 The ranks are subprocesses started like torchrun's workers (env:// rendezvous on a TCPStore this test hosts, as
 torchrun's agent does). Bounds are hang guards far above the configured heartbeat, never timings.
@@ -10,17 +11,18 @@ torchrun's agent does). Bounds are hang guards far above the configured heartbea
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import subprocess
 import sys
+import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from fastdistill.errors import LostRankError, WeightSyncError
+from fastdistill.errors import LostRankError, ServerDownError, WeightSyncError
 from fastdistill.supervise import death_signal_setter
 from fastdistill.sync import peers
 from fastdistill.sync.naming import GatherClock
@@ -39,41 +41,97 @@ class FakeClock:
         return self.now
 
 
-def watches(world_size: int, timeout_s: float = 10.0) -> tuple[list[peers.PeerWatch], FakeClock, list]:
-    store, clock, lost = dist.HashStore(), FakeClock(), []
-    made = [peers.PeerWatch(peers.prefixed(store), rank, world_size, timeout_s=timeout_s, clock=clock,
+class CountingStore:
+    """A store that counts its calls and the keys they touch, per method, and lists them in order (``ops``);
+    ``first_op`` is set on the first call."""
+
+    def __init__(self, store):
+        self.store, self.calls, self.keys, self.ops = store, Counter(), Counter(), []
+        self.first_op = threading.Event()
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            keys = args[0] if args and isinstance(args[0], list) else [args[0]] if args else []
+            self.calls[name] += 1
+            self.keys[name] += len(keys)
+            self.ops.append((name, list(keys)))
+            self.first_op.set()
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def watches(world_size: int, timeout_s: float = 10.0, store=None) -> tuple[list[peers.PeerWatch], FakeClock, list]:
+    store, clock, lost = store or peers.prefixed(dist.HashStore()), FakeClock(), []
+    made = [peers.PeerWatch(store, rank, world_size, timeout_s=timeout_s, clock=clock,
                             addresses=[f"10.0.0.{rank + 1}" for rank in range(world_size)], on_lost=lost.append)
             for rank in range(world_size)]
     for watch in made:
-        watch.beat()
+        watch.announce()
     for watch in made:
         watch.check()
     return made, clock, lost
 
 
+@pytest.mark.parametrize("world_size", [4, 256, 1024])
+def test_the_heartbeat_s_store_load_grows_with_the_ranks_not_their_square(world_size):
+    """One interval of every rank's heartbeat, counted at the store: each rank writes its beat (1 call, 1 key) and
+    reads in one call the loss key and what it watches: rank 0 every other rank's beat (N keys), the others rank 0's
+    (2 keys). So 2N calls and N + N + 2(N − 1) = 4N − 2 keys per interval. At the 2 s interval (timeouts of 10 s and
+    more): 256 ranks make 256 calls/s (511 keys/s), 1,024 ranks 1,024 calls/s (2,047 keys/s). Before, every rank read
+    every other rank's key with a call of its own: N(N + 1) calls per interval, 32,896/s at 256 ranks."""
+    store = CountingStore(peers.prefixed(dist.HashStore()))
+    made, clock, _ = watches(world_size, store=store)
+    store.calls.clear(), store.keys.clear()
+    clock.now = 2.0
+    for watch in made:
+        assert watch.round() is None
+    n = world_size
+    assert dict(store.calls) == {"set": n, "multi_get": n}
+    assert dict(store.keys) == {"set": n, "multi_get": n + 2 * (n - 1)}
+    interval = made[0].interval_s
+    assert interval == 2.0 and sum(store.calls.values()) / interval == n
+    if n == 256:
+        assert sum(store.keys.values()) / interval == 511
+    if n == 1024:
+        assert sum(store.keys.values()) / interval == 2_047
+
+
 def test_a_rank_whose_heartbeat_stops_is_named_once_silent_longer_than_the_timeout():
+    """Rank 0 finds rank 2 silent and publishes the loss once; rank 1 (which watches rank 0 only) reads it in its
+    next round and ends naming rank 2 too."""
     (w0, w1, w2), clock, _ = watches(3)
     for _ in range(3):  # rank 2 goes silent at 0; ranks 0 and 1 go on beating every 3 s
         clock.now += 3.0
-        w0.beat(), w1.beat()
-        assert w0.check() is None and w1.check() is None
+        assert w0.round() is None and w1.round() is None
     clock.now = 10.5
-    w0.beat(), w1.beat()
-    for watch in (w0, w1):
-        error = watch.check()
-        assert isinstance(error, LostRankError)
-        assert str(error).startswith(f"rank {watch.rank} lost trainer rank(s) 2 of 3 (at 10.0.0.3): no heartbeat "
-                                     "for 10 s (rank_heartbeat_timeout_s=10)")
+    assert w1.round() is None  # rank 1 does not watch rank 2; rank 0 has not looked yet
+    error = w0.round()
+    assert isinstance(error, LostRankError)
+    assert str(error).startswith("rank 0 lost trainer rank(s) 2 of 3 (at 10.0.0.3): no heartbeat for 10 s "
+                                 "(rank_heartbeat_timeout_s=10, seen by rank 0)")
+    assert str(w1.round()).startswith("rank 1 lost trainer rank(s) 2 of 3 (at 10.0.0.3): no heartbeat for 10 s")
     assert w0.silent(5.0) == [(2, 10.5)]
 
 
+def test_the_other_ranks_watch_rank_0_and_the_first_loss_found_is_the_one_every_rank_reports():
+    (w0, w1, w2), clock, _ = watches(3)
+    clock.now = 10.5  # rank 0 silent since 0; ranks 1 and 2 beat
+    assert str(w1.round()).startswith("rank 1 lost trainer rank(s) 0 of 3 (at 10.0.0.1): no heartbeat for 10 s "
+                                      "(rank_heartbeat_timeout_s=10, seen by rank 1)")
+    assert str(w2.round()).startswith("rank 2 lost trainer rank(s) 0 of 3 (at 10.0.0.1): no heartbeat for 10 s "
+                                      "(rank_heartbeat_timeout_s=10, seen by rank 1)")  # rank 1's, stored first
+
+
 def test_the_ranks_of_a_node_that_go_silent_together_are_named_together():
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = peers.prefixed(dist.HashStore()), FakeClock()
     addresses = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]  # two nodes of two ranks
-    made = [peers.PeerWatch(peers.prefixed(store), rank, 4, timeout_s=10.0, interval_s=2.0, clock=clock,
+    made = [peers.PeerWatch(store, rank, 4, timeout_s=10.0, interval_s=2.0, clock=clock,
                             addresses=addresses, on_lost=lambda error: None) for rank in range(4)]
     for watch in made:
-        watch.beat()
+        watch.announce()
     made[0].check()
     clock.now = 1.0
     made[3].beat()  # rank 3's last beat lands a second after rank 2's
@@ -89,20 +147,72 @@ def test_a_rank_done_is_no_longer_watched_and_a_failed_one_is_named_after_the_gr
     w1.stop()  # ended normally: marked done
     w2.stop(RuntimeError("boom"))
     clock.now = 5.0
-    w0.beat()
-    assert w0.check() is None  # the failure's grace: its own error path usually ends the others first
+    assert w0.round() is None  # the failure's grace: its own error path usually ends the others first
     clock.now = 15.5  # the timeout after the failure was first read
-    w0.beat()
-    error = w0.check()
-    assert str(error) == "rank 0: trainer rank 2 of 3 (at 10.0.0.3) failed: RuntimeError: boom"
+    assert str(w0.round()) == "rank 0: trainer rank 2 of 3 (at 10.0.0.3) failed: RuntimeError: boom"
     assert w0.peer_failure(2) == "RuntimeError: boom" and w0.peer_failure(1) is None
+
+
+def test_a_rank_whose_own_heartbeat_was_starved_says_so_not_that_it_lost_the_store_or_rank_0():
+    """Rank 1's main thread holds Python's lock from 4 s to 19 s: its heartbeat thread does not run. Rank 0 finds it
+    silent at 18 s and publishes the loss; when rank 1's thread runs again it reads a loss naming itself and knows
+    its own beats were 15 s apart: it says its heartbeat was starved (before: rank 0 silent for 15 s, as it read)."""
+    (w0, w1), clock, _ = watches(2)
+    for now in (2.0, 4.0):
+        clock.now = now
+        assert w0.round() is None and w1.round() is None
+    for now in (6.0, 8.0, 10.0, 12.0, 14.0, 16.0):  # rank 0 read rank 1's last beat (of 4 s) at 6 s
+        clock.now = now
+        assert w0.round() is None
+    clock.now = 18.0
+    assert str(w0.round()).startswith("rank 0 lost trainer rank(s) 1 of 2 (at 10.0.0.2): no heartbeat for 12 s")
+    clock.now = 19.0
+    error = str(w1.round())
+    assert error.startswith("rank 1 of 2: its own heartbeat was starved: its heartbeat thread did not run for 15 s "
+                            "(rank_heartbeat_timeout_s=10), so rank 0 counted it lost (no heartbeat for 12 s): this "
+                            "process's main thread held Python's lock"), error
+    assert "store" not in error.split("not a lost store")[0] and "lost trainer rank" not in error
+
+
+def test_a_rank_named_lost_though_its_heartbeat_thread_ran_blames_the_way_to_the_store():
+    (w0, w1), clock, _ = watches(2)
+    clock.now = 10.5  # rank 1's beats did not reach the store (its thread ran: no gap of its own)
+    assert str(w0.round()).startswith("rank 0 lost trainer rank(s) 1 of 2")
+    assert "though its heartbeat thread ran: its heartbeats did not reach the store" in str(w1.check())
+
+
+def test_the_store_bound_counts_only_a_stall_its_thread_saw():
+    """The bounding thread declares the store lost when a round has been in flight for the timeout plus an interval
+    while it ticked; a tick that comes late (this process did not run) restarts the count."""
+    clock = FakeClock()
+    watch = peers.PeerWatch(peers.prefixed(dist.HashStore()), 1, 2, timeout_s=10.0, clock=clock,
+                            store_host="10.0.0.1:29500")
+    watch._round_started = 0.0  # a round in flight since 0
+    for now in range(2, 13, 2):
+        clock.now = float(now)
+        assert watch.bound_tick() is None
+    clock.now = 12.5
+    assert str(watch.bound_tick()).startswith("rank 1 of 2 lost the rendezvous store at 10.0.0.1:29500 (trainer "
+                                              "rank 0's host): no answer for 12 s")
+    clock.now = 0.0
+    starved = peers.PeerWatch(peers.prefixed(dist.HashStore()), 1, 2, timeout_s=10.0, clock=clock)
+    starved._round_started = 0.0
+    clock.now = 20.0  # the next tick 20 s later: the whole process was held, the store never had a chance
+    assert starved.bound_tick() is None
+    for now in (22.0, 24.0, 26.0, 28.0, 30.0):
+        clock.now = now
+        assert starved.bound_tick() is None  # 10 s seen since the late tick: not yet
+    clock.now = 32.5
+    assert "no answer for 12 s" in str(starved.bound_tick())
 
 
 def test_stop_marks_the_rank_done_after_its_last_beat():
     """The watching thread is joined before the mark is written: a beat in flight cannot overwrite "done" (the
     others would then see a silent rank at the end of a normal run)."""
     store = peers.prefixed(dist.HashStore())
-    watch = peers.PeerWatch(store, 0, 2, timeout_s=60.0, interval_s=0.001, on_lost=lambda error: None).start()
+    watch = peers.PeerWatch(store, 0, 2, timeout_s=60.0, interval_s=0.001, on_lost=lambda error: None)
+    store.set("beat/1", "1")
+    watch.start()
     watch.stop()
     assert not watch._thread.is_alive() and store.get("beat/0") == b"done"
 
@@ -124,8 +234,6 @@ def test_a_store_that_stops_answering_names_the_store_s_host():
 def test_a_store_operation_that_never_returns_is_bounded_by_the_heartbeat_timeout():
     """A TCPStore read towards a host whose link is cut blocks until TCP gives up (minutes): a second thread
     declares the store lost once the watching thread's round has not come back for the timeout."""
-    import threading
-
     release, lost_event, lost = threading.Event(), threading.Event(), []
 
     class BlockingStore:
@@ -137,8 +245,11 @@ def test_a_store_operation_that_never_returns_is_bounded_by_the_heartbeat_timeou
             if self.calls > 1:  # the first beat (start) answers; the next one never does
                 release.wait()
 
-        def check(self, keys):
-            return False
+        def compare_set(self, *args):
+            return b""
+
+        def multi_get(self, keys):
+            return [b""] * len(keys)
 
     def on_lost(error):
         lost.append(error)
@@ -188,22 +299,72 @@ def test_a_gather_stall_in_a_weight_push_names_the_silent_trainer_rank_not_the_s
         error)
 
 
-def test_a_parked_rank_reads_the_release_often_while_the_wait_is_short_and_rarely_once_it_is_long():
-    """The sleep between two reads adds at most max(1 ms, 5 % of the wait so far) to a wait, and a long wait reads
-    the store twice a second: the added latency and the store's load, against the arithmetic of the bounds."""
-    assert peers.poll_interval(0.0) == 0.001 and peers.poll_interval(0.01) == 0.001
-    for waited in (0.0, 0.005, 0.02, 0.1, 1.0, 5.0, 9.9):
-        assert peers.poll_interval(waited) <= max(0.001, 0.05 * waited)
-    assert peers.poll_interval(1.0) == pytest.approx(0.05)
-    assert peers.poll_interval(600.0) == 0.5  # rank 0's long exclusive work: two reads a second per parked rank
-    waited, reads = 0.0, 0
-    while waited < 60.0:  # a minute parked: the reads a rank makes in it
-        waited += peers.poll_interval(waited)
-        reads += 1
-    # 1 ms sleeps up to 20 ms waited (20 reads), then each sleep 5 % of the wait (×1.05 per read up to 10 s), then
-    # 0.5 s sleeps (100 reads): about 250 reads in the minute, not the 60,000 of a fixed 1 ms poll
-    bound = 20 + math.ceil(math.log(10.0 / 0.02) / math.log(1.05)) + 100 + 1
-    assert reads <= bound < 300
+# ------------------------------------------------------------------------------------------------ parking
+
+
+def parked(release: peers.MainRelease) -> tuple[threading.Thread, list]:
+    """``release.wait()`` on a thread: the thread and the list that receives its error (or None)."""
+    outcome: list = []
+
+    def run():
+        try:
+            release.wait()
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_parked_rank_blocks_in_one_store_wait_per_release_not_a_poll():
+    """Rank 1's first store call is a blocking wait on release 1's own key (before: reads of a counter, each after
+    a sleep that grew to 5 % of the wait); rank 0's release wakes it, and the key's value is its only other read."""
+    hash_store = peers.prefixed(dist.HashStore())
+    store1 = CountingStore(hash_store)
+    rank0, rank1 = peers.MainRelease(hash_store, 0, None), peers.MainRelease(store1, 1, None, check_every_s=600)
+    thread, outcome = parked(rank1)
+    assert store1.first_op.wait(timeout=60)
+    assert store1.ops[0] == ("wait", ["release/1"])
+    rank0.wait()
+    thread.join(timeout=60)
+    assert outcome == [None] and store1.ops == [("wait", ["release/1"]), ("get", ["release/1"])]
+
+
+def test_rank_0_s_failure_wakes_a_parked_rank_at_once():
+    """Rank 0 fails while rank 1 waits for its release (check_every_s 600 s, above the hang guard): the failure
+    written as the release wakes rank 1, which ends naming it."""
+    hash_store = peers.prefixed(dist.HashStore())
+    store1 = CountingStore(hash_store)
+    rank0, rank1 = peers.MainRelease(hash_store, 0, None), peers.MainRelease(store1, 1, None, check_every_s=600)
+    thread, outcome = parked(rank1)
+    assert store1.first_op.wait(timeout=60)
+    rank0.fail(ServerDownError("the student answered nothing for 600 s"))
+    thread.join(timeout=60)
+    assert isinstance(outcome[0], LostRankError) and str(outcome[0]) == (
+        "rank 1: trainer rank 0 failed while this rank waited for it: ServerDownError: the student answered nothing "
+        "for 600 s")
+
+
+def test_a_parked_rank_reads_rank_0_s_failure_mark_when_its_wait_times_out():
+    (w0, w1), _, _ = watches(2)
+    rank1 = peers.MainRelease(w1.store, 1, w1, check_every_s=0.01)
+    w0.stop(ServerDownError("down"))  # marked in its heartbeat key only
+    with pytest.raises(LostRankError, match=r"^rank 1: trainer rank 0 \(at 10.0.0.1\) failed while this rank waited "
+                                            r"for it: ServerDownError: down$"):
+        rank1.wait()
+
+
+def test_rank_0_keeps_the_last_releases_and_a_rank_behind_them_still_passes():
+    hash_store = peers.prefixed(dist.HashStore())
+    rank0, rank1 = peers.MainRelease(hash_store, 0, None), peers.MainRelease(hash_store, 1, None, check_every_s=0.01)
+    for _ in range(100):
+        rank0.wait()
+    assert not hash_store.check(["release/36"]) and hash_store.check(["release/37"])  # the last 64 kept
+    for _ in range(100):
+        rank1.wait()  # the first 36 read the counter once their wait times out
+    assert rank1.count == 100
 
 
 def test_lost_rank_error_reads_gloo_s_timeout_but_not_a_fastdistill_error_that_mentions_a_timeout():
@@ -243,6 +404,12 @@ if scenario == "stall":
         os.kill(os.getpid(), signal.SIGSTOP)
     group.all_reduce_sum(torch.ones(1))
     print("all_reduce returned", flush=True)
+elif scenario == "starve":
+    if group.rank == 1:
+        import ctypes
+        print("holding the GIL", flush=True)
+        ctypes.PyDLL(None).sleep(int(4 * heartbeat))  # a native call that keeps Python's lock: no thread runs
+    time.sleep(600)  # the main thread waits without the lock, as in a collective: the watch ends the process
 elif scenario == "long-wait":
     error = None
     try:
@@ -304,6 +471,22 @@ def test_a_stopped_rank_is_named_on_every_surviving_rank_long_before_the_collect
         assert (f"fastdistill.errors.LostRankError: rank {rank} lost trainer rank(s) 2 of 3 (at 127.0.0.1): no "
                 "heartbeat for") in outputs[rank], outputs[rank][-3000:]
         assert "all_reduce returned" not in outputs[rank]
+
+
+@pytest.mark.slow
+def test_a_rank_whose_main_thread_held_the_gil_past_the_timeout_says_its_heartbeat_was_starved(tmp_path):
+    """Rank 1's main thread holds Python's lock for 4 heartbeat timeouts (a native call through ``ctypes.PyDLL``):
+    rank 0 names rank 1 silent and ends; rank 1, once it runs again, ends saying its own heartbeat was starved, not
+    that it lost the store or rank 0."""
+    ranks = start_ranks(tmp_path, "starve", 2, ddp_timeout=600, heartbeat=2)
+    outputs = finish(ranks)
+    assert ranks[0].returncode == peers.LOST_PEER_EXIT_CODE, outputs[0][-3000:]
+    assert ("fastdistill.errors.LostRankError: rank 0 lost trainer rank(s) 1 of 2 (at 127.0.0.1): no heartbeat "
+            "for") in outputs[0], outputs[0][-3000:]
+    assert ranks[1].returncode == peers.LOST_PEER_EXIT_CODE, outputs[1][-3000:]
+    assert ("fastdistill.errors.LostRankError: rank 1 of 2: its own heartbeat was starved: its heartbeat thread "
+            "did not run for") in outputs[1], outputs[1][-3000:]
+    assert "rendezvous store" not in outputs[1] and "lost trainer rank(s) 0" not in outputs[1], outputs[1][-3000:]
 
 
 @pytest.mark.slow

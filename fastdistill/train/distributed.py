@@ -128,9 +128,12 @@ class Distributed:
         """Stop the heartbeat (marking this rank done, or failed with ``error``: the other ranks then end naming
         it) and destroy the process group if :func:`init_distributed` created it (a group made by the caller
         stays); calling it again does nothing. Every rank calls it, at the end of the run."""
+        if error is not None and self.is_main:
+            peers.release_failed(error)  # the ranks parked for rank 0 wake with its error
         if self.watch is not None:
             self.watch.stop(error)
             self.watch = None
+        if self.world_size > 1:
             peers.activate(None)
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -164,7 +167,7 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
     torch's default). A group that already exists is used as it is, and left to its creator to destroy.
 
     With several ranks and ``heartbeat_timeout_s > 0`` every rank starts a :class:`~fastdistill.sync.peers.
-    PeerWatch` (a rank silent that long ends the others, naming it) and the rank-0-only waits park the other ranks in
+    PeerWatch` (a rank silent that long ends the others, naming it); the rank-0-only waits park the other ranks in
     the store (:func:`~fastdistill.sync.peers.await_main`)."""
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
@@ -185,15 +188,18 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
     addresses: tuple[str, ...] = ()
     watch = None
     if world_size > 1:
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, _address_towards_master())
-        addresses = tuple(gathered)
         main_store = dist.distributed_c10d._get_default_store()
         release_store = peers.prefixed(main_store)
         if heartbeat_timeout_s > 0:
             store, release_store, host = _heartbeat_stores(main_store, heartbeat_timeout_s)
-            watch = peers.PeerWatch(store, rank, world_size, timeout_s=heartbeat_timeout_s, addresses=addresses,
-                                    store_host=host).start()
+            watch = peers.PeerWatch(store, rank, world_size, timeout_s=heartbeat_timeout_s, store_host=host)
+            watch.announce()  # before the collective below: every key a watch reads exists once any starts
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, _address_towards_master())
+        addresses = tuple(gathered)
+        if watch is not None:
+            watch.addresses = addresses
+            watch.start()
         peers.activate(peers.MainRelease(release_store, rank, watch))
     return Distributed(rank, world_size, device, owns_group=owns_group, addresses=addresses, timeout_s=timeout_s,
                        watch=watch, sharded=dist.is_initialized())
