@@ -387,15 +387,19 @@ def quality_report(results: dict[str, list[dict[str, Any]]], targets: dict[str, 
     print("\nTime to quality: wall time from process start (snapshot costs taken off) to the first snapshot at or "
           "below the target held-out jsd, median over repeats (- : not reached); generated tokens until then")
     print("targets: " + ", ".join(f"{name} = {value:.3f}" for name, value in quality["targets"].items()))
-    print(f"{'run':<14}" + "".join(f"{name + ' s':>16}{'tokens':>10}{'each s':>34}" for name in quality["targets"]))
+    print(f"{'run':<14}" + "".join(f"{name + ' s':>16}{'tokens':>10}{'each s':>34}{'stays s':>9}"
+                                   for name in quality["targets"]))
     for name in curves:
         cells = ""
         for target in quality["targets"]:
             seconds, tokens = quality["seconds"][name][target], quality["generated_tokens"][name][target]
+            stays = quality["sustained_seconds"][name][target]
             each = ", ".join("-" if v is None else f"{v:.1f}" for v in quality["each"][name][target])
             cells += (f"{'-' if seconds is None else f'{seconds:.1f}':>16}"
-                      f"{'-' if tokens is None else f'{tokens:.0f}':>10}{each:>34}")
+                      f"{'-' if tokens is None else f'{tokens:.0f}':>10}{each:>34}"
+                      f"{'-' if stays is None else f'{stays:.1f}':>9}")
         print(f"{name:<14}{cells}")
+    print("(stays: from when on every later snapshot stays at or below the target, median over repeats)")
     ratios: dict[str, Any] = {}
     for name in curves:
         if name != "async" and not name.startswith("async:"):

@@ -97,6 +97,15 @@ def first_crossing(curve: list[dict[str, Any]], target: float) -> dict[str, Any]
     return next((point for point in curve if point["held_out_jsd"] <= target), None)
 
 
+def sustained_crossing(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    """The first point of ``curve`` from which every later snapshot stays at or below ``target`` (the held-out jsd
+    of these small runs is not monotone: a snapshot can dip below a target that the run then leaves again), or None
+    when the last snapshot is above it."""
+    above = [i for i, point in enumerate(curve) if point["held_out_jsd"] > target]
+    start = above[-1] + 1 if above else 0
+    return curve[start] if start < len(curve) else None
+
+
 def median_or_none(values: list[float | None]) -> float | None:
     """The median with None counted as +infinity (not reached: later than any time); None when the median itself is
     not reached (with an even count, when either middle value is not)."""
@@ -121,8 +130,9 @@ def time_to_quality(curves: dict[str, list[list[dict[str, Any]]]],
     ``held_out_jsd``). The targets are the median final held-out jsd of ``trl`` and of ``sync`` (those present), or
     ``targets`` (name → jsd) when given.
     Returns ``targets`` (name → jsd), ``seconds`` and ``generated_tokens`` (contender → target → median over repeats
-    or None, ``median_or_none``), ``each`` (contender → target → per-repeat seconds or None) and ``steps`` (the
-    per-repeat steps of the crossing)."""
+    or None, ``median_or_none``), ``each`` (contender → target → per-repeat seconds or None), ``steps`` (the
+    per-repeat steps of the crossing) and ``sustained_seconds`` / ``sustained_each`` (the same for
+    ``sustained_crossing``: from when on every later snapshot stays at or below the target)."""
     if targets is None:
         targets = {name: statistics.median(final_jsd(curve) for curve in curves[owner])
                    for name, owner in TARGETS.items() if curves.get(owner)}
@@ -133,14 +143,20 @@ def time_to_quality(curves: dict[str, list[list[dict[str, Any]]]],
     tokens: dict[str, dict[str, float | None]] = {}
     each: dict[str, dict[str, list[float | None]]] = {}
     steps: dict[str, dict[str, list[int | None]]] = {}
+    sustained: dict[str, dict[str, float | None]] = {}
+    sustained_each: dict[str, dict[str, list[float | None]]] = {}
     for contender, runs in curves.items():
         for target, value in targets.items():
+            stays = [sustained_crossing(curve, value) for curve in runs]
+            sustained_each.setdefault(contender, {})[target] = [hit and hit["seconds"] for hit in stays]
+            sustained.setdefault(contender, {})[target] = median_or_none(sustained_each[contender][target])
             hits = [first_crossing(curve, value) for curve in runs]
             each.setdefault(contender, {})[target] = [hit and hit["seconds"] for hit in hits]
             steps.setdefault(contender, {})[target] = [hit and hit["step"] for hit in hits]
             seconds.setdefault(contender, {})[target] = median_or_none(each[contender][target])
             tokens.setdefault(contender, {})[target] = median_or_none([hit and hit["generated_tokens"] for hit in hits])
-    return {"targets": targets, "seconds": seconds, "generated_tokens": tokens, "each": each, "steps": steps}
+    return {"targets": targets, "seconds": seconds, "generated_tokens": tokens, "each": each, "steps": steps,
+            "sustained_seconds": sustained, "sustained_each": sustained_each}
 
 
 def ratio_or_none(numerator: float | None, denominator: float | None) -> float | None:

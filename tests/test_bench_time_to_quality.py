@@ -64,6 +64,16 @@ def test_the_first_crossing_is_the_first_snapshot_at_or_below_the_target():
     assert quality.first_crossing(points, 2.0) is None
 
 
+def test_the_sustained_crossing_is_where_the_curve_stays_at_or_below_the_target():
+    points = curve([5.0, 10.0, 15.0, 20.0], [2.4, 2.7, 2.5, 2.45])
+    assert quality.sustained_crossing(points, 2.5)["seconds"] == 15.0  # the dip at 5 s does not last
+    assert quality.sustained_crossing(points, 2.7)["seconds"] == 5.0
+    assert quality.sustained_crossing(points, 2.44) is None  # the last snapshot is above
+    report = quality.time_to_quality({"sync": [points]})
+    assert report["sustained_each"]["sync"]["sync_final"] == [20.0]  # the target is its final 2.45
+    assert report["each"]["sync"]["sync_final"] == [5.0]
+
+
 def test_the_median_counts_a_target_not_reached_as_later_than_any():
     assert quality.median_or_none([3.0, None, 1.0]) == 3.0
     assert quality.median_or_none([None, None, 1.0]) is None
