@@ -174,6 +174,12 @@ def test_a_rank_whose_own_heartbeat_was_starved_says_so_not_that_it_lost_the_sto
     assert "store" not in error.split("not a lost store")[0] and "lost trainer rank" not in error
 
 
+def test_a_loss_key_this_version_did_not_write_still_ends_the_rank_with_its_text():
+    (w0, w1), _, _ = watches(2)
+    w0.store.set("lost", "stopped by hand")
+    assert str(w1.check()) == "rank 1: another trainer rank reported a loss: b'stopped by hand'"
+
+
 def test_a_rank_named_lost_though_its_heartbeat_thread_ran_blames_the_way_to_the_store():
     (w0, w1), clock, _ = watches(2)
     clock.now = 10.5  # rank 1's beats did not reach the store (its thread ran: no gap of its own)

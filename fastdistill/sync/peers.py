@@ -36,7 +36,7 @@ LOST_PEER_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: resume with resume_from_check
 _PREFIX = "fastdistill/peers/"
 _DONE = b"done"
 _FAILED = b"failed:"
-_LOST_KEY = "lost"  # the first loss any rank found, JSON {"by", "ranks", "message"}; b"" while there is none
+_LOST_KEY = "lost"  # the first loss any rank found, JSON {"by", "ranks", "why", "message"}; b"" while there is none
 _MAX_INTERVAL_S = 2.0  # the longest time between two heartbeats (a stall's age is known to within two of them)
 _CHECK_EVERY_S = 30.0  # a parked rank's blocking wait returns this often to read rank 0's failure mark
 _KEPT_RELEASES = 64  # release keys rank 0 keeps; a rank further behind reads the release counter instead
@@ -155,7 +155,10 @@ class PeerWatch:
     def _error_of(self, value: bytes) -> LostRankError:
         """This rank's error for the stored loss ``value``: the loss as found, or, when it names this silent rank,
         what this rank knows of its own silence."""
-        loss = json.loads(value)
+        try:
+            loss = json.loads(value)
+        except ValueError:  # not written by this version: the text is all there is
+            return LostRankError(f"rank {self.rank}: another trainer rank reported a loss: {value[:500]!r}")
         if self.rank not in loss["ranks"] or loss["why"] == "failed":
             return LostRankError(f"rank {self.rank}{loss['message']}")
         told = f"rank {loss['by']} counted it lost ({loss['why']})"
