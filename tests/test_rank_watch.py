@@ -373,6 +373,22 @@ def test_rank_0_keeps_the_last_releases_and_a_rank_behind_them_still_passes():
     assert rank1.count == 100
 
 
+def test_a_restarted_attempt_does_not_see_the_previous_attempt_s_releases(monkeypatch):
+    """torchrun's agent store outlives a restart: the releases (and heartbeats) of attempt 0 are under another prefix
+    than attempt 1's, also on a store that is not a TCPStore (before, only a TCPStore's keys were per attempt)."""
+    from fastdistill.train import distributed
+
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    for made in distributed._heartbeat_stores(store, 10.0)[:2]:
+        made.set("release/1", "go")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for made in distributed._heartbeat_stores(store, 10.0)[:2]:
+        assert not made.check(["release/1"])
+    assert distributed._attempt() == "run/1/"
+
+
 def test_lost_rank_error_reads_gloo_s_timeout_but_not_a_fastdistill_error_that_mentions_a_timeout():
     import torch
 

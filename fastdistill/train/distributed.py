@@ -189,7 +189,7 @@ def init_distributed(init_method: str | None = None, *, timeout_s: float | None 
     watch = None
     if world_size > 1:
         main_store = dist.distributed_c10d._get_default_store()
-        release_store = peers.prefixed(main_store)
+        release_store = peers.prefixed(main_store, _attempt())
         if heartbeat_timeout_s > 0:
             store, release_store, host = _heartbeat_stores(main_store, heartbeat_timeout_s)
             watch = peers.PeerWatch(store, rank, world_size, timeout_s=heartbeat_timeout_s, store_host=host)
@@ -228,9 +228,14 @@ def _heartbeat_stores(store: Any, timeout_s: float) -> tuple[Any, Any, str]:
     if isinstance(base, dist.TCPStore):
         client = dist.TCPStore(base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                                wait_for_workers=False)
-        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        return peers.prefixed(client, run), peers.prefixed(base, run), f"{base.host}:{base.port}"
-    return peers.prefixed(store), peers.prefixed(store), ""
+        return peers.prefixed(client, _attempt()), peers.prefixed(base, _attempt()), f"{base.host}:{base.port}"
+    return peers.prefixed(store, _attempt()), peers.prefixed(store, _attempt()), ""
+
+
+def _attempt() -> str:
+    """The key prefix of this torchrun attempt (run id and restart count): torchrun's agent store outlives a
+    restart, and a restarted rank must not read the previous attempt's heartbeats or releases."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _address_towards_master() -> str:
