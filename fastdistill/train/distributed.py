@@ -126,8 +126,9 @@ class Distributed:
 
     def close(self, error: BaseException | None = None) -> None:
         """Stop the heartbeat (marking this rank done, or failed with ``error``: the other ranks then end naming
-        it) and destroy the process group if :func:`init_distributed` created it (a group made by the caller
-        stays); calling it again does nothing. Every rank calls it, at the end of the run."""
+        it; on rank 0 the ranks parked for it wake with ``error`` at once) and destroy the process group if
+        :func:`init_distributed` created it (a group made by the caller stays); calling it again does nothing. Every
+        rank calls it, at the end of the run."""
         if error is not None and self.is_main:
             peers.release_failed(error)  # the ranks parked for rank 0 wake with its error
         if self.watch is not None:
