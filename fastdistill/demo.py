@@ -212,11 +212,11 @@ def curves_figure(history: list[dict[str, float]], teacher_accuracy: float):
     right.plot(steps, throughput, color="tab:blue", alpha=0.3, linewidth=0.8)
     right.plot(steps, smoothed(throughput), color="tab:blue", label="trained tokens/s (smoothed)")
     right.set_ylabel("trained tokens/s")
-    staleness = right.twinx()  # versions: a scale of its own
+    staleness = right.twinx()  # optimizer steps: a scale of its own
     stale = [h.get("sample/staleness_mean", float("nan")) for h in trained]
     staleness.plot(steps, stale, color="tab:orange", alpha=0.3, linewidth=0.8)
-    staleness.plot(steps, smoothed(stale), color="tab:orange", label="mean staleness, versions (smoothed)")
-    staleness.set_ylabel("versions")
+    staleness.plot(steps, smoothed(stale), color="tab:orange", label="mean staleness, optimizer steps (smoothed)")
+    staleness.set_ylabel("optimizer steps")
     right.set_title("throughput and staleness (faint: per step)")
     handles = right.get_legend_handles_labels()
     twin_handles = staleness.get_legend_handles_labels()
@@ -374,7 +374,7 @@ def print_report(report: dict[str, Any], output_dir: Path) -> None:
     curve = ", ".join(f"{p['step']}: {p['jsd']:.2f}/{p['accuracy']:.0%}" for p in report["held_out_curve"])
     print(f"[demo] held-out jsd/accuracy by step: {curve}")
     print(f"[demo] {report['steps']} steps, {report['trained_tokens_per_s']:.0f} trained tokens/s, mean staleness "
-          f"{report['staleness_mean']:.2f} versions, {report['dropped_stale_total']:.0f} stale samples dropped, "
+          f"{report['staleness_mean']:.2f} optimizer steps, {report['dropped_stale_total']:.0f} stale samples dropped, "
           f"served-vs-trainer log-prob gap after the last sync {report['served_logprob_gap']:.1e}")
     print(f"[demo] time: total {t['total']:.0f} s = teacher training {t['teacher_training']:.0f} s + server startup "
           f"{t['server_startup']:.0f} s + teacher accuracy {t['teacher_accuracy']:.1f} s + distillation "

@@ -51,7 +51,7 @@ def test_every_legend_is_clear_of_the_data_and_of_each_other():
         assert len(legends) == 3  # one per panel: the twin's lines share the third panel's legend
         third = figure.axes[2].get_legend()
         assert {t.get_text() for t in third.get_texts()} == {"trained tokens/s (smoothed)",
-                                                            "mean staleness, versions (smoothed)"}
+                                                            "mean staleness, optimizer steps (smoothed)"}
         boxes = [legend.get_window_extent(renderer) for legend in legends]
         for box in boxes:
             for ax in axes:
