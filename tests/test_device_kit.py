@@ -135,7 +135,8 @@ def test_a_passing_gpu_run_prints_its_validation_record():
     record = _printed_record(text)
     run = record["designs"]["sparse"]["triton-chunked"]["validated_on"]
     assert run == {"commit": "abc1234", "date": "2027-01-01", "machine": "NVIDIA H200, 580.159.03, 143771 MiB, 9.0",
-                   "compute_capability": "9.0", "software": "python 3.12.3, torch 2.11.0+cu130, triton 3.6.0", "check": "benchmarks/gpu_check.py",
+                   "compute_capability": "9.0", "software": "python 3.12.3, torch 2.11.0+cu130, triton 3.6.0",
+                   "check": "benchmarks/gpu_check.py",
                    "compiled_tests": {"passed": 70, "total": 70}}
     fused = record["designs"]["sparse"]["triton"]
     assert fused["modules"] == {"ops": "1" * 64} and fused["code_key"] == "2" * 64 and fused["triton"] == "3.6"

@@ -5,7 +5,6 @@ correction and the lookahead all count steps; the synchronous mode reports the s
 from __future__ import annotations
 
 import dataclasses
-import queue
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_cases import offline_config, synthetic_run_samples, tiny_student_dir  # noqa: E402
+from trainer_cases import QueueWorker, offline_config, synthetic_run_samples, tiny_student_dir  # noqa: E402
 
 from fastdistill.errors import ConfigError  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig  # noqa: E402
@@ -94,22 +93,6 @@ def test_unknown_versions_follow_the_schedule_back_from_the_oldest_known():
 
 
 # ------------------------------------------------------------------------------------------------ the sources
-
-
-class QueueWorker:
-    """The worker surface ``WorkerSource`` reads: a sample queue, health, redo."""
-
-    def __init__(self, samples):
-        self.samples = queue.Queue()
-        for sample in samples:
-            self.samples.put(sample)
-        self.redone: list[int] = []
-
-    def check_health(self, stale_after_s):
-        raise AssertionError("the queue ran dry")
-
-    def redo(self, prompt_ids):
-        self.redone.extend(prompt_ids)
 
 
 def test_the_drop_bound_counts_steps_not_versions():

@@ -9,7 +9,6 @@ bound, the importance positions and the ``sample/stale_token_frac`` metrics, in 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_cases import offline_config, synthetic_run_samples, tiny_student_dir  # noqa: E402
+from trainer_cases import QueueWorker, offline_config, synthetic_run_samples, tiny_student_dir  # noqa: E402
 
 from fastdistill.errors import ConfigError, WeightSyncError  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig  # noqa: E402
@@ -57,20 +56,6 @@ def test_token_versions_follow_the_served_times(served):
     assert got.dtype == np.int64 and got.tolist() == oracle_versions(1, 100.0, 110.0, 10, served)
     assert policy.token_versions(1, None, None, 4).tolist() == [1, 1, 1, 1]
     assert policy.token_versions(1, 100.0, 110.0, 0).tolist() == []
-
-
-class QueueWorker:
-    def __init__(self, samples):
-        self.samples = queue.Queue()
-        for sample in samples:
-            self.samples.put(sample)
-        self.redone: list[int] = []
-
-    def check_health(self, stale_after_s):
-        raise AssertionError("the queue ran dry")
-
-    def redo(self, prompt_ids):
-        self.redone.extend(prompt_ids)
 
 
 def three_versions() -> PolicySteps:

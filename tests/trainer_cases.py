@@ -3,6 +3,7 @@ servers (``samples=`` runs: no rollout, no weight sync)."""
 
 from __future__ import annotations
 
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +34,20 @@ def offline_config(student_dir: Path, output_dir: Path, **overrides: Any) -> Asy
                   disable_tqdm=True, save_strategy="no", token_budget=0, export_final_model=False)
     values.update(overrides)
     return AsyncDistillationConfig(**values)
+
+
+class QueueWorker:
+    """The rollout worker's surface that ``WorkerSource`` reads, over a fixed list of samples: a sample queue,
+    health (the queue running dry is a test failure) and the prompts handed back for regeneration."""
+
+    def __init__(self, samples: list[Any]):
+        self.samples: queue.Queue = queue.Queue()
+        for sample in samples:
+            self.samples.put(sample)
+        self.redone: list[int] = []
+
+    def check_health(self, stale_after_s: float) -> None:
+        raise AssertionError("the queue ran dry")
+
+    def redo(self, prompt_ids: list[int]) -> None:
+        self.redone.extend(prompt_ids)
