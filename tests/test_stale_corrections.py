@@ -4,7 +4,6 @@ with the loss types, and are refused where the samples carry no behaviour log-pr
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_cases import offline_config, synthetic_run_samples, tiny_student_dir  # noqa: E402
+from trainer_cases import offline_config, synthetic_run_samples, tiny_student_dir, with_rollout_logprobs  # noqa: E402
 
 from fastdistill.errors import ConfigError  # noqa: E402
 from fastdistill.loss.freshness import freshness_weights  # noqa: E402
@@ -119,17 +118,7 @@ def with_behaviour(samples, student_dir, shift: float, versions):
     the drift is |shift| on every token), stamped with ``versions``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(student_dir).eval()
-    out = []
-    for sample, version in zip(samples, versions, strict=True):
-        ids = torch.tensor(sample.input_ids[None].astype("int64"))
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
-        completion = torch.tensor(sample.completion_ids.astype("int64"))
-        own = logprobs[sample.prompt_length - 1 : -1].gather(1, completion[:, None]).squeeze(1)
-        out.append(dataclasses.replace(sample, model_version=version,
-                                       rollout_logprobs=(own - shift).numpy().astype("float32")))
-    return out
+    return with_rollout_logprobs(samples, AutoModelForCausalLM.from_pretrained(student_dir).eval(), shift, versions)
 
 
 def step_gradient(tmp_path, student_dir, samples, name, **overrides):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_cases import TEACHERS, offline_config, synthetic_run_samples, tiny_student_dir
+from trainer_cases import TEACHERS, offline_config, synthetic_run_samples, tiny_student_dir, with_rollout_logprobs
 
 from fastdistill.errors import ConfigError
 from fastdistill.tiny import build_model, build_tokenizer, tiny_config
@@ -332,22 +332,6 @@ def test_synthetic_samples_have_the_worker_layout():
 # ------------------------------------------------------------------------------------------------ staleness
 
 
-def with_rollout_logprobs(samples, model, shift: float, version: int):
-    """Copies of ``samples`` stamped with ``version`` whose rollout log-probs are the model's own minus ``shift``."""
-    import dataclasses
-
-    out = []
-    for sample in samples:
-        ids = torch.tensor(sample.input_ids[None].astype("int64"))
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
-        completion = torch.tensor(sample.completion_ids.astype("int64"))
-        own = logprobs[sample.prompt_length - 1 : -1].gather(1, completion[:, None]).squeeze(1)
-        out.append(dataclasses.replace(sample, model_version=version,
-                                       rollout_logprobs=(own - shift).numpy().astype("float32")))
-    return out
-
-
 def test_importance_policy_weights_stale_samples_by_the_clipped_ratio(tmp_path, student_dir, samples):
     """A sample 10 versions old whose rollout policy gave its tokens twice the student's probability gets half the
     gradient; a fresh one is untouched; a ratio above the clip is clipped."""
@@ -361,7 +345,7 @@ def test_importance_policy_weights_stale_samples_by_the_clipped_ratio(tmp_path, 
     for name, shift, version, clip in [("fresh", 0.0, 0, 2.0), ("half", -math.log(2.0), -10, 2.0),
                                        ("clipped", math.log(8.0), -10, 2.0)]:
         trainer = AsyncDistillationTrainer(config(student_dir, tmp_path / name, importance_ratio_clip=clip, **common),
-                                           samples=with_rollout_logprobs(batch, model, shift, version))
+                                           samples=with_rollout_logprobs(batch, model, shift, [version] * len(batch)))
         recorded = captured_gradients(trainer)
         trainer.train()
         grads[name] = recorded[0]

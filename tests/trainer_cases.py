@@ -51,3 +51,22 @@ class QueueWorker:
 
     def redo(self, prompt_ids: list[int]) -> None:
         self.redone.extend(prompt_ids)
+
+
+def with_rollout_logprobs(samples: list[Any], model: Any, shift: float, versions: list[int]) -> list[Any]:
+    """Copies of ``samples`` stamped with ``versions`` (one per sample) whose rollout (behaviour) log-probs are
+    ``model``'s own log-probs of the completion tokens minus ``shift`` (so π_θ/μ = e^shift on every token)."""
+    import dataclasses
+
+    import torch
+
+    out = []
+    for sample, version in zip(samples, versions, strict=True):
+        ids = torch.tensor(sample.input_ids[None].astype("int64"))
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
+        completion = torch.tensor(sample.completion_ids.astype("int64"))
+        own = logprobs[sample.prompt_length - 1 : -1].gather(1, completion[:, None]).squeeze(1)
+        out.append(dataclasses.replace(sample, model_version=version,
+                                       rollout_logprobs=(own - shift).numpy().astype("float32")))
+    return out
