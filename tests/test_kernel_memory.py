@@ -103,8 +103,10 @@ def test_the_opt_in_fp32_accumulators_are_seen(name, options, small_upcast_block
 @pytest.mark.interpreter
 @pytest.mark.parametrize("upstream", [1.0, 2.5])
 def test_chunked_backward_hands_over_the_forward_gradients_without_a_copy(upstream):
-    """The backward scales the gradients its forward computed in place (not at all for an upstream of 1) and hands
-    them to autograd: no tensor of N·D or more elements is allocated, and the result is the scaled gradient."""
+    """The backward scales the gradients its forward computed in place (on the device, by the upstream tensor, in
+    fp32, then one rounding to bf16) and hands them to autograd: no tensor of N·D or more elements is allocated, and
+    the result is the scaled gradient to that one rounding: 2^-8 relative where the conversion rounds to nearest (a
+    GPU), 2^-7 under the CPU interpreter, whose fp32 → bf16 conversion truncates."""
     h, w, ht, ids, lps, valid = _inputs()
     ref_h, ref_w = (x.detach().clone().requires_grad_() for x in (h, w))
     LOSSES["sparse chunked"](ref_h, ref_w, ht, ids, lps, valid).backward()
@@ -112,8 +114,9 @@ def test_chunked_backward_hands_over_the_forward_gradients_without_a_copy(upstre
     with Allocations() as rec:
         (loss * upstream).backward()
     assert not rec.large(None, N * D), rec.large(None, N * D)
-    torch.testing.assert_close(h.grad.float(), upstream * ref_h.grad.float(), rtol=2**-8, atol=0)
-    torch.testing.assert_close(w.grad.float(), upstream * ref_w.grad.float(), rtol=2**-8, atol=0)
+    rounding = 2**-7 if os.environ.get("TRITON_INTERPRET") == "1" else 2**-8
+    torch.testing.assert_close(h.grad.float(), upstream * ref_h.grad.float(), rtol=rounding, atol=0)
+    torch.testing.assert_close(w.grad.float(), upstream * ref_w.grad.float(), rtol=rounding, atol=0)
 
 
 # ------------------------------------------------------------------------------- the bounds at the 7B head

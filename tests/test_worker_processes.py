@@ -36,6 +36,7 @@ from fastdistill.errors import ConfigError, SourceExhausted  # noqa: E402
 from fastdistill.rollout import OnPolicyShare, RolloutConfig, RolloutWorker, WorkerExhausted  # noqa: E402
 from fastdistill.rollout.dispatch import PromptDispatcher, owner_of  # noqa: E402
 from fastdistill.rollout.dropped import DroppedPrompt  # noqa: E402
+from fastdistill.rollout.processes import SharedCounts  # noqa: E402
 from fastdistill.train.checkpoint import RolloutState  # noqa: E402
 from fastdistill.train.collector import WindowCollector  # noqa: E402
 from fastdistill.train.config import AsyncDistillationConfig  # noqa: E402
@@ -311,6 +312,22 @@ def test_the_lookahead_bounds_every_process_together():
             requests_settle_at(7)
         finally:
             worker.stop()
+
+
+def test_the_run_is_idle_only_once_every_child_recorded_its_totals():
+    """A child that ran out of prompts with none in flight (``reserve(has_work=False)``) but has not yet recorded its
+    scored and dropped totals (``settle``) does not make the run idle: the other child's settle must not see a run
+    with only its own drops. Once both settled, the totals are both children's; a child handed prompts back
+    (``has_work``) is unsettled again."""
+    import multiprocessing
+
+    counts = SharedCounts(multiprocessing.get_context("spawn"), 2)
+    assert counts.reserve(0, 0, False, lambda finished: 8) == 0  # child 0: nothing left, nothing in flight
+    assert counts.settle(1, 0, 3) == (False, 0, 3)  # child 1 settles first: child 0's drops are not counted yet
+    assert counts.settle(0, 0, 3) == (True, 0, 6)
+    assert counts.reserve(1, 0, True, lambda finished: 8) > 0  # child 1 got prompts back (a redo)
+    assert counts.settle(0, 0, 3) == (False, 0, 6)
+    assert counts.settle(1, 2, 3) == (True, 2, 6)
 
 
 def test_a_run_whose_every_rollout_fails_ends_with_the_error_once_both_processes_are_idle():

@@ -26,6 +26,9 @@ class SharedCounts:
         self.scored = context.Array("q", processes, lock=False)
         self.dropped = context.Array("q", processes, lock=False)
         self.active = context.Array("b", [1] * processes, lock=False)  # a child starting up has prompts to dispatch
+        # a child that recorded its final totals (settle) and got no prompt back since: the run is idle only when
+        # every child did, or a child that ran out of prompts but had not yet recorded its drops would be left out
+        self.settled = context.Array("b", processes, lock=False)
 
     def reserve(self, process: int, own: int, has_work: bool, cap_of: Callable[[int], int]) -> int:
         """How many more rollouts ``process`` (with ``own`` in flight) may dispatch now; they count as in flight
@@ -39,7 +42,9 @@ class SharedCounts:
             return 0
         try:
             self.active[process] = has_work
-            if not has_work:
+            if has_work:
+                self.settled[process] = 0
+            else:
                 self.inflight[process] = own
                 return 0
             cap = cap_of(sum(self.finished))
@@ -71,7 +76,8 @@ class SharedCounts:
             self.inflight[process] = 0
             self.scored[process] = scored
             self.dropped[process] = dropped
-            idle = not any(self.active) and not any(self.inflight)
+            self.settled[process] = 1
+            idle = all(self.settled) and not any(self.active) and not any(self.inflight)
             return idle, int(sum(self.scored)), int(sum(self.dropped))
         finally:
             self.lock.release()
