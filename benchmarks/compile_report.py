@@ -376,6 +376,23 @@ def record_chunk_launches(dtype: str, target: Target, shape: Shape = SHAPES["qwe
     return out
 
 
+def record_scale_launch(dtype: str, target: Target, shape: Shape = SHAPES["qwen"]) -> Launch:
+    """The launch with which both chunked designs' backward scales a gradient they computed in the forward by the
+    upstream gradient, on the device (``logits_chunk.scale_in_place``): here dW, (V, D) in ``dtype``, on meta
+    tensors as on a CUDA device."""
+    import fastdistill_kernels.logits_chunk as lc
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", target.arch, 32))
+    meta, launches = torch.device("meta"), []
+    with mock.patch.object(lc, "_scale_in_place", _LaunchRecorder(lc._scale_in_place, backend, launches)):
+        lc.scale_in_place(torch.empty(shape.v, shape.d, dtype=DTYPES[dtype], device=meta),
+                          torch.empty((), dtype=torch.float32, device=meta))
+    (launch,) = launches
+    return launch
+
+
 def record_dense_fused_launches(dtype: str, target: Target, shape: Shape = DENSE_SHAPE) -> list[tuple[str, Launch]]:
     """The launches of ``fused_dense_teacher_jsd`` forward + backward (bias and softcap on both sides, padded
     teacher vocabulary, student hidden and weight trained) for each β mode and backward mode, on meta tensors as on
@@ -455,6 +472,7 @@ def chunked_report(dtypes: tuple[str, ...] = ("bf16",), targets: tuple[str, ...]
             labelled = [("sparse", mode, launch) for mode, launch in record_chunk_launches(dtype, target)]
             labelled += [("dense", mode, launch) for mode, launch in
                          zip(["stats", *DENSE_MODES], record_dense_launches(dtype, target), strict=True)]
+            labelled.append(("both", "upstream scale (dW)", record_scale_launch(dtype, target)))
             for design, mode, launch in labelled:
                 out.append(dict(design=design, dtype=dtype, target=t, kernel=launch.kernel, mode=mode,
                                 grid=list(launch.grid), smem_per_block=target.smem_per_block))
