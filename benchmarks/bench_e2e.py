@@ -157,7 +157,8 @@ def run_fastdistill(name: str, workdir: Path, student_dir: Path, urls: dict[str,
         "model_name_or_path": str(student_dir), "output_dir": str(output_dir), "train_dataset": str(dataset),
         "vllm_server_base_url": urls["student"], "teacher_server_urls": {"default": urls["teacher"]},
         "per_device_train_batch_size": args.batch_size, "max_steps": args.steps, "token_budget": 0,
-        "max_completion_length": task.max_completion_length, "teacher_top_k": 8, "beta": 0.0, "learning_rate": 1e-3,
+        "max_completion_length": task.max_completion_length, "teacher_top_k": 8, "beta": 0.0,
+        "learning_rate": task.learning_rate,
         "dtype": "float32",
         "max_staleness": 4, "weight_sync_steps": 1, "save_strategy": "no", "disable_tqdm": True,
         "async_mode": async_mode, "seed": args.seed,
@@ -198,7 +199,7 @@ def run_trl(name: str, workdir: Path, student_dir: Path, urls: dict[str, str], p
     spec = {"student_dir": str(student_dir), "output_dir": str(output_dir), "prompts": prompts,
             "student_url": urls["student"], "teacher_url": urls["teacher"], "batch_size": args.batch_size,
             "steps": args.steps, "max_completion_length": task.max_completion_length, "top_k": 8,
-            "learning_rate": 1e-3, "seed": args.seed, "snapshot_every": args.snapshot_steps}
+            "learning_rate": task.learning_rate, "seed": args.seed, "snapshot_every": args.snapshot_steps}
     (workdir / f"{name}.json").write_text(json.dumps(spec))
     process = _run([sys.executable, str(ROOT / "benchmarks" / "e2e_trl_run.py"), str(workdir / f"{name}.json")],
                    trainer_cpus, workdir / f"{name}.log")
