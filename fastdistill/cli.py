@@ -385,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"fastdistill: teacher cache error: {error}\n")
         if exit_status(error) == EXIT_OTHER:
             raise
-        traceback.print_exc()  # ends with the "fastdistill.errors.Class: message" line the launcher reads
+        # through the installed hook, as an uncaught error would print: under a process group torch's prefixes
+        # every line with "[rank N]: ", so a multi-rank log still says which rank failed
+        sys.excepthook(*sys.exc_info())
         return exit_status(error)
     finally:
         logging.getLogger("fastdistill").removeHandler(handler)
