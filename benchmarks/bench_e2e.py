@@ -4,7 +4,7 @@ servers, data and steps.
 The setup is the CPU anchor of the comparison with TRL: a tiny tied Qwen2 student (hidden 128, 2 layers), a
 teacher of the same shape fine-tuned on the task (``--tasks``, see ``e2e_tasks.py``: ``short``, "What is A plus B?"
 → "A+B=C." (A, B in 0..29), completions up to 32 tokens; ``long``, the answer followed by 128 numbers counted on from
-it, 136 tokens, completions up to 160), 256 training prompts, batch 8, 40 steps, top-K 8, β = 0, fp32, one trainer
+it, about 450 tokens, cut at 160), 256 training prompts, batch 8, 40 steps, top-K 8, β = 0, fp32, one trainer
 thread. Each task has its own models and servers; its runs are interleaved. Inference and training get
 disjoint cores, as they would get their own GPUs. By default (``--layout split``) the student
 server has the first core and the teacher server shares the second with the trainer; ``--layout servers-together``

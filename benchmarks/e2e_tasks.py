@@ -2,8 +2,10 @@
 
 ``short``: "What is A plus B?" → "A+B=C." (A, B in 0..29), about 8 completion tokens. ``long``: "What is A plus B?
 Count on." → "A+B=C. C+1 C+2 … C+128.": the answer is stated in the first tokens and a long deterministic
-continuation follows from it (every number is one token of the tokenizer built on the task), 136 completion tokens
-with the end-of-sequence token. Both split 900 questions into 256 training and 32 held-out ones by ``seed``.
+continuation follows from it. The task's byte-level BPE (515 entries) spells numbers digit by digit, so an answer is
+about 450 tokens and the 160-token horizon cuts every completion: the trained and the held-out completions are 160
+tokens long, the answer in their first ≈ 9. Both split 900 questions into 256 training and 32 held-out ones by
+``seed``.
 """
 
 from __future__ import annotations
