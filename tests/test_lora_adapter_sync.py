@@ -43,11 +43,15 @@ from fastdistill_testing.vllm_server import require_vllm, running  # noqa: E402
 TOLERANCE = 1e-4  # fp32 CPU kernels against the trainer's fp32 forward (observed ~5e-7)
 PROBES = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 60)), [1, 200, 201, 202, 17, 17, 17, 300]]
 RANK = 4
+# Room for a generation long enough to still be running when a pause sent after its first token lands, however
+# loaded the machine
+MAX_MODEL_LEN = 2048
 
 
 def tiny_student(seed: int) -> torch.nn.Module:
     tokenizer = build_tokenizer()
-    config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         max_position_embeddings=MAX_MODEL_LEN)
     return build_model(config, seed=seed).float()
 
 
@@ -188,7 +192,8 @@ def servers(tmp_path_factory):
         folder = save_pretrained_dir(model, build_tokenizer(), tmp_path_factory.mktemp(kind))
         env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if kind == "plain" else {}
         server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=logs / f"{kind}.log",
-                            max_lora_rank=8 if kind == "lora" else None, max_loras=2, env=env)
+                            max_lora_rank=8 if kind == "lora" else None, max_loras=2, env=env,
+                            max_model_len=MAX_MODEL_LEN)
         started[kind] = (model, server)
     with running(*(server for _, server in started.values())):
         yield started
@@ -322,12 +327,13 @@ def running_requests(url: str) -> float:
 @pytest.mark.vllm
 def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it(servers, pushed):
     """Push version 4 (which unloads version 2) while a generation of version 2 is in flight: it completes, every
-    token with version 2's log-probs. The request streams: once its first token arrived it is running; the engine is
-    paused (``/pause?mode=keep`` holds running requests) around the push, so the request is in flight during it
-    however fast or slow the machine is."""
+    token with version 2's log-probs. The request streams and asks for the server's whole context; once its first
+    token arrived the engine is paused (``/pause?mode=keep`` holds running requests) around the push. The pause must
+    land before the request ends: it has ~2,000 tokens to go, where under load ~100 were seen."""
     _, server = servers["lora"]
     prompt = PROBES[0]
-    body = {"model": adapter_name(2), "prompt": prompt, "max_tokens": 100, "ignore_eos": True, "logprobs": 0,
+    max_tokens = MAX_MODEL_LEN - len(prompt)
+    body = {"model": adapter_name(2), "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0,
             "return_token_ids": True, "temperature": 1.0, "seed": 11, "stream": True}
     request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -355,7 +361,7 @@ def test_a_request_running_when_its_adapter_is_unloaded_finishes_with_it(servers
             choice = chunk["choices"][0]
             tokens += choice["token_ids"]
             logprobs += choice["logprobs"]["token_logprobs"]
-    assert len(tokens) == 100
+    assert len(tokens) == max_tokens
     np.testing.assert_allclose(np.asarray(logprobs, dtype=np.float32),
                                sampled_logprobs(pushed["models"][2], prompt, np.asarray(tokens)), atol=TOLERANCE)
 

@@ -157,7 +157,8 @@ def test_send_checks_the_tensors_against_the_manifest():
 
 def tiny_model(tied: bool, seed: int = 0) -> torch.nn.Module:
     tokenizer = build_tokenizer()
-    config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = tiny_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         max_position_embeddings=MAX_MODEL_LEN)
     config.tie_word_embeddings = tied
     return build_model(config, seed=seed).float().eval()
 
@@ -570,6 +571,9 @@ def test_nccl_backend_without_vllm_is_a_clear_error():
 # ------------------------------------------------------------------------------------------------ real vLLM servers
 
 PROBES = [[1, 5, 9, 30, 7, 100, 3, 44, 2, 1, 60], list(range(3, 60)), [1, 200, 201, 202, 17, 17, 17, 300]]
+# Room for a generation long enough to still be running when a push started after its first token lands, however
+# loaded the machine (under load a push lands a few hundred tokens after it starts)
+MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
@@ -585,7 +589,8 @@ def servers(tmp_path_factory):
         log_path = logs / f"student-{kind}.log"
         # Each vLLM-CPU server pins its compute thread to core 0 by default; give the second one core 1.
         env = {"VLLM_CPU_OMP_THREADS_BIND": "1"} if kind == "tied" and (os.cpu_count() or 1) > 1 else {}
-        server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=log_path, env=env)
+        server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", log_path=log_path, env=env,
+                            max_model_len=MAX_MODEL_LEN)
         started[kind] = (folder, server)
     with running(*(server for _, server in started.values())):
         yield started
@@ -675,7 +680,7 @@ def test_one_call_push_updates_served_logprobs_without_pausing(untied_server):
 def test_push_while_a_long_generation_is_in_flight(untied_server, one_call):
     folder, server = untied_server
     model = load(folder)
-    max_tokens = 400
+    max_tokens = MAX_MODEL_LEN - len(PROBES[0])
     body = {
         "model": str(folder),
         "prompt": PROBES[0],
