@@ -209,9 +209,9 @@ def probe(modes: list[str], work: Path, *, seed: int = 0) -> dict[str, Any]:
     folder = save_pretrained_dir(models["A"], tokenizer, work / "student")
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, config.vocab_size, (PROMPT_TOKENS,), generator=generator).tolist() for _ in modes]
-    # the student role's arguments (fastdistill serve-student's) plus the generate route and a small KV block; the
-    # prefix cache is vLLM's default (the log says whether it is on)
-    args = ["--enable-scale-out", "--block-size", str(BLOCK)]
+    # the student role's arguments (fastdistill serve-student's: the generate route among them) plus a small KV
+    # block; the prefix cache is vLLM's default (the log says whether it is on)
+    args = ["--block-size", str(BLOCK)]
     server = VLLMServer(folder, role="student", weight_transfer_backend="gloo", extra_args=args,
                         max_model_len=PROMPT_TOKENS + MAX_TOKENS + 64, log_path=work / "student.log")
     results = []

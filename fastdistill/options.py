@@ -12,6 +12,9 @@ HIDDEN_DTYPES = ("bfloat16", "float32")
 # which ids per completion position the teacher also scores for the student-side estimators: none, N draws from the
 # rollout policy μ (the realised token first), or the rollout student's top-N ids
 QUERY_KINDS = ("none", "samples", "topk")
+# how the rollout asks the student for a completion: vLLM's /v1/completions (TRL's, any vLLM) or its token-in/token-out
+# /inference/v1/generate (--enable-scale-out), whose answer labels each token with the weights that generated it
+STUDENT_ROUTES = ("completions", "generate")
 # the engines that move the weights into the student server: gloo (CPU servers) or NCCL (GPU servers)
 TRANSFER_BACKENDS = ("gloo", "nccl")
 # weight_sync_backend and `fastdistill serve-student --weight-transfer`: auto (NCCL with CUDA, gloo without), one of

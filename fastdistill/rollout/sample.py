@@ -41,9 +41,11 @@ class RolloutSample:
     - ``model_version``: the policy version read when the rollout was dispatched.
     - ``generation_started_at`` / ``generation_ended_at``: wall-clock seconds (``time.time()``) the student's request
       was sent and answered; None where no student generated (a cache row).
-    - ``token_versions``: None, or int64 (L,), the policy version that generated each completion token (the trainer
-      derives it from the versions served while the request ran: :meth:`~fastdistill.train.staleness.PolicySteps.
-      token_versions`); None reads as ``model_version`` for every token.
+    - ``token_versions``: None, or int64 (L,), the policy version that generated each completion token: the served
+      weight-version spans' (``RolloutConfig.student_route="generate"``: :func:`token_versions_from_spans`), else
+      the trainer derives it from the versions served while the request ran
+      (:meth:`~fastdistill.train.staleness.PolicySteps.token_versions`); None reads as ``model_version`` for every
+      token.
     - ``prompt_id``: position in the worker's (epoch, shuffled order) stream; resuming at ``start_index=prompt_id``
       dispatches this row again. ``dataset_index``: the row's index in the dataset.
     - ``enqueued_at``: wall-clock seconds (``time.time()``) of the put into the sample queue.
@@ -202,3 +204,14 @@ def hidden_tensor(array: np.ndarray) -> torch.Tensor:
     if array.dtype != np.float32:
         raise ValueError(f"teacher_hidden must be float32 or uint16 (bfloat16 bits), got {array.dtype}")
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def token_versions_from_spans(spans: Sequence[tuple[str, int, int]], model_version: int) -> np.ndarray:
+    """int64 (L,): each output token's policy version from the generate route's weight-version spans
+    (``(label, start, end)``, contiguous from 0). A weight sync labels its version ``str(version)``; a label that is
+    not an integer (vLLM's initial ``"default"``: weights no sync of this run replaced, the base model under LoRA
+    adapters) reads as ``model_version``, the version the request was dispatched on."""
+    versions = np.empty(spans[-1][2] if spans else 0, dtype=np.int64)
+    for label, start, end in spans:
+        versions[start:end] = int(label) if label.lstrip("-").isdigit() else model_version
+    return versions

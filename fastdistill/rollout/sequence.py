@@ -37,7 +37,7 @@ from fastdistill.rollout.cross_scoring import UnscorableRollout, cross_tokenizer
 from fastdistill.rollout.dropped import DroppedPrompt
 from fastdistill.rollout.http import RequestStats, RetryPolicy
 from fastdistill.rollout.replicas import ReplicaPool
-from fastdistill.rollout.sample import RolloutSample
+from fastdistill.rollout.sample import RolloutSample, token_versions_from_spans
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def open_clients(config: RolloutConfig, *, session: aiohttp.ClientSession | None
     common: dict[str, Any] = dict(retry=config.retry, session=session, replica_cooldown_s=config.replica_cooldown_s,
                                   stats=stats)
     student = StudentClient(config.student_replicas(), model=config.student_model, api_key=config.student_api_key,
-                            **common)
+                            route=config.student_route, **common)
     keys = config.teacher_api_keys or {}
     teachers = {teacher_id: teacher_client(config.teacher_signal(teacher_id), config.teacher_replicas(teacher_id),
                                            hidden_dtype=config.teacher_hidden_dtype, api_key=keys.get(teacher_id),
@@ -269,6 +269,8 @@ class Rollouts:
                                         teacher_id=teacher_id, prompt_id=prompt_id, dataset_index=row_index,
                                         prompt=row.get("prompt"))
         sample.generation_started_at, sample.generation_ended_at = kept.started_at, kept.ended_at
+        if generation.version_spans is not None:
+            sample.token_versions = token_versions_from_spans(generation.version_spans, model_version)
         metrics: dict[str, Any] = {
             "rollout/duration_s": finished - started,
             "rollout/score_s": finished - scoring_started,

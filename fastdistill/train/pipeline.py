@@ -117,6 +117,31 @@ def check_servers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
     return asyncio.run(check())
 
 
+def student_route(config: Any) -> str:
+    """How the rollout asks the student for completions (``RolloutConfig.student_route``): ``"generate"`` when
+    ``staleness_unit`` is ``"token"`` and the student serves ``/inference/v1/generate`` (started with
+    ``--enable-scale-out``), whose weight-version spans give each token's version; else ``"completions"`` (the
+    trainer then estimates token versions from the sync times). Logs which."""
+    if config.staleness_unit != "token":
+        return "completions"
+
+    async def probe() -> bool:
+        student, teachers = server_clients(config)
+        try:
+            return await student.serves_generate_route()
+        finally:
+            for client in (student, *teachers.values()):
+                await client.close()
+
+    if asyncio.run(probe()):
+        logger.info("staleness_unit 'token': each token's version comes from the student's weight-version spans "
+                    "(/inference/v1/generate)")
+        return "generate"
+    logger.info("staleness_unit 'token': the student does not serve /inference/v1/generate (start it with "
+                "--enable-scale-out for exact versions), so each token's version is estimated from the sync times")
+    return "completions"
+
+
 def served_hidden_teachers(config: Any) -> tuple[dict[str, Any], dict[str, int]]:
     """Each hidden-state teacher's :class:`~fastdistill.rollout.ServedModel` and served width
     (:func:`served_teacher`), asked without the other start-up checks (held-out evaluation of a saved model)."""
@@ -222,10 +247,12 @@ def eos_token_ids(hf_model: Any, tokenizer: Any) -> tuple[int, ...]:
 
 def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState, total_prompts: int | None,
                    skip_rows: frozenset[int], on_policy: OnPolicyShare | None, eos_ids: tuple[int, ...],
-                   adapter_sync: bool, horizon: HorizonSchedule | None = None) -> RolloutConfig:
+                   adapter_sync: bool, horizon: HorizonSchedule | None = None,
+                   student_route: str = "completions") -> RolloutConfig:
     """The rollout settings of a run: servers, keys and signals, sampling, the horizon (``horizon``: its schedule,
     :func:`~fastdistill.rollout.horizon.horizon_schedule`; None: ``max_completion_length``), lookahead, the resume
-    cursor and its skips, failure handling, and the student queries its ``loss_type`` reads."""
+    cursor and its skips, failure handling, the student queries its ``loss_type`` reads and the student route
+    (:func:`student_route`)."""
     inflight = config.resolved_max_inflight_tasks(world_size)
     return RolloutConfig(
         **server_settings(config),
@@ -255,6 +282,7 @@ def rollout_config(config: Any, *, world_size: int, rollout_state: RolloutState,
         student_tokenizer=str(config.model_name_or_path) if getattr(config, "teacher_tokenizers", None) else None,
         chat_template_kwargs=config.chat_template_kwargs,
         horizon=horizon,
+        student_route=student_route,
     )
 
 

@@ -164,13 +164,15 @@ def sample_staleness(policy: Any, model_version: int, sample: RolloutSample) -> 
 
 
 def token_staleness(policy: Any, sample: RolloutSample) -> np.ndarray | None:
-    """Stamp ``sample.token_versions`` (:meth:`~fastdistill.train.staleness.PolicySteps.token_versions`) and return
-    each completion token's staleness in optimizer steps (int64 (L,)); None without ``policy``."""
+    """Each completion token's staleness in optimizer steps (int64 (L,)) from ``sample.token_versions``: the served
+    spans' when the rollout has them, else stamped with the trainer's estimate
+    (:meth:`~fastdistill.train.staleness.PolicySteps.token_versions`); None without ``policy``."""
     if policy is None:
         return None
-    length = int(sample.teacher_topk_ids.shape[0])
-    sample.token_versions = policy.token_versions(sample.model_version, sample.generation_started_at,
-                                                  sample.generation_ended_at, length)
+    if sample.token_versions is None:
+        length = int(sample.teacher_topk_ids.shape[0])
+        sample.token_versions = policy.token_versions(sample.model_version, sample.generation_started_at,
+                                                      sample.generation_ended_at, length)
     return policy.staleness_array(sample.token_versions)
 
 
