@@ -322,7 +322,6 @@ def run_task(task: Task, args, variants: dict[str, tuple[bool, dict[str, Any]]],
                    for c in (student_cores, teacher_cores)]
     else:
         servers = [dict(cpus=c) for c in (student_cores, teacher_cores)]
-    servers[0]["extra_args"] = list(task.student_server_args)
     horizon = task.max_completion_length
     results: dict[str, Any] = {}
     started_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

