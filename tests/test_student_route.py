@@ -137,6 +137,11 @@ def test_the_route_is_found_in_the_servers_schema():
     assert serve_and_call(with_paths(["/v1/completions", "/inference/v1/generate"]), call) is True
     assert serve_and_call(with_paths(["/v1/completions"]), call) is False
 
+    async def no_schema(request: web.Request) -> web.Response:
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    assert serve_and_call(no_schema, call) is False
+
 
 def test_an_unknown_route_is_refused():
     with pytest.raises(ValueError, match=r"route must be one of \['completions', 'generate'\]"):

@@ -23,7 +23,7 @@ import aiohttp
 import numpy as np
 
 from fastdistill.auth import bearer_headers, check_api_key
-from fastdistill.errors import VLLMResponseError
+from fastdistill.errors import VLLMRequestError, VLLMResponseError
 from fastdistill.http_client import health_problem, new_session
 from fastdistill.options import STUDENT_ROUTES
 from fastdistill.rollout.behaviour import (
@@ -237,8 +237,14 @@ class StudentClient(VLLMEndpoint):
 
     async def serves_generate_route(self) -> bool:
         """Whether the server serves ``/inference/v1/generate`` (its OpenAPI schema lists it: vLLM registers the
-        route hidden from the schema, answering 403, unless started with ``--enable-scale-out``)."""
-        body = await self._request("GET", "/openapi.json")
+        route hidden from the schema, answering 403, unless started with ``--enable-scale-out``). A server without
+        a schema (``--disable-fastapi-docs``) counts as not serving it."""
+        try:
+            body = await self._request("GET", "/openapi.json")
+        except VLLMRequestError as error:
+            if error.status == 404:
+                return False
+            raise
         paths = body.get("paths") if isinstance(body, dict) else None
         if not isinstance(paths, dict):
             raise VLLMResponseError(f"{self._where('/openapi.json')}: no 'paths' in {body!r:.300}")
