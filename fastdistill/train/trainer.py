@@ -318,11 +318,10 @@ class AsyncDistillationTrainer:
         heads, the weight-sync group and the cold sync (version → version + 1); then rank 0's source (the rollout
         worker, synchronous waves, the teacher cache or the given samples)."""
         config = self.config
-        served, widths, skip_rows, route = None, {}, frozenset(), "completions"
+        served, widths, skip_rows = None, {}, frozenset()
         if self.dist.is_main:
             if not self._offline:
                 served, widths = pipeline.check_servers(config)
-                route = pipeline.student_route(config)
                 self.syncs.student_model_name = served["student"].name
                 self.syncs.probes = [row["prompt_ids"] for row in self.rows[:2]]
             token_budget = config.token_budget
@@ -353,7 +352,7 @@ class AsyncDistillationTrainer:
                 total_prompts=self.total_prompts, skip_rows=skip_rows, on_policy=self.on_policy,
                 eos_ids=pipeline.eos_token_ids(self.hf_model, self.tokenizer), adapter_sync=self.syncs.adapter_sync,
                 horizon=horizon_schedule(config, step=self.step, model_version=self.model_version,
-                                         total_steps=self.max_steps), student_route=route)
+                                         total_steps=self.max_steps), student_route=pipeline.student_route(config))
         self.source, self.worker = pipeline.open_source(
             config, world_size=self.dist.world_size, samples=self._samples, cache=self.cache, offline=self._offline,
             rows=self.rows, rollouts=rollouts, rollout_state=self.rollout_state, total_prompts=self.total_prompts,
