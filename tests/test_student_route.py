@@ -123,6 +123,29 @@ def test_a_server_without_the_route_is_refused_with_the_flag_to_start_it_with():
     assert "start it with `--enable-scale-out`" in str(error)
 
 
+def test_an_unknown_model_on_either_route_gets_no_route_hint():
+    """An unloaded adapter is a 404 "does not exist" on both routes (vLLM 0.32): the adapter retry reads it, and no
+    hint blames the route; FastAPI's 404 "Not Found" on /v1/completions blames nothing either."""
+    def answer(status: int, message: str):
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": message, "code": status}}, status=status)
+        return handler
+
+    def call(route: str):
+        async def run(url: str):
+            async with StudentClient(url, model="m", retry=FAST_RETRY, route=route) as student:
+                return await student.generate([1, 2, 3], max_tokens=3)
+        return run
+
+    for route in ("completions", "generate"):
+        error = serve_and_call(answer(404, "The model `m` does not exist."), call(route))
+        assert isinstance(error, VLLMRequestError) and error.hint is None, (route, error)
+    error = serve_and_call(answer(404, "Not Found"), call("completions"))
+    assert isinstance(error, VLLMRequestError) and error.hint is None
+    error = serve_and_call(answer(404, "Not Found"), call("generate"))
+    assert "start it with `--enable-scale-out`" in str(error)
+
+
 def test_the_route_is_found_in_the_servers_schema():
     def with_paths(paths: list[str]):
         async def handler(request: web.Request) -> web.Response:

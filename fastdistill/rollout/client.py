@@ -199,10 +199,16 @@ def _student_logprobs_hint(status: int, message: str) -> str | None:
         return ("The student server cannot return this many log-probs per generated token (student queries ask "
                 "for top_k or num_student_queries of them): start the student with `--max-logprobs -1` (vLLM's "
                 "default is 20).")
-    if status in (403, 404) and ("scale-out" in message.lower() or "not found" in message.lower()):
+    return None
+
+
+def _generate_route_hint(status: int, message: str) -> str | None:
+    # vLLM without --enable-scale-out answers 403 naming the flag; one without the route, FastAPI's 404 "Not Found"
+    # (an unknown model is a 404 too, "does not exist": no hint, the adapter retry reads it)
+    if (status == 403 and "scale-out" in message.lower()) or (status == 404 and "not found" in message.lower()):
         return ("The student server does not serve /inference/v1/generate: start it with `--enable-scale-out` "
                 "(vLLM >= 0.32), or generate through /v1/completions.")
-    return None
+    return _student_logprobs_hint(status, message)
 
 
 def parse_version_spans(url: str, spans: Any, length: int) -> tuple[tuple[str, int, int], ...]:
@@ -299,7 +305,8 @@ class StudentClient(VLLMEndpoint):
         else:
             payload = {"model": model, "prompt": prompt, **sampling, "return_token_ids": True,
                        **({"return_tokens_as_token_ids": True} if width else {})}
-        body = await self._request("POST", path, payload, rejection_hint=_student_logprobs_hint)
+        hint = _generate_route_hint if self.route == "generate" else _student_logprobs_hint
+        body = await self._request("POST", path, payload, rejection_hint=hint)
         choice = first_choice(url, body)
         token_ids, logprobs, top, spans = (_generate_choice if self.route == "generate" else _completion_choice)(
             url, choice, width)
