@@ -399,36 +399,24 @@ def test_the_levers_compose_with_the_policy_gradient_options():
 # ------------------------------------------------------------------------------------------------ the horizon
 
 
-def reference_horizon(version: int, *, start: int, full: int, growth: int, first_version: int, first_step: int,
-                      every: int) -> int:
-    """Replays the trainer: syncs happen after each step that is a multiple of ``every``, each serving the next
-    version; the horizon at the step that served ``version``."""
-    step, served = first_step, first_version
-    while served < version:
-        step += 1
-        if step % every == 0:
-            served += 1
+def reference_horizon(step: int, *, start: int, full: int, growth: int) -> int:
+    """The linear schedule in exact rational arithmetic: start + (full − start)·min(1, step/growth), rounded down."""
+    from fractions import Fraction
+
     if growth == 0:
         return start
-    return min(full, start + int((full - start) * min(1.0, step / growth)))
+    return start + math.floor((full - start) * min(Fraction(1), Fraction(step, growth)))
 
 
-@pytest.mark.parametrize("first_version,first_step,every", [(1, 0, 1), (4, 3, 1), (1, 0, 3), (6, 5, 2)])
-@pytest.mark.parametrize("start,full,growth", [(2, 16, 0), (2, 16, 5), (1, 7, 1), (16, 16, 4), (3, 64, 40)])
-def test_the_horizon_schedule_follows_the_steps_the_versions_were_served_at(first_version, first_step, every, start,
-                                                                            full, growth):
+@pytest.mark.parametrize("start,full,growth", [(2, 16, 0), (2, 16, 5), (1, 7, 1), (16, 16, 4), (3, 64, 40),
+                                               (1, 4096, 999)])
+def test_the_horizon_schedule_grows_from_start_to_full_over_its_steps(start, full, growth):
     from fastdistill.rollout.horizon import HorizonSchedule
 
-    schedule = HorizonSchedule(start_tokens=start, full_tokens=full, growth_steps=growth,
-                               first_version=first_version, first_step=first_step, sync_every=every)
-    for version in range(first_version, first_version + 60):
-        assert schedule.tokens_at_version(version) == reference_horizon(
-            version, start=start, full=full, growth=growth, first_version=first_version, first_step=first_step,
-            every=every), version
-    assert schedule.tokens_at_version(first_version - 1) == schedule.tokens_at_version(first_version)
-    if growth:  # grows from start to full, never down
-        values = [schedule.tokens_at_step(s) for s in range(growth + 3)]
-        assert values[0] == start and values[growth] == full and values == sorted(values)
+    schedule = HorizonSchedule(start_tokens=start, full_tokens=full, growth_steps=growth)
+    values = [schedule.tokens_at_step(step) for step in range(growth + 60)]
+    assert values == [reference_horizon(step, start=start, full=full, growth=growth) for step in range(growth + 60)]
+    assert values[0] == start and values[-1] == (full if growth else start) and values == sorted(values)
 
 
 def test_the_horizon_from_the_config():
@@ -436,15 +424,14 @@ def test_the_horizon_from_the_config():
 
     def schedule(**overrides):
         cfg = config(max_completion_length=64, **overrides)
-        return horizon_schedule(cfg, step=3, model_version=5, total_steps=10)
+        return horizon_schedule(cfg, total_steps=10)
 
     assert schedule() is None  # no horizon: max_completion_length
     fixed = schedule(rollout_horizon=0.1)  # ⌈0.1 × 64⌉ tokens
-    assert (fixed.start_tokens, fixed.growth_steps, fixed.first_version, fixed.first_step) == (7, 0, 5, 3)
+    assert (fixed.start_tokens, fixed.full_tokens, fixed.growth_steps) == (7, 64, 0)
     assert schedule(rollout_horizon=5).start_tokens == 5 and schedule(rollout_horizon=1.0).start_tokens == 64
-    linear = schedule(rollout_horizon=8, rollout_horizon_schedule="linear", rollout_horizon_growth=0.25,
-                      weight_sync_steps=2)
-    assert (linear.start_tokens, linear.full_tokens, linear.growth_steps, linear.sync_every) == (8, 64, 3, 2)
+    linear = schedule(rollout_horizon=8, rollout_horizon_schedule="linear", rollout_horizon_growth=0.25)
+    assert (linear.start_tokens, linear.full_tokens, linear.growth_steps) == (8, 64, 3)
 
 
 def test_the_rollout_config_takes_a_horizon_up_to_its_max_tokens():
@@ -453,8 +440,8 @@ def test_the_rollout_config_takes_a_horizon_up_to_its_max_tokens():
 
     urls = dict(student_url="http://127.0.0.1:9", teacher_urls={"default": "http://127.0.0.1:10"})
     cfg = RolloutConfig(**urls, max_tokens=16, horizon=HorizonSchedule(start_tokens=4, full_tokens=16,
-                                                                      growth_steps=2, first_version=1))
-    assert [cfg.max_tokens_at(v) for v in (0, 1, 2, 3, 9)] == [4, 4, 10, 16, 16]
+                                                                      growth_steps=2))
+    assert [cfg.max_tokens_at(step) for step in (0, 1, 2, 3, 9)] == [4, 10, 16, 16, 16]
     assert RolloutConfig(**urls, max_tokens=16).max_tokens_at(7) == 16
     with pytest.raises(ValueError, match="horizon"):
         RolloutConfig(**urls, max_tokens=8, horizon=HorizonSchedule(start_tokens=4, full_tokens=16))
@@ -533,12 +520,15 @@ def test_a_truncated_horizon_bounds_the_trained_samples_and_evaluation_generates
 
 
 @pytest.mark.vllm
-def test_a_growing_horizon_follows_its_schedule_step_by_step(tmp_path, tiny_servers):
-    """A synchronous run (each step's wave dispatched under the weights of the step before) with a linear horizon
-    from 2 tokens to 16 over half of its 4 steps: the steps generate with horizons 2, 9, 16, 16 (the schedule at
-    steps 0..3) and no sample is longer than its step's horizon."""
+@pytest.mark.parametrize("weight_sync_backend", ["auto", "none"])
+def test_a_growing_horizon_follows_its_schedule_step_by_step(tmp_path, tiny_servers, weight_sync_backend):
+    """A synchronous run (each step's wave dispatched after the step before) with a linear horizon from 2 tokens to
+    16 over half of its 4 steps: the steps generate with horizons 2, 9, 16, 16 (the schedule at steps 0..3) and no
+    sample is longer than its step's horizon, whether or not the weights are synced (the schedule follows the
+    trainer's steps, not the served versions)."""
     records = run_e2e(e2e_config(tmp_path, tiny_servers, async_mode=False, rollout_horizon=2,
-                                 rollout_horizon_schedule="linear", rollout_horizon_growth=0.5))
+                                 rollout_horizon_schedule="linear", rollout_horizon_growth=0.5,
+                                 weight_sync_backend=weight_sync_backend))
     training = [r for r in records if "loss" in r]
     assert [r["rollout/horizon"] for r in training] == [2.0, 9.0, 16.0, 16.0]
     assert all(r["completions/max_length"] <= r["rollout/horizon"] for r in training), training

@@ -431,6 +431,56 @@ def _check_lookahead(student: StubServer, teacher: StubServer) -> None:
         worker.stop()
 
 
+def limits_recorder(requested: list[int]):
+    """A stub student that also records each request's ``max_tokens``."""
+    answer = student_stub()
+
+    async def complete(body):
+        requested.append(body["max_tokens"])
+        return await answer(body)
+
+    return complete
+
+
+def test_the_horizon_follows_the_trainers_steps_not_its_weight_syncs():
+    """A linear horizon from 2 to 10 tokens over 4 steps. The worker (lookahead 2) dispatches its first two rollouts
+    at step 0; the trainer then reports 4 steps trained, with no weight sync, and every later rollout asks for the
+    full 10 tokens. A synchronous source reads the steps from the trainer's policy steps, wave by wave."""
+    from fastdistill.rollout.horizon import HorizonSchedule
+    from fastdistill.train.source import SynchronousSource
+    from fastdistill.train.staleness import PolicySteps
+
+    horizon = HorizonSchedule(start_tokens=2, full_tokens=10, growth_steps=4)
+    requested: list[int] = []
+    with StubServer("student", limits_recorder(requested)) as student, \
+            StubServer("teacher", teacher_stub(tag=1000)) as teacher:
+        rows = dataset(8, teacher_ids=("math",))
+        settings = dict(max_tokens=10, horizon=horizon, max_inflight_tasks=4, max_lookahead=2, shuffle=False)
+        worker = RolloutWorker(config(student, {"math": teacher}, **settings), rows, queue_maxsize=2)
+        worker.start()
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while len(requested) < 2:
+                assert time.monotonic() < deadline, requested
+                worker.check_health(stale_after_s=HEALTHY_S)
+                time.sleep(0.05)
+            worker.trained_steps = 4  # the model version stays 0: nothing was synced
+            collect_first_epoch(worker, 8)
+        finally:
+            worker.stop()
+        assert requested[:2] == [2, 2] and len(requested) >= 8 and set(requested[2:]) == {10}, requested
+
+        requested.clear()
+        policy = PolicySteps(1)
+        source = SynchronousSource(rows, config(student, {"math": teacher}, **settings), wave_size=4, policy=policy)
+        for step in (0, 1):
+            policy.step = step
+            for _ in range(4):
+                source.next(model_version=0)
+        source.close()
+    assert requested == [2] * 4 + [4] * 4  # ⌊2 + 8·1/4⌋ at step 1
+
+
 def test_synchronous_source_serves_waves_of_current_samples_over_kept_connections():
     from fastdistill.train.source import SynchronousSource
 

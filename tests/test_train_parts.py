@@ -57,12 +57,15 @@ def schedule(sync, **overrides) -> WeightSyncSchedule:
 def test_the_schedule_syncs_at_start_and_every_weight_sync_steps():
     sync = RecordingSync()
     syncs = schedule(sync, weight_sync_steps=3)
-    served = []
+    served, trained = [], []
     syncs.on_served = served.append
+    syncs.on_trained = lambda step: trained.append((step, len(served)))
     assert syncs.start() == {"perf/weight_sync_s": 0.5} and syncs.model_version == 1
     records = [syncs.after_step(step) for step in range(1, 8)]
     assert [bool(r) for r in records] == [False, False, True, False, False, True, False]
     assert sync.calls == ["init", ("push", 1), ("push", 2), ("push", 3)] and served == [1, 2, 3]
+    # every step is published, before its own sync (step 3 before version 2 is served)
+    assert trained == [(1, 1), (2, 1), (3, 1), (4, 2), (5, 2), (6, 2), (7, 3)]
     with contextlib.ExitStack() as stack:
         syncs.close(stack)
     assert sync.calls[-1] == "close"
@@ -84,8 +87,11 @@ def test_an_overlapped_sync_pushes_in_the_background_and_reports_the_wait():
     assert served == [1, 2, 3] and sync.calls[-1] == "close"
 
 
-def test_without_a_weight_sync_nothing_is_pushed():
+def test_without_a_weight_sync_nothing_is_pushed_and_the_steps_are_still_published():
     assert schedule(None).start() == {} and schedule(None).sync() == {}
+    syncs, trained = schedule(None), []
+    syncs.on_trained = trained.append
+    assert [syncs.after_step(step) for step in (1, 2)] == [{}, {}] and trained == [1, 2]
 
 
 class SummingDist:

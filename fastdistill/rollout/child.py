@@ -161,7 +161,8 @@ class RolloutLoop:
         async with new_session(connection_limit=2 * self.config.max_inflight_tasks) as session:
             student, teachers = open_clients(self.config, session=session, stats=stats)
             self.rollouts = Rollouts(self.config, self.rows, student, teachers,
-                                     current_version=lambda: int(self.channels.model_version.value))
+                                     current_version=lambda: int(self.channels.model_version.value),
+                                     current_step=lambda: int(self.channels.trained_steps.value))
             self.counters = RolloutCounters(stats, self.rollouts.servers)
             await self.generate_loop()
 

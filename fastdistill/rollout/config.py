@@ -43,8 +43,8 @@ class RolloutConfig:
     tokens (None: no key); they are left out of the repr.
 
     Sampling: ``teacher_top_k`` is K (the teacher arrays are K+1 wide); ``max_tokens`` bounds the completion length
-    in tokens; ``horizon`` (None: none) truncates it further for the rollouts it is given to, by the policy version
-    a rollout is dispatched under (:class:`~fastdistill.rollout.horizon.HorizonSchedule`, at most ``max_tokens``);
+    in tokens; ``horizon`` (None: none) truncates it further for the rollouts it is given to, by the training step
+    a rollout is dispatched at (:class:`~fastdistill.rollout.horizon.HorizonSchedule`, at most ``max_tokens``);
     ``eos_token_ids`` (add the pad id if generation can end on it) tell a finished completion from a clipped one
     for ``completions/clipped_ratio`` (without them, a completion is clipped when it has as many tokens as its
     request's limit). ``generation_seed`` (None: the server's own randomness): each generation request carries the seed
@@ -222,10 +222,10 @@ class RolloutConfig:
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a mapping or None, got {self.chat_template_kwargs!r}")
 
-    def max_tokens_at(self, version: int) -> int:
-        """The completion limit of a rollout dispatched under policy version ``version``: the horizon's, or
+    def max_tokens_at(self, step: int) -> int:
+        """The completion limit of a rollout dispatched after ``step`` training steps: the horizon's, or
         ``max_tokens``."""
-        return self.max_tokens if self.horizon is None else self.horizon.tokens_at_version(version)
+        return self.max_tokens if self.horizon is None else self.horizon.tokens_at_step(step)
 
     def student_model_for_version(self, version: int) -> str | None:
         """The ``model`` of a generation request made at model version ``version``: the adapter of that version

@@ -88,13 +88,15 @@ def student_queries(config: RolloutConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Kept:
-    """A student generation kept for re-scoring, with the policy version it was sampled under and the wall-clock
-    seconds (``time.time()``) its request was sent and answered."""
+    """A student generation kept for re-scoring, with the policy version it was sampled under, the wall-clock
+    seconds (``time.time()``) its request was sent and answered, and its request's ``max_tokens`` (None: the
+    config's)."""
 
     generation: Generation
     model_version: int
     started_at: float | None = None
     ended_at: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -188,16 +190,20 @@ class Rollouts:
     "prompt"?}``, already routed) through ``student`` and ``teachers`` (:func:`open_clients`).
 
     ``current_version()`` is the policy version a generation is stamped with (read just before its request; with an
-    adapter sync it also picks the adapter the request names). :meth:`rollout` runs one; :meth:`wave` runs a list of
-    prompts to the end (all in flight at once, failures re-dispatched or dropped by :class:`RolloutFailures`)."""
+    adapter sync it also picks the adapter the request names); ``current_step()`` the training steps trained so far,
+    which set a horizon's ``max_tokens`` (:meth:`RolloutConfig.max_tokens_at`). :meth:`rollout` runs one;
+    :meth:`wave` runs a list of prompts to the end (all in flight at once, failures re-dispatched or dropped by
+    :class:`RolloutFailures`)."""
 
     def __init__(self, config: RolloutConfig, rows: Sequence[Mapping[str, Any]], student: StudentClient,
-                 teachers: Mapping[str, Any], *, current_version: Callable[[], int]):
+                 teachers: Mapping[str, Any], *, current_version: Callable[[], int],
+                 current_step: Callable[[], int] = lambda: 0):
         self.config = config
         self.rows = rows
         self.student = student
         self.teachers = dict(teachers)
         self.current_version = current_version
+        self.current_step = current_step
         self.failures = RolloutFailures(config)
         self.servers: dict[str, ReplicaPool] = {"student": student.pool}
         self.servers.update({teacher_id: client.pool for teacher_id, client in self.teachers.items()})
@@ -227,7 +233,7 @@ class Rollouts:
         started = time.monotonic()
         # the horizon of a training rollout (held-out evaluation's config has none: max_tokens); a kept generation
         # keeps the limit it was generated with
-        max_tokens = config.max_tokens_at(self.current_version() if kept is None else kept.model_version)
+        max_tokens = config.max_tokens_at(self.current_step()) if kept is None else kept.max_tokens or config.max_tokens
         if kept is None:
             seed = None if config.generation_seed is None else config.generation_seed + row_index
             sent_at = time.time()
@@ -240,7 +246,7 @@ class Rollouts:
             except VLLMError as error:
                 error.server = "student"  # type: ignore[attr-defined]
                 raise
-            kept = Kept(generation, model_version, sent_at, time.time())
+            kept = Kept(generation, model_version, sent_at, time.time(), max_tokens)
         generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
         extra: dict[str, float] = {}

@@ -68,6 +68,7 @@ class _Channels:
     redo: Any  # mp.Queue[list[int]] of this child's prompt ids to dispatch again, unbounded
     errors: Any  # mp.Queue[tuple[str, str, str, int]] of (type name, message, traceback, process), a slot per child
     model_version: Any  # mp.Value("q")
+    trained_steps: Any  # mp.Value("q"), the trainer's optimizer steps (a horizon's schedule)
     heartbeat: Any  # mp.Value("d"), time.time() of this child's last beat
     stop: Any  # mp.Event
     ready: Any  # mp.Event, this child's loop is built
@@ -107,6 +108,7 @@ class RolloutWorker:
             redo=context.Queue(),
             errors=context.Queue(maxsize=self.processes),
             model_version=context.Value("q", 0),
+            trained_steps=context.Value("q", 0),
             heartbeat=context.Value("d", 0.0),
             stop=context.Event(),
             ready=context.Event(),
@@ -170,6 +172,16 @@ class RolloutWorker:
         """Set the policy version stamped on rollouts dispatched from now on."""
         with self._channels.model_version.get_lock():
             self._channels.model_version.value = int(version)
+
+    @property
+    def trained_steps(self) -> int:
+        return int(self._channels.trained_steps.value)
+
+    @trained_steps.setter
+    def trained_steps(self, step: int) -> None:
+        """Set the training steps trained so far (the horizon of rollouts dispatched from now on)."""
+        with self._channels.trained_steps.get_lock():
+            self._channels.trained_steps.value = int(step)
 
     @property
     def pid(self) -> int | None:

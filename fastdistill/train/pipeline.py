@@ -300,7 +300,8 @@ def open_source(config: Any, *, world_size: int, samples: Any, cache: Any, offli
     """Rank 0's source of samples and, for an asynchronous run, its started rollout worker (else None): the given
     samples, the teacher cache alone, synchronous waves, or the worker's queue (mixed with the cache when ``lmbda``
     > 0). The worker starts stamping rollouts with ``model_version``, the version the cold sync made the server
-    serve; ``policy`` (:class:`~fastdistill.train.staleness.PolicySteps`) turns versions into optimizer steps."""
+    serve; ``policy`` (:class:`~fastdistill.train.staleness.PolicySteps`) turns versions into optimizer steps and
+    holds the steps trained so far (the worker's start for a horizon's schedule)."""
     if samples is not None:
         return ListSource(samples), None
     if cache is not None and offline:
@@ -309,6 +310,7 @@ def open_source(config: Any, *, world_size: int, samples: Any, cache: Any, offli
         return SynchronousSource(rows, rollouts, config.samples_per_step(world_size), policy=policy), None
     worker = RolloutWorker(rollouts, rows, queue_maxsize=config.resolved_queue_maxsize(world_size))
     worker.model_version = model_version
+    worker.trained_steps = 0 if policy is None else policy.step
     worker.start()
     source: Any = WorkerSource(worker, max_staleness=config.max_staleness, stale_policy=config.stale_policy,
                                heartbeat_stale_after_s=config.heartbeat_stale_after_s, policy=policy,

@@ -354,7 +354,8 @@ class SynchronousSource:
         if self._rollouts is None:
             student, teachers = open_clients(self.config)
             self._rollouts = Rollouts(self.config, self.rows, student, teachers,
-                                      current_version=lambda: self._model_version)
+                                      current_version=lambda: self._model_version,
+                                      current_step=lambda: 0 if self.policy is None else self.policy.step)
         results = await self._rollouts.wave(batch, on_metrics=self._worker_metrics.append)
         self._worker_metrics.append(self._rollouts.failures.counters())
         for sample in results:

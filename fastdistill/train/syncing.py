@@ -24,7 +24,8 @@ from fastdistill.train.timing import PhaseClock
 class WeightSyncSchedule:
     """Owns the policy version and the pushes of ``weight_sync`` (``init()``, ``push(model, version)``, ``close()``).
 
-    ``on_served(version)`` is called once the server serves ``version`` (the rollout worker stamps rollouts with it);
+    ``on_served(version)`` is called once the server serves ``version`` (the rollout worker stamps rollouts with it),
+    ``on_trained(step)`` after each optimizer step, before its sync (the worker's horizon follows it);
     ``probes`` are token-id prompts for ``verify_weight_sync``; ``student_model_name`` is the served model's id."""
 
     def __init__(self, weight_sync: Any, config: Any, hf_model: Any, *, clock: PhaseClock,
@@ -37,6 +38,7 @@ class WeightSyncSchedule:
         self.probes = [list(p) for p in probes if len(p) >= 2]
         self.student_model_name = student_model_name
         self.on_served: Callable[[int], None] | None = None
+        self.on_trained: Callable[[int], None] | None = None
         self._pending: Any = None  # the background push under weight_sync_overlap
         self._thread: Any = None
 
@@ -64,6 +66,8 @@ class WeightSyncSchedule:
     def after_step(self, step: int) -> dict[str, float]:
         """Sync when ``step`` (steps trained so far) is a multiple of ``weight_sync_steps``; the push's metrics."""
         self.policy.step = step
+        if self.on_trained is not None:
+            self.on_trained(step)
         return self.sync() if step % self.config.weight_sync_steps == 0 else {}
 
     def sync(self) -> dict[str, float]:

@@ -22,6 +22,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -351,18 +352,15 @@ class AsyncDistillationTrainer:
                 config, world_size=self.dist.world_size, rollout_state=self.rollout_state,
                 total_prompts=self.total_prompts, skip_rows=skip_rows, on_policy=self.on_policy,
                 eos_ids=pipeline.eos_token_ids(self.hf_model, self.tokenizer), adapter_sync=self.syncs.adapter_sync,
-                horizon=horizon_schedule(config, step=self.step, model_version=self.model_version,
-                                         total_steps=self.max_steps), student_route=pipeline.student_route(config))
+                horizon=horizon_schedule(config, total_steps=self.max_steps),
+                student_route=pipeline.student_route(config))
         self.source, self.worker = pipeline.open_source(
             config, world_size=self.dist.world_size, samples=self._samples, cache=self.cache, offline=self._offline,
             rows=self.rows, rollouts=rollouts, rollout_state=self.rollout_state, total_prompts=self.total_prompts,
             on_policy=self.on_policy, model_version=self.model_version, policy=self.syncs.policy)
-        if self.worker is not None:
-            self.syncs.on_served = self._worker_serves
-
-    def _worker_serves(self, version: int) -> None:
-        if self.worker is not None:
-            self.worker.model_version = version
+        if self.worker is not None:  # what the worker stamps rollouts with, and its horizon's step
+            self.syncs.on_served = partial(setattr, self.worker, "model_version")
+            self.syncs.on_trained = partial(setattr, self.worker, "trained_steps")
 
     def _skip_long_prompts(self, served: dict[str, Any]) -> frozenset[int]:
         """Rank 0: the rows too long for a server (:func:`~fastdistill.train.pipeline.long_prompt_drops`), their
