@@ -119,7 +119,7 @@ STUDENT_QUERIES = 4  # reverse_kl_mc: S draws per position
 # the ratio's mean is that mass (0.025 with top_k = 8 on this near-uniform student), not 1.
 # the horizon factor's options (max_completion_length is 8): the full length, a fixed half, a linear growth from 2
 HORIZONS: dict[str, dict[str, Any]] = {
-    "full": {}, "fixed": {"rollout_horizon": 0.5},
+    "full": {"rollout_horizon": None}, "fixed": {"rollout_horizon": 0.5, "rollout_horizon_schedule": "fixed"},
     "linear": {"rollout_horizon": 2, "rollout_horizon_schedule": "linear", "rollout_horizon_growth": 0.5}}
 HORIZON_TOKENS = {"full": (8, 8), "fixed": (4, 4), "linear": (2, 8)}  # the rollout/horizon a step may report
 RATIO_LOG_TOLERANCE = 1e-4  # |log π_θ − log μ| at staleness 0: fp32 log-probs of vLLM-CPU and the trainer

@@ -378,7 +378,6 @@ def config(**overrides):
     (dict(rollout_horizon=1.5), ("rollout_horizon",)),
     (dict(rollout_horizon=65, max_completion_length=64), ("rollout_horizon", "max_completion_length")),
     (dict(rollout_horizon=True), ("rollout_horizon",)),
-    (dict(rollout_horizon_schedule="linear"), ("rollout_horizon", "rollout_horizon_schedule")),
     (dict(rollout_horizon_schedule="cosine"), ("rollout_horizon_schedule",)),
     (dict(rollout_horizon=8, rollout_horizon_schedule="linear", rollout_horizon_growth=0.0),
      ("rollout_horizon_growth",)),
@@ -426,11 +425,14 @@ def test_the_horizon_from_the_config():
         cfg = config(max_completion_length=64, **overrides)
         return horizon_schedule(cfg, total_steps=10)
 
-    assert schedule() is None  # no horizon: max_completion_length
-    fixed = schedule(rollout_horizon=0.1)  # ⌈0.1 × 64⌉ tokens
+    default = schedule()  # half the length, grown to full over the first half of the run's steps
+    assert (default.start_tokens, default.full_tokens, default.growth_steps) == (32, 64, 5)
+    assert schedule(rollout_horizon=None) is None  # no horizon: max_completion_length, whatever the schedule
+    assert schedule(rollout_horizon=None, rollout_horizon_schedule="fixed") is None
+    fixed = schedule(rollout_horizon=0.1, rollout_horizon_schedule="fixed")  # ⌈0.1 × 64⌉ tokens
     assert (fixed.start_tokens, fixed.full_tokens, fixed.growth_steps) == (7, 64, 0)
     assert schedule(rollout_horizon=5).start_tokens == 5 and schedule(rollout_horizon=1.0).start_tokens == 64
-    linear = schedule(rollout_horizon=8, rollout_horizon_schedule="linear", rollout_horizon_growth=0.25)
+    linear = schedule(rollout_horizon=8, rollout_horizon_growth=0.25)
     assert (linear.start_tokens, linear.full_tokens, linear.growth_steps) == (8, 64, 3)
 
 
@@ -497,8 +499,9 @@ def test_a_truncated_horizon_bounds_the_trained_samples_and_evaluation_generates
     held_out = [{"prompt": [{"role": "user", "content": f"Spell {word}."}]} for word in ("cat", "dog", "sun")]
     eval_path = tmp_path / "held_out.jsonl"
     eval_path.write_text("".join(json.dumps(row) + "\n" for row in held_out))
-    records = run_e2e(e2e_config(tmp_path, tiny_servers, rollout_horizon=0.25, loss_type="topd_pg",
-                                 position_weighting="iw_opd", token_budget=0, eval_dataset=str(eval_path)))
+    records = run_e2e(e2e_config(tmp_path, tiny_servers, rollout_horizon=0.25, rollout_horizon_schedule="fixed",
+                                 loss_type="topd_pg", position_weighting="iw_opd", token_budget=0,
+                                 eval_dataset=str(eval_path)))
     training = [r for r in records if "loss" in r]
     assert len(training) == E2E_PROMPTS // 4
     # a step's rollout metrics are those the worker reported since the step before (a step trained from queued

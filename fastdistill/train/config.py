@@ -161,10 +161,11 @@ class AsyncDistillationConfig:
     position_weighting: str = "none"
     position_weight_gamma: float = 0.5
     topd_alpha: float = 0.2
-    # ours (docs/rollout.md, "Horizon"): a training rollout's max_tokens (None: max_completion_length; int: tokens;
-    # float in (0, 1]: that fraction), "fixed" or grown "linear"ly to full over rollout_horizon_growth of the steps
-    rollout_horizon: int | float | None = None
-    rollout_horizon_schedule: str = "fixed"
+    # ours (docs/rollout.md, "Horizon"): a training rollout's max_tokens (None: max_completion_length throughout;
+    # int: tokens; float in (0, 1]: that fraction), "fixed" or grown "linear"ly to full over rollout_horizon_growth
+    # of the steps; by default half the length, grown to full over the first half of the run
+    rollout_horizon: int | float | None = 0.5
+    rollout_horizon_schedule: str = "linear"
     rollout_horizon_growth: float = 0.5
     loss_backend: str = "auto"  # ours
     # ours: what each teacher server returns: "topk" (prompt_logprobs, the default) or "hidden" (final hidden states,

@@ -106,8 +106,6 @@ def validate_opd_levers(config: Any) -> None:
         isinstance(horizon, float) and 0 < horizon <= 1)
     check(ok, "rollout_horizon", horizon, f"None (max_completion_length), a token count in [1, max_completion_length="
           f"{length}] or a fraction of it in (0, 1] (a float)")
-    check(horizon is not None or config.rollout_horizon_schedule == "fixed", "rollout_horizon", horizon,
-          f"set with rollout_horizon_schedule={config.rollout_horizon_schedule!r} (the horizon it grows from)")
     growth = config.rollout_horizon_growth
     check(number(growth) and 0 < growth <= 1, "rollout_horizon_growth", growth,
           "a fraction of the run's steps in (0, 1]")
