@@ -69,6 +69,9 @@ def wait_until_healthy(url: str, *, alive: Callable[[], bool], timeout_s: float,
     return run_blocking(lambda: poll_until_healthy(url, alive=alive, timeout_s=timeout_s, poll_s=poll_s))
 
 
+PORT_ATTEMPTS = 3  # launches of a server whose automatically chosen port was taken before it bound it
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -181,6 +184,7 @@ class VLLMServer:
         self.python = python or vllm_python()
         self.host = host
         self.port = port if port is not None else free_port(host)
+        self._auto_port = port is None  # chosen here: a lost race for it is retried on another (wait_started)
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.cpu = cpu if cpu is not None else not torch.cuda.is_available()
@@ -315,14 +319,28 @@ class VLLMServer:
         return self
 
     def wait_started(self) -> VLLMServer:
-        """Wait until the launched server is healthy; on any failure stop it and raise."""
-        try:
-            self._wait_until_healthy()
-        except BaseException:
-            self._temporary_log = False  # kept: the error names it
-            self.stop()
-            raise
-        return self
+        """Wait until the launched server is healthy; on any failure stop it and raise. A port chosen here (no
+        ``port`` given) can be taken by another process between :func:`free_port` and the server's bind: a server
+        that exits on that is launched again on a new port, up to ``PORT_ATTEMPTS`` launches in all."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._wait_until_healthy()
+                return self
+            except BaseException as error:
+                retry = (attempt < PORT_ATTEMPTS and self._auto_port and isinstance(error, VLLMServerError)
+                         and self._lost_its_port())
+                self._temporary_log = self._temporary_log and retry  # kept unless retried: the error names it
+                self.stop()
+                if not retry:
+                    raise
+            self.port = free_port(self.host)
+            self.launch()
+        raise AssertionError("unreachable")
+
+    def _lost_its_port(self) -> bool:
+        """Whether the server process exited because its port was already in use."""
+        return (self.process is not None and self.process.poll() is not None
+                and "Address already in use" in self.log_tail(200))
 
     def _wait_until_healthy(self) -> None:
         assert self.process is not None

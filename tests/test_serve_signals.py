@@ -300,3 +300,33 @@ def test_the_supervisor_refuses_a_missing_command_and_a_negative_grace(capsys):
     err = capsys.readouterr().err
     assert "no command to supervise" in err and "--grace-s must be >= 0" in err
     assert main(["--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
+
+
+def test_a_server_whose_chosen_port_was_taken_starts_again_on_another(tmp_path, stand_in, monkeypatch):
+    """Between :func:`free_port` and the server's bind another process may take the port (two servers starting at
+    once can even be handed the same one). A server whose port was chosen for it exits on ``Address already in use``
+    and is launched again on a new port; a port the caller gave is the caller's: its failure is raised, naming it."""
+    import fastdistill.serve as serve
+    from fastdistill.errors import VLLMServerError
+
+    env = {"STAND_IN_PIDS": stand_in["STAND_IN_PIDS"]}
+    python = stand_in["FASTDISTILL_VLLM_PYTHON"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        handed = iter([busy, busy, free_port()])  # the taken port twice, then a free one
+        monkeypatch.setattr(serve, "free_port", lambda host="127.0.0.1": next(handed))
+        server = serve.VLLMServer("some/model", role="teacher", python=python, env=env, cpu=True,
+                                  startup_timeout_s=120)
+        assert server.port == busy
+        try:
+            server.start()
+            assert server.port != busy and wait_until_healthy(server.url, alive=lambda: True, timeout_s=60) == "healthy"
+        finally:
+            server.stop()
+        given = serve.VLLMServer("some/model", role="teacher", python=python, env=env, cpu=True, port=busy,
+                                 startup_timeout_s=120)
+        with pytest.raises(VLLMServerError, match="exited with code 1 during startup") as raised:
+            given.start()
+        assert "Address already in use" in str(raised.value) and given.port == busy
