@@ -322,12 +322,13 @@ class VLLMServer:
         """Wait until the launched server is healthy; on any failure stop it and raise. A port chosen here (no
         ``port`` given) can be taken by another process between :func:`free_port` and the server's bind: a server
         that exits on that is launched again on a new port, up to ``PORT_ATTEMPTS`` launches in all."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
+        launches = 1
+        while True:
             try:
                 self._wait_until_healthy()
                 return self
             except BaseException as error:
-                retry = (attempt < PORT_ATTEMPTS and self._auto_port and isinstance(error, VLLMServerError)
+                retry = (launches < PORT_ATTEMPTS and self._auto_port and isinstance(error, VLLMServerError)
                          and self._lost_its_port())
                 self._temporary_log = self._temporary_log and retry  # kept unless retried: the error names it
                 self.stop()
@@ -335,7 +336,7 @@ class VLLMServer:
                     raise
             self.port = free_port(self.host)
             self.launch()
-        raise AssertionError("unreachable")
+            launches += 1
 
     def _lost_its_port(self) -> bool:
         """Whether the server process exited because its port was already in use."""

@@ -88,15 +88,14 @@ def student_queries(config: RolloutConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Kept:
-    """A student generation kept for re-scoring, with the policy version it was sampled under, the wall-clock
-    seconds (``time.time()``) its request was sent and answered, and its request's ``max_tokens`` (None: the
-    config's)."""
+    """A student generation kept for re-scoring, with the policy version it was sampled under, its request's
+    ``max_tokens`` and the wall-clock seconds (``time.time()``) its request was sent and answered."""
 
     generation: Generation
     model_version: int
+    max_tokens: int
     started_at: float | None = None
     ended_at: float | None = None
-    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ class Rollouts:
         started = time.monotonic()
         # the horizon of a training rollout (held-out evaluation's config has none: max_tokens); a kept generation
         # keeps the limit it was generated with
-        max_tokens = config.max_tokens_at(self.current_step()) if kept is None else kept.max_tokens or config.max_tokens
+        max_tokens = config.max_tokens_at(self.current_step()) if kept is None else kept.max_tokens
         if kept is None:
             seed = None if config.generation_seed is None else config.generation_seed + row_index
             sent_at = time.time()
@@ -246,7 +245,7 @@ class Rollouts:
             except VLLMError as error:
                 error.server = "student"  # type: ignore[attr-defined]
                 raise
-            kept = Kept(generation, model_version, sent_at, time.time(), max_tokens)
+            kept = Kept(generation, model_version, max_tokens, sent_at, time.time())
         generation, model_version = kept.generation, kept.model_version
         scoring_started = time.monotonic()
         extra: dict[str, float] = {}
